@@ -1,0 +1,229 @@
+"""Engine and model configuration. Every knob and environment flag is named here once."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# ---- environment flags --------------------------------------------------------------
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def compile_enabled() -> bool:
+    """MINIVLLM_COMPILE=0 turns torch.compile off (CUDA graphs may still be used)."""
+    return _env_flag("MINIVLLM_COMPILE", True)
+
+
+def cuda_graphs_enabled() -> bool:
+    """MINIVLLM_CUDA_GRAPHS=0 turns CUDA-graph capture off, like enforce_eager=True."""
+    return _env_flag("MINIVLLM_CUDA_GRAPHS", True)
+
+
+def cpu_kv_cache_bytes() -> int:
+    """Upper bound on the KV pool on a CPU (MINIVLLM_CPU_KVCACHE_GB, default 1 GiB)."""
+    return int(float(os.environ.get("MINIVLLM_CPU_KVCACHE_GB", "1")) * (1 << 30))
+
+
+# ---- model --------------------------------------------------------------------------
+
+_SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+@dataclass
+class ModelConfig:
+    """The parts of a Hugging Face config.json that the model code needs."""
+
+    architecture: str
+    family: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    checkpoint_dtype: torch.dtype
+    initializer_range: float = 0.02
+    raw: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in _SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+            arch = by_type.get(cfg.get("model_type", ""))
+        if arch is None:
+            raise ValueError(
+                f"Unsupported model architecture {archs or cfg.get('model_type')}; "
+                f"supported: {sorted(_SUPPORTED_ARCHITECTURES)}.")
+        family = _SUPPORTED_ARCHITECTURES[arch]
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        # transformers 5 moved rope_theta / rope_scaling into "rope_parameters".
+        rope_params = dict(cfg.get("rope_parameters") or {})
+        rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        rope_scaling = cfg.get("rope_scaling") or (
+            rope_params if rope_params.get("rope_type", "default") != "default" else None)
+        if rope_scaling is not None:
+            rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            if rope_type not in ("default", "llama3"):
+                raise ValueError(f"Unsupported rope scaling type {rope_type!r}.")
+            if rope_type == "default":
+                rope_scaling = None
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+        return cls(
+            architecture=arch,
+            family=family,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            checkpoint_dtype=_DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32),
+            initializer_range=cfg.get("initializer_range", 0.02),
+            raw=cfg,
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> tuple[Path, Path]:
+    """Return (model_dir, config_path). `model` may be a folder, a config.json, or a .gguf."""
+    if model is None:
+        from .default_model import ensure_default_model
+        model = ensure_default_model()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path, path / "config.json"
+    if path.is_file():
+        return path.parent, path
+    raise ValueError(f"Model path {str(model)!r} does not exist (no model hub is reachable: "
+                     "pass a local Hugging Face folder, a config.json, or a .gguf file).")
+
+
+def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype,
+                  device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        # No bf16 instructions on our CPUs: bf16 matmuls are ~50x slower there.
+        if device.type == "cpu":
+            return torch.float32
+        return checkpoint_dtype if checkpoint_dtype != torch.float32 else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"Unknown dtype {dtype!r}; use auto, float32, float16 or bfloat16.")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+# ---- engine -------------------------------------------------------------------------
+
+@dataclass
+class EngineConfig:
+    """Everything the engine is built from; LLM(...) keyword arguments land here."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str | torch.dtype = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None  # overrides memory-based sizing (tests, benchmarks)
+    enforce_eager: bool = False
+    load_format: str = "auto"  # "auto" | "safetensors" | "gguf" | "dummy"
+    seed: int = 0
+    device: str | torch.device = "auto"
+    skip_tokenizer_init: bool = False
+    enable_chunked_prefill: bool = True
+    max_cudagraph_batch_size: int | None = None
+    trust_remote_code: bool = False  # accepted for vLLM compatibility; nothing remote runs
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}.")
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ValueError(f"Unknown load_format {self.load_format!r}.")
+
+    def finalize(self, model_config: ModelConfig) -> None:
+        """Fill in the limits that depend on the model."""
+        if self.max_model_len is None:
+            self.max_model_len = model_config.max_position_embeddings
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}.")
+        if self.max_num_batched_tokens is None:
+            # Big enough that ordinary prompts prefill in one step; long ones are chunked.
+            self.max_num_batched_tokens = max(8192, self.max_num_seqs)
+        if not self.enable_chunked_prefill:
+            self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_model_len)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be at least max_num_seqs so every "
+                             "running sequence can decode each step.")
+
+    def max_blocks_per_seq(self) -> int:
+        return math.ceil(self.max_model_len / self.block_size)
+
+
+def load_config_json(path: Path) -> dict:
+    with open(path) as f:
+        return json.load(f)

@@ -1,0 +1,268 @@
+"""LLMEngine: requests in, one scheduled step at a time, RequestOutputs out.
+
+    add_request -> Scheduler.schedule -> ModelRunner.execute -> _process (append tokens,
+    fork samples, detokenize, stop checks, free finished) -> RequestOutputs
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence as SequenceABC
+
+import torch
+
+from ..config import (EngineConfig, ModelConfig, load_config_json, resolve_device,
+                      resolve_dtype, resolve_model_path)
+from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ..sampling_params import SamplingParams
+from ..tokenizer import load_tokenizer
+from ..worker.model_runner import ModelRunner, StepResult
+from .detokenizer import Detokenizer, find_stop_string, visible_text
+from .scheduler import Scheduler
+from .sequence import Request, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_path, config_path = resolve_model_path(config.model)
+        if model_path.suffix == ".gguf" or config_path.suffix == ".gguf":
+            from ..model.gguf_loader import load_gguf_state
+            model_path = config_path
+            raw_cfg, _ = load_gguf_state(config_path)
+        else:
+            raw_cfg = load_config_json(config_path)
+        self.model_path = model_path
+        self.model_config = ModelConfig.from_dict(raw_cfg)
+        config.finalize(self.model_config)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, self.device)
+
+        self.tokenizer = None
+        self.detokenizer = None
+        if not config.skip_tokenizer_init:
+            tok_source = config.tokenizer or (model_path if model_path.is_dir() else config_path)
+            self.tokenizer = load_tokenizer(tok_source)
+            self.detokenizer = Detokenizer(self.tokenizer)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids or (
+            [self.tokenizer.eos_token_id] if self.tokenizer is not None
+            and self.tokenizer.eos_token_id is not None else []))
+
+        backend = "triton" if self.device.type == "cuda" else "torch"
+        self.runner = ModelRunner(config, self.model_config, model_path, self.device,
+                                  self.dtype, backend)
+        if self.runner.num_blocks * config.block_size < config.max_model_len:
+            raise ValueError(
+                f"The KV cache holds {self.runner.num_blocks * config.block_size} tokens, less "
+                f"than max_model_len={config.max_model_len}: lower max_model_len or give the "
+                "cache more memory.")
+        self.scheduler = Scheduler(
+            num_blocks=self.runner.num_blocks, block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0}
+
+    # ---- requests ---------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    def new_request_id(self) -> str:
+        return str(next(self._request_ids))
+
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("This engine has no tokenizer (skip_tokenizer_init=True): "
+                             "pass prompt token ids instead of text.")
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def validate_prompt(self, token_ids: SequenceABC[int], params: SamplingParams) -> None:
+        if len(token_ids) == 0:
+            raise ValueError("The prompt is empty: give at least one token.")
+        vocab = self.vocab_size
+        for t in token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"Token id {t!r} is out of vocabulary (valid: 0..{vocab - 1}).")
+        limit = self.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(
+                f"The prompt has {len(token_ids)} tokens, but this model's maximum context "
+                f"length is {limit} tokens and at least one must be left for the output.")
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in "
+                f"the prompt, {params.max_tokens} for the completion). Please reduce the "
+                "prompt or max_tokens.")
+        for t in params.stop_token_ids:
+            if t >= vocab:
+                raise ValueError(f"stop_token_ids has {t}, outside the vocabulary (< {vocab}).")
+
+    def add_request(self, prompt: str | list[int] | dict | None, params: SamplingParams,
+                    request_id: str | None = None, prompt_token_ids: list[int] | None = None,
+                    arrival_time: float | None = None) -> str:
+        if isinstance(prompt, dict):
+            prompt_token_ids = prompt.get("prompt_token_ids")
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, (list, tuple)):
+            prompt_token_ids, prompt = list(prompt), None
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str):
+                raise ValueError("A prompt must be a string, a list of token ids, or a dict "
+                                 "with 'prompt_token_ids'.")
+            prompt_token_ids = self.tokenize(prompt)
+        prompt_token_ids = list(prompt_token_ids)
+        params = params.clone()
+        params._eos_token_ids = self.eos_token_ids
+        self.validate_prompt(prompt_token_ids, params)
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - len(prompt_token_ids)
+        request_id = request_id if request_id is not None else self.new_request_id()
+        if request_id in self.requests:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        req = Request(request_id, prompt, prompt_token_ids, params)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
+        for i in range(params.n):
+            child = params if params.n == 1 else params.clone()
+            if params.n > 1 and params.seed is not None:
+                child.seed = params.seed + i  # distinct but reproducible samples
+            gen = None
+            if child.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(child.seed)
+            req.seqs.append(Sequence(next(self._seq_ids), req, i, child, gen))
+        self.requests[request_id] = req
+        self.scheduler.add(req.seqs[0])
+        self.stats["prompt_tokens"] += len(prompt_token_ids)
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and return its blocks. Unknown or finished ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = seq.finish_reason or "abort"
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- the step ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            if self.scheduler.has_work():
+                raise RuntimeError("The scheduler could not schedule any work; the KV cache "
+                                   "is too small for the waiting requests.")
+            return []
+        now = time.monotonic()
+        for seq in batch.seqs:
+            if seq.request.first_scheduled_time is None:
+                seq.request.first_scheduled_time = now
+        result = self.runner.execute(batch)
+        self.scheduler.advance(batch)
+        touched = self._process(result)
+        return [self._make_output(req) for req in touched]
+
+    def _process(self, result: StepResult) -> list[Request]:
+        touched: dict[str, Request] = {}
+        for chunk in result.prompt_logprobs:
+            req = chunk.seq.request
+            for offset, (lp, rank, ids, vals) in enumerate(chunk.entries):
+                pos = chunk.first_position + offset
+                if pos != len(req.prompt_logprobs):
+                    continue
+                req.prompt_logprobs.append(
+                    self._position_logprobs(req.prompt_token_ids[pos], lp, rank, ids, vals))
+        now = time.monotonic()
+        live = [(row, seq) for row, seq in enumerate(result.row_seqs)
+                if seq.request.request_id in self.requests]  # not aborted meanwhile
+        for _, seq in live:
+            if seq.index > 0 and seq.status is SequenceStatus.WAITING and not seq.block_table:
+                # A sibling sampled from sample 0's prompt logits: start it sharing blocks
+                # (before any stop check below can free sample 0's blocks).
+                self.scheduler.fork(seq.request.seqs[0], seq)
+        for row, seq in live:
+            req = seq.request
+            token = result.sampled.token_ids[row]
+            seq.token_ids.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            lp = result.sampled.logprobs[row] if result.sampled.logprobs else None
+            if lp is not None:
+                seq.cumulative_logprob += lp[0]
+                seq.logprobs.append(self._position_logprobs(token, *lp))
+            self.stats["generation_tokens"] += 1
+            self._check_stop(seq, token)
+            touched[req.request_id] = req
+        for req in touched.values():
+            req.seqs[0].forks_pending = False
+        for req in touched.values():
+            if req.finished:
+                req.finished_time = now
+                self.requests.pop(req.request_id, None)
+                self.stats["finished_requests"] += 1
+        return list(touched.values())
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        reason = stop_reason = None
+        new_len = len(self.detokenizer.append_text(seq)) if self.detokenizer else 0
+        if not p.ignore_eos and token in self.eos_token_ids and seq.num_output_tokens >= p.min_tokens:
+            reason = "stop"
+        elif token in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
+            reason, stop_reason = "stop", token
+        elif seq.num_output_tokens >= p.min_tokens and (
+                hit := find_stop_string(seq, new_len)) is not None:
+            reason, stop_reason = "stop", hit
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason = reason, stop_reason
+            self.scheduler.finish(seq)
+
+    def _position_logprobs(self, token: int, lp: float, rank: int, ids: list[int],
+                           vals: list[float]) -> dict[int, Logprob]:
+        text = self.detokenizer.token_text if self.detokenizer else (lambda t: None)
+        out = {token: Logprob(lp, rank, text(token))}
+        for r, (tid, val) in enumerate(zip(ids, vals), start=1):
+            if tid not in out:
+                out[tid] = Logprob(val, r, text(tid))
+        return out
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        outputs = []
+        for seq in req.seqs:
+            text = visible_text(seq)
+            outputs.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time,
+                                 req.first_token_time, req.finished_time)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs,
+                             req.finished, req.prompt_logprobs, metrics)

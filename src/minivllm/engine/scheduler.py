@@ -1,0 +1,169 @@
+"""Continuous batching: which sequences run in the next step, and with how many tokens.
+
+Every step has a token budget (max_num_batched_tokens) and a cap on running sequences
+(max_num_seqs). Running sequences go first, in admission order (a decode costs one token; a
+prompt still being prefilled in chunks takes what the budget allows); then waiting
+sequences are admitted while budget, sequence slots and blocks last. When a running
+sequence needs a block and none is free, the most recently admitted running sequence is
+preempted: its blocks are freed and it goes back to the front of the queue, to be
+recomputed later from its prompt plus the tokens it has already produced.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_pool import BlockPool
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work. seqs[i] computes num_new_tokens[i] tokens starting at its
+    num_computed_tokens. A decode-only batch (every entry one token, all at the end of
+    their sequences) is what the model runner pads to a CUDA-graph bucket."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.num_new_tokens) and all(
+            s.num_computed_tokens == s.num_tokens - 1 for s in self.seqs)
+
+    def samples(self, i: int) -> bool:
+        """Whether seqs[i] reaches the end of its known tokens this step (and so samples)."""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int,
+                 enable_chunked_prefill: bool = True) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        # Keep a few blocks back when admitting new work so running sequences can grow
+        # without immediately preempting what was just admitted.
+        self.watermark_blocks = max(1, num_blocks // 100) if num_blocks > 16 else 0
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ---- queue management -----------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues for good and return its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self._free_blocks(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start a sibling sample after the parent's prompt is prefilled.
+
+        The child shares the parent's full prompt blocks (reference counted) and recomputes
+        only the partial last block, so no block is ever written by two sequences and no
+        copy-on-write is needed."""
+        full_blocks = child.num_prompt_tokens // self.block_size
+        child.block_table = [self.pool.share(b) for b in parent.block_table[:full_blocks]]
+        child.num_computed_tokens = full_blocks * self.block_size
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+
+    # ---- the step ---------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self._reserve(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+
+        # Admit new work only in steps without preemption: blocks are short.
+        while self.waiting and budget > 0 and not batch.preempted:
+            seq = self.waiting[0]
+            slots = seq.params.n if seq.forks_pending else 1
+            if self.running and len(self.running) + slots > self.max_num_seqs:
+                break
+            n = seq.num_tokens - seq.num_computed_tokens
+            if n > budget and not self.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            reserve = self.watermark_blocks if self.running else 0
+            if not self._reserve(seq, n, keep_free=reserve):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Record that the batch's tokens now sit in the KV cache."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+
+    # ---- blocks -----------------------------------------------------------------------
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    def _reserve(self, seq: Sequence, n: int, keep_free: int = 0) -> bool:
+        need = self.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_table)
+        if need > self.pool.num_free - keep_free:
+            return False
+        for _ in range(need):
+            seq.block_table.append(self.pool.allocate())
+        return True
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        for block in seq.block_table:
+            self.pool.free(block)
+        seq.block_table = []
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._free_blocks(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

@@ -1,0 +1,93 @@
+"""Request and sequence state.
+
+A Request is what a user submitted: one prompt and its SamplingParams. It owns n
+Sequences, one per sample. The scheduler works on Sequences: each has its own tokens,
+block table and progress. For n > 1 only sample 0 is scheduled at first; when its prompt
+is prefilled, the others fork from it (see Scheduler.fork).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..outputs import PositionLogprobs
+from ..sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    seqs: list["Sequence"] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is SequenceStatus.FINISHED for s in self.seqs)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
+
+
+class Sequence:
+    """One sample of a request: its tokens, progress through them, and KV blocks."""
+
+    def __init__(self, seq_id: int, request: Request, index: int,
+                 params: SamplingParams, generator: torch.Generator | None) -> None:
+        self.seq_id = seq_id
+        self.request = request
+        self.index = index
+        self.params = params
+        self.generator = generator
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.forks_pending = index == 0 and params.n > 1  # sample 0 spawns the others
+        # Output state.
+        self.text = ""
+        self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.detok_state = None  # owned by the Detokenizer
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.request.request_id}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"blocks={len(self.block_table)}, {self.status.value})")

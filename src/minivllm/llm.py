@@ -1,0 +1,116 @@
+"""The offline API, shaped like vLLM's: LLM(...).generate(...) and LLM(...).chat(...)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+
+from .config import EngineConfig
+from .engine.llm_engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+from .tokenizer import render_chat
+
+PromptType = str | list[int] | dict
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    LLM(model=None) uses the default model (SmolLM2-135M-Instruct, prepared on first use).
+    `model` may be a Hugging Face folder, a config.json (with load_format="dummy") or a
+    .gguf file.
+    """
+
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
+                 dtype: str = "auto", max_model_len: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 block_size: int = 16, gpu_memory_utilization: float = 0.9,
+                 enforce_eager: bool = False, load_format: str = "auto", seed: int = 0,
+                 device: str = "auto", skip_tokenizer_init: bool = False,
+                 **kwargs) -> None:
+        self.config = EngineConfig(
+            model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager, load_format=load_format, seed=seed, device=device,
+            skip_tokenizer_init=skip_tokenizer_init, **kwargs)
+        self.engine = LLMEngine(self.config)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | SequenceABC[PromptType],
+                 sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        # Validate everything before queueing anything: a bad prompt loses nothing.
+        request_ids = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                request_ids.append(self.engine.add_request(prompt, params))
+        except Exception:
+            for rid in request_ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = []
+        for conv in conversations:
+            text = render_chat(self.engine.tokenizer, conv, add_generation_prompt,
+                               chat_template, **(chat_template_kwargs or {}))
+            ids = self.engine.tokenize(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        finished[out.request_id] = out
+                        pending.discard(out.request_id)
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in pending:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[rid] for rid in request_ids]
+
+
+def _as_prompt_list(prompts) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    if not prompts:
+        raise ValueError("No prompts given.")
+    return prompts
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"Got {len(params)} SamplingParams for {n} prompts.")
+    return params

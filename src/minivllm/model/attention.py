@@ -1,0 +1,112 @@
+"""Paged attention over a flat batch of tokens, with the metadata passed in explicitly.
+
+Two backends compute the same function:
+  * "torch": a readable reference that gathers each sequence's K/V through its block
+    table. It is the CPU path and the oracle for the Triton kernels.
+  * "triton": the kernels in csrc_triton, which read and write the block pool in place.
+
+KV cache layout per layer: k_cache, v_cache of shape [num_blocks, block_size, Hkv, D];
+token slot = block_id * block_size + offset. Slot -1 marks padding (not stored).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token goes and what each sequence attends to, for one forward pass.
+
+    Sequence i owns query tokens query_start_loc[i]:query_start_loc[i+1] and, after this
+    step's K/V are stored, has seq_lens[i] tokens of context; its query token j sits at
+    position seq_lens[i] - qlen + j and attends causally to positions 0..that position.
+    """
+
+    slot_mapping: torch.Tensor      # [T] int64, -1 = padding
+    query_start_loc: torch.Tensor   # [B+1] int32
+    seq_lens: torch.Tensor          # [B] int32
+    block_tables: torch.Tensor      # [B, max_blocks] int32
+    max_query_len: int
+    max_seq_len: int
+    # Host-side copies so the reference backend never waits on the device.
+    query_start_loc_host: list[int] | None = None
+    seq_lens_host: list[int] | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+def store_kv_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[valid]
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[valid]
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, Hq, D] -> [T, Hq, D], one SDPA call per sequence."""
+    num_kv_heads = k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    block_size = k_cache.shape[1]
+    qsl = meta.query_start_loc_host or meta.query_start_loc.tolist()
+    lens = meta.seq_lens_host or meta.seq_lens.tolist()
+    out = torch.zeros_like(q)
+    for i, seq_len in enumerate(lens):
+        start, end = qsl[i], qsl[i + 1]
+        qlen = end - start
+        if qlen == 0 or seq_len == 0:
+            continue
+        num_blocks = -(-seq_len // block_size)
+        blocks = meta.block_tables[i, :num_blocks].long()
+        k = k_cache[blocks].flatten(0, 1)[:seq_len]  # [L, Hkv, D]
+        v = v_cache[blocks].flatten(0, 1)[:seq_len]
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        qh = q[start:end].transpose(0, 1)  # [Hq, qlen, D]
+        kh, vh = k.transpose(0, 1), v.transpose(0, 1)
+        if qlen == 1:
+            o = F.scaled_dot_product_attention(qh, kh, vh, scale=scale)
+        else:
+            q_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)
+            k_pos = torch.arange(seq_len, device=q.device)
+            mask = k_pos[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+class PagedAttention(nn.Module):
+    """Stores this step's K/V into the paged cache, then attends through block tables."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 backend: str = "torch") -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+        self.backend = backend
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        if self.backend == "triton":
+            import csrc_triton
+            csrc_triton.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            return csrc_triton.paged_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                self.scale, meta.max_query_len, meta.max_seq_len)
+        store_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention_reference(q, k_cache, v_cache, meta, self.scale)

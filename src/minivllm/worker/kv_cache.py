@@ -1,0 +1,49 @@
+"""Allocation and sizing of the paged KV cache.
+
+One tensor holds every layer's K and V blocks: [layers, 2, num_blocks, block_size, Hkv, D].
+Each layer sees a (k_cache, v_cache) pair of views with the layout the attention kernels
+read in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig, cpu_kv_cache_bytes
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.storage = torch.zeros(cfg.num_layers, 2, num_blocks, block_size,
+                                   cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+        self.layers = [(self.storage[i, 0], self.storage[i, 1]) for i in range(cfg.num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()
+
+
+def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return cfg.kv_bytes_per_token(dtype) * block_size
+
+
+def cpu_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
+                   max_num_seqs: int, max_model_len: int) -> int:
+    """On a CPU: enough for max_num_seqs full-length sequences, capped by a memory budget."""
+    per_seq = -(-max_model_len // block_size)
+    wanted = max_num_seqs * per_seq
+    budget = cpu_kv_cache_bytes() // block_bytes(cfg, block_size, dtype)
+    return max(per_seq, min(wanted, budget))
+
+
+def gpu_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
+                   device: torch.device, gpu_memory_utilization: float,
+                   peak_bytes_after_profile: int) -> int:
+    """On a GPU: what is left of gpu_memory_utilization x total memory after the weights
+    and the activations of a profiling forward pass at the full token budget."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    free_for_kv = total * gpu_memory_utilization - peak_bytes_after_profile
+    return int(free_for_kv // block_bytes(cfg, block_size, dtype))

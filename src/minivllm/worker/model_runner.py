@@ -1,0 +1,192 @@
+"""Turns a ScheduledBatch into tensors, runs the model, and samples.
+
+Inputs are one flat batch of tokens: for each scheduled sequence, its next
+num_new_tokens tokens with their positions and KV slots. Logits are computed only for the
+rows that are needed: the last token of each sequence that samples this step, and, for
+requests that asked for prompt logprobs, every prompt position in the chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import EngineConfig, ModelConfig
+from ..engine.scheduler import ScheduledBatch
+from ..engine.sequence import Sequence
+from ..model.attention import AttentionMetadata
+from ..model.loader import load_model
+from .kv_cache import KVCache, cpu_num_blocks, gpu_num_blocks
+from .sampler import Sampler, SamplerOutput, SamplingRow
+
+
+@dataclass
+class PromptLogprobChunk:
+    """Prompt logprobs for positions first_position .. of one sequence's chunk: for each,
+    (logprob of the actual next prompt token, its rank, top-N ids, top-N logprobs)."""
+
+    seq: Sequence
+    first_position: int  # the prompt index of the token these logprobs are for
+    entries: list[tuple[float, int, list[int], list[float]]]
+
+
+@dataclass
+class StepResult:
+    # Parallel lists over sampling rows: which sequence each sampled token belongs to.
+    row_seqs: list[Sequence]
+    sampled: SamplerOutput
+    prompt_logprobs: list[PromptLogprobChunk]
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_indices: list[int]       # flat-token index of each sampling row's logits
+    row_seqs: list[Sequence]        # the sequence each sampling row samples for
+    prompt_lp_spans: list[tuple[Sequence, int, int, int]]  # seq, token start, first pos, count
+
+
+class ModelRunner:
+    def __init__(self, engine_cfg: EngineConfig, model_cfg: ModelConfig, model_path,
+                 device: torch.device, dtype: torch.dtype, attention_backend: str) -> None:
+        self.cfg = engine_cfg
+        self.model_cfg = model_cfg
+        self.device = device
+        self.dtype = dtype
+        self.block_size = engine_cfg.block_size
+        torch.manual_seed(engine_cfg.seed)
+        self.model = load_model(model_cfg, model_path, load_format=engine_cfg.load_format,
+                                dtype=dtype, device=device,
+                                max_positions=engine_cfg.max_model_len,
+                                attention_backend=attention_backend, seed=engine_cfg.seed)
+        self.num_blocks = self._decide_num_blocks()
+        self.kv_cache = KVCache(model_cfg, self.num_blocks, self.block_size, dtype, device)
+        self.sampler = Sampler(model_cfg.vocab_size, device, engine_cfg.seed)
+
+    # ---- sizing -----------------------------------------------------------------------
+
+    def _decide_num_blocks(self) -> int:
+        cfg = self.cfg
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if self.device.type != "cuda":
+            return cpu_num_blocks(self.model_cfg, self.block_size, self.dtype,
+                                  cfg.max_num_seqs, cfg.max_model_len)
+        peak = self._profile_peak_memory()
+        return gpu_num_blocks(self.model_cfg, self.block_size, self.dtype, self.device,
+                              cfg.gpu_memory_utilization, peak)
+
+    @torch.inference_mode()
+    def _profile_peak_memory(self) -> int:
+        """Run the model once at the full token budget (with a one-block scratch cache)
+        and report the peak memory it needed."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = self.cfg.max_num_batched_tokens
+        scratch = KVCache(self.model_cfg, 1, self.block_size, self.dtype, self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([0], dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
+            max_query_len=n, max_seq_len=0, query_start_loc_host=[0, n], seq_lens_host=[0])
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, ids, scratch.layers, meta)
+        self.model.compute_logits(hidden[-self.cfg.max_num_seqs:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        return peak
+
+    # ---- one step ---------------------------------------------------------------------
+
+    def prepare(self, batch: ScheduledBatch) -> ModelInputs:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        sample_indices: list[int] = []
+        row_seqs: list[Sequence] = []
+        lp_spans: list[tuple[Sequence, int, int, int]] = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start = seq.num_computed_tokens
+            end = start + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            tok0 = qsl[-1]
+            qsl.append(tok0 + n)
+            seq_lens.append(end)
+            req = seq.request
+            if req.wants_prompt_logprobs and seq.index == 0 and start < seq.num_prompt_tokens - 1:
+                # Logits at position p predict prompt token p + 1; record each only once.
+                first = max(start, len(req.prompt_logprobs or [None]) - 1)
+                last = min(end, seq.num_prompt_tokens - 1)
+                if last > first:
+                    lp_spans.append((seq, tok0 + first - start, first + 1, last - first))
+            if batch.samples(i):
+                if seq.forks_pending:
+                    for sibling in req.seqs:  # one row per sample, all from these logits
+                        sample_indices.append(qsl[-1] - 1)
+                        row_seqs.append(sibling)
+                else:
+                    sample_indices.append(qsl[-1] - 1)
+                    row_seqs.append(seq)
+        max_blocks = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            max_query_len=max(batch.num_new_tokens),
+            max_seq_len=max(seq_lens),
+            query_start_loc_host=qsl,
+            seq_lens_host=seq_lens,
+        )
+        return ModelInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            meta=meta, sample_indices=sample_indices, row_seqs=row_seqs,
+            prompt_lp_spans=lp_spans)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        inputs = self.prepare(batch)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers,
+                            inputs.meta)
+        prompt_lps = self._prompt_logprobs(hidden, inputs)
+        if not inputs.sample_indices:
+            return StepResult([], SamplerOutput([], []), prompt_lps)
+        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        rows = [SamplingRow(s.params, s.generator, s.request.prompt_token_ids,
+                            s.output_token_ids) for s in inputs.row_seqs]
+        return StepResult(inputs.row_seqs, self.sampler(logits, rows), prompt_lps)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor,
+                         inputs: ModelInputs) -> list[PromptLogprobChunk]:
+        chunks = []
+        for seq, tok_start, first_pos, count in inputs.prompt_lp_spans:
+            logits = self.model.compute_logits(hidden[tok_start:tok_start + count]).float()
+            lp = torch.log_softmax(logits, dim=-1)
+            targets = torch.tensor(seq.token_ids[first_pos:first_pos + count], device=lp.device)
+            tok_lp = lp.gather(1, targets[:, None])
+            ranks = ((lp > tok_lp).sum(dim=-1) + 1).tolist()
+            n = seq.params.prompt_logprobs
+            if n:
+                top_vals, top_ids = lp.topk(n, dim=-1)
+                top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+            else:
+                top_vals = top_ids = [[] for _ in range(count)]
+            entries = [(v, r, ids, vals) for v, r, ids, vals
+                       in zip(tok_lp[:, 0].tolist(), ranks, top_ids, top_vals)]
+            chunks.append(PromptLogprobChunk(seq, first_pos, entries))
+        return chunks

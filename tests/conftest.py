@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny random Hugging Face models saved to disk, and HF greedy references."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+TINY_CONFIGS = {
+    "llama": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        rope_theta=10000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen2": dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=64,
+        intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, vocab_size=256, max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        rope_theta=1000000.0),
+    "qwen3": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=64,
+        intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=256, max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        rope_theta=1000000.0, attention_bias=False),
+}
+
+
+def make_hf_model(family: str, seed: int = 0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(TINY_CONFIGS[family])
+    model_type = cfg.pop("model_type")
+    config = AutoConfig.for_model(model_type, **cfg)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    # Spread the weights so random logits have clear winners (greedy is well defined).
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.08)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory):
+    """family -> folder with config.json + model.safetensors of a tiny random model."""
+    dirs = {}
+    for family in TINY_CONFIGS:
+        d = tmp_path_factory.mktemp(f"tiny-{family}")
+        make_hf_model(family).save_pretrained(d, safe_serialization=True)
+        dirs[family] = d
+    return dirs
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Reference: Hugging Face generate, greedy, one prompt at a time, fp32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    outs = []
+    for ids in prompts:
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
+                                 min_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=0, eos_token_id=None)
+        outs.append(gen[0, len(ids):].tolist())
+    return outs
+
+
+def random_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (L,), generator=g).tolist() for L in lens]

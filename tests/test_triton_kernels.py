@@ -1,0 +1,352 @@
+"""Tests of the Triton kernels in csrc_triton against a dense torch reference.
+
+On a machine without CUDA the kernels run under Triton's interpreter
+(TRITON_INTERPRET=1, set below before csrc_triton is imported; CPU tensors
+always go through the interpreter anyway), so the shapes here are tiny.  On
+a CUDA machine (without TRITON_INTERPRET=1) the same tests run compiled on the
+GPU, plus the ``@pytest.mark.gpu`` tests with realistic shapes.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+try:
+    import csrc_triton
+except ImportError:  # not installed: use the repo checkout
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import csrc_triton
+
+from csrc_triton import paged_attention, paged_attention_decode, store_kv_cache
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = "cuda" if (torch.cuda.is_available() and not INTERPRET) else "cpu"
+
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+# ----------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------
+def make_cache(num_blocks, block_size, hkv, d, dtype, gen):
+    k = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype).to(DEVICE)
+    v = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype).to(DEVICE)
+    return k, v
+
+
+def make_block_tables(seq_lens, block_size, num_blocks, gen, max_blocks=None):
+    """Random permuted (non-identity) block assignment; unused entries are
+    filled with an out-of-range value so that reading them would be caught
+    (either as garbage or as an out-of-bounds access)."""
+    need = [-(-int(s) // block_size) for s in seq_lens]
+    width = max(max(need, default=1), 1) if max_blocks is None else max_blocks
+    assert sum(need) <= num_blocks
+    perm = torch.randperm(num_blocks, generator=gen)
+    bt = torch.full((len(seq_lens), width), 0, dtype=torch.int32)
+    pos = 0
+    for i, n in enumerate(need):
+        bt[i, :n] = perm[pos:pos + n].to(torch.int32)
+        if n < width:
+            bt[i, n:] = 10_000_000  # never read
+        pos += n
+    return bt.to(DEVICE)
+
+
+def gather_kv(cache, bt_row, n, block_size):
+    pos = torch.arange(n, device=cache.device)
+    blk = bt_row.long()[pos // block_size]
+    return cache[blk, pos % block_size]  # [n, Hkv, D]
+
+
+def ref_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, scale):
+    """Dense fp32 reference; returns [T, Hq, D] fp32 (rows of no sequence = 0)."""
+    T, Hq, D = q.shape
+    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    g = Hq // Hkv
+    out = torch.zeros(T, Hq, D, dtype=torch.float32, device=q.device)
+    qsl = qsl.tolist()
+    for i, sl in enumerate(seq_lens.tolist()):
+        s, e = qsl[i], qsl[i + 1]
+        qlen = e - s
+        if qlen == 0 or sl == 0:
+            continue
+        k = gather_kv(k_cache, block_tables[i], sl, bs).float().repeat_interleave(g, dim=1)
+        v = gather_kv(v_cache, block_tables[i], sl, bs).float().repeat_interleave(g, dim=1)
+        qi = q[s:e].float()
+        scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
+        qpos = torch.arange(sl - qlen, sl, device=q.device)[:, None]
+        kpos = torch.arange(sl, device=q.device)[None, :]
+        scores = scores.masked_fill(kpos > qpos, float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        out[s:e] = torch.einsum("hqk,khd->qhd", p, v)
+    return out
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+
+
+def run_case(seq_lens, q_lens, hq, hkv, d, block_size, dtype, seed=0, num_blocks=None,
+             fused_qkv=False, check_decode_direct=False, num_splits=None):
+    gen = torch.Generator().manual_seed(seed)
+    need = sum(-(-s // block_size) for s in seq_lens)
+    num_blocks = num_blocks or need + 3
+    k_cache, v_cache = make_cache(num_blocks, block_size, hkv, d, dtype, gen)
+    bt = make_block_tables(seq_lens, block_size, num_blocks, gen)
+    T = sum(q_lens)
+    if fused_qkv:
+        qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=gen).to(dtype).to(DEVICE)
+        q = qkv[:, : hq * d].view(T, hq, d)
+        assert not q.is_contiguous()
+    else:
+        q = torch.randn(T, hq, d, generator=gen).to(dtype).to(DEVICE)
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32, device=DEVICE)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = d ** -0.5
+    ref = ref_attention(q, k_cache, v_cache, bt, sl, qsl, scale)
+    if check_decode_direct:
+        out = paged_attention_decode(q, k_cache, v_cache, bt, sl, scale, max(seq_lens), num_splits=num_splits)
+    else:
+        out = paged_attention(q, k_cache, v_cache, bt, sl, qsl, scale, max(q_lens), max(seq_lens))
+    assert out.shape == (T, hq, d) and out.dtype == dtype
+    assert torch.isfinite(out.float()).all()
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], f"rel err {err}"
+    return out, ref
+
+
+# ----------------------------------------------------------------------------
+# store_kv_cache
+# ----------------------------------------------------------------------------
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("block_size,dtype", [(4, torch.float32), (16, torch.float16), (1, torch.bfloat16)])
+def test_store_kv_cache(slot_dtype, block_size, dtype):
+    gen = torch.Generator().manual_seed(1)
+    num_blocks, hkv, d, T = 12, 2, 32, 10
+    k_cache, v_cache = make_cache(num_blocks, block_size, hkv, d, dtype, gen)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    n_slots = num_blocks * block_size
+    slots = torch.randperm(n_slots, generator=gen)[:T]
+    slots[[2, 7]] = -1  # padding tokens
+    # fused-qkv style non-contiguous key/value views
+    kv = torch.randn(T, 3 * hkv * d, generator=gen).to(dtype).to(DEVICE)
+    key = kv[:, hkv * d: 2 * hkv * d].view(T, hkv, d)
+    value = kv[:, 2 * hkv * d:].view(T, hkv, d)
+    store_kv_cache(key, value, k_cache, v_cache, slots.to(slot_dtype).to(DEVICE))
+
+    exp_k, exp_v = k0.clone(), v0.clone()
+    fk, fv = exp_k.view(n_slots, hkv, d), exp_v.view(n_slots, hkv, d)
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            fk[s] = key[t]
+            fv[s] = value[t]
+    assert torch.equal(k_cache, exp_k)
+    assert torch.equal(v_cache, exp_v)
+
+
+def test_store_kv_cache_all_padding_and_empty():
+    gen = torch.Generator().manual_seed(2)
+    k_cache, v_cache = make_cache(4, 4, 1, 16, torch.float32, gen)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    key = torch.randn(3, 1, 16, generator=gen).to(DEVICE)
+    store_kv_cache(key, key.clone(), k_cache, v_cache, torch.full((3,), -1, dtype=torch.int64, device=DEVICE))
+    empty = key[:0]
+    store_kv_cache(empty, empty, k_cache, v_cache, torch.zeros(0, dtype=torch.int64, device=DEVICE))
+    assert torch.equal(k_cache, k0) and torch.equal(v_cache, v0)
+
+
+# ----------------------------------------------------------------------------
+# prefill / chunked prefill (general varlen kernel)
+# ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "hq,hkv,d,block_size,dtype",
+    [
+        (4, 2, 16, 4, torch.float32),
+        (4, 1, 32, 16, torch.float32),
+        (2, 2, 16, 1, torch.float32),
+        (4, 2, 32, 16, torch.float16),
+        (4, 2, 16, 4, torch.bfloat16),
+    ],
+)
+def test_prefill_ragged(hq, hkv, d, block_size, dtype):
+    # ragged prompts, crossing block boundaries; pure prefill (ctx == 0)
+    q_lens = [5, 1, 19, 9]
+    run_case(q_lens, q_lens, hq, hkv, d, block_size, dtype, seed=3)
+
+
+@pytest.mark.parametrize("hq,hkv,d,block_size,dtype", [
+    (4, 2, 16, 4, torch.float32),
+    (4, 1, 16, 16, torch.float16),
+    (3, 1, 16, 8, torch.float32),  # GQA group of 3 (non power of two)
+])
+def test_chunked_prefill(hq, hkv, d, block_size, dtype):
+    # cached prefixes + new chunks, mixed with a decode row and a qlen-0 row
+    seq_lens = [23, 40, 7, 12]
+    q_lens = [6, 9, 1, 0]
+    run_case(seq_lens, q_lens, hq, hkv, d, block_size, dtype, seed=4, fused_qkv=True)
+
+
+def test_prefill_non_identity_tables_and_out_arg():
+    gen = torch.Generator().manual_seed(5)
+    hq, hkv, d, bs = 4, 2, 16, 4
+    seq_lens, q_lens = [13, 30], [13, 4]
+    k_cache, v_cache = make_cache(20, bs, hkv, d, torch.float32, gen)
+    bt = make_block_tables(seq_lens, bs, 20, gen, max_blocks=10)  # wider table, junk tail
+    q = torch.randn(sum(q_lens), hq, d, generator=gen).to(DEVICE)
+    qsl = torch.tensor([0, 13, 17], dtype=torch.int32, device=DEVICE)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    res = paged_attention(q, k_cache, v_cache, bt, sl, qsl, 0.3, 13, 30, out=out)
+    assert res.data_ptr() == out.data_ptr()
+    ref = ref_attention(q, k_cache, v_cache, bt, sl, qsl, 0.3)
+    assert rel_err(out, ref) < 1e-4
+
+
+def test_store_then_prefill_roundtrip():
+    """store_kv_cache the new tokens of a chunk, then attend over them."""
+    gen = torch.Generator().manual_seed(6)
+    hq, hkv, d, bs = 4, 2, 16, 4
+    num_blocks = 12
+    k_cache, v_cache = make_cache(num_blocks, bs, hkv, d, torch.float32, gen)
+    seq_lens, q_lens = [10, 6], [3, 6]
+    bt = make_block_tables(seq_lens, bs, num_blocks, gen)
+    T = sum(q_lens)
+    key = torch.randn(T, hkv, d, generator=gen).to(DEVICE)
+    value = torch.randn(T, hkv, d, generator=gen).to(DEVICE)
+    slots = []
+    for i, (sl, ql) in enumerate(zip(seq_lens, q_lens)):
+        for p in range(sl - ql, sl):
+            slots.append(int(bt[i, p // bs]) * bs + p % bs)
+    store_kv_cache(key, value, k_cache, v_cache, torch.tensor(slots, device=DEVICE))
+    q = torch.randn(T, hq, d, generator=gen).to(DEVICE)
+    qsl = torch.tensor([0, 3, 9], dtype=torch.int32, device=DEVICE)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = paged_attention(q, k_cache, v_cache, bt, sl, qsl, d ** -0.5, 6, 10)
+    ref = ref_attention(q, k_cache, v_cache, bt, sl, qsl, d ** -0.5)
+    assert rel_err(out, ref) < 1e-4
+    # the second sequence is a fresh prompt: its last query row must attend
+    # exactly to the stored keys/values
+    kk = key[3:9].repeat_interleave(2, dim=1)
+    vv = value[3:9].repeat_interleave(2, dim=1)
+    s = torch.einsum("hd,khd->hk", q[8], kk) * d ** -0.5
+    manual = torch.einsum("hk,khd->hd", torch.softmax(s, -1), vv)
+    assert torch.allclose(out[8], manual, atol=1e-5, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------
+# decode (flash-decoding split + reduce)
+# ----------------------------------------------------------------------------
+@pytest.mark.parametrize("num_splits", [1, 3, 4, None])
+@pytest.mark.parametrize("hq,hkv,d,block_size,dtype", [
+    (4, 2, 16, 4, torch.float32),
+    (4, 1, 32, 16, torch.float16),
+])
+def test_decode_splits(num_splits, hq, hkv, d, block_size, dtype):
+    seq_lens = [37, 5, 64]
+    run_case(seq_lens, [1] * len(seq_lens), hq, hkv, d, block_size, dtype, seed=7,
+             check_decode_direct=True, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("block_size,dtype", [(1, torch.float32), (16, torch.bfloat16), (4, torch.float16)])
+def test_decode_via_dispatch(block_size, dtype):
+    # paged_attention with max_query_len == 1 dispatches to the decode path
+    seq_lens = [17, 40]
+    run_case(seq_lens, [1, 1], 4, 2, 16, block_size, dtype, seed=8)
+
+
+def test_decode_padding_rows_zero_len():
+    gen = torch.Generator().manual_seed(9)
+    hq, hkv, d, bs = 4, 2, 16, 4
+    seq_lens = [21, 0, 9, 0]
+    num_blocks = 10
+    k_cache, v_cache = make_cache(num_blocks, bs, hkv, d, torch.float32, gen)
+    bt = make_block_tables(seq_lens, bs, num_blocks, gen)
+    bt[1] = 10_000_000  # padding rows: garbage block tables must not be read
+    bt[3] = -5
+    q = torch.randn(4, hq, d, generator=gen).to(DEVICE)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    qsl = torch.arange(5, dtype=torch.int32, device=DEVICE)
+    ref = ref_attention(q, k_cache, v_cache, bt, sl, qsl, 0.25)
+    for ns in (1, 4):
+        out = torch.full_like(q, float("nan"))
+        paged_attention_decode(q, k_cache, v_cache, bt, sl, 0.25, 64, out=out, num_splits=ns)
+        assert torch.isfinite(out).all()
+        assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.equal(out[3], torch.zeros_like(out[3]))
+        assert rel_err(out, ref) < 1e-4
+
+
+def test_decode_num_splits_is_static():
+    from csrc_triton import decode_num_splits
+    a = decode_num_splits(1, 2, 8192)
+    assert a == decode_num_splits(1, 2, 8192) and a >= 1
+    assert decode_num_splits(256, 8, 1024, "cpu") == 1
+    assert decode_num_splits(1, 1, 100) == 1
+
+
+# ----------------------------------------------------------------------------
+# GPU: realistic shapes (compiled kernels)
+# ----------------------------------------------------------------------------
+gpu = pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA (compiled Triton)")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (32, 8, 64), (16, 8, 128)])
+def test_gpu_realistic_prefill_and_chunked(dtype, hq, hkv, d):
+    seq_lens = [300, 1024, 77, 513]
+    q_lens = [300, 128, 77, 1]
+    run_case(seq_lens, q_lens, hq, hkv, d, 16, dtype, seed=11, fused_qkv=True)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (32, 8, 64), (16, 8, 128)])
+@pytest.mark.parametrize("batch,ctx", [(1, 8192), (8, 1024), (64, 1000)])
+def test_gpu_realistic_decode(dtype, hq, hkv, d, batch, ctx):
+    seq_lens = [max(1, ctx - 37 * i) for i in range(batch)]
+    run_case(seq_lens, [1] * batch, hq, hkv, d, 16, dtype, seed=12)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_decode_cuda_graph():
+    gen = torch.Generator().manual_seed(13)
+    hq, hkv, d, bs, B = 32, 8, 64, 16, 8
+    max_len = 2048
+    num_blocks = B * max_len // bs
+    k_cache, v_cache = make_cache(num_blocks, bs, hkv, d, torch.bfloat16, gen)
+    bt = make_block_tables([max_len] * B, bs, num_blocks, gen)
+    q = torch.randn(B, hq, d, generator=gen).to(torch.bfloat16).to(DEVICE)
+    sl = torch.full((B,), 100, dtype=torch.int32, device=DEVICE)
+    key = torch.randn(B, hkv, d, generator=gen).to(torch.bfloat16).to(DEVICE)
+    slots = torch.zeros(B, dtype=torch.int64, device=DEVICE)
+    out = torch.empty_like(q)
+
+    def step():
+        store_kv_cache(key, key, k_cache, v_cache, slots)
+        paged_attention_decode(q, k_cache, v_cache, bt, sl, d ** -0.5, max_len, out=out)
+
+    step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for lens in ([100] * B, [1, 2000, 0, 513, 1024, 7, 0, 2048]):
+        sl.copy_(torch.tensor(lens, dtype=torch.int32))
+        slots.copy_(torch.tensor([int(bt[i, max(L - 1, 0) // bs]) * bs + max(L - 1, 0) % bs if L > 0 else -1
+                                  for i, L in enumerate(lens)]))
+        g.replay()
+        torch.cuda.synchronize()
+        qsl = torch.arange(B + 1, dtype=torch.int32, device=DEVICE)
+        ref = ref_attention(q, k_cache, v_cache, bt, sl, qsl, d ** -0.5)
+        assert torch.isfinite(out.float()).all()
+        assert rel_err(out, ref) < 2e-2
