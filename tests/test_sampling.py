@@ -1,0 +1,214 @@
+"""Sampling: seeds, logprobs, stops, min_tokens, n > 1, penalties, top-k/top-p."""
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from conftest import random_prompts
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dirs):
+    return LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, max_model_len=256,
+               block_size=4)
+
+
+@pytest.fixture(scope="module")
+def text_llm(tiny_text_model_dir):
+    return LLM(str(tiny_text_model_dir), max_model_len=512, block_size=16)
+
+
+def _ids(outs):
+    return [c.token_ids for o in outs for c in o.outputs]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    prompt = [11, 22, 33, 44, 55]
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = _ids(llm.generate([prompt], params, use_tqdm=False))[0]
+    again = _ids(llm.generate([prompt], params, use_tqdm=False))[0]
+    others = random_prompts(5, 256, 3, 40, seed=9)
+    mixed = llm.generate(others[:2] + [prompt] + others[2:],
+                         [SamplingParams(temperature=0.7, max_tokens=25, ignore_eos=True)] * 2
+                         + [params] + [SamplingParams(temperature=0.0, max_tokens=7)] * 3,
+                         use_tqdm=False)
+    assert alone == again
+    assert mixed[2].outputs[0].token_ids == alone
+    other_seed = _ids(llm.generate([prompt], SamplingParams(temperature=1.0, seed=99,
+                                   max_tokens=20, ignore_eos=True), use_tqdm=False))[0]
+    assert other_seed != alone
+
+
+def test_logprobs_match_reference_logits(llm, tiny_model_dirs):
+    from transformers import AutoModelForCausalLM
+
+    prompt = random_prompts(1, 256, 12, 12, seed=5)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.8, seed=3, max_tokens=8,
+                       logprobs=5, prompt_logprobs=3, ignore_eos=True), use_tqdm=False)[0]
+    comp = out.outputs[0]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"], dtype=torch.float32)
+    full = torch.tensor([prompt + comp.token_ids])
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(full).logits[0].float(), dim=-1)
+    n = len(prompt)
+    assert len(comp.logprobs) == len(comp.token_ids)
+    total = 0.0
+    for j, (tok, lps) in enumerate(zip(comp.token_ids, comp.logprobs)):
+        row = ref[n - 1 + j]
+        assert abs(lps[tok].logprob - row[tok].item()) < 1e-4
+        assert lps[tok].rank == int((row > row[tok]).sum()) + 1
+        top_vals, top_ids = row.topk(5)
+        for tid, val in zip(top_ids.tolist(), top_vals.tolist()):
+            assert abs(lps[tid].logprob - val) < 1e-4
+        total += lps[tok].logprob
+    assert abs(comp.cumulative_logprob - total) < 1e-3
+    # Prompt logprobs: None for the first token, then the actual token's + top-3.
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == n
+    for p in range(1, n):
+        entry = out.prompt_logprobs[p]
+        assert abs(entry[prompt[p]].logprob - ref[p - 1, prompt[p]].item()) < 1e-4
+        assert len(entry) in (3, 4)
+
+
+def test_prompt_logprobs_survive_chunked_prefill(tiny_model_dirs):
+    small = LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, max_model_len=256,
+                block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
+    prompt = random_prompts(1, 256, 30, 30, seed=6)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
+    chunked = small.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
+    llm = LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, max_model_len=256)
+    whole = llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
+    assert len(chunked) == len(whole) == 30
+    for a, b in zip(chunked[1:], whole[1:]):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert abs(a[k].logprob - b[k].logprob) < 1e-4
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    prompt = [7, 8, 9, 10]
+    free = _ids(llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20,
+                                                      ignore_eos=True), use_tqdm=False))[0]
+    stop_id = free[4]
+    first = free.index(stop_id)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20,
+                       stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    # min_tokens bans the stop token until enough tokens exist.
+    banned = free[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, min_tokens=5,
+                       stop_token_ids=[banned]), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 5
+    assert banned not in out.token_ids[:5]
+
+
+def test_eos_stops_unless_ignored(llm):
+    prompt = [7, 8, 9, 10]
+    free = _ids(llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20,
+                                                      ignore_eos=True), use_tqdm=False))[0]
+    # Treat the third generated token as the end-of-sequence token.
+    eos = free[2]
+    eng = llm.engine
+    saved = eng.eos_token_ids
+    eng.eos_token_ids = frozenset([eos])
+    try:
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20),
+                           use_tqdm=False)[0].outputs[0]
+        ignored = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20,
+                               ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    finally:
+        eng.eos_token_ids = saved
+    assert out.token_ids == free[:free.index(eos) + 1] and out.finish_reason == "stop"
+    assert ignored.token_ids == free and ignored.finish_reason == "length"
+
+
+def test_n_samples_share_the_prompt(llm):
+    prompt = random_prompts(1, 256, 37, 37, seed=7)[0]  # 37 tokens: a partial last block
+    out = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=10,
+                       ignore_eos=True), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    samples = [c.token_ids for c in out.outputs]
+    assert len({tuple(s) for s in samples}) > 1
+    # Each sample equals a single request with seed + index.
+    for i, s in enumerate(samples):
+        single = llm.generate([prompt], SamplingParams(temperature=1.0, seed=7 + i,
+                              max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+        assert single.outputs[0].token_ids == s
+    greedy = llm.generate([prompt], SamplingParams(n=3, temperature=0.0, max_tokens=10,
+                          ignore_eos=True), use_tqdm=False)[0]
+    assert len({tuple(c.token_ids) for c in greedy.outputs}) == 1
+    assert llm.engine.scheduler.pool.all_free()
+
+
+def test_penalties_and_truncation_change_sampling(llm):
+    prompt = [5, 6, 7, 8, 9]
+    base = _ids(llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30,
+                                                      ignore_eos=True), use_tqdm=False))[0]
+    rep = _ids(llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30,
+               repetition_penalty=2.0, ignore_eos=True), use_tqdm=False))[0]
+    freq = _ids(llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30,
+                frequency_penalty=2.0, presence_penalty=2.0, ignore_eos=True), use_tqdm=False))[0]
+    assert rep != base and freq != base
+    # Strong presence penalty makes repeats rarer than in plain greedy decoding.
+    assert len(set(freq)) >= len(set(base))
+    # top_k=1 is greedy whatever the temperature; a tiny top_p too.
+    for p in (SamplingParams(temperature=1.5, top_k=1, seed=1, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=1.5, top_p=1e-6, seed=1, max_tokens=30,
+                             ignore_eos=True),
+              SamplingParams(temperature=1.5, min_p=1.0, seed=1, max_tokens=30,
+                             ignore_eos=True)):
+        assert _ids(llm.generate([prompt], p, use_tqdm=False))[0] == base
+
+
+def test_stop_strings(text_llm):
+    prompt = "The quick brown fox"
+    free = text_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=40,
+                             ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    assert len(free) > 20
+    stop = free[10:14]
+    cut = free.index(stop)
+    out = text_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=40,
+                            stop=[stop, "zzzz-never"], ignore_eos=True), use_tqdm=False)[0]
+    comp = out.outputs[0]
+    assert comp.text == free[:cut]
+    assert comp.finish_reason == "stop" and comp.stop_reason == stop
+    kept = text_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=40, stop=stop,
+                             include_stop_str_in_output=True, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0]
+    assert kept.text == free[:cut + len(stop)]
+
+
+def test_streamed_text_never_shows_a_partial_stop(text_llm):
+    eng = text_llm.engine
+    free = text_llm.generate("Once upon a time", SamplingParams(temperature=0.0, max_tokens=30,
+                             ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    stop = free[8:16]
+    eng.add_request("Once upon a time", SamplingParams(temperature=0.0, max_tokens=30,
+                    stop=[stop], ignore_eos=True), request_id="s")
+    seen = []
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            seen.append(out.outputs[0].text)
+    for earlier, later in zip(seen, seen[1:]):
+        assert later.startswith(earlier)  # streamed text only grows
+    assert seen[-1] == free[:free.index(stop)]
+    assert all(stop[:3] not in t[len(seen[-1]):] for t in seen)
+
+
+def test_incremental_detokenization_never_breaks_characters(text_llm):
+    text = "naïve café — 東京タワー 🚀🎉 ok"
+    ids = text_llm.get_tokenizer().encode(text, add_special_tokens=False)
+    from minivllm.engine.detokenizer import Detokenizer
+    from minivllm.engine.sequence import Request, Sequence
+
+    detok = Detokenizer(text_llm.get_tokenizer())
+    prompt = text_llm.get_tokenizer().encode("Hello", add_special_tokens=False)
+    req = Request("x", None, prompt, SamplingParams())
+    seq = Sequence(0, req, 0, req.params, None)
+    pieces = []
+    for t in ids:
+        seq.token_ids.append(t)
+        pieces.append(detok.append_text(seq))
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text_llm.get_tokenizer().decode(ids)

@@ -1,0 +1,101 @@
+"""Invalid parameters and prompts raise ValueError with a clear message, and lose nothing."""
+
+import pytest
+
+from minivllm import LLM, SamplingParams
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-5), "top_k"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(n=0), "n must"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-3.0), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=3.0), "repetition_penalty"),
+    (dict(stop=""), "stop"),
+    (dict(stop=["ok", ""]), "stop"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_tokens=10, max_tokens=5), "min_tokens"),
+    (dict(seed="abc"), "seed"),
+])
+def test_bad_sampling_params(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        SamplingParams(**kwargs)
+
+
+def test_good_sampling_params_normalize():
+    p = SamplingParams(top_k=-1, stop="x")
+    assert p.top_k == 0 and p.stop == ["x"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dirs):
+    return LLM(str(tiny_model_dirs["qwen2"]), skip_tokenizer_init=True, max_model_len=64)
+
+
+@pytest.mark.parametrize("prompt,fragment", [
+    ([], "empty"),
+    ([1, 2, 256], "out of vocabulary"),
+    ([1, -3], "out of vocabulary"),
+    ([1, 2.5], "out of vocabulary"),
+    (list(range(3, 67)), "maximum context length"),
+])
+def test_bad_prompts(llm, prompt, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_prompt_plus_max_tokens_over_context(llm):
+    with pytest.raises(ValueError, match="maximum context length is 64"):
+        llm.generate([list(range(3, 43))], SamplingParams(max_tokens=30), use_tqdm=False)
+
+
+def test_bad_prompt_in_batch_loses_nothing(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    with pytest.raises(ValueError):
+        llm.generate([[5, 6, 7], [9999]], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.scheduler.pool.all_free()
+    out = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_text_prompt_without_tokenizer(llm):
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate("hello", use_tqdm=False)
+
+
+def test_stop_token_outside_vocab(llm):
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate([[5, 6]], SamplingParams(stop_token_ids=[10**6]), use_tqdm=False)
+
+
+def test_engine_config_errors(tiny_model_dirs):
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(str(tiny_model_dirs["qwen2"]), skip_tokenizer_init=True, block_size=3)
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM("/nonexistent/model", skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="KV cache holds"):
+        LLM(str(tiny_model_dirs["qwen2"]), skip_tokenizer_init=True, max_model_len=64,
+            block_size=4, num_kv_blocks=4)
+
+
+def test_generate_input_forms(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    a = llm.generate([5, 6, 7], params, use_tqdm=False)
+    b = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)
+    c = llm.generate([[5, 6, 7], [8, 9]], [params, params], use_tqdm=False)
+    assert len(a) == len(b) == 1 and len(c) == 2
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids == c[0].outputs[0].token_ids
+    assert c[1].prompt_token_ids == [8, 9]
+    with pytest.raises(ValueError, match="SamplingParams"):
+        llm.generate([[5], [6]], [params], use_tqdm=False)
