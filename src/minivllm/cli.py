@@ -1,0 +1,151 @@
+"""Command line: minivllm serve | generate | chat | download-default-model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="Hugging Face folder, config.json (with --load-format dummy) or .gguf; "
+                        "default: SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+
+
+def _add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sampling-seed", type=int, default=None)
+
+
+def _engine_from_args(args):
+    from .config import EngineConfig
+    from .engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(
+        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager, load_format=args.load_format, seed=args.seed,
+        device=args.device))
+
+
+def _params_from_args(args):
+    from .sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
+
+
+def _stream(engine, prompt, params, out=sys.stdout) -> str:
+    """Run one request to the end, writing text to `out` as it arrives."""
+    rid = engine.add_request(prompt, params)
+    shown = 0
+    text = ""
+    try:
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.request_id != rid:
+                    continue
+                text = o.outputs[0].text
+                out.write(text[shown:])
+                out.flush()
+                shown = len(text)
+    except KeyboardInterrupt:
+        engine.abort_request(rid)
+    out.write("\n")
+    return text
+
+
+def cmd_generate(args) -> None:
+    engine = _engine_from_args(args)
+    prompt = args.prompt
+    if args.chat:
+        from .tokenizer import render_chat
+        text = render_chat(engine.tokenizer, [{"role": "user", "content": prompt}])
+        prompt = {"prompt": text, "prompt_token_ids": engine.tokenize(text, False)}
+    _stream(engine, prompt, _params_from_args(args))
+
+
+def cmd_chat(args) -> None:
+    from .tokenizer import render_chat
+
+    engine = _engine_from_args(args)
+    params = _params_from_args(args)
+    history: list[dict] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("Chatting with the model. Empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        history.append({"role": "user", "content": line})
+        text = render_chat(engine.tokenizer, history)
+        reply = _stream(engine, {"prompt": text,
+                                 "prompt_token_ids": engine.tokenize(text, False)}, params)
+        history.append({"role": "assistant", "content": reply})
+
+
+def cmd_download(args) -> None:
+    from .default_model import ensure_default_model
+
+    print(ensure_default_model())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    try:
+        from .server.launch import add_serve_arguments
+        add_serve_arguments(serve)
+    except ImportError as e:  # the server's web dependencies are optional on GPU boxes
+        serve.set_defaults(serve_import_error=e)
+
+    gen = sub.add_parser("generate", help="generate from one prompt, streaming to stdout")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    _add_engine_arguments(gen)
+    _add_sampling_arguments(gen)
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal")
+    chat.add_argument("--system", default=None)
+    _add_engine_arguments(chat)
+    _add_sampling_arguments(chat)
+
+    sub.add_parser("download-default-model",
+                   help="prepare SmolLM2-135M-Instruct in the local cache (once)")
+
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        if getattr(args, "serve_import_error", None):
+            parser.error(f"the server needs fastapi and uvicorn: {args.serve_import_error}")
+        from .server.launch import run_server
+        run_server(args)
+    elif args.command == "generate":
+        cmd_generate(args)
+    elif args.command == "chat":
+        cmd_chat(args)
+    elif args.command == "download-default-model":
+        cmd_download(args)
+
+
+if __name__ == "__main__":
+    main()
