@@ -11,6 +11,10 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+if not torch.cuda.is_available():
+    # Triton kernels run in the interpreter on CPU-only machines; it must be chosen before
+    # any kernel is defined.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_CONFIGS = {
     "llama": dict(

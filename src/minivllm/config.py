@@ -29,6 +29,17 @@ def cuda_graphs_enabled() -> bool:
     return _env_flag("MINIVLLM_CUDA_GRAPHS", True)
 
 
+def attention_backend(device: torch.device) -> str:
+    """MINIVLLM_ATTENTION_BACKEND=torch|triton; default: triton on CUDA, torch elsewhere.
+    (triton on a CPU runs the kernels in Triton's interpreter: for tests only.)"""
+    name = os.environ.get("MINIVLLM_ATTENTION_BACKEND", "").strip().lower()
+    if name in ("torch", "triton"):
+        return name
+    if name:
+        raise ValueError(f"MINIVLLM_ATTENTION_BACKEND must be torch or triton, got {name!r}.")
+    return "triton" if device.type == "cuda" else "torch"
+
+
 def cpu_kv_cache_bytes() -> int:
     """Upper bound on the KV pool on a CPU (MINIVLLM_CPU_KVCACHE_GB, default 1 GiB)."""
     return int(float(os.environ.get("MINIVLLM_CPU_KVCACHE_GB", "1")) * (1 << 30))

@@ -48,7 +48,7 @@ class LLM:
         request_ids = []
         try:
             for prompt, params in zip(prompt_list, params_list):
-                request_ids.append(self.engine.add_request(prompt, params))
+                request_ids.append(self.engine.add_request(prompt, params, stream=False))
         except Exception:
             for rid in request_ids:
                 self.engine.abort_request(rid)

@@ -13,8 +13,8 @@ from collections.abc import Sequence as SequenceABC
 
 import torch
 
-from ..config import (EngineConfig, ModelConfig, load_config_json, resolve_device,
-                      resolve_dtype, resolve_model_path)
+from ..config import (EngineConfig, ModelConfig, attention_backend, load_config_json,
+                      resolve_device, resolve_dtype, resolve_model_path)
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import load_tokenizer
@@ -52,7 +52,7 @@ class LLMEngine:
             [self.tokenizer.eos_token_id] if self.tokenizer is not None
             and self.tokenizer.eos_token_id is not None else []))
 
-        backend = "triton" if self.device.type == "cuda" else "torch"
+        backend = attention_backend(self.device)
         self.runner = ModelRunner(config, self.model_config, model_path, self.device,
                                   self.dtype, backend)
         if self.runner.num_blocks * config.block_size < config.max_model_len:
@@ -114,7 +114,9 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int] | dict | None, params: SamplingParams,
                     request_id: str | None = None, prompt_token_ids: list[int] | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, stream: bool = True) -> str:
+        """Queue a request. stream=False reports it only once it has finished, which
+        saves building an output per step for offline batches."""
         if isinstance(prompt, dict):
             prompt_token_ids = prompt.get("prompt_token_ids")
             prompt = prompt.get("prompt")
@@ -134,7 +136,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        req = Request(request_id, prompt, prompt_token_ids, params)
+        req = Request(request_id, prompt, prompt_token_ids, params, stream=stream)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         if params.prompt_logprobs is not None:
@@ -185,7 +187,7 @@ class LLMEngine:
         result = self.runner.execute(batch)
         self.scheduler.advance(batch)
         touched = self._process(result)
-        return [self._make_output(req) for req in touched]
+        return [self._make_output(req) for req in touched if req.stream or req.finished]
 
     def _process(self, result: StepResult) -> list[Request]:
         touched: dict[str, Request] = {}

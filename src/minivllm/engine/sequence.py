@@ -33,6 +33,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     seqs: list["Sequence"] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    stream: bool = True  # False: outputs only when finished (offline batches)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

@@ -103,9 +103,9 @@ class PagedAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         if self.backend == "triton":
-            import csrc_triton
-            csrc_triton.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-            return csrc_triton.paged_attention(
+            from . import triton_ops
+            triton_ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            return triton_ops.paged_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                 self.scale, meta.max_query_len, meta.max_seq_len)
         store_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping)

@@ -8,17 +8,21 @@ requests that asked for prompt logprobs, every prompt position in the chunk.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
-from ..config import EngineConfig, ModelConfig
+from ..config import EngineConfig, ModelConfig, compile_enabled, cuda_graphs_enabled
 from ..engine.scheduler import ScheduledBatch
 from ..engine.sequence import Sequence
 from ..model.attention import AttentionMetadata
 from ..model.loader import load_model
+from .cuda_graph_runner import DecodeGraphRunner
 from .kv_cache import KVCache, cpu_num_blocks, gpu_num_blocks
 from .sampler import Sampler, SamplerOutput, SamplingRow
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -65,6 +69,19 @@ class ModelRunner:
         self.num_blocks = self._decide_num_blocks()
         self.kv_cache = KVCache(model_cfg, self.num_blocks, self.block_size, dtype, device)
         self.sampler = Sampler(model_cfg.vocab_size, device, engine_cfg.seed)
+        self.graph_runner: DecodeGraphRunner | None = None
+        if device.type == "cuda" and not engine_cfg.enforce_eager:
+            self.graph_runner = DecodeGraphRunner(
+                self.model, self.kv_cache.layers,
+                max_batch=min(engine_cfg.max_num_seqs,
+                              engine_cfg.max_cudagraph_batch_size or engine_cfg.max_num_seqs),
+                max_blocks=engine_cfg.max_blocks_per_seq(), block_size=self.block_size,
+                max_model_len=engine_cfg.max_model_len, device=device,
+                use_compile=compile_enabled(), use_graphs=cuda_graphs_enabled())
+            logger.info("Warming up decode (torch.compile=%s, CUDA graphs=%s)...",
+                        compile_enabled(), cuda_graphs_enabled())
+            secs = self.graph_runner.capture()
+            logger.info("Decode warm-up and graph capture took %.1fs.", secs)
 
     # ---- sizing -----------------------------------------------------------------------
 
@@ -158,8 +175,14 @@ class ModelRunner:
             meta=meta, sample_indices=sample_indices, row_seqs=row_seqs,
             prompt_lp_spans=lp_spans)
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
+        if (self.graph_runner is not None and batch.is_decode_only
+                and self.graph_runner.can_run(len(batch))):
+            return self._execute_decode_graph(batch)
+        return self._execute_eager(batch)
+
+    @torch.inference_mode()
+    def _execute_eager(self, batch: ScheduledBatch) -> StepResult:
         inputs = self.prepare(batch)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers,
                             inputs.meta)
@@ -167,9 +190,16 @@ class ModelRunner:
         if not inputs.sample_indices:
             return StepResult([], SamplerOutput([], []), prompt_lps)
         logits = self.model.compute_logits(hidden[inputs.sample_indices])
-        rows = [SamplingRow(s.params, s.generator, s.request.prompt_token_ids,
-                            s.output_token_ids) for s in inputs.row_seqs]
-        return StepResult(inputs.row_seqs, self.sampler(logits, rows), prompt_lps)
+        return StepResult(inputs.row_seqs, self.sampler(logits, _rows(inputs.row_seqs)),
+                          prompt_lps)
+
+    @torch.inference_mode()
+    def _execute_decode_graph(self, batch: ScheduledBatch) -> StepResult:
+        seqs = batch.seqs
+        logits, greedy = self.graph_runner.run([s.token_ids[-1] for s in seqs],
+                                               [s.num_tokens for s in seqs],
+                                               [s.block_table for s in seqs])
+        return StepResult(seqs, self.sampler(logits, _rows(seqs), greedy), [])
 
     def _prompt_logprobs(self, hidden: torch.Tensor,
                          inputs: ModelInputs) -> list[PromptLogprobChunk]:
@@ -190,3 +220,7 @@ class ModelRunner:
                        in zip(tok_lp[:, 0].tolist(), ranks, top_ids, top_vals)]
             chunks.append(PromptLogprobChunk(seq, first_pos, entries))
         return chunks
+
+
+def _rows(seqs: list[Sequence]) -> list[SamplingRow]:
+    return [SamplingRow(s.params, s.generator, s.token_ids, s.num_prompt_tokens) for s in seqs]

@@ -18,12 +18,25 @@ from ..sampling_params import SamplingParams
 
 @dataclass
 class SamplingRow:
-    """What the sampler needs to know about one row of logits."""
+    """What the sampler needs to know about one row of logits. token_ids is the
+    sequence's own list (not copied: slicing it every step would cost O(length))."""
 
     params: SamplingParams
     generator: torch.Generator | None
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
 
 @dataclass
@@ -41,18 +54,22 @@ class Sampler:
         # Unseeded rows draw from the engine's own generator: reproducible per engine seed.
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 greedy_tokens: torch.Tensor | None = None) -> SamplerOutput:
+        """greedy_tokens: argmax of these logits if the caller already has it (the
+        decode graph computes it); used when nothing below changes the logits."""
         logits = logits.float()
         num_rows = logits.shape[0]
         want_logprobs = [r.params.logprobs is not None for r in rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
-        logits = self._apply_bans(logits, rows)
-        logits = self._apply_penalties(logits, rows)
+        changed = self._apply_bans(logits, rows)
+        changed |= self._apply_penalties(logits, rows)
 
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
-            sampled = logits.argmax(dim=-1)
+            sampled = greedy_tokens if greedy_tokens is not None and not changed \
+                else logits.argmax(dim=-1)
         else:
             sampled = self._sample_random(logits, rows, greedy)
 
@@ -64,20 +81,24 @@ class Sampler:
 
     # ---- steps --------------------------------------------------------------------------
 
-    def _apply_bans(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _apply_bans(self, logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
+        """min_tokens: EOS and stop tokens cannot be drawn before then (in place)."""
+        changed = False
         for i, r in enumerate(rows):
             p = r.params
-            if len(r.output_token_ids) < p.min_tokens:
+            if p.min_tokens and r.num_output_tokens < p.min_tokens:
                 banned = set(p.stop_token_ids) | set(p._eos_token_ids)
                 banned = [t for t in banned if t < self.vocab_size]
                 if banned:
                     logits[i, banned] = float("-inf")
-        return logits
+                    changed = True
+        return changed
 
-    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
+        """Repetition, frequency and presence penalties (in place)."""
         idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
         if not idx:
-            return logits
+            return False
         vocab, dev = self.vocab_size, logits.device
         sub = logits[idx]
         out_counts = _token_counts([rows[i].output_token_ids for i in idx], vocab, dev)
@@ -91,7 +112,7 @@ class Sampler:
         sub = torch.where(seen, penalized, sub)
         sub = sub - freq * out_counts - pres * (out_counts > 0).float()
         logits[idx] = sub
-        return logits
+        return True
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow],
                        greedy: list[bool]) -> torch.Tensor:

@@ -1,0 +1,40 @@
+"""The Triton kernels registered as PyTorch custom ops.
+
+As custom ops they are opaque to torch.compile: the compiler fuses the model's
+elementwise work around them without tracing into the kernels' launch code, and CUDA-graph
+capture records the launches as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import csrc_triton
+
+
+@torch.library.custom_op("minivllm::store_kv", mutates_args=("k_cache", "v_cache"))
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    csrc_triton.store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+@store_kv.register_fake
+def _(key, value, k_cache, v_cache, slot_mapping) -> None:
+    return None
+
+
+@torch.library.custom_op("minivllm::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float, max_query_len: int,
+                    max_seq_len: int) -> torch.Tensor:
+    out = torch.zeros_like(q) if max_query_len > 1 else None  # rows of no sequence stay 0
+    return csrc_triton.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                       query_start_loc, scale, max_query_len, max_seq_len,
+                                       out=out)
+
+
+@paged_attention.register_fake
+def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
+      max_seq_len):
+    return torch.empty_like(q)

@@ -1,0 +1,178 @@
+"""Prometheus metrics in the text exposition format (0.0.4), written by hand.
+
+Names follow vLLM's with a `minivllm:` prefix. Histograms and the success counter are fed
+by the engine thread (EngineMetrics implements the AsyncLLMEngine's StatLogger hooks);
+gauges and token counters are read at scrape time from the engine's published snapshot.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+from ..outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+               0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items()) + "}"
+
+
+def _num(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+class Histogram:
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]) -> None:
+        self.name = name
+        self.help = help_text
+        self.buckets = tuple(sorted(buckets))
+        self.counts = [0] * len(self.buckets)  # per bucket, not cumulative
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        if value != value:  # NaN
+            return
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+                break
+        self.count += 1
+        self.sum += value
+
+    def render(self, labels: dict[str, str]) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        cumulative = 0
+        for bound, c in zip(self.buckets, self.counts):
+            cumulative += c
+            lines.append(f"{self.name}_bucket{_labels({**labels, 'le': _num(bound)})} "
+                         f"{float(cumulative)}")
+        lines.append(f"{self.name}_bucket{_labels({**labels, 'le': '+Inf'})} {float(self.count)}")
+        lines.append(f"{self.name}_sum{_labels(labels)} {_num(self.sum)}")
+        lines.append(f"{self.name}_count{_labels(labels)} {float(self.count)}")
+        return lines
+
+
+def _scalar(kind: str, name: str, help_text: str, samples: list[tuple[dict, float]]) -> list[str]:
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+    lines += [f"{name}{_labels(lbl)} {_num(v)}" for lbl, v in samples]
+    return lines
+
+
+class EngineMetrics:
+    """Request-level metrics. on_step / on_abort run on the engine thread; render() on
+    the server's event loop; a lock keeps a scrape consistent."""
+
+    FINISH_REASONS = ("stop", "length", "abort")
+
+    def __init__(self, model_name: str) -> None:
+        self.labels = {"model_name": model_name}
+        self._lock = threading.Lock()
+        self.ttft = Histogram("minivllm:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = Histogram("minivllm:inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.tpot = Histogram("minivllm:time_per_output_token_seconds",
+                              "Histogram of time per output token in seconds (mean over "
+                              "each finished request's decode phase).", ITL_BUCKETS)
+        self.e2e = Histogram("minivllm:e2e_request_latency_seconds",
+                             "Histogram of end to end request latency in seconds.",
+                             LATENCY_BUCKETS)
+        self.queue = Histogram("minivllm:request_queue_time_seconds",
+                               "Histogram of time spent waiting in the queue in seconds.",
+                               LATENCY_BUCKETS)
+        self.success = {r: 0 for r in self.FINISH_REASONS}
+        # request id -> (tokens seen in sample 0, time of the last new token)
+        self._progress: dict[str, tuple[int, float]] = {}
+
+    # ---- engine thread ----------------------------------------------------------------
+
+    def on_step(self, now: float, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            for out in outputs:
+                self._observe(now, out)
+
+    def _observe(self, now: float, out: RequestOutput) -> None:
+        rid = out.request_id
+        ntok = len(out.outputs[0].token_ids) if out.outputs else 0
+        m = out.metrics
+        prev = self._progress.get(rid)
+        if prev is None:
+            if ntok == 0:
+                return  # prompt chunk: nothing generated yet
+            if m is not None:
+                first = m.first_token_time or now
+                self.ttft.observe(first - m.arrival_time)
+                if m.first_scheduled_time is not None:
+                    self.queue.observe(m.first_scheduled_time - m.arrival_time)
+            prev = (ntok, now)
+        elif ntok > prev[0]:
+            self.itl.observe((now - prev[1]) / (ntok - prev[0]))
+            prev = (ntok, now)
+        self._progress[rid] = prev
+        if out.finished:
+            self._progress.pop(rid, None)
+            if m is not None:
+                end = m.finished_time or now
+                self.e2e.observe(end - m.arrival_time)
+                if m.first_token_time is not None and ntok > 1:
+                    self.tpot.observe((end - m.first_token_time) / (ntok - 1))
+            for o in out.outputs:
+                reason = o.finish_reason or "abort"
+                self.success[reason] = self.success.get(reason, 0) + 1
+
+    def on_abort(self, request_id: str) -> None:
+        with self._lock:
+            self._progress.pop(request_id, None)
+
+    # ---- scrape -----------------------------------------------------------------------
+
+    def render(self, snapshot: dict) -> str:
+        lbl = self.labels
+        lines: list[str] = []
+        lines += _scalar("gauge", "minivllm:num_requests_running",
+                         "Number of requests in model execution batches.",
+                         [(lbl, snapshot.get("num_requests_running", 0))])
+        lines += _scalar("gauge", "minivllm:num_requests_waiting",
+                         "Number of requests waiting to be processed.",
+                         [(lbl, snapshot.get("num_requests_waiting", 0))])
+        lines += _scalar("gauge", "minivllm:kv_cache_usage_perc",
+                         "KV-cache usage. 1 means 100 percent usage.",
+                         [(lbl, snapshot.get("kv_cache_usage", 0.0))])
+        lines += _scalar("counter", "minivllm:num_preemptions_total",
+                         "Cumulative number of preemptions from the engine.",
+                         [(lbl, snapshot.get("num_preemptions", 0))])
+        lines += _scalar("counter", "minivllm:prompt_tokens_total",
+                         "Number of prefill tokens processed.",
+                         [(lbl, snapshot.get("prompt_tokens", 0))])
+        lines += _scalar("counter", "minivllm:generation_tokens_total",
+                         "Number of generation tokens processed.",
+                         [(lbl, snapshot.get("generation_tokens", 0))])
+        with self._lock:
+            success = [({**lbl, "finished_reason": r}, c)
+                       for r, c in self.success.items() if r != "abort"]
+            aborted = self.success.get("abort", 0)
+            lines += _scalar("counter", "minivllm:request_success_total",
+                             "Count of successfully processed requests (samples).", success)
+            lines += _scalar("counter", "minivllm:request_aborted_total",
+                             "Count of aborted samples.", [(lbl, aborted)])
+            for h in (self.ttft, self.itl, self.tpot, self.e2e, self.queue):
+                lines += h.render(lbl)
+        return "\n".join(lines) + "\n"

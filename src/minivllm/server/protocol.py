@@ -1,0 +1,316 @@
+"""OpenAI (and vLLM extension) request and response models.
+
+Requests are validated by these models; unknown fields are ignored (OpenAI clients send
+fields a server may not know). Responses are built as plain dicts for speed; the response
+models here document their shapes in the OpenAPI schema.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from ..sampling_params import SamplingParams
+
+
+class OpenAIBaseModel(BaseModel):
+    # Unknown fields are ignored; NaN / Infinity (which Python's JSON parser accepts) are not.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class RequestError(ValueError):
+    """A request the server refuses: answered with `status` and the OpenAI error shape."""
+
+    def __init__(self, message: str, status: int = 400, *, param: str | None = None,
+                 code: str | None = None, err_type: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.err_type = err_type
+
+
+# ---- errors ------------------------------------------------------------------------------
+
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+# ---- shared pieces -----------------------------------------------------------------------
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+_SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 63 - 1  # torch.Generator seeds (+n for samples)
+
+
+class _SamplingFields(OpenAIBaseModel):
+    """Fields that completions and chat share (OpenAI's and vLLM's)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=_SEED_MIN, le=_SEED_MAX)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extensions.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    request_id: str | None = None
+
+    def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None, max_n: int) -> SamplingParams:
+        if self.logit_bias:
+            raise RequestError("logit_bias is not supported.", param="logit_bias")
+        if self.n > max_n:
+            raise RequestError(f"n must be at most {max_n} (the server's max_num_seqs), "
+                               f"got {self.n}.", param="n")
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k is None else self.top_k,
+                min_p=0.0 if self.min_p is None else self.min_p,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=(1.0 if self.repetition_penalty is None
+                                    else self.repetition_penalty),
+                seed=self.seed,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                ignore_eos=self.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens,
+            )
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+# ---- completions -------------------------------------------------------------------------
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. `prompt` may be a string, a list of strings, a list of token
+    ids, or a list of token-id lists."""
+
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+    def to_sampling_params(self, max_n: int) -> SamplingParams:
+        if self.suffix:
+            raise RequestError("suffix is not supported.", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError("best_of is not supported (other than best_of == n).",
+                               param="best_of")
+        prompt_lp = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            prompt_lp = max(prompt_lp or 0, self.logprobs)
+        return self._sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs,
+                                     prompt_logprobs=prompt_lp, max_n=max_n)
+
+
+class CompletionLogprobs(OpenAIBaseModel):
+    text_offset: list[int] = []
+    token_logprobs: list[float | None] = []
+    tokens: list[str] = []
+    top_logprobs: list[dict[str, float] | None] = []
+
+
+class CompletionChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- chat --------------------------------------------------------------------------------
+
+class ChatMessage(OpenAIBaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: str = "text"
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM extensions.
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def to_sampling_params(self, max_n: int) -> SamplingParams:
+        if self.response_format is not None and self.response_format.type != "text":
+            raise RequestError(f"response_format {self.response_format.type!r} is not "
+                               "supported.", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs requires logprobs to be true.",
+                               param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise RequestError(f"top_logprobs must be between 0 and 20, got "
+                               f"{self.top_logprobs}.", param="top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise RequestError("continue_final_message and add_generation_prompt cannot "
+                               "both be true.", param="continue_final_message")
+        max_tokens = (self.max_completion_tokens if self.max_completion_tokens is not None
+                      else self.max_tokens)
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens=max_tokens, logprobs=logprobs,
+                                     prompt_logprobs=self.prompt_logprobs, max_n=max_n)
+
+
+class ChatTopLogprob(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = []
+
+
+class ChatLogprobs(OpenAIBaseModel):
+    content: list[ChatLogprobToken] | None = None
+
+
+class ChatResponseMessage(OpenAIBaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(OpenAIBaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- models, tokenize, detokenize ----------------------------------------------------------
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "minivllm"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """POST /tokenize: either `prompt` (text) or `messages` (rendered with the chat
+    template), as in vLLM."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str
+
+
+class VersionResponse(OpenAIBaseModel):
+    version: str

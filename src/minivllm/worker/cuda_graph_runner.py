@@ -1,0 +1,160 @@
+"""Decode steps replayed as CUDA graphs over bucketed batch sizes.
+
+A decode batch of n sequences is padded to the smallest bucket >= n. Each bucket has one
+graph, captured once, that reads its inputs from static buffers: token ids, sequence
+lengths and block tables. Positions and KV slots are derived on the GPU from those, so a
+step uploads three small arrays and replays. Padding rows have sequence length 0: their
+slot is -1 (nothing stored) and their attention output is zero.
+
+The step function (model + logits + greedy argmax) is compiled once with torch.compile
+over a dynamic batch dimension; every bucket's graph is captured from that one compiled
+function, largest first, all sharing one memory pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from ..model.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def decode_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 up to 64, then steps of 16 (vLLM-like), capped."""
+    sizes = [1, 2, 4, 8] + list(range(16, 65, 8)) + list(range(80, max_batch + 16, 16))
+    out = sorted({s for s in sizes if s < max_batch} | {max_batch})
+    return out
+
+
+def bucket_for(n: int, buckets: list[int]) -> int | None:
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+class DecodeInputs:
+    """Host-side staging (pinned when on a GPU) and device-side static buffers."""
+
+    def __init__(self, max_batch: int, max_blocks: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.host_ids = torch.zeros(max_batch, dtype=torch.long, pin_memory=pin)
+        self.host_lens = torch.zeros(max_batch, dtype=torch.int32, pin_memory=pin)
+        self.host_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=pin)
+        self._ids_np = self.host_ids.numpy()
+        self._lens_np = self.host_lens.numpy()
+        self._tables_np = self.host_tables.numpy()
+        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
+        self.max_blocks = max_blocks
+
+    def fill(self, token_ids: list[int], seq_lens: list[int], tables: list[list[int]],
+             padded: int) -> None:
+        """Stage n real rows, zero the padding rows up to `padded`, copy to the device."""
+        n = len(token_ids)
+        self._ids_np[:n] = token_ids
+        self._ids_np[n:padded] = 0
+        self._lens_np[:n] = seq_lens
+        self._lens_np[n:padded] = 0
+        width = 1
+        for i, t in enumerate(tables):
+            self._tables_np[i, :len(t)] = t
+            width = max(width, len(t))
+        # Only columns below `width` are read by real rows; padding rows read none.
+        self.input_ids[:padded].copy_(self.host_ids[:padded], non_blocking=True)
+        self.seq_lens[:padded].copy_(self.host_lens[:padded], non_blocking=True)
+        self.block_tables[:padded, :width].copy_(self.host_tables[:padded, :width],
+                                                 non_blocking=True)
+
+
+class DecodeGraphRunner:
+    def __init__(self, model: torch.nn.Module, kv_layers, *, max_batch: int, max_blocks: int,
+                 block_size: int, max_model_len: int, device: torch.device,
+                 use_compile: bool, use_graphs: bool) -> None:
+        self.model = model
+        self.kv_layers = kv_layers
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.device = device
+        self.buckets = decode_buckets(max_batch)
+        self.max_batch = self.buckets[-1]
+        self.inputs = DecodeInputs(self.max_batch, max_blocks, device)
+        self.use_graphs = use_graphs and device.type == "cuda"
+        self.step_fn = self._decode_step
+        if use_compile:
+            self.step_fn = torch.compile(self._decode_step, dynamic=True, fullgraph=False)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _decode_step(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
+                     block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = self.block_size
+        positions = (seq_lens.long() - 1).clamp(min=0)
+        block_ids = block_tables.gather(1, (positions // bs)[:, None]).squeeze(1).long()
+        slots = torch.where(seq_lens > 0, block_ids * bs + positions % bs,
+                            torch.full_like(positions, -1))
+        batch = input_ids.shape[0]
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=input_ids.device),
+            seq_lens=seq_lens, block_tables=block_tables,
+            max_query_len=1, max_seq_len=self.max_model_len)
+        hidden = self.model(input_ids, positions, self.kv_layers, meta)
+        logits = self.model.compute_logits(hidden).float()
+        return logits, logits.argmax(dim=-1)
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        """Warm up (compiles) and capture one graph per bucket, largest first."""
+        start = time.perf_counter()
+        inp = self.inputs
+        # Run every bucket once before capture: compilation and Triton autotuning happen
+        # outside the graphs.
+        for b in reversed(self.buckets):
+            self.step_fn(inp.input_ids[:b], inp.seq_lens[:b], inp.block_tables[:b])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        warm = time.perf_counter() - start
+        if not self.use_graphs:
+            return warm
+        pool = None
+        for i, b in enumerate(reversed(self.buckets)):
+            graph = torch.cuda.CUDAGraph()
+            self.step_fn(inp.input_ids[:b], inp.seq_lens[:b], inp.block_tables[:b])
+            torch.cuda.synchronize(self.device)
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.step_fn(inp.input_ids[:b], inp.seq_lens[:b], inp.block_tables[:b])
+            if pool is None:
+                pool = graph.pool()
+            self.graphs[b] = graph
+            self.outputs[b] = out
+        torch.cuda.synchronize(self.device)
+        total = time.perf_counter() - start
+        logger.info("Captured %d decode graphs (batch %d..%d) in %.1fs (warm-up %.1fs).",
+                    len(self.graphs), self.buckets[0], self.max_batch, total, warm)
+        return total
+
+    def can_run(self, n: int) -> bool:
+        return n <= self.max_batch
+
+    @torch.inference_mode()
+    def run(self, token_ids: list[int], seq_lens: list[int],
+            tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run one decode step for n sequences; returns (logits [n, V], argmax [n])."""
+        n = len(token_ids)
+        b = bucket_for(n, self.buckets)
+        self.inputs.fill(token_ids, seq_lens, tables, b)
+        if b in self.graphs:
+            self.graphs[b].replay()
+            logits, greedy = self.outputs[b]
+        else:
+            inp = self.inputs
+            logits, greedy = self.step_fn(inp.input_ids[:b], inp.seq_lens[:b],
+                                          inp.block_tables[:b])
+        return logits[:n], greedy[:n]
