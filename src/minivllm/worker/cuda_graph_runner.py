@@ -88,7 +88,12 @@ class DecodeGraphRunner:
         self.use_graphs = use_graphs and device.type == "cuda"
         self.step_fn = self._decode_step
         if use_compile:
+            # Each engine instance compiles its own step; don't let Dynamo's per-function
+            # recompile limit silently turn later engines in one process eager.
+            import torch._dynamo
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             self.step_fn = torch.compile(self._decode_step, dynamic=True, fullgraph=False)
+        self.compiled = use_compile
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -116,8 +121,16 @@ class DecodeGraphRunner:
         inp = self.inputs
         # Run every bucket once before capture: compilation and Triton autotuning happen
         # outside the graphs.
-        for b in reversed(self.buckets):
-            self.step_fn(inp.input_ids[:b], inp.seq_lens[:b], inp.block_tables[:b])
+        try:
+            for b in reversed(self.buckets):
+                self.step_fn(inp.input_ids[:b], inp.seq_lens[:b], inp.block_tables[:b])
+        except Exception:
+            if not self.compiled:
+                raise
+            logger.exception("torch.compile of the decode step failed; capturing it eager.")
+            self.step_fn, self.compiled = self._decode_step, False
+            for b in reversed(self.buckets):
+                self.step_fn(inp.input_ids[:b], inp.seq_lens[:b], inp.block_tables[:b])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         warm = time.perf_counter() - start

@@ -1,0 +1,67 @@
+"""Shared benchmark plumbing: environment facts, result files, tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"],
+                                       cwd=Path(__file__).parent, text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return os.environ.get("MINIVLLM_GIT_COMMIT", "unknown")
+
+
+def environment() -> dict:
+    import torch
+
+    env = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "git_commit": git_commit(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+    for mod in ("transformers", "triton"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:
+            env[mod] = None
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["cuda"] = torch.version.cuda
+    else:
+        env["gpu"] = None
+    return env
+
+
+def write_result(name: str, payload: dict, out: str | None = None) -> Path:
+    path = Path(out) if out else RESULTS_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": name, "environment": environment(), **payload}
+    path.write_text(json.dumps(payload, indent=2))
+    return path
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:,.2f}"
+    return str(v)

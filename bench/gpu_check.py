@@ -1,0 +1,448 @@
+"""Everything the GPU path must show, in one run on the H200 (or a tiny smoke run on a CPU).
+
+Sections (each writes its own JSON under --out-dir, so a partial run still reports):
+  parity     fp32 greedy output vs HF transformers on dummy-weight models (Qwen2.5-0.5B,
+             Qwen3-0.6B, Llama-3.2-1B configs), 8 prompts x 64 tokens
+  graphs     CUDA-graph decode vs eager decode, same dtype (fp32 and bf16)
+  bf16       bf16 vs HF bf16: share of identical prompts, first divergence position
+  w2         single-stream latency: batch 1, 128 prompt, 256 output tokens
+  sweep      decode step ms at batch 1, 8, 64, 256, context 1024, against the HBM floor
+  w1         offline throughput: 256 requests, in/out uniform in [100, 1024]
+  hf         peers: HF generate eager and static cache + compile on W2; HF generate_batch
+
+    python -m bench.gpu_check --sections parity,graphs,bf16,w2,sweep,w1,hf --out-dir DIR
+    python -m bench.gpu_check --smoke      # tiny models on the CPU: checks the script runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from bench.common import environment
+
+REPO = Path(__file__).resolve().parent.parent
+# Copies of ../shared/models (the device machine sees only the repository).
+MODELS_DIR = Path(os.environ.get("MINIVLLM_MODEL_CONFIGS", REPO / "bench" / "model_configs"))
+PARITY_MODELS = ["qwen2.5-0.5b-instruct", "qwen3-0.6b", "llama-3.2-1b"]
+HBM_BYTES_PER_S = 4.28e12
+
+SMOKE_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": True,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}
+
+
+def log(*a):
+    print(*a, flush=True, file=sys.stderr)
+
+
+class Ctx:
+    def __init__(self, args):
+        self.smoke = args.smoke
+        self.device = "cpu" if args.smoke else "cuda"
+        self.out_dir = Path(args.out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(args.tmp_dir)
+        self.tmp.mkdir(parents=True, exist_ok=True)
+
+    def model_config_path(self, name: str) -> Path:
+        if self.smoke:
+            p = self.tmp / f"smoke-{name}.json"
+            cfg = dict(SMOKE_CONFIG)
+            if "qwen3" in name:
+                cfg.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32)
+            if "llama" in name:
+                cfg.update(architectures=["LlamaForCausalLM"], model_type="llama",
+                           tie_word_embeddings=False,
+                           rope_scaling={"rope_type": "llama3", "factor": 32.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 512})
+            p.write_text(json.dumps(cfg))
+            return p
+        return MODELS_DIR / f"{name}.json"
+
+    def save(self, name: str, payload: dict) -> None:
+        payload = {"section": name, "environment": environment(), **payload}
+        (self.out_dir / f"{name}.json").write_text(json.dumps(payload, indent=1))
+        log(f"[saved {name}]")
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free_memory():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+VOCAB_LIMIT = 10000  # token ids drawn below this (lowered for smoke runs)
+
+
+def random_prompts(n, lo, hi, vocab, seed):
+    rng = random.Random(seed)
+    top = min(vocab, VOCAB_LIMIT)
+    return [[rng.randrange(10, top) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def make_llm(ctx, name, dtype, **kw):
+    from minivllm import LLM
+
+    kw.setdefault("max_model_len", 2048)
+    return LLM(str(ctx.model_config_path(name)), load_format="dummy", dtype=dtype,
+               skip_tokenizer_init=True, device=ctx.device, seed=0, **kw)
+
+
+def hf_model(ctx, name, dtype):
+    """HF transformers model holding exactly minivllm's dummy weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from minivllm.config import ModelConfig, load_config_json
+    from minivllm.model.loader import dummy_weights
+
+    path = ctx.model_config_path(name)
+    raw = load_config_json(path)
+    cfg = AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items()
+                                                      if k != "model_type"})
+    with torch.device(ctx.device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    state = {k: v for k, v in dummy_weights(ModelConfig.from_dict(raw), 0, dtype, ctx.device)}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
+    return model.eval()
+
+
+def hf_greedy(model, prompts, new_tokens):
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p], device=model.device)
+        with torch.no_grad():
+            g = model.generate(ids, attention_mask=torch.ones_like(ids),
+                               max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)
+        outs.append(g[0, len(p):].tolist())
+    return outs
+
+
+def first_divergence(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare(ours, ref):
+    div = [first_divergence(a, b) for a, b in zip(ours, ref)]
+    return {"identical": sum(d is None for d in div), "total": len(div),
+            "first_divergence": div}
+
+
+def mini_greedy(llm, prompts, new_tokens):
+    from minivllm import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens,
+                                                ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+# ---- sections ---------------------------------------------------------------------
+
+def section_parity(ctx):
+    os.environ["MINIVLLM_COMPILE"] = "0"  # CUDA graphs on; compile is covered in `graphs`
+    rows = []
+    n_new = 8 if ctx.smoke else 64
+    for name in PARITY_MODELS:
+        prompts = random_prompts(8, 16, 200, 10000, seed=1)
+        llm = make_llm(ctx, name, "float32", max_num_seqs=8, num_kv_blocks=2048)
+        ours_batched = mini_greedy(llm, prompts, n_new)
+        del llm
+        free_memory()
+        hf = hf_model(ctx, name, torch.float32)
+        ref = hf_greedy(hf, prompts, n_new)
+        del hf
+        free_memory()
+        r = {"model": name, "dtype": "float32", **compare(ours_batched, ref)}
+        rows.append(r)
+        log(f"parity {name}: {r['identical']}/{r['total']} identical; {r['first_divergence']}")
+    ctx.save("parity", {"new_tokens": n_new, "rows": rows})
+
+
+def section_graphs(ctx):
+    rows = []
+    n_new = 8 if ctx.smoke else 64
+    for dtype in ("float32", "bfloat16"):
+        name = "qwen2.5-0.5b-instruct"
+        prompts = random_prompts(20, 16, 300, 10000, seed=2)
+        llm = make_llm(ctx, name, dtype, max_num_seqs=32, enforce_eager=True,
+                       num_kv_blocks=4096)
+        eager = mini_greedy(llm, prompts, n_new)
+        del llm
+        free_memory()
+        llm = make_llm(ctx, name, dtype, max_num_seqs=32, num_kv_blocks=4096)
+        graphs = mini_greedy(llm, prompts, n_new)
+        del llm
+        free_memory()
+        r = {"model": name, "dtype": dtype, **compare(graphs, eager)}
+        rows.append(r)
+        log(f"graphs vs eager {dtype}: {r['identical']}/{r['total']}; {r['first_divergence']}")
+    ctx.save("graphs", {"new_tokens": n_new, "rows": rows})
+
+
+def section_bf16(ctx):
+    os.environ["MINIVLLM_COMPILE"] = "0"
+    rows = []
+    n_new = 8 if ctx.smoke else 64
+    for name in PARITY_MODELS:
+        prompts = random_prompts(8, 16, 200, 10000, seed=3)
+        llm = make_llm(ctx, name, "bfloat16", max_num_seqs=8, num_kv_blocks=2048)
+        ours = mini_greedy(llm, prompts, n_new)
+        del llm
+        free_memory()
+        hf = hf_model(ctx, name, torch.bfloat16)
+        ref = hf_greedy(hf, prompts, n_new)
+        del hf
+        free_memory()
+        r = {"model": name, "dtype": "bfloat16", **compare(ours, ref)}
+        rows.append(r)
+        log(f"bf16 {name}: {r['identical']}/{r['total']} identical; {r['first_divergence']}")
+    ctx.save("bf16", {"new_tokens": n_new, "rows": rows})
+
+
+def section_w2(ctx):
+    from minivllm import SamplingParams
+
+    name = "qwen2.5-0.5b-instruct"
+    n_out = 16 if ctx.smoke else 256
+    prompt = random_prompts(1, 128, 128, 10000, seed=4)[0]
+    rows = []
+    variants = (("minivllm (compile + CUDA graphs)", {}, "1"),
+                ("minivllm (CUDA graphs, no compile)", {}, "0"),
+                ("minivllm eager", {"enforce_eager": True}, "0"))
+    for label, kw, compile_flag in variants:
+        os.environ["MINIVLLM_COMPILE"] = compile_flag
+        llm = make_llm(ctx, name, "bfloat16", max_num_seqs=8, num_kv_blocks=1024, **kw)
+        params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
+        llm.generate([prompt], params, use_tqdm=False)  # warm-up
+        times = []
+        for _ in range(3):
+            sync()
+            t0 = time.perf_counter()
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            sync()
+            times.append(time.perf_counter() - t0)
+        m = out.metrics
+        ttft = m.first_token_time - m.arrival_time
+        total = min(times)
+        rows.append({"engine": label, "seconds": total, "tok_per_s": n_out / total,
+                     "ms_per_token": 1000 * (total - ttft) / (n_out - 1),
+                     "ttft_ms": 1000 * ttft})
+        log(f"W2 {label}: {n_out / total:.0f} tok/s, {rows[-1]['ms_per_token']:.3f} ms/token")
+        del llm
+        free_memory()
+    os.environ.pop("MINIVLLM_COMPILE", None)
+    ctx.save("w2", {"workload": {"prompt": 128, "output": n_out, "batch": 1,
+                                 "model": name, "dtype": "bfloat16"}, "rows": rows})
+
+
+def section_sweep(ctx):
+    from minivllm.config import ModelConfig, load_config_json
+
+    name = "qwen2.5-0.5b-instruct"
+    ctx_len = 64 if ctx.smoke else 1024
+    batches = [1, 2] if ctx.smoke else [1, 8, 64, 256]
+    llm = make_llm(ctx, name, "bfloat16", max_num_seqs=max(batches),
+                   num_kv_blocks=max(batches) * (-(-ctx_len // 16)) + 16)
+    runner = llm.engine.runner
+    gr = runner.graph_runner
+    cfg = ModelConfig.from_dict(load_config_json(ctx.model_config_path(name)))
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    bs = llm.engine.config.block_size
+    blocks_per_seq = -(-ctx_len // bs)
+    rows = []
+    for b in batches:
+        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(b)]
+        if gr is None:
+            break
+        args = ([7] * b, [ctx_len] * b, tables)
+        for _ in range(3):
+            gr.run(*args)
+        sync()
+        iters = 5 if ctx.smoke else 50
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            gr.run(*args)
+        sync()
+        ms = 1000 * (time.perf_counter() - t0) / iters
+        kv_bytes = b * ctx_len * cfg.kv_bytes_per_token(torch.bfloat16)
+        floor_ms = 1000 * (weight_bytes + kv_bytes) / HBM_BYTES_PER_S
+        rows.append({"batch": b, "context": ctx_len, "ms_per_step": ms, "hbm_floor_ms": floor_ms,
+                     "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
+                     "floor_fraction": floor_ms / ms})
+        log(f"sweep batch {b}: {ms:.3f} ms/step (floor {floor_ms:.3f} ms)")
+    ctx.save("sweep", {"model": name, "dtype": "bfloat16", "rows": rows,
+                       "note": "graph replay incl. host input staging, logits and argmax"})
+    del llm
+    free_memory()
+
+
+def w1_requests(smoke):
+    rng = random.Random(0)
+    n = 16 if smoke else 256
+    hi = 64 if smoke else 1024
+    lo = 8 if smoke else 100
+    prompts = [[rng.randint(0, VOCAB_LIMIT - 1) for _ in range(rng.randint(lo, hi))]
+               for _ in range(n)]
+    outs = [rng.randint(lo, hi) for _ in range(n)]
+    return prompts, outs
+
+
+def section_w1(ctx):
+    from minivllm import SamplingParams
+
+    name = "qwen2.5-0.5b-instruct"
+    prompts, outs = w1_requests(ctx.smoke)
+    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outs]
+    llm = make_llm(ctx, name, "bfloat16", max_num_seqs=256, max_num_batched_tokens=16384,
+                   gpu_memory_utilization=0.5)
+    llm.generate(prompts[:4], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    rows = []
+    for rep in range(2):
+        sync()
+        t0 = time.perf_counter()
+        res = llm.generate(prompts, params, use_tqdm=False)
+        sync()
+        secs = time.perf_counter() - t0
+        n_out = sum(len(r.outputs[0].token_ids) for r in res)
+        assert n_out == sum(outs)
+        rows.append({"engine": "minivllm", "run": rep, "seconds": secs, "output_tokens": n_out,
+                     "output_tok_per_s": n_out / secs,
+                     "preemptions": llm.engine.scheduler.num_preemptions})
+        log(f"W1 run {rep}: {n_out / secs:,.0f} output tok/s ({secs:.2f} s)")
+    ctx.save("w1", {"workload": {"requests": len(prompts), "model": name, "dtype": "bfloat16",
+                                 "total_output_tokens": sum(outs),
+                                 "total_prompt_tokens": sum(map(len, prompts))},
+                    "num_kv_blocks": llm.engine.runner.num_blocks, "rows": rows})
+    del llm
+    free_memory()
+
+
+def section_hf(ctx):
+    """Peers: HF generate (eager; static cache + torch.compile) on W2; generate_batch on
+    a slice of W1 (the full W1 takes minutes at HF's speed)."""
+    from transformers import GenerationConfig
+
+    name = "qwen2.5-0.5b-instruct"
+    n_out = 16 if ctx.smoke else 256
+    prompt = random_prompts(1, 128, 128, 10000, seed=4)[0]
+    model = hf_model(ctx, name, torch.bfloat16)
+    ids = torch.tensor([prompt], device=model.device)
+    rows = []
+
+    def timed_generate(label, **kw):
+        gen = lambda: model.generate(ids, attention_mask=torch.ones_like(ids),  # noqa: E731
+                                     max_new_tokens=n_out, min_new_tokens=n_out,
+                                     do_sample=False, pad_token_id=0, **kw)
+        gen()
+        gen()
+        sync()
+        t0 = time.perf_counter()
+        gen()
+        sync()
+        secs = time.perf_counter() - t0
+        rows.append({"engine": label, "workload": "W2", "seconds": secs,
+                     "tok_per_s": n_out / secs})
+        log(f"HF {label}: {n_out / secs:.0f} tok/s")
+
+    try:
+        timed_generate("HF generate eager")
+    except Exception as e:
+        rows.append({"engine": "HF generate eager", "error": repr(e)})
+    if not ctx.smoke:
+        try:
+            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+            timed_generate("HF generate static cache + compile", cache_implementation="static")
+        except Exception as e:
+            rows.append({"engine": "HF generate static cache + compile", "error": repr(e)})
+            log("HF static+compile failed:", repr(e)[:300])
+    del model
+    free_memory()
+
+    try:
+        model = hf_model(ctx, name, torch.bfloat16)
+        prompts, outs = w1_requests(ctx.smoke)
+        k = 8 if ctx.smoke else 64
+        sub_p, sub_o = prompts[:k], outs[:k]
+        gc_ = GenerationConfig(max_new_tokens=max(sub_o), do_sample=False, eos_token_id=-1,
+                               pad_token_id=0, use_cuda_graph=False,
+                               num_blocks=4096, max_batch_tokens=8192)
+        model.generate_batch(inputs=sub_p[:2], generation_config=gc_)  # warm-up
+        sync()
+        t0 = time.perf_counter()
+        res = model.generate_batch(inputs=sub_p, generation_config=gc_)
+        sync()
+        secs = time.perf_counter() - t0
+        n_tok = sum(len(getattr(r, "generated_tokens", []) or []) for r in res.values())
+        rows.append({"engine": "HF generate_batch", "workload": f"W1 first {k} requests, "
+                     f"max_new_tokens={max(sub_o)} for all", "seconds": secs,
+                     "output_tokens": n_tok, "output_tok_per_s": n_tok / secs})
+        log(f"HF generate_batch: {n_tok / secs:,.0f} tok/s over {n_tok} tokens")
+    except Exception as e:
+        rows.append({"engine": "HF generate_batch", "error": repr(e)})
+        log("HF generate_batch failed:", traceback.format_exc()[-1500:])
+    ctx.save("hf", {"model": name, "dtype": "bfloat16", "rows": rows})
+
+
+SECTIONS = {"parity": section_parity, "graphs": section_graphs, "bf16": section_bf16,
+            "w2": section_w2, "sweep": section_sweep, "w1": section_w1, "hf": section_hf}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--out-dir", default=str(REPO / "bench" / "results" / "gpu"))
+    ap.add_argument("--tmp-dir", default="/tmp/minivllm-gpu-check")
+    ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU")
+    args = ap.parse_args()
+    if not args.smoke and not torch.cuda.is_available():
+        sys.exit("no CUDA device: use --smoke on a CPU")
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    ctx = Ctx(args)
+    if args.smoke:
+        global VOCAB_LIMIT
+        VOCAB_LIMIT = 500
+    failed = []
+    for name in args.sections.split(","):
+        t0 = time.perf_counter()
+        log(f"=== {name}")
+        os.environ.pop("MINIVLLM_COMPILE", None)
+        try:
+            SECTIONS[name](ctx)
+        except Exception:
+            failed.append(name)
+            log(traceback.format_exc())
+            (ctx.out_dir / f"{name}.error.txt").write_text(traceback.format_exc())
+        log(f"=== {name} took {time.perf_counter() - t0:.1f}s")
+        free_memory()
+    if failed:
+        log("FAILED sections:", failed)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

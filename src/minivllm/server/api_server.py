@@ -1,0 +1,270 @@
+"""The FastAPI app: OpenAI-compatible endpoints plus vLLM's extras.
+
+    GET  /health /ping /version /metrics /v1/models
+    POST /v1/completions /v1/chat/completions /tokenize /detokenize
+
+Every error is {"error": {"message", "type", "param", "code"}}: validation errors are 400
+(FastAPI's 422 is overridden), an unknown model 404, a full waiting queue 503, a missing or
+wrong API key 401. Bad input never causes a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from .. import __version__
+from ..engine.async_llm_engine import AsyncLLMEngine
+from .metrics import CONTENT_TYPE, EngineMetrics
+from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                       CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
+                       ModelList, RequestError, TokenizeRequest, TokenizeResponse,
+                       VersionResponse)
+from .serving import OpenAIServing, OrjsonResponse, error_response
+
+logger = logging.getLogger(__name__)
+
+_ERRORS = {
+    400: {"model": ErrorResponse, "description": "Invalid request"},
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
+    404: {"model": ErrorResponse, "description": "Unknown model"},
+    415: {"model": ErrorResponse, "description": "The body is not JSON"},
+    500: {"model": ErrorResponse, "description": "Engine failure"},
+    503: {"model": ErrorResponse, "description": "Too many waiting requests, or shutting down"},
+}
+_SSE = {"text/event-stream": {"schema": {"type": "string"},
+                              "description": "With stream=true: Server-Sent Events, one chunk "
+                                             "object per `data:` line, then `data: [DONE]`."}}
+
+# Paths that work without the API key.
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/docs", "/redoc",
+                        "/openapi.json", "/docs/oauth2-redirect"})
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI middleware: `Authorization: Bearer <key>` on every path but OPEN_PATHS."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or \
+                scope.get("path", "") in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        given = b""
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                given = value
+                break
+        if not hmac.compare_digest(given, self.expected):
+            resp = error_response(401, "Invalid or missing API key: send 'Authorization: "
+                                       "Bearer <key>'.", code="invalid_api_key",
+                                  headers={"WWW-Authenticate": "Bearer"})
+            return await resp(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts = []
+    param = None
+    errors = exc.errors()
+    if errors and all(tuple(e.get("loc", ()))[:2] == ("body", "prompt") for e in errors) \
+            and len(errors) > 1:
+        return ("prompt must be a string, a list of strings, a list of token ids, or a list "
+                "of token-id lists.", "prompt")
+    for err in errors:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        if param is None and loc:
+            param = loc[0]
+        msg = err.get("msg", "invalid value")
+        if err.get("type") == "json_invalid":
+            ctx = err.get("ctx") or {}
+            msg = f"The body is not valid JSON: {ctx.get('error', 'decode error')}"
+            return msg, None
+        elif err.get("type") == "missing":
+            msg = "field required"
+        parts.append(f"{where}: {msg}" if where else msg)
+    return "; ".join(parts[:8]) or "Invalid request.", param
+
+
+def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = None,
+              api_key: str | None = None, max_num_seqs: int | None = None,
+              drain_timeout: float = 5.0, metrics: EngineMetrics | None = None) -> FastAPI:
+    """The app around a started AsyncLLMEngine. The app's lifespan shuts the engine down
+    (drain_timeout seconds for in-flight requests, then abort)."""
+    if not served_model_names:
+        served_model_names = [default_model_name(engine)]
+    if max_num_seqs is None:
+        eng = engine.engine
+        max_num_seqs = eng.config.max_num_seqs if eng is not None else 256
+    serving = OpenAIServing(engine, served_model_names, max_num_seqs)
+    if metrics is None:
+        metrics = EngineMetrics(served_model_names[0])
+    engine.stat_loggers.append(metrics)
+    started = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await engine.shutdown(drain_timeout)
+
+    app = FastAPI(title="minivllm OpenAI-compatible server", version=__version__,
+                  lifespan=lifespan, strict_content_type=False)
+    app.state.engine = engine
+    app.state.drain_timeout = drain_timeout
+    app.state.serving = serving
+    app.state.metrics = metrics
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+
+    # ---- errors -------------------------------------------------------------------------
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, exc: RequestError):
+        return error_response(exc.status, exc.message, param=exc.param, code=exc.code,
+                              err_type=exc.err_type)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        ctype = request.headers.get("content-type", "")
+        if ctype and "json" not in ctype.lower():
+            return error_response(415, f"Unsupported Content-Type {ctype!r}: send "
+                                       "'application/json'.")
+        message, param = _validation_message(exc)
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail),
+                              headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        logger.exception("Unhandled error for %s %s", request.method, request.url.path)
+        return error_response(500, f"Internal server error: {type(exc).__name__}: {exc}")
+
+    # ---- plain endpoints ----------------------------------------------------------------
+
+    @app.get("/health", responses={503: _ERRORS[503]})
+    async def health() -> Response:
+        """200 while the engine runs; 503 once it has stopped or died."""
+        if not engine.is_running:
+            return error_response(503, "The engine is not running.")
+        return Response(status_code=200)
+
+    @app.get("/ping", include_in_schema=False)
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version():
+        return OrjsonResponse({"version": __version__})
+
+    @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
+    async def models():
+        root = str(engine.model_path) if engine.model_path is not None else None
+        data = [{"id": name, "object": "model", "created": started, "owned_by": "minivllm",
+                 "root": root, "parent": None, "max_model_len": engine.max_model_len,
+                 "permission": []} for name in served_model_names]
+        return OrjsonResponse({"object": "list", "data": data})
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {}},
+                              "description": "Prometheus text format"}})
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(engine.snapshot), media_type=CONTENT_TYPE)
+
+    # ---- generation ---------------------------------------------------------------------
+
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses={200: {"content": _SSE}, **_ERRORS})
+    async def completions(request: CompletionRequest, raw_request: Request):
+        """OpenAI completions (`prompt`: string, strings, token ids or token-id lists)."""
+        return await serving.create_completion(request, raw_request)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={200: {"content": _SSE}, **_ERRORS})
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
+        """OpenAI chat completions, prompted through the tokenizer's chat template."""
+        return await serving.create_chat_completion(request, raw_request)
+
+    # ---- tokenizer ----------------------------------------------------------------------
+
+    @app.post("/tokenize", response_model=TokenizeResponse,
+              responses={k: _ERRORS[k] for k in (400, 401, 404)})
+    async def tokenize(request: TokenizeRequest):
+        """vLLM's /tokenize: `prompt` text, or `messages` rendered by the chat template."""
+        serving.check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise RequestError("Give exactly one of `prompt` and `messages`.", param="prompt")
+        if request.messages is not None:
+            text = serving.render_chat(request)
+            add_special = bool(request.add_special_tokens)
+        else:
+            text = request.prompt
+            add_special = True if request.add_special_tokens is None else request.add_special_tokens
+        ids = serving.tokenize(text, add_special)
+        body = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                "token_strs": None}
+        if request.return_token_strs and serving.tokenizer is not None:
+            body["token_strs"] = serving.tokenizer.convert_ids_to_tokens(ids)
+        return OrjsonResponse(body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse,
+              responses={k: _ERRORS[k] for k in (400, 401, 404)})
+    async def detokenize(request: DetokenizeRequest):
+        """vLLM's /detokenize: token ids back to text."""
+        serving.check_model(request.model)
+        vocab = engine.vocab_size
+        for t in request.tokens:
+            if not 0 <= t < vocab:
+                raise RequestError(f"Token id {t} is out of vocabulary (valid: 0..{vocab - 1}).",
+                                   param="tokens")
+        if serving.tokenizer is None:
+            raise RequestError("This server has no tokenizer (skip_tokenizer_init).")
+        return OrjsonResponse({"prompt": serving.decode(request.tokens)})
+
+    return app
+
+
+def default_model_name(engine: AsyncLLMEngine) -> str:
+    """The model folder's name (a .gguf file: its stem)."""
+    path = engine.model_path
+    if path is None:
+        return "minivllm"
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def make_server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000,
+                log_level: str = "info", access_log: bool = True, **uvicorn_kwargs):
+    """A uvicorn.Server for the app whose shutdown drains the engine first: on SIGINT /
+    SIGTERM (or server.should_exit) new requests get 503, in-flight ones get
+    app.state.drain_timeout seconds to finish, then are aborted, so every open stream still
+    ends with a finish_reason and `data: [DONE]` before connections close."""
+    import uvicorn
+
+    drain_timeout = float(app.state.drain_timeout)
+
+    class _DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            drain = asyncio.ensure_future(app.state.engine.shutdown(drain_timeout))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                await drain
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            access_log=access_log,
+                            timeout_graceful_shutdown=int(drain_timeout) + 5,
+                            **uvicorn_kwargs)
+    return _DrainingServer(config)

@@ -1,0 +1,131 @@
+"""`minivllm serve`: command-line flags and the server's start-up.
+
+cli.py calls add_serve_arguments(parser) and run_server(args). This module imports
+nothing heavy at import time (no torch, fastapi or uvicorn), so the CLI's other commands
+work where the server's dependencies are missing. `python -m minivllm.server` runs it
+directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of `minivllm serve` (vLLM's names)."""
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="Model folder, config.json or .gguf (same as --model).")
+    parser.add_argument("--model", default=None,
+                        help="A Hugging Face model folder, a config.json (with --load-format "
+                             "dummy) or a .gguf file. Default: SmolLM2-135M-Instruct, "
+                             "prepared on first use.")
+    parser.add_argument("--tokenizer", default=None, help="Tokenizer folder (default: the "
+                                                          "model's).")
+    parser.add_argument("--host", default=DEFAULT_HOST, help="Address to listen on "
+                                                             f"(default {DEFAULT_HOST}).")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                        help=f"Port (default {DEFAULT_PORT}).")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="Name(s) the API answers to; the first is reported. Default: "
+                             "the model folder's name.")
+    parser.add_argument("--api-key", default=None,
+                        help="Require 'Authorization: Bearer KEY' (except on /health, /ping, "
+                             "/version, /metrics and the docs).")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="Context length (default: the model's).")
+    parser.add_argument("--max-num-seqs", type=int, default=256,
+                        help="Most sequences in one batch (default 256).")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="Token budget of one step (default: max(8192, max-num-seqs)).")
+    parser.add_argument("--block-size", type=int, default=16, help="KV-cache block size.")
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="Fix the number of KV-cache blocks (default: from memory).")
+    parser.add_argument("--dtype", default="auto",
+                        help="auto, float32, float16 or bfloat16 (auto: fp32 on a CPU).")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="Share of GPU memory for weights, activations and KV cache.")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="No CUDA graphs.")
+    parser.add_argument("--load-format", default="auto",
+                        choices=["auto", "safetensors", "gguf", "dummy"],
+                        help="dummy: random weights from config.json alone.")
+    parser.add_argument("--seed", type=int, default=0, help="Engine seed.")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
+    parser.add_argument("--skip-tokenizer-init", action="store_true",
+                        help="No tokenizer: prompts must be token ids (no chat).")
+    parser.add_argument("--max-waiting-requests", type=int,
+                        default=DEFAULT_MAX_WAITING_REQUESTS,
+                        help="Requests accepted but not yet started before the server "
+                             "answers 503 (0: no limit; default "
+                             f"{DEFAULT_MAX_WAITING_REQUESTS}).")
+    parser.add_argument("--shutdown-timeout", type=float, default=10.0,
+                        help="On shutdown, seconds to let in-flight requests finish before "
+                             "they are aborted (default 10).")
+    parser.add_argument("--log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug"],
+                        help="Server log level.")
+    parser.add_argument("--disable-log-requests", action="store_true",
+                        help="Don't log each HTTP request.")
+    return parser
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from ..config import EngineConfig
+
+    model = args.model or getattr(args, "model_tag", None)
+    return EngineConfig(
+        model=model, tokenizer=args.tokenizer, dtype=args.dtype,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
+        enforce_eager=args.enforce_eager, load_format=args.load_format, seed=args.seed,
+        device=args.device, skip_tokenizer_init=args.skip_tokenizer_init)
+
+
+def build_server(args: argparse.Namespace):
+    """(uvicorn.Server, AsyncLLMEngine): the engine started, the server not yet."""
+    from ..engine.async_llm_engine import AsyncLLMEngine
+    from .api_server import build_app, make_server
+
+    config = engine_config_from_args(args)
+    waiting = args.max_waiting_requests or None
+    engine = AsyncLLMEngine(config, max_waiting_requests=waiting)
+    app = build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
+                    max_num_seqs=args.max_num_seqs, drain_timeout=args.shutdown_timeout)
+    server = make_server(app, host=args.host, port=args.port, log_level=args.log_level,
+                         access_log=not args.disable_log_requests, timeout_keep_alive=30)
+    return server, engine
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """Build the engine, then serve until SIGINT/SIGTERM; shut down gracefully."""
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    log = logging.getLogger("minivllm.server")
+    try:
+        server, engine = build_server(args)
+    except ImportError as e:
+        sys.exit(f"minivllm serve needs the server dependencies (fastapi, uvicorn, pydantic, "
+                 f"orjson): {e}")
+    except (ValueError, FileNotFoundError, OSError) as e:
+        sys.exit(f"minivllm serve: {e}")
+    names = server.config.app.state.serving.served_model_names
+    log.info("Serving %s (max_model_len %d) on http://%s:%d", names[0], engine.max_model_len,
+             args.host, args.port)
+    try:
+        server.run()
+    finally:
+        engine.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="minivllm serve",
+                                     description="OpenAI-compatible minivllm server.")
+    add_serve_arguments(parser)
+    run_server(parser.parse_args(argv))

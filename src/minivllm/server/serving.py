@@ -1,0 +1,538 @@
+"""The OpenAI completion and chat endpoints' logic: request -> engine requests -> response
+or SSE stream. Kept apart from the FastAPI wiring (api_server.py).
+
+One HTTP request becomes one engine request per prompt (completions may batch several);
+each engine request carries all n samples. Choice index = prompt index * n + sample index.
+Streams send the difference between successive cumulative texts, so the streamed text
+joined equals the non-streamed text, and stop strings never leak (the engine holds back a
+tail that could start one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import orjson
+from fastapi import Request
+from starlette.responses import Response, StreamingResponse
+
+from ..engine.async_llm_engine import (AsyncLLMEngine, EngineDeadError, EngineShuttingDownError,
+                                       EngineStepError, QueueFullError, RequestStream)
+from ..outputs import Logprob, RequestOutput
+from ..sampling_params import SamplingParams
+from ..tokenizer import render_chat
+from .protocol import ChatCompletionRequest, CompletionRequest, RequestError
+
+logger = logging.getLogger(__name__)
+
+
+class OrjsonResponse(Response):
+    media_type = "application/json"
+
+    def render(self, content) -> bytes:
+        return orjson.dumps(content)
+
+
+def error_body(message: str, err_type: str, code: str | int | None = None,
+               param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+_STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                 403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+                 413: "invalid_request_error", 415: "invalid_request_error",
+                 422: "invalid_request_error", 429: "rate_limit_error",
+                 500: "server_error", 503: "service_unavailable_error"}
+
+
+def error_response(status: int, message: str, *, code: str | int | None = None,
+                   param: str | None = None, err_type: str | None = None,
+                   headers: dict | None = None) -> OrjsonResponse:
+    err_type = err_type or _STATUS_TYPES.get(status, "invalid_request_error"
+                                             if status < 500 else "server_error")
+    return OrjsonResponse(error_body(message, err_type, code if code is not None else status,
+                                     param), status_code=status, headers=headers)
+
+
+def sse(data: dict) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class DisconnectWatcher:
+    """Calls on_disconnect() when the client closes the connection (streaming or not),
+    by waiting on the ASGI receive channel once the body has been read."""
+
+    def __init__(self, request: Request, on_disconnect: Callable[[], None]) -> None:
+        self.disconnected = False
+        self._on_disconnect = on_disconnect
+        self._task = asyncio.get_running_loop().create_task(self._watch(request.receive))
+
+    async def _watch(self, receive) -> None:
+        try:
+            while True:
+                message = await receive()
+                if message.get("type") == "http.disconnect":
+                    break
+        except Exception:  # noqa: BLE001 - a broken channel is a disconnect too
+            pass
+        self.disconnected = True
+        self._on_disconnect()
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+@dataclass
+class _Prompt:
+    text: str | None  # the text, when known (for echo); None for token-id prompts
+    token_ids: list[int]
+
+
+@dataclass
+class _ChoiceState:
+    text_len: int = 0
+    num_tokens: int = 0
+    text_offset: int = 0
+    started: bool = False
+    done: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Job:
+    """One HTTP request in flight: its engine requests and their streams."""
+
+    request_id: str
+    model: str
+    created: int
+    prompts: list[_Prompt]
+    params: SamplingParams
+    streams: list[RequestStream] = field(default_factory=list)
+
+    @property
+    def engine_ids(self) -> list[str]:
+        return [f"{self.request_id}-{i}" for i in range(len(self.prompts))]
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, newest output) as each stream advances, until all are finished."""
+    if len(streams) == 1:
+        s = streams[0]
+        while not s.finished:
+            yield 0, await s.get_latest()
+        return
+    tasks: dict[asyncio.Task, int] = {}
+    try:
+        for i, s in enumerate(streams):
+            tasks[asyncio.ensure_future(s.get_latest())] = i
+        while tasks:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for t in sorted(done, key=lambda t: tasks[t]):
+                i = tasks.pop(t)
+                out = t.result()
+                yield i, out
+                if not streams[i].finished:
+                    tasks[asyncio.ensure_future(streams[i].get_latest())] = i
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str],
+                 max_num_seqs: int) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.model_name = served_model_names[0]
+        self.tokenizer = engine.tokenizer  # the frontend's own copy (see AsyncLLMEngine)
+        self.max_n = max_num_seqs
+        self.accepted_model_names = set(served_model_names)
+        if engine.model_path is not None:
+            self.accepted_model_names.add(str(engine.model_path))
+
+    # ---- shared steps -------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.accepted_model_names:
+            raise RequestError(f"The model `{model}` does not exist.", 404, param="model",
+                               code="model_not_found", err_type="invalid_request_error")
+
+    def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("This server has no tokenizer (skip_tokenizer_init): send "
+                               "prompts as token ids.")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_str(self, tid: int, lp: Logprob | None) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        if self.tokenizer is None:
+            return f"token_id:{tid}"
+        return self.tokenizer.decode([tid])
+
+    def render_chat(self, req) -> str:
+        if self.tokenizer is None:
+            raise RequestError("This server has no tokenizer, so no chat template.")
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        for m in messages:
+            m.setdefault("content", "")
+        try:
+            return render_chat(self.tokenizer, messages,
+                               add_generation_prompt=req.add_generation_prompt,
+                               chat_template=req.chat_template,
+                               continue_final_message=req.continue_final_message,
+                               **(req.chat_template_kwargs or {}))
+        except RequestError:
+            raise
+        except (ValueError, TypeError, KeyError) as e:
+            raise RequestError(f"Could not apply the chat template: {e}",
+                               param="messages") from e
+        except Exception as e:  # jinja2 TemplateError and friends
+            raise RequestError(f"Could not apply the chat template: {e}",
+                               param="messages") from e
+
+    async def start(self, job: _Job, raw_request: Request) -> DisconnectWatcher:
+        """Submit the job's engine requests (all or nothing) and watch for a disconnect.
+        Refusals become RequestErrors with the right status."""
+        ids = job.engine_ids
+        watcher = DisconnectWatcher(raw_request, lambda: self.engine.abort(ids))
+        specs = [dict(request_id=rid, prompt={"prompt": p.text, "prompt_token_ids": p.token_ids},
+                      params=job.params) for rid, p in zip(ids, job.prompts)]
+        try:
+            job.streams = await self.engine.add_requests(specs)
+        except BaseException as e:
+            watcher.stop()
+            if isinstance(e, (ValueError, TypeError, OverflowError)) and not isinstance(
+                    e, RequestError):
+                raise RequestError(str(e), param=None) from e
+            if isinstance(e, QueueFullError):
+                raise RequestError(str(e), 503, code="queue_full") from e
+            if isinstance(e, (EngineShuttingDownError, EngineDeadError)):
+                raise RequestError(str(e), 503) from e
+            raise
+        return watcher
+
+    # ---- completions --------------------------------------------------------------------
+
+    def completion_prompts(self, req: CompletionRequest) -> list[_Prompt]:
+        p = req.prompt
+        if isinstance(p, str):
+            items: list = [p]
+        elif len(p) == 0:
+            raise RequestError("prompt must not be empty.", param="prompt")
+        elif isinstance(p[0], int):
+            items = [p]
+        else:
+            items = list(p)
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                prompts.append(_Prompt(item, self.tokenize(item, req.add_special_tokens)))
+            else:
+                if len(item) == 0:
+                    raise RequestError("A token-id prompt must not be empty.", param="prompt")
+                prompts.append(_Prompt(None, list(item)))
+        return prompts
+
+    async def create_completion(self, req: CompletionRequest, raw_request: Request) -> Response:
+        self.check_model(req.model)
+        params = req.to_sampling_params(self.max_n)
+        prompts = self.completion_prompts(req)
+        job = _Job(_new_id("cmpl", req.request_id), self.model_name, int(time.time()),
+                   prompts, params)
+        watcher = await self.start(job, raw_request)
+        if req.stream:
+            return StreamingResponse(self._completion_stream(job, req, watcher),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            finals = await self._collect(job)
+        finally:
+            watcher.stop()
+            self.engine.abort([rid for rid, s in zip(job.engine_ids, job.streams)
+                               if not s.finished])
+        n = params.n
+        choices = []
+        completion_tokens = 0
+        for pi, out in enumerate(finals):
+            prompt = job.prompts[pi]
+            for o in out.outputs:
+                completion_tokens += len(o.token_ids)
+                text = o.text
+                logprobs = None
+                if req.logprobs is not None:
+                    lp = _CompletionLogprobs()
+                    if req.echo:
+                        self._add_completion_logprobs(lp, prompt.token_ids,
+                                                      out.prompt_logprobs, req.logprobs)
+                    self._add_completion_logprobs(lp, o.token_ids, o.logprobs, req.logprobs)
+                    logprobs = lp.as_dict()
+                if req.echo:
+                    text = self._prompt_text(prompt) + text
+                choices.append({"index": pi * n + o.index, "text": text, "logprobs": logprobs,
+                                "finish_reason": o.finish_reason,
+                                "stop_reason": o.stop_reason})
+        prompt_tokens = sum(len(p.token_ids) for p in job.prompts)
+        return OrjsonResponse({
+            "id": job.request_id, "object": "text_completion", "created": job.created,
+            "model": job.model, "choices": choices,
+            "usage": _usage(prompt_tokens, completion_tokens)})
+
+    def _prompt_text(self, prompt: _Prompt) -> str:
+        return prompt.text if prompt.text is not None else self.decode(prompt.token_ids)
+
+    def _add_completion_logprobs(self, lp: "_CompletionLogprobs", token_ids: list[int],
+                                 positions: list | None, num: int) -> None:
+        positions = positions or []
+        for k, tid in enumerate(token_ids):
+            pos = positions[k] if k < len(positions) else None
+            chosen = pos.get(tid) if pos else None
+            tok = self.token_str(tid, chosen)
+            lp.tokens.append(tok)
+            lp.text_offset.append(lp.offset)
+            lp.offset += len(tok)
+            if pos is None:
+                lp.token_logprobs.append(None)
+                lp.top_logprobs.append(None)
+                continue
+            lp.token_logprobs.append(chosen.logprob if chosen is not None else None)
+            top = {}
+            for t, entry in sorted(pos.items(), key=lambda kv: kv[1].rank or 0):
+                if t == tid or (entry.rank is not None and entry.rank <= num):
+                    top.setdefault(self.token_str(t, entry), entry.logprob)
+            lp.top_logprobs.append(top)
+
+    async def _completion_stream(self, job: _Job, req: CompletionRequest,
+                                 watcher: DisconnectWatcher) -> AsyncIterator[bytes]:
+        n = job.params.n
+        states = [_ChoiceState() for _ in range(len(job.prompts) * n)]
+        lp_states = [_CompletionLogprobs() for _ in states]
+        usage_chunks = req.include_usage
+        completion_tokens = 0
+        try:
+            async for pi, out in merge_streams(job.streams):
+                prompt = job.prompts[pi]
+                for o in out.outputs:
+                    ci = pi * n + o.index
+                    st = states[ci]
+                    if st.done:
+                        continue
+                    delta = _text_delta(o.text, st)
+                    new_tokens = o.token_ids[st.num_tokens:]
+                    finish = o.finish_reason
+                    echo_now = req.echo and not st.started
+                    if not delta and not echo_now and finish is None and (
+                            req.logprobs is None or not new_tokens):
+                        continue
+                    logprobs = None
+                    if req.logprobs is not None:
+                        lp = lp_states[ci]
+                        start = len(lp.tokens)
+                        if echo_now:
+                            self._add_completion_logprobs(lp, prompt.token_ids,
+                                                          out.prompt_logprobs, req.logprobs)
+                        self._add_completion_logprobs(
+                            lp, new_tokens, (o.logprobs or [])[st.num_tokens:], req.logprobs)
+                        logprobs = lp.as_dict(start)
+                    if echo_now:
+                        delta = self._prompt_text(prompt) + delta
+                    st.started = True
+                    st.num_tokens = len(o.token_ids)
+                    if finish is not None:
+                        st.done = True
+                        completion_tokens += len(o.token_ids)
+                    chunk = {"id": job.request_id, "object": "text_completion",
+                             "created": job.created, "model": job.model,
+                             "choices": [{"index": ci, "text": delta, "logprobs": logprobs,
+                                          "finish_reason": finish,
+                                          "stop_reason": o.stop_reason}]}
+                    if usage_chunks:
+                        chunk["usage"] = None
+                    yield sse(chunk)
+            if usage_chunks:
+                prompt_tokens = sum(len(p.token_ids) for p in job.prompts)
+                yield sse({"id": job.request_id, "object": "text_completion",
+                           "created": job.created, "model": job.model, "choices": [],
+                           "usage": _usage(prompt_tokens, completion_tokens)})
+            yield SSE_DONE
+        except EngineStepError as e:
+            yield sse(error_body(str(e), "server_error", 500))
+            yield SSE_DONE
+        finally:
+            watcher.stop()
+            self.engine.abort([rid for rid, s in zip(job.engine_ids, job.streams)
+                               if not s.finished])
+
+    async def _collect(self, job: _Job) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(job.streams)
+        try:
+            async for i, out in merge_streams(job.streams):
+                finals[i] = out
+        except EngineStepError as e:
+            raise RequestError(str(e), 500, err_type="server_error") from e
+        return finals  # type: ignore[return-value]
+
+    # ---- chat ---------------------------------------------------------------------------
+
+    async def create_chat_completion(self, req: ChatCompletionRequest,
+                                     raw_request: Request) -> Response:
+        self.check_model(req.model)
+        params = req.to_sampling_params(self.max_n)
+        text = self.render_chat(req)
+        prompt = _Prompt(text, self.tokenize(text, req.add_special_tokens))
+        job = _Job(_new_id("chatcmpl", req.request_id), self.model_name, int(time.time()),
+                   [prompt], params)
+        echo_text = ""
+        if req.echo and req.messages and req.messages[-1].role == "assistant":
+            content = req.messages[-1].content
+            echo_text = content if isinstance(content, str) else "".join(
+                p.get("text", "") for p in (content or []) if isinstance(p, dict))
+        watcher = await self.start(job, raw_request)
+        if req.stream:
+            return StreamingResponse(self._chat_stream(job, req, watcher, echo_text),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            [final] = await self._collect(job)
+        finally:
+            watcher.stop()
+            self.engine.abort([rid for rid, s in zip(job.engine_ids, job.streams)
+                               if not s.finished])
+        choices = []
+        completion_tokens = 0
+        top_n = req.top_logprobs or 0
+        for o in final.outputs:
+            completion_tokens += len(o.token_ids)
+            logprobs = None
+            if req.logprobs:
+                logprobs = {"content": self._chat_logprobs(o.token_ids, o.logprobs, top_n)}
+            choices.append({"index": o.index,
+                            "message": {"role": "assistant", "content": echo_text + o.text},
+                            "logprobs": logprobs, "finish_reason": o.finish_reason,
+                            "stop_reason": o.stop_reason})
+        return OrjsonResponse({
+            "id": job.request_id, "object": "chat.completion", "created": job.created,
+            "model": job.model, "choices": choices,
+            "usage": _usage(len(prompt.token_ids), completion_tokens)})
+
+    def _chat_logprobs(self, token_ids: list[int], positions: list | None,
+                       top_n: int) -> list[dict]:
+        content = []
+        positions = positions or []
+        for k, tid in enumerate(token_ids):
+            pos = positions[k] if k < len(positions) else {}
+            chosen = pos.get(tid)
+            tok = self.token_str(tid, chosen)
+            tops = sorted(((t, e) for t, e in pos.items()
+                           if e.rank is not None and e.rank <= top_n),
+                          key=lambda te: te[1].rank)
+            content.append({
+                "token": tok, "logprob": chosen.logprob if chosen is not None else None,
+                "bytes": list(tok.encode("utf-8")),
+                "top_logprobs": [{"token": (s := self.token_str(t, e)), "logprob": e.logprob,
+                                  "bytes": list(s.encode("utf-8"))} for t, e in tops]})
+        return content
+
+    async def _chat_stream(self, job: _Job, req: ChatCompletionRequest,
+                           watcher: DisconnectWatcher, echo_text: str) -> AsyncIterator[bytes]:
+        n = job.params.n
+        states = [_ChoiceState() for _ in range(n)]
+        usage_chunks = req.include_usage
+        top_n = req.top_logprobs or 0
+        completion_tokens = 0
+
+        def chunk(choice: dict) -> bytes:
+            c = {"id": job.request_id, "object": "chat.completion.chunk",
+                 "created": job.created, "model": job.model, "choices": [choice]}
+            if usage_chunks:
+                c["usage"] = None
+            return sse(c)
+
+        try:
+            for i in range(n):  # the role first, before any token
+                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None})
+                if echo_text:
+                    yield chunk({"index": i, "delta": {"content": echo_text},
+                                 "logprobs": None, "finish_reason": None})
+            async for _, out in merge_streams(job.streams):
+                for o in out.outputs:
+                    st = states[o.index]
+                    if st.done:
+                        continue
+                    delta = _text_delta(o.text, st)
+                    new_tokens = o.token_ids[st.num_tokens:]
+                    finish = o.finish_reason
+                    if not delta and finish is None and (not req.logprobs or not new_tokens):
+                        continue
+                    logprobs = None
+                    if req.logprobs:
+                        logprobs = {"content": self._chat_logprobs(
+                            new_tokens, (o.logprobs or [])[st.num_tokens:], top_n)}
+                    st.num_tokens = len(o.token_ids)
+                    if finish is not None:
+                        st.done = True
+                        completion_tokens += len(o.token_ids)
+                    yield chunk({"index": o.index,
+                                 "delta": {"content": delta} if delta else {},
+                                 "logprobs": logprobs, "finish_reason": finish,
+                                 "stop_reason": o.stop_reason})
+            if usage_chunks:
+                yield sse({"id": job.request_id, "object": "chat.completion.chunk",
+                           "created": job.created, "model": job.model, "choices": [],
+                           "usage": _usage(len(job.prompts[0].token_ids), completion_tokens)})
+            yield SSE_DONE
+        except EngineStepError as e:
+            yield sse(error_body(str(e), "server_error", 500))
+            yield SSE_DONE
+        finally:
+            watcher.stop()
+            self.engine.abort([rid for rid, s in zip(job.engine_ids, job.streams)
+                               if not s.finished])
+
+
+@dataclass
+class _CompletionLogprobs:
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict | None] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+    offset: int = 0
+
+    def as_dict(self, start: int = 0) -> dict:
+        return {"text_offset": self.text_offset[start:], "token_logprobs":
+                self.token_logprobs[start:], "tokens": self.tokens[start:],
+                "top_logprobs": self.top_logprobs[start:]}
+
+
+def _text_delta(text: str, st: _ChoiceState) -> str:
+    """The new part of a cumulative text. The engine only ever extends what it has shown
+    (it holds back possible stop-string starts), so this is a plain suffix."""
+    if len(text) < st.text_len:  # should not happen; never resend or go backwards
+        logger.warning("output text shrank (%d -> %d chars)", st.text_len, len(text))
+        return ""
+    delta = text[st.text_len:]
+    st.text_len = len(text)
+    return delta
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _new_id(prefix: str, given: str | None) -> str:
+    return given if given else f"{prefix}-{uuid.uuid4().hex}"
