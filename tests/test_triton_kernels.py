@@ -193,6 +193,33 @@ def test_chunked_prefill(hq, hkv, d, block_size, dtype):
     run_case(seq_lens, q_lens, hq, hkv, d, block_size, dtype, seed=4, fused_qkv=True)
 
 
+@pytest.mark.parametrize("seed,hq,hkv,d,block_size,dtype", [
+    (20, 7, 1, 16, 8, torch.float32),    # Qwen2.5-like GQA 7
+    (21, 8, 2, 64, 32, torch.float16),
+    (22, 4, 4, 16, 1, torch.float32),    # MHA, block size 1
+    (23, 6, 2, 32, 16, torch.bfloat16),  # GQA 3
+    (24, 4, 2, 128, 16, torch.float16),
+])
+def test_random_mixed_batches(seed, hq, hkv, d, block_size, dtype):
+    """Random mixes of fresh prompts, chunked-prefill chunks, decode rows and
+    qlen-0 rows, with random lengths."""
+    g = torch.Generator().manual_seed(seed)
+    n = 5
+    seq_lens, q_lens = [], []
+    for i in range(n):
+        kind = int(torch.randint(0, 4, (1,), generator=g))
+        sl = int(torch.randint(1, 50, (1,), generator=g))
+        ql = {0: sl, 1: int(torch.randint(1, sl + 1, (1,), generator=g)), 2: 1, 3: 0}[kind]
+        seq_lens.append(sl)
+        q_lens.append(ql)
+    q_lens[0] = max(q_lens[0], 2)  # at least one multi-token row
+    seq_lens[0] = max(seq_lens[0], q_lens[0])
+    run_case(seq_lens, q_lens, hq, hkv, d, block_size, dtype, seed=seed)
+    # the same contexts decoded (one query each), several splits
+    run_case(seq_lens, [1] * n, hq, hkv, d, block_size, dtype, seed=seed + 100,
+             check_decode_direct=True, num_splits=3)
+
+
 def test_prefill_non_identity_tables_and_out_arg():
     gen = torch.Generator().manual_seed(5)
     hq, hkv, d, bs = 4, 2, 16, 4

@@ -1,0 +1,353 @@
+"""Triton kernels of minivllm: paged KV-cache writes and paged attention.
+
+Public API
+----------
+store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                scale, max_query_len, max_seq_len, out=None)
+paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                       max_seq_len, out=None, num_splits=None)
+decode_num_splits(num_seqs, num_kv_heads, max_seq_len, device=None)
+
+KV cache layout (per layer): ``k_cache``/``v_cache`` of shape
+``[num_blocks, block_size, num_kv_heads, head_dim]``; a token's slot is
+``block_id * block_size + offset_in_block``.  Block tables are int32
+``[num_seqs, max_blocks_per_seq]``; only the entries covering
+``seq_lens[i]`` tokens are ever read.
+
+CUDA tensors run the compiled kernels (or interpreted ones if
+``TRITON_INTERPRET=1`` was set when this package was first used); CPU
+tensors always run the kernels through Triton's interpreter (slow: tests
+only).  All launches are free of host syncs and data-dependent grids, so they
+can be captured in CUDA graphs (the decode grid depends only on the batch
+size, the head counts and ``num_splits`` / ``max_seq_len``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+
+import torch
+
+__all__ = [
+    "store_kv_cache",
+    "paged_attention",
+    "paged_attention_decode",
+    "decode_num_splits",
+]
+
+_LOG2E = 1.4426950408889634
+_MAX_SPLITS = 64
+_MIN_SPLIT_TOKENS = 128
+
+# ----------------------------------------------------------------------------
+# kernel module selection (compiled for CUDA, interpreted for CPU)
+# ----------------------------------------------------------------------------
+_default_mod = None
+_interp_mod = None
+_sm_count_cache: dict = {}
+
+
+def _is_interpreted(mod) -> bool:
+    return type(mod._store_kv_kernel).__name__ == "InterpretedFunction"
+
+
+def _default_module():
+    global _default_mod
+    if _default_mod is None:
+        _default_mod = importlib.import_module(__name__ + "._kernels")
+    return _default_mod
+
+
+def _interpreted_module():
+    """The kernels built under TRITON_INTERPRET=1 (for CPU tensors)."""
+    global _interp_mod
+    if _interp_mod is not None:
+        return _interp_mod
+    name = __name__ + "._kernels"
+    if name in sys.modules or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        mod = _default_module()
+        if _is_interpreted(mod):
+            _interp_mod = mod
+            return mod
+    # Load a second copy of _kernels.py with the interpreter switched on.
+    path = os.path.join(os.path.dirname(__file__), "_kernels.py")
+    iname = __name__ + "._kernels_interpreted"
+    spec = importlib.util.spec_from_file_location(iname, path)
+    mod = importlib.util.module_from_spec(spec)
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        sys.modules[iname] = mod
+        spec.loader.exec_module(mod)
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    _interp_mod = mod
+    return mod
+
+
+def _kernels_for(device: torch.device):
+    if device.type == "cpu":
+        return _interpreted_module()
+    return _default_module()
+
+
+def _uses_interpreter(device: torch.device) -> bool:
+    return device.type == "cpu" or _is_interpreted(_default_module())
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _sm_count(device) -> int:
+    if device is None or torch.device(device).type != "cuda":
+        return 4  # small "machine" for CPU/interpreter runs
+    dev = torch.device(device)
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    n = _sm_count_cache.get(idx)
+    if n is None:
+        n = torch.cuda.get_device_properties(idx).multi_processor_count
+        _sm_count_cache[idx] = n
+    return n
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor):
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache/v_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+
+
+def _dot_fp32(dtype: torch.dtype, interpreted: bool) -> bool:
+    # fp32: exact ieee dot.  bf16 under the interpreter: numpy has no bf16,
+    # so compute in fp32 there.
+    return dtype == torch.float32 or (interpreted and dtype == torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------
+# store_kv_cache
+# ----------------------------------------------------------------------------
+def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write key/value ``[T, Hkv, D]`` into the paged cache in place.
+
+    ``slot_mapping`` (int32/int64 ``[T]``) gives each token's slot
+    (``block_id * block_size + offset``); slot ``-1`` (any negative) is
+    padding and is skipped.  No host syncs: CUDA-graph capturable.
+    """
+    _check_cache(k_cache, v_cache)
+    T, H, D = key.shape
+    if value.shape != key.shape:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
+    nb, bs, hc, dc = k_cache.shape
+    if (hc, dc) != (H, D):
+        raise ValueError(f"cache heads/dim {(hc, dc)} do not match key {(H, D)}")
+    if slot_mapping.shape[0] < T:
+        raise ValueError("slot_mapping shorter than key")
+    if T == 0:
+        return
+    kern = _kernels_for(key.device)
+    block_h = _next_pow2(H)
+    block_d = _next_pow2(D)
+    num_warps = 4 if block_h * block_d >= 2048 else (2 if block_h * block_d >= 512 else 1)
+    kern._store_kv_kernel[(T,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+        NUM_KV_HEADS=H, HEAD_DIM=D, BLOCK_SIZE=bs, BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=num_warps,
+    )
+
+
+# ----------------------------------------------------------------------------
+# decode (flash-decoding)
+# ----------------------------------------------------------------------------
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device=None) -> int:
+    """Number of KV splits used by the decode path.
+
+    A pure function of Python ints (and the device's SM count), so a CUDA
+    graph captured for a batch size and ``max_seq_len`` bound keeps a fixed
+    grid.  No split once (seq, kv-head) programs reach 2 per SM; otherwise
+    split towards ~4 programs per SM, with >= 128 tokens per split and at
+    most 64 splits.  (Inside the kernel each sequence's chunk is
+    cdiv(seq_len, num_splits) rounded up to the kv tile, so a long sequence
+    uses every split and a short one leaves some idle.)
+    """
+    progs = max(1, num_seqs * num_kv_heads)
+    sms = _sm_count(device)
+    if progs >= 2 * sms or max_seq_len <= _MIN_SPLIT_TOKENS:
+        return 1
+    by_len = -(-int(max_seq_len) // _MIN_SPLIT_TOKENS)
+    by_occ = -(-(4 * sms) // progs)
+    return int(max(1, min(by_len, by_occ, _MAX_SPLITS)))
+
+
+def _decode_config(head_dim: int, dtype: torch.dtype, interpreted: bool):
+    # Tuned on an H200 (triton 3.6): the kernel is bandwidth-bound and not
+    # very sensitive; fp32 (FMA dots) needs fewer stages to avoid spills.
+    if interpreted:
+        return dict(BLOCK_N=16, num_warps=4, num_stages=1)
+    if dtype == torch.float32:
+        return dict(BLOCK_N=64 if head_dim <= 128 else 32, num_warps=4, num_stages=2)
+    if head_dim <= 64:
+        return dict(BLOCK_N=128, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return dict(BLOCK_N=64, num_warps=4, num_stages=3)
+    return dict(BLOCK_N=32, num_warps=4, num_stages=2)
+
+
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           max_seq_len: int, out: torch.Tensor | None = None,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """Decode attention: one query token per sequence, ``q`` is ``[B, Hq, D]``.
+
+    Sequence ``b`` attends to kv positions ``0 .. seq_lens[b]-1``.  Rows with
+    ``seq_lens[b] == 0`` (CUDA-graph padding) produce zeros.  The grid is
+    ``(B, Hkv, num_splits)``; ``num_splits`` defaults to
+    ``decode_num_splits(B, Hkv, max_seq_len)`` (Python ints only).
+    """
+    _check_cache(k_cache, v_cache)
+    B, Hq, D = q.shape
+    nb, bs, Hkv, Dc = k_cache.shape
+    if Dc != D:
+        raise ValueError(f"head_dim mismatch q {D} vs cache {Dc}")
+    if Hq % Hkv != 0:
+        raise ValueError(f"num_heads {Hq} not a multiple of num_kv_heads {Hkv}")
+    if seq_lens.shape[0] != B:
+        raise ValueError(f"seq_lens has {seq_lens.shape[0]} rows, q has {B}")
+    if out is None:
+        out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    gqa = Hq // Hkv
+    if num_splits is None:
+        num_splits = decode_num_splits(B, Hkv, max_seq_len, q.device)
+    num_splits = int(max(1, num_splits))
+    interpreted = _uses_interpreter(q.device)
+    kern = _kernels_for(q.device)
+    cfg = _decode_config(D, k_cache.dtype, interpreted)
+    block_d = _next_pow2(max(D, 16))
+    block_g = max(16, _next_pow2(gqa))
+    if num_splits > 1:
+        part_o = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = out
+        part_lse = out
+    kern._decode_split_kernel[(B, Hkv, num_splits)](
+        q, k_cache, v_cache, out, part_o, part_lse, block_tables, seq_lens,
+        float(scale) * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+        block_tables.stride(0), block_tables.stride(1),
+        NUM_Q_HEADS=Hq, GQA=gqa, HEAD_DIM=D, BLOCK_SIZE=bs,
+        BLOCK_G=block_g, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
+        NUM_SPLITS=num_splits, DOT_FP32=_dot_fp32(k_cache.dtype, interpreted),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if num_splits > 1:
+        kern._decode_reduce_kernel[(B, Hq)](
+            part_o, part_lse, out, seq_lens,
+            out.stride(0), out.stride(1), out.stride(2),
+            NUM_Q_HEADS=Hq, HEAD_DIM=D, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
+            NUM_SPLITS=num_splits, BLOCK_S=_next_pow2(num_splits),
+            num_warps=1 if interpreted else 4,
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------
+# varlen prefill / chunked prefill / mixed
+# ----------------------------------------------------------------------------
+def _prefill_config(rows: int, head_dim: int, dtype: torch.dtype, interpreted: bool,
+                    long_ctx: bool = False):
+    """Tile config.  rows = max_query_len * GQA (the packed M extent);
+    long_ctx: the kv range is long compared with the queries (chunked
+    prefill with a cached prefix), where wide kv tiles pay off.  Tuned on an
+    H200 (triton 3.6) for bf16 with head_dim 64 / 128."""
+    small_m = max(16, _next_pow2(rows))
+    if interpreted:
+        return dict(BLOCK_M=min(32, small_m), BLOCK_N=16, num_warps=4, num_stages=1)
+    if dtype == torch.float32:
+        return dict(BLOCK_M=min(32, small_m), BLOCK_N=32 if head_dim <= 128 else 16, num_warps=4, num_stages=1)
+    if head_dim > 128:
+        return dict(BLOCK_M=min(64, small_m), BLOCK_N=32, num_warps=8, num_stages=2)
+    if head_dim > 64:
+        return dict(BLOCK_M=min(64, small_m), BLOCK_N=64, num_warps=4, num_stages=3)
+    if long_ctx:
+        return dict(BLOCK_M=min(64, small_m), BLOCK_N=128, num_warps=4, num_stages=3)
+    bm = min(128, small_m)
+    return dict(BLOCK_M=bm, BLOCK_N=64, num_warps=8 if bm == 128 else 4, num_stages=2 if bm == 128 else 3)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float, max_query_len: int,
+                    max_seq_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Ragged causal attention over the paged KV cache (prefill, chunked
+    prefill, decode, or a mix of them).
+
+    Sequence ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``
+    (``qlen`` rows) and has ``seq_lens[i]`` tokens in the cache, these new
+    ones included; its query ``j`` sits at position ``seq_lens[i]-qlen+j`` and
+    attends to kv positions ``0..seq_lens[i]-qlen+j``.  ``max_query_len`` /
+    ``max_seq_len`` are Python-int upper bounds.  Returns ``[T, Hq, D]`` in
+    q's dtype.  Rows of ``out`` that belong to no sequence are not written.
+    Dispatches to :func:`paged_attention_decode` when ``max_query_len == 1``
+    and there is one query row per sequence.
+    """
+    _check_cache(k_cache, v_cache)
+    T, Hq, D = q.shape
+    nb, bs, Hkv, Dc = k_cache.shape
+    if Dc != D:
+        raise ValueError(f"head_dim mismatch q {D} vs cache {Dc}")
+    if Hq % Hkv != 0:
+        raise ValueError(f"num_heads {Hq} not a multiple of num_kv_heads {Hkv}")
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError("query_start_loc must have num_seqs + 1 entries")
+    if out is None:
+        out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
+    if T == 0 or num_seqs == 0 or max_query_len <= 0:
+        return out
+    if max_query_len == 1 and T == num_seqs:
+        return paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                      max_seq_len, out=out)
+    gqa = Hq // Hkv
+    interpreted = _uses_interpreter(q.device)
+    kern = _kernels_for(q.device)
+    rows = int(max_query_len) * gqa
+    cfg = _prefill_config(rows, D, k_cache.dtype, interpreted,
+                          long_ctx=int(max_seq_len) >= 2 * int(max_query_len))
+    block_d = _next_pow2(max(D, 16))
+    grid = (_cdiv(rows, cfg["BLOCK_M"]), num_seqs, Hkv)
+    kern._prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        float(scale) * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+        block_tables.stride(0), block_tables.stride(1),
+        GQA=gqa, HEAD_DIM=D, BLOCK_SIZE=bs,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
+        DOT_FP32=_dot_fp32(k_cache.dtype, interpreted),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-int(a) // int(b))

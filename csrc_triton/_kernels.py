@@ -1,0 +1,302 @@
+"""Triton kernels of minivllm (paged KV cache write + paged attention).
+
+This module only defines the ``@triton.jit`` kernels; the launch wrappers live
+in ``csrc_triton/__init__.py``.  The module may be loaded twice: once normally
+(compiled kernels for CUDA tensors) and once under ``TRITON_INTERPRET=1``
+(interpreted kernels for CPU tensors), see ``__init__._kernels_for``.
+
+Conventions shared by all kernels
+---------------------------------
+* KV cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` per K and V.
+  Token position ``p`` of a sequence lives in physical block
+  ``block_table[p // BLOCK_SIZE]`` at offset ``p % BLOCK_SIZE``.
+* Softmax runs in the log2 domain: ``qk_scale = scale * log2(e)`` and
+  ``exp2`` is used everywhere; log-sum-exps written by the decode kernel are
+  log2-domain as well.
+* ``DOT_FP32`` selects fp32 operands for ``tl.dot`` with
+  ``input_precision="ieee"`` (exact fp32 path; also used for bf16 under the
+  interpreter, whose bf16 arithmetic is unreliable).  Otherwise operands are
+  fed to ``tl.dot`` in the cache dtype (fp16/bf16) with fp32 accumulation.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_kcb, stride_kcs, stride_kch, stride_kcd,
+    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    # slot broadcast over the head axis (a scalar & tensor mask trips the
+    # interpreter); negative slot = padding token, skipped.
+    slot = tl.load(slot_ptr + t).to(tl.int64) + tl.zeros([BLOCK_H], dtype=tl.int64)
+    valid = slot >= 0
+    slot = tl.where(valid, slot, 0)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    mask = valid[:, None] & (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+
+    k = tl.load(key_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd,
+                mask=mask, other=0.0)
+    v = tl.load(value_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,
+                mask=mask, other=0.0)
+    row_k = blk * stride_kcb + off * stride_kcs + offs_h * stride_kch
+    row_v = blk * stride_vcb + off * stride_vcs + offs_h * stride_vch
+    kc = k_cache_ptr + row_k[:, None] + offs_d[None, :] * stride_kcd
+    vc = v_cache_ptr + row_v[:, None] + offs_d[None, :] * stride_vcd
+    tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attn_tiles(
+    acc, m_i, l_i, q, q_pos,
+    k_cache_ptr, v_cache_ptr, bt_row_ptr, stride_btn,
+    kvh, lo, hi,
+    qk_scale,
+    stride_kcb, stride_kcs, stride_kch, stride_kcd,
+    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Online-softmax accumulation over kv positions [lo, hi), tile by tile.
+
+    MASKED: positions >= hi are masked (and not loaded); CAUSAL additionally
+    masks kv positions > q_pos[row].  Without MASKED every position in
+    [lo, hi) must be valid for every row (hi - lo a multiple of BLOCK_N).
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        if MASKED:
+            n_valid = pos < hi
+            blk = tl.load(bt_row_ptr + (pos // BLOCK_SIZE) * stride_btn, mask=n_valid, other=0).to(tl.int64)
+            ld_mask = n_valid[:, None] & d_mask[None, :]
+        else:
+            blk = tl.load(bt_row_ptr + (pos // BLOCK_SIZE) * stride_btn).to(tl.int64)
+            ld_mask = d_mask[None, :]
+        off = (pos % BLOCK_SIZE).to(tl.int64)
+        k = tl.load(k_cache_ptr + blk[:, None] * stride_kcb + off[:, None] * stride_kcs + kvh * stride_kch
+                    + offs_d[None, :] * stride_kcd, mask=ld_mask, other=0.0)
+        v = tl.load(v_cache_ptr + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + kvh * stride_vch
+                    + offs_d[None, :] * stride_vcd, mask=ld_mask, other=0.0)
+        if DOT_FP32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+        if MASKED:
+            keep = n_valid[None, :]
+            if CAUSAL:
+                keep = keep & (pos[None, :] <= q_pos[:, None])
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = m_new
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    qk_scale,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_kcb, stride_kcs, stride_kch, stride_kcd,
+    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    stride_bts, stride_btn,
+    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Varlen causal attention over the paged cache.
+
+    grid = (cdiv(max_query_len * GQA, BLOCK_M), num_seqs, num_kv_heads).
+    The M dimension packs (query token, head of the GQA group) pairs:
+    row r of the flattened per-sequence index covers token r // GQA and
+    query head kvh * GQA + r % GQA, so every K/V tile is loaded once for the
+    whole GQA group.
+    """
+    pid_m = tl.program_id(0)
+    seq = tl.program_id(1)
+    kvh = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_end = tl.load(query_start_loc_ptr + seq + 1)
+    qlen = q_end - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx = seq_len - qlen
+
+    row0 = pid_m * BLOCK_M
+    if row0 >= qlen * GQA:
+        return
+
+    rows = row0 + tl.arange(0, BLOCK_M)
+    tok = rows // GQA
+    head = kvh * GQA + rows % GQA
+    row_valid = tok < qlen
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    tok64 = (q_start + tok).to(tl.int64)
+
+    q_mask = row_valid[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + tok64[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=q_mask, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_cache_ptr.dtype.element_ty)
+    q_pos = ctx + tok
+
+    tok_lo = row0 // GQA
+    tok_hi = tl.minimum((row0 + BLOCK_M - 1) // GQA, qlen - 1)
+    kv_end = ctx + tok_hi + 1                       # <= seq_len
+    full_end = ((ctx + tok_lo + 1) // BLOCK_N) * BLOCK_N  # visible to every row of the tile
+
+    bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bts
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    acc, m_i, l_i = _attn_tiles(
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, stride_btn, kvh, 0, full_end, qk_scale,
+        stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, False, False, DOT_FP32)
+    acc, m_i, l_i = _attn_tiles(
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, stride_btn, kvh, full_end, kv_end, qk_scale,
+        stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, True, DOT_FP32)
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    tl.store(out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    block_tables_ptr, seq_lens_ptr,
+    qk_scale,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_kcb, stride_kcs, stride_kch, stride_kcd,
+    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    stride_bts, stride_btn,
+    NUM_Q_HEADS: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Flash-decoding, one query token per sequence.
+
+    grid = (num_seqs, num_kv_heads, NUM_SPLITS).  Each program handles one
+    contiguous chunk of the sequence's context for the whole GQA group (query
+    heads in the M dimension of tl.dot, padded to BLOCK_G >= 16).  The chunk
+    length is derived per sequence from its seq_len (balanced splits), but
+    the grid depends only on NUM_SPLITS.  With NUM_SPLITS == 1 the normalised
+    output is written directly; otherwise the partial output (normalised) and
+    its log2-sum-exp go to part_o [S, Hq, NUM_SPLITS, D] / part_lse
+    [S, Hq, NUM_SPLITS] for _decode_reduce_kernel.
+    """
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    g_valid = offs_g < GQA
+    head = kvh * GQA + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    qo_mask = g_valid[:, None] & d_mask[None, :]
+    seq64 = seq.to(tl.int64)
+
+    q = tl.load(q_ptr + seq64 * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=qo_mask, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_cache_ptr.dtype.element_ty)
+    q_pos = tl.zeros([BLOCK_G], dtype=tl.int32)  # unused (CAUSAL=False)
+
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    bt_row_ptr = block_tables_ptr + seq64 * stride_bts
+    acc, m_i, l_i = _attn_tiles(
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, stride_btn, kvh, lo, hi, qk_scale,
+        stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, False, DOT_FP32)
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + seq64 * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 o.to(out_ptr.dtype.element_ty), mask=qo_mask)
+    else:
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        prow = (seq64 * NUM_Q_HEADS + head) * NUM_SPLITS + split
+        tl.store(part_o_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], o, mask=qo_mask)
+        tl.store(part_lse_ptr + prow, lse, mask=g_valid)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, seq_lens_ptr,
+    stride_ot, stride_oh, stride_od,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Combine the NUM_SPLITS partial results of one (sequence, query head)."""
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    n_used = tl.cdiv(seq_len, tl.maximum(chunk, 1))  # splits that saw >= 1 token
+
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = (offs_s < n_used) & (offs_s < NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    seq64 = seq.to(tl.int64)
+    prow = (seq64 * NUM_Q_HEADS + h) * NUM_SPLITS + offs_s
+
+    lse = tl.load(part_lse_ptr + prow, mask=s_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp2(lse - lse_max)
+    w = tl.where(s_mask, w, 0.0)
+    o = tl.load(part_o_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    denom = tl.sum(w, 0)
+    denom = tl.where(denom > 0.0, denom, 1.0)
+    res = tl.sum(o * w[:, None], 0) / denom
+    tl.store(out_ptr + seq64 * stride_ot + h * stride_oh + offs_d * stride_od,
+             res.to(out_ptr.dtype.element_ty), mask=d_mask)
