@@ -184,6 +184,7 @@ def section_parity(ctx):
 def section_graphs(ctx):
     rows = []
     n_new = 8 if ctx.smoke else 64
+    os.environ["MINIVLLM_COMPILE"] = os.environ.get("GPU_CHECK_GRAPHS_COMPILE", "1")
     for dtype in ("float32", "bfloat16"):
         name = "qwen2.5-0.5b-instruct"
         prompts = random_prompts(20, 16, 300, 10000, seed=2)
@@ -232,6 +233,8 @@ def section_w2(ctx):
     variants = (("minivllm (compile + CUDA graphs)", {}, "1"),
                 ("minivllm (CUDA graphs, no compile)", {}, "0"),
                 ("minivllm eager", {"enforce_eager": True}, "0"))
+    if os.environ.get("GPU_CHECK_SKIP_COMPILE"):
+        variants = variants[1:]
     for label, kw, compile_flag in variants:
         os.environ["MINIVLLM_COMPILE"] = compile_flag
         llm = make_llm(ctx, name, "bfloat16", max_num_seqs=8, num_kv_blocks=1024, **kw)
@@ -253,7 +256,6 @@ def section_w2(ctx):
         log(f"W2 {label}: {n_out / total:.0f} tok/s, {rows[-1]['ms_per_token']:.3f} ms/token")
         del llm
         free_memory()
-    os.environ.pop("MINIVLLM_COMPILE", None)
     ctx.save("w2", {"workload": {"prompt": 128, "output": n_out, "batch": 1,
                                  "model": name, "dtype": "bfloat16"}, "rows": rows})
 
@@ -265,7 +267,7 @@ def section_sweep(ctx):
     ctx_len = 64 if ctx.smoke else 1024
     batches = [1, 2] if ctx.smoke else [1, 8, 64, 256]
     llm = make_llm(ctx, name, "bfloat16", max_num_seqs=max(batches),
-                   num_kv_blocks=max(batches) * (-(-ctx_len // 16)) + 16)
+                   num_kv_blocks=max(batches) * (-(-ctx_len // 16)) + 160)
     runner = llm.engine.runner
     gr = runner.graph_runner
     cfg = ModelConfig.from_dict(load_config_json(ctx.model_config_path(name)))
@@ -371,18 +373,9 @@ def section_hf(ctx):
         timed_generate("HF generate eager")
     except Exception as e:
         rows.append({"engine": "HF generate eager", "error": repr(e)})
-    if not ctx.smoke:
-        try:
-            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-            timed_generate("HF generate static cache + compile", cache_implementation="static")
-        except Exception as e:
-            rows.append({"engine": "HF generate static cache + compile", "error": repr(e)})
-            log("HF static+compile failed:", repr(e)[:300])
-    del model
-    free_memory()
+    ctx.save("hf", {"model": name, "dtype": "bfloat16", "rows": rows})
 
     try:
-        model = hf_model(ctx, name, torch.bfloat16)
         prompts, outs = w1_requests(ctx.smoke)
         k = 8 if ctx.smoke else 64
         sub_p, sub_o = prompts[:k], outs[:k]
@@ -403,6 +396,15 @@ def section_hf(ctx):
     except Exception as e:
         rows.append({"engine": "HF generate_batch", "error": repr(e)})
         log("HF generate_batch failed:", traceback.format_exc()[-1500:])
+    ctx.save("hf", {"model": name, "dtype": "bfloat16", "rows": rows})
+
+    if not ctx.smoke:
+        try:
+            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+            timed_generate("HF generate static cache + compile", cache_implementation="static")
+        except Exception as e:
+            rows.append({"engine": "HF generate static cache + compile", "error": repr(e)})
+            log("HF static+compile failed:", repr(e)[:300])
     ctx.save("hf", {"model": name, "dtype": "bfloat16", "rows": rows})
 
 
@@ -427,10 +429,13 @@ def main():
         global VOCAB_LIMIT
         VOCAB_LIMIT = 500
     failed = []
+    base_compile = os.environ.get("MINIVLLM_COMPILE")
     for name in args.sections.split(","):
         t0 = time.perf_counter()
         log(f"=== {name}")
         os.environ.pop("MINIVLLM_COMPILE", None)
+        if base_compile is not None:
+            os.environ["MINIVLLM_COMPILE"] = base_compile
         try:
             SECTIONS[name](ctx)
         except Exception:

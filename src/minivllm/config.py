@@ -20,8 +20,10 @@ def _env_flag(name: str, default: bool) -> bool:
 
 
 def compile_enabled() -> bool:
-    """MINIVLLM_COMPILE=0 turns torch.compile off (CUDA graphs may still be used)."""
-    return _env_flag("MINIVLLM_COMPILE", True)
+    """MINIVLLM_COMPILE=1 compiles the decode step with torch.compile, =0 does not (CUDA
+    graphs are captured either way). Off by default until the compiled step has passed
+    the GPU check (docs/decisions.md, "torch.compile of the decode step")."""
+    return _env_flag("MINIVLLM_COMPILE", False)
 
 
 def cuda_graphs_enabled() -> bool:

@@ -72,7 +72,8 @@ class StatLogger(Protocol):
 
     def on_step(self, now: float, outputs: list[RequestOutput]) -> None: ...
 
-    def on_abort(self, request_id: str) -> None: ...
+    def on_abort(self, request_id: str) -> None:
+        """A live request was aborted (or failed) before it finished."""
 
 
 class RequestStream:
@@ -138,7 +139,8 @@ class AsyncLLMEngine:
         self._init_error: BaseException | None = None
         self.dead_error: BaseException | None = None
         self._accepting = True
-        # Frontend (event loop) state.
+        # Frontend state (event loops), under _count_lock.
+        self._count_lock = threading.Lock()
         self._num_not_started = 0
         self._num_in_flight = 0
         # Engine-thread state.
@@ -308,16 +310,18 @@ class AsyncLLMEngine:
             raise EngineShuttingDownError("The server is shutting down.")
         self._check_alive()
         limit = self.max_waiting_requests
-        if limit is not None and self._num_not_started + count > limit:
-            raise QueueFullError(
-                f"Too many waiting requests ({self._num_not_started} waiting, limit {limit}); "
-                "try again later.")
-        self._num_not_started += count
-        self._num_in_flight += count
+        with self._count_lock:
+            if limit is not None and self._num_not_started + count > limit:
+                raise QueueFullError(
+                    f"Too many waiting requests ({self._num_not_started} waiting, limit "
+                    f"{limit}); try again later.")
+            self._num_not_started += count
+            self._num_in_flight += count
 
     def _release(self, count: int) -> None:
-        self._num_not_started -= count
-        self._num_in_flight -= count
+        with self._count_lock:
+            self._num_not_started -= count
+            self._num_in_flight -= count
 
     async def generate(self, prompt: str | list[int] | dict | None, params: SamplingParams,
                        request_id: str, *, prompt_token_ids: list[int] | None = None,
@@ -340,11 +344,14 @@ class AsyncLLMEngine:
         for stream, item in items:
             holds = stream._holds_reservation
             final = isinstance(item, BaseException) or item.finished
-            if holds and not stream.started:
-                self._num_not_started -= 1
-            if holds and final:
-                self._num_in_flight -= 1
-                stream._holds_reservation = False
+            if holds and (final or not stream.started):
+                with self._count_lock:
+                    if not stream.started:
+                        self._num_not_started -= 1
+                    if final:
+                        self._num_in_flight -= 1
+                if final:
+                    stream._holds_reservation = False
             stream.started = True
             stream.queue.put_nowait(item)
 
@@ -444,8 +451,9 @@ class AsyncLLMEngine:
         if stream is not None and (req is not None or stream.last_output is not None):
             final = _abort_output(stream.last_output, eng, req)
         eng.abort_request(rid)
-        for sl in self.stat_loggers:
-            _safe(sl.on_abort, rid)
+        if req is not None:
+            for sl in self.stat_loggers:
+                _safe(sl.on_abort, rid)
         if stream is not None:
             deliveries.append((stream, final if final is not None
                                else RequestAbortedError(f"Request {rid} was aborted.")))

@@ -118,8 +118,12 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         yield
         await engine.shutdown(drain_timeout)
 
-    app = FastAPI(title="minivllm OpenAI-compatible server", version=__version__,
-                  lifespan=lifespan, strict_content_type=False)
+    app_kwargs = dict(title="minivllm OpenAI-compatible server", version=__version__,
+                      lifespan=lifespan)
+    try:  # FastAPI >= 0.120: JSON bodies without a Content-Type are still parsed
+        app = FastAPI(**app_kwargs, strict_content_type=False)
+    except TypeError:
+        app = FastAPI(**app_kwargs)
     app.state.engine = engine
     app.state.drain_timeout = drain_timeout
     app.state.serving = serving

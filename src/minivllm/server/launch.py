@@ -120,6 +120,9 @@ def run_server(args: argparse.Namespace) -> None:
              args.host, args.port)
     try:
         server.run()
+    except KeyboardInterrupt:
+        # uvicorn re-raises the SIGINT it caught once its graceful shutdown is done.
+        pass
     finally:
         engine.stop()
 

@@ -141,6 +141,7 @@ class EngineMetrics:
     def on_abort(self, request_id: str) -> None:
         with self._lock:
             self._progress.pop(request_id, None)
+            self.success["abort"] = self.success.get("abort", 0) + 1
 
     # ---- scrape -----------------------------------------------------------------------
 
@@ -172,7 +173,8 @@ class EngineMetrics:
             lines += _scalar("counter", "minivllm:request_success_total",
                              "Count of successfully processed requests (samples).", success)
             lines += _scalar("counter", "minivllm:request_aborted_total",
-                             "Count of aborted samples.", [(lbl, aborted)])
+                             "Count of requests aborted (client gone, shutdown, engine "
+                             "failure) before they finished.", [(lbl, aborted)])
             for h in (self.ttft, self.itl, self.tpot, self.e2e, self.queue):
                 lines += h.render(lbl)
         return "\n".join(lines) + "\n"

@@ -22,7 +22,8 @@ from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 
 from ..engine.async_llm_engine import (AsyncLLMEngine, EngineDeadError, EngineShuttingDownError,
-                                       EngineStepError, QueueFullError, RequestStream)
+                                       EngineStepError, QueueFullError, RequestAbortedError,
+                                       RequestStream)
 from ..outputs import Logprob, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import render_chat
@@ -153,6 +154,8 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
         self.tokenizer = engine.tokenizer  # the frontend's own copy (see AsyncLLMEngine)
+        # Without a tokenizer there is no text: stream a chunk per step of new tokens anyway.
+        self.has_text = self.tokenizer is not None
         self.max_n = max_num_seqs
         self.accepted_model_names = set(served_model_names)
         if engine.model_path is not None:
@@ -335,7 +338,7 @@ class OpenAIServing:
                     finish = o.finish_reason
                     echo_now = req.echo and not st.started
                     if not delta and not echo_now and finish is None and (
-                            req.logprobs is None or not new_tokens):
+                            not new_tokens or (req.logprobs is None and self.has_text)):
                         continue
                     logprobs = None
                     if req.logprobs is not None:
@@ -368,8 +371,8 @@ class OpenAIServing:
                            "created": job.created, "model": job.model, "choices": [],
                            "usage": _usage(prompt_tokens, completion_tokens)})
             yield SSE_DONE
-        except EngineStepError as e:
-            yield sse(error_body(str(e), "server_error", 500))
+        except Exception as e:  # noqa: BLE001 - engine failure: tell the client, end cleanly
+            yield sse(error_body(_engine_error_message(e), "server_error", 500))
             yield SSE_DONE
         finally:
             watcher.stop()
@@ -381,8 +384,8 @@ class OpenAIServing:
         try:
             async for i, out in merge_streams(job.streams):
                 finals[i] = out
-        except EngineStepError as e:
-            raise RequestError(str(e), 500, err_type="server_error") from e
+        except (EngineStepError, EngineDeadError, RequestAbortedError) as e:
+            raise RequestError(_engine_error_message(e), 500, err_type="server_error") from e
         return finals  # type: ignore[return-value]
 
     # ---- chat ---------------------------------------------------------------------------
@@ -476,7 +479,8 @@ class OpenAIServing:
                     delta = _text_delta(o.text, st)
                     new_tokens = o.token_ids[st.num_tokens:]
                     finish = o.finish_reason
-                    if not delta and finish is None and (not req.logprobs or not new_tokens):
+                    if not delta and finish is None and (
+                            not new_tokens or (not req.logprobs and self.has_text)):
                         continue
                     logprobs = None
                     if req.logprobs:
@@ -495,8 +499,8 @@ class OpenAIServing:
                            "created": job.created, "model": job.model, "choices": [],
                            "usage": _usage(len(job.prompts[0].token_ids), completion_tokens)})
             yield SSE_DONE
-        except EngineStepError as e:
-            yield sse(error_body(str(e), "server_error", 500))
+        except Exception as e:  # noqa: BLE001 - engine failure: tell the client, end cleanly
+            yield sse(error_body(_engine_error_message(e), "server_error", 500))
             yield SSE_DONE
         finally:
             watcher.stop()
@@ -527,6 +531,13 @@ def _text_delta(text: str, st: _ChoiceState) -> str:
     delta = text[st.text_len:]
     st.text_len = len(text)
     return delta
+
+
+def _engine_error_message(e: BaseException) -> str:
+    if isinstance(e, (EngineStepError, EngineDeadError, RequestAbortedError)):
+        return str(e)
+    logger.exception("unexpected error while streaming", exc_info=e)
+    return f"Internal error while generating: {type(e).__name__}: {e}"
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -1,8 +1,9 @@
 """Allocation and sizing of the paged KV cache.
 
-One tensor holds every layer's K and V blocks: [layers, 2, num_blocks, block_size, Hkv, D].
-Each layer sees a (k_cache, v_cache) pair of views with the layout the attention kernels
-read in place.
+Each layer has its own K and V tensors of shape [num_blocks, block_size, Hkv, D], the
+layout the attention kernels read in place. Separate tensors rather than views of one big
+allocation: the compiled decode step mutates them through a custom op, and mutated graph
+inputs that alias one another take a slow and fragile path in torch.compile.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.storage = torch.zeros(cfg.num_layers, 2, num_blocks, block_size,
-                                   cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
-        self.layers = [(self.storage[i, 0], self.storage[i, 1]) for i in range(cfg.num_layers)]
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
+                        torch.zeros(shape, dtype=dtype, device=device))
+                       for _ in range(cfg.num_layers)]
 
     @property
     def nbytes(self) -> int:
-        return self.storage.numel() * self.storage.element_size()
+        return sum(t.numel() * t.element_size() for pair in self.layers for t in pair)
 
 
 def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
