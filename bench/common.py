@@ -18,6 +18,11 @@ def git_commit() -> str:
                                        cwd=Path(__file__).parent, text=True,
                                        stderr=subprocess.DEVNULL).strip()
     except Exception:
+        # The GPU machine gets the working tree without .git: run_gpu_check.sh's caller
+        # writes the commit into bench/.commit beforehand.
+        stamp = Path(__file__).parent / ".commit"
+        if stamp.exists():
+            return stamp.read_text().strip()
         return os.environ.get("MINIVLLM_GIT_COMMIT", "unknown")
 
 

@@ -79,3 +79,30 @@ def test_triton_backend_in_interpreter_matches_torch(tiny_model_dirs, monkeypatc
     _attach_graph_runner(llm)
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+@pytest.mark.parametrize("budget,max_len", [(100, 64), (64, 64), (30, 64)])
+def test_profile_batch_is_a_valid_prefill(tiny_model_dirs, budget, max_len):
+    """The GPU memory-profiling batch must be a legal prefill (positions inside the rotary
+    table, slots inside its scratch cache): checked here with the reference backend."""
+    llm = LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, max_model_len=max_len,
+              max_num_batched_tokens=budget, max_num_seqs=4)
+    runner = llm.engine.runner
+    ids, pos, meta, scratch = runner.profile_batch()
+    assert ids.shape[0] == budget and int(pos.max()) < max_len
+    assert meta.query_start_loc_host[-1] == budget
+    assert int(meta.slot_mapping.max()) < scratch.num_blocks * scratch.block_size
+    with torch.inference_mode():
+        hidden = runner.model(ids, pos, scratch.layers, meta)
+    assert torch.isfinite(hidden).all()
+
+
+def test_profile_batch_runs_through_triton_kernels(tiny_model_dirs, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "triton")
+    llm = LLM(str(tiny_model_dirs["qwen2"]), skip_tokenizer_init=True, max_model_len=16,
+              max_num_batched_tokens=40, max_num_seqs=4)
+    ids, pos, meta, scratch = llm.engine.runner.profile_batch()
+    with torch.inference_mode():
+        hidden = llm.engine.runner.model(ids, pos, scratch.layers, meta)
+    assert torch.isfinite(hidden).all()

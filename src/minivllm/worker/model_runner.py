@@ -96,22 +96,41 @@ class ModelRunner:
         return gpu_num_blocks(self.model_cfg, self.block_size, self.dtype, self.device,
                               cfg.gpu_memory_utilization, peak)
 
+    def profile_batch(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, KVCache]:
+        """A worst-case prefill: max_num_batched_tokens tokens, as sequences no longer
+        than max_model_len (positions must stay inside the rotary table), each with its
+        own blocks in a scratch cache."""
+        n, limit, bs = self.cfg.max_num_batched_tokens, self.cfg.max_model_len, self.block_size
+        lens = [min(limit, n - start) for start in range(0, n, limit)]
+        blocks_per_seq = -(-max(lens) // bs)
+        scratch = KVCache(self.model_cfg, blocks_per_seq * len(lens), bs, self.dtype, self.device)
+        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+                  for i in range(len(lens))]
+        positions = [p for length in lens for p in range(length)]
+        slots = [tables[i][p // bs] * bs + p % bs for i, length in enumerate(lens)
+                 for p in range(length)]
+        qsl = [0]
+        for length in lens:
+            qsl.append(qsl[-1] + length)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            max_query_len=max(lens), max_seq_len=max(lens),
+            query_start_loc_host=qsl, seq_lens_host=lens)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        ids = torch.zeros(n, dtype=torch.long, device=dev)
+        return ids, pos, meta, scratch
+
     @torch.inference_mode()
     def _profile_peak_memory(self) -> int:
-        """Run the model once at the full token budget (with a one-block scratch cache)
-        and report the peak memory it needed."""
+        """Run the model once at the full token budget and report the peak memory."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        n = self.cfg.max_num_batched_tokens
-        scratch = KVCache(self.model_cfg, 1, self.block_size, self.dtype, self.device)
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([0], dtype=torch.int32, device=self.device),
-            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
-            max_query_len=n, max_seq_len=0, query_start_loc_host=[0, n], seq_lens_host=[0])
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, ids, scratch.layers, meta)
+        ids, pos, meta, scratch = self.profile_batch()
+        hidden = self.model(ids, pos, scratch.layers, meta)
         self.model.compute_logits(hidden[-self.cfg.max_num_seqs:])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
