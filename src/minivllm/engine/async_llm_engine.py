@@ -390,12 +390,20 @@ class AsyncLLMEngine:
                 commands, self._commands = self._commands, []
                 stop = self._stop
             deliveries: list[tuple[RequestStream, Any]] = []
+            calls = []
             for command in commands:
+                if command[0] == "call":
+                    calls.append(command)
+                else:
+                    self._handle(command, deliveries)
+            if commands:
+                self._publish()
+            for command in calls:  # after publishing: a caller sees a current snapshot
                 self._handle(command, deliveries)
             if stop:
                 self._abort_all(deliveries)
-                self._flush(deliveries)
                 self._publish()
+                self._flush(deliveries)
                 with self._cv:  # late commands: their futures must not hang
                     late, self._commands = self._commands, []
                 for command in late:
@@ -403,8 +411,10 @@ class AsyncLLMEngine:
                 return
             if eng.has_unfinished_requests():
                 self._step(deliveries)
+                # Publish before delivering, so a client that got its last token reads
+                # metrics that already count it.
+                self._publish()
             self._flush(deliveries)
-            self._publish()
 
     def _handle(self, command: tuple, deliveries: list) -> None:
         eng = self.engine

@@ -187,7 +187,8 @@ class LLMEngine:
         result = self.runner.execute(batch)
         self.scheduler.advance(batch)
         touched = self._process(result)
-        return [self._make_output(req) for req in touched if req.stream or req.finished]
+        return [self._make_output(req) for req in touched
+                if req.stream or req.finished_time is not None]
 
     def _process(self, result: StepResult) -> list[Request]:
         touched: dict[str, Request] = {}
@@ -207,44 +208,53 @@ class LLMEngine:
                 # A sibling sampled from sample 0's prompt logits: start it sharing blocks
                 # (before any stop check below can free sample 0's blocks).
                 self.scheduler.fork(seq.request.seqs[0], seq)
+        tokens = result.sampled.token_ids
+        logprobs = result.sampled.logprobs
+        ended: list[Request] = []
         for row, seq in live:
             req = seq.request
-            token = result.sampled.token_ids[row]
+            token = tokens[row]
             seq.token_ids.append(token)
             if req.first_token_time is None:
                 req.first_token_time = now
-            lp = result.sampled.logprobs[row] if result.sampled.logprobs else None
+            lp = logprobs[row] if logprobs else None
             if lp is not None:
                 seq.cumulative_logprob += lp[0]
                 seq.logprobs.append(self._position_logprobs(token, *lp))
-            self.stats["generation_tokens"] += 1
-            self._check_stop(seq, token)
+            if self._check_stop(seq, token):
+                ended.append(req)
             touched[req.request_id] = req
+        self.stats["generation_tokens"] += len(live)
         for req in touched.values():
             req.seqs[0].forks_pending = False
-        for req in touched.values():
-            if req.finished:
+        for req in ended:
+            if req.finished and req.finished_time is None:
                 req.finished_time = now
                 self.requests.pop(req.request_id, None)
                 self.stats["finished_requests"] += 1
         return list(touched.values())
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
+    def _check_stop(self, seq: Sequence, token: int) -> bool:
+        """Finish the sequence if this token ends it; returns whether it did."""
         p = seq.params
         reason = stop_reason = None
         new_len = len(self.detokenizer.append_text(seq)) if self.detokenizer else 0
-        if not p.ignore_eos and token in self.eos_token_ids and seq.num_output_tokens >= p.min_tokens:
-            reason = "stop"
-        elif token in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
-            reason, stop_reason = "stop", token
-        elif seq.num_output_tokens >= p.min_tokens and (
-                hit := find_stop_string(seq, new_len)) is not None:
-            reason, stop_reason = "stop", hit
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        n_out = len(seq.token_ids) - seq.num_prompt_tokens
+        if n_out >= p.min_tokens:
+            if token in self.eos_token_ids and not p.ignore_eos:
+                reason = "stop"
+            elif p.stop_token_ids and token in p.stop_token_ids:
+                reason, stop_reason = "stop", token
+            elif p.stop and (hit := find_stop_string(seq, new_len)) is not None:
+                reason, stop_reason = "stop", hit
+        if reason is None and (n_out >= p.max_tokens
+                               or len(seq.token_ids) >= self.max_model_len):
             reason = "length"
-        if reason is not None:
-            seq.finish_reason, seq.stop_reason = reason, stop_reason
-            self.scheduler.finish(seq)
+        if reason is None:
+            return False
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.scheduler.finish(seq)
+        return True
 
     def _position_logprobs(self, token: int, lp: float, rank: int, ids: list[int],
                            vals: list[float]) -> dict[int, Logprob]:

@@ -28,15 +28,18 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Every entry computes exactly the last token of its sequence (kept by schedule()).
+    is_decode_only: bool = True
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(n)
+        if n != 1 or seq.num_computed_tokens != len(seq.token_ids) - 1:
+            self.is_decode_only = False
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
-
-    @property
-    def is_decode_only(self) -> bool:
-        return all(n == 1 for n in self.num_new_tokens) and all(
-            s.num_computed_tokens == s.num_tokens - 1 for s in self.seqs)
 
     def samples(self, i: int) -> bool:
         """Whether seqs[i] reaches the end of its known tokens this step (and so samples)."""
@@ -103,7 +106,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             while not self._reserve(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -111,8 +114,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(n)
+                batch.add(seq, n)
                 budget -= n
                 i += 1
 
@@ -132,8 +134,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
+            batch.add(seq, n)
             budget -= n
         return batch
 
@@ -148,7 +149,11 @@ class Scheduler:
         return math.ceil(num_tokens / self.block_size)
 
     def _reserve(self, seq: Sequence, n: int, keep_free: int = 0) -> bool:
-        need = self.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_table)
+        held = len(seq.block_table)
+        total = seq.num_computed_tokens + n
+        if total <= held * self.block_size:
+            return True  # the common decode step: room left in the last block
+        need = -(-total // self.block_size) - held
         if need > self.pool.num_free - keep_free:
             return False
         for _ in range(need):
