@@ -134,6 +134,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="prepare SmolLM2-135M-Instruct in the local cache (once)")
 
     args = parser.parse_args(argv)
+    try:
+        _dispatch(parser, args)
+    except ValueError as e:  # bad model path, parameters or prompt: a message, no traceback
+        parser.exit(2, f"minivllm: error: {e}\n")
+
+
+def _dispatch(parser: argparse.ArgumentParser, args) -> None:
     if args.command == "serve":
         if getattr(args, "serve_import_error", None):
             parser.error(f"the server needs fastapi and uvicorn: {args.serve_import_error}")
