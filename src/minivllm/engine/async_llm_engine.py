@@ -584,8 +584,7 @@ def _abort_output(last: RequestOutput | None, eng: LLMEngine, req) -> RequestOut
     """The final output of a request aborted while someone may still be reading: what it
     had shown so far, with finish_reason "abort" on the samples that were still running."""
     if last is None:
-        make = getattr(eng, "make_output", None) or eng._make_output
-        last = make(req)
+        last = eng.make_output(req)
     outputs = [CompletionOutput(
         index=o.index, text=o.text, token_ids=list(o.token_ids),
         cumulative_logprob=o.cumulative_logprob,

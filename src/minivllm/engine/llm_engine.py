@@ -187,7 +187,7 @@ class LLMEngine:
         result = self.runner.execute(batch)
         self.scheduler.advance(batch)
         touched = self._process(result)
-        return [self._make_output(req) for req in touched
+        return [self.make_output(req) for req in touched
                 if req.stream or req.finished_time is not None]
 
     def _process(self, result: StepResult) -> list[Request]:
@@ -265,7 +265,7 @@ class LLMEngine:
                 out[tid] = Logprob(val, r, text(tid))
         return out
 
-    def _make_output(self, req: Request) -> RequestOutput:
+    def make_output(self, req: Request) -> RequestOutput:
         outputs = []
         for seq in req.seqs:
             text = visible_text(seq)
