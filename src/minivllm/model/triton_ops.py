@@ -28,7 +28,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                     max_seq_len: int) -> torch.Tensor:
-    out = torch.zeros_like(q) if max_query_len > 1 else None  # rows of no sequence stay 0
+    # The output is always a fresh contiguous tensor, in the real op and in the fake one:
+    # empty_like(q) would copy q's strides, and under torch.compile q can be a strided view,
+    # so the compiler would read a contiguous result with the wrong strides.
+    out = q.new_zeros(q.shape) if max_query_len > 1 else q.new_empty(q.shape)
     return csrc_triton.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                        query_start_loc, scale, max_query_len, max_seq_len,
                                        out=out)
@@ -37,4 +40,4 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 @paged_attention.register_fake
 def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
       max_seq_len):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)
