@@ -31,6 +31,12 @@ def cuda_graphs_enabled() -> bool:
     return _env_flag("MINIVLLM_CUDA_GRAPHS", True)
 
 
+def pipelining_enabled() -> bool:
+    """MINIVLLM_PIPELINE=0 turns off pipelined greedy decoding (launching step N+1 before
+    step N's tokens are read back)."""
+    return _env_flag("MINIVLLM_PIPELINE", True)
+
+
 def attention_backend(device: torch.device) -> str:
     """MINIVLLM_ATTENTION_BACKEND=torch|triton; default: triton on CUDA, torch elsewhere.
     (triton on a CPU runs the kernels in Triton's interpreter: for tests only.)"""

@@ -14,16 +14,20 @@ from collections.abc import Sequence as SequenceABC
 import torch
 
 from ..config import (EngineConfig, ModelConfig, attention_backend, load_config_json,
-                      resolve_device, resolve_dtype, resolve_model_path)
+                      pipelining_enabled, resolve_device, resolve_dtype, resolve_model_path)
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import load_tokenizer
-from ..worker.model_runner import ModelRunner, StepResult
+from ..worker.model_runner import ModelRunner, PendingDecode, StepResult
+from ..worker.sampler import SamplerOutput
 from .detokenizer import Detokenizer, find_stop_string, visible_text
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Request, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
+
+# Stands for a token sampled on the device but not yet read back (pipelined decoding).
+PLACEHOLDER_TOKEN = -1
 
 
 class LLMEngine:
@@ -67,6 +71,8 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill)
         self.requests: dict[str, Request] = {}
+        self._pipelined = pipelining_enabled()
+        self._pending: PendingDecode | None = None
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0}
@@ -160,6 +166,8 @@ class LLMEngine:
         if req is None:
             return False
         for seq in req.seqs:
+            if seq.token_ids and seq.token_ids[-1] == PLACEHOLDER_TOKEN:
+                seq.token_ids.pop()  # its pending token will be dropped
             if not seq.is_finished:
                 self.scheduler.finish(seq)
                 seq.finish_reason = seq.finish_reason or "abort"
@@ -174,21 +182,110 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One scheduler step. Runs of greedy decode steps are pipelined: step N+1 is
+        launched on the device before step N's tokens are read back, so the host's
+        bookkeeping overlaps the device's work (see `_step_pipelined`)."""
+        if self._pending is not None and not self._pipeline_can_continue():
+            touched = self._resolve_pending()
+            return self._outputs(touched) + self._outputs(self._step_sync())
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            if self.scheduler.has_work():
+            touched = self._resolve_pending() if self._pending is not None else []
+            if not touched and self.scheduler.has_work():
                 raise RuntimeError("The scheduler could not schedule any work; the KV cache "
                                    "is too small for the waiting requests.")
-            return []
+            return self._outputs(touched)
+        self._mark_scheduled(batch)
+        if self._pipelined and self._batch_can_pipeline(batch):
+            return self._step_pipelined(batch)
+        touched = []
+        if self._pending is not None:
+            # Not expected (checked before scheduling), but safe: read the pending step,
+            # then drop the sequences that it finished from this batch.
+            touched = self._resolve_pending()
+            keep = [i for i, s in enumerate(batch.seqs) if not s.is_finished]
+            batch.seqs = [batch.seqs[i] for i in keep]
+            batch.num_new_tokens = [batch.num_new_tokens[i] for i in keep]
+            if not batch.seqs:
+                return self._outputs(touched)
+        return self._outputs(touched) + self._outputs(self._run_sync(batch))
+
+    def _outputs(self, touched: list[Request]) -> list[RequestOutput]:
+        return [self.make_output(req) for req in touched
+                if req.stream or req.finished_time is not None]
+
+    def _mark_scheduled(self, batch: ScheduledBatch) -> None:
         now = time.monotonic()
         for seq in batch.seqs:
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = now
+
+    def _step_sync(self) -> list[Request]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        self._mark_scheduled(batch)
+        return self._run_sync(batch)
+
+    def _run_sync(self, batch: ScheduledBatch) -> list[Request]:
         result = self.runner.execute(batch)
         self.scheduler.advance(batch)
-        touched = self._process(result)
-        return [self.make_output(req) for req in touched
-                if req.stream or req.finished_time is not None]
+        return self._process(result)
+
+    # ---- pipelined greedy decoding ------------------------------------------------------
+    #
+    # Step N is launched and each of its sequences gets a placeholder token, so the
+    # scheduler can plan step N+1 (one more token each) without knowing the values. Step
+    # N+1 is launched with its input tokens read on the device from N's output; only then
+    # are N's tokens read back and processed (stop checks, text). A sequence that stopped
+    # at N has already been given a row in N+1: that row's token is dropped. Only greedy
+    # sequences without logprobs, penalties or pending min_tokens take part, so a step's
+    # tokens are exactly the argmax the graph computes.
+
+    def _seq_can_pipeline(self, seq: Sequence) -> bool:
+        p = seq.params
+        return (p.greedy and p.logprobs is None and not p.has_penalties
+                and len(seq.token_ids) - seq.num_prompt_tokens >= p.min_tokens)
+
+    def _batch_can_pipeline(self, batch: ScheduledBatch) -> bool:
+        if not self.runner.can_launch_async(batch):
+            return False
+        prev = self._pending
+        if prev is not None and any(s.seq_id not in prev.rows for s in batch.seqs):
+            return False
+        return all(self._seq_can_pipeline(s) for s in batch.seqs)
+
+    def _pipeline_can_continue(self) -> bool:
+        """Whether the next batch will be a decode of sequences from the pending step
+        (checked before scheduling, since scheduling over placeholders commits to it)."""
+        sched = self.scheduler
+        return not sched.waiting and all(s.seq_id in self._pending.rows
+                                         and self._seq_can_pipeline(s) for s in sched.running)
+
+    def _step_pipelined(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        pending = self.runner.launch_decode(batch, self._pending)
+        touched = self._resolve_pending() if self._pending is not None else []
+        outputs = self._outputs(touched)  # before the placeholders go in
+        self.scheduler.advance(batch)
+        for seq in batch.seqs:
+            if not seq.is_finished:
+                seq.token_ids.append(PLACEHOLDER_TOKEN)
+        self._pending = pending
+        return outputs
+
+    def _resolve_pending(self) -> list[Request]:
+        """Read the pending step's tokens and process them like a synchronous step's."""
+        pending, self._pending = self._pending, None
+        tokens = pending.tokens()
+        rows, live_tokens = [], []
+        for seq, token in zip(pending.seqs, tokens):
+            if seq.token_ids and seq.token_ids[-1] == PLACEHOLDER_TOKEN:
+                seq.token_ids.pop()
+                rows.append(seq)
+                live_tokens.append(token)
+            # else: the sequence stopped (or was aborted) before this step was read.
+        result = StepResult(rows, SamplerOutput(live_tokens, []), [])
+        return self._process(result)
 
     def _process(self, result: StepResult) -> list[Request]:
         touched: dict[str, Request] = {}
@@ -269,8 +366,11 @@ class LLMEngine:
         outputs = []
         for seq in req.seqs:
             text = visible_text(seq)
+            token_ids = seq.output_token_ids
+            if token_ids and token_ids[-1] == PLACEHOLDER_TOKEN:
+                token_ids.pop()  # a pipelined step's token, not read back yet
             outputs.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=list(seq.output_token_ids),
+                index=seq.index, text=text, token_ids=token_ids,
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))

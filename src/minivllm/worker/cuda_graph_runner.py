@@ -49,17 +49,31 @@ class DecodeInputs:
         self._ids_np = self.host_ids.numpy()
         self._lens_np = self.host_lens.numpy()
         self._tables_np = self.host_tables.numpy()
+        self.host_index = torch.zeros(max_batch, dtype=torch.long, pin_memory=pin)
+        self._index_np = self.host_index.numpy()
+        self.index = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
         self.max_blocks = max_blocks
 
-    def fill(self, token_ids: list[int], seq_lens: list[int], tables: list[list[int]],
-             padded: int) -> None:
-        """Stage n real rows, zero the padding rows up to `padded`, copy to the device."""
-        n = len(token_ids)
-        self._ids_np[:n] = token_ids
-        self._ids_np[n:padded] = 0
+    def fill(self, token_ids: list[int] | None, seq_lens: list[int], tables: list[list[int]],
+             padded: int, device_tokens: tuple[torch.Tensor, list[int]] | None = None) -> None:
+        """Stage n real rows, zero the padding rows up to `padded`, copy to the device.
+
+        Token ids come from the host list, or (device_tokens = (tokens, rows)) straight from
+        the previous step's sampled tokens on the device: input i = tokens[rows[i]]. That
+        lets a step be launched before the previous step's tokens reach the host."""
+        n = len(seq_lens)
+        if device_tokens is None:
+            self._ids_np[:n] = token_ids
+            self._ids_np[n:padded] = 0
+        else:
+            prev, rows = device_tokens
+            self._index_np[:n] = rows
+            self.index[:n].copy_(self.host_index[:n], non_blocking=True)
+            torch.index_select(prev, 0, self.index[:n], out=self.input_ids[:n])
+            self.input_ids[n:padded].zero_()
         self._lens_np[:n] = seq_lens
         self._lens_np[n:padded] = 0
         width = 1
@@ -67,7 +81,8 @@ class DecodeInputs:
             self._tables_np[i, :len(t)] = t
             width = max(width, len(t))
         # Only columns below `width` are read by real rows; padding rows read none.
-        self.input_ids[:padded].copy_(self.host_ids[:padded], non_blocking=True)
+        if device_tokens is None:
+            self.input_ids[:padded].copy_(self.host_ids[:padded], non_blocking=True)
         self.seq_lens[:padded].copy_(self.host_lens[:padded], non_blocking=True)
         self.block_tables[:padded, :width].copy_(self.host_tables[:padded, :width],
                                                  non_blocking=True)
@@ -157,12 +172,14 @@ class DecodeGraphRunner:
         return n <= self.max_batch
 
     @torch.inference_mode()
-    def run(self, token_ids: list[int], seq_lens: list[int],
-            tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run one decode step for n sequences; returns (logits [n, V], argmax [n])."""
-        n = len(token_ids)
+    def run(self, token_ids: list[int] | None, seq_lens: list[int], tables: list[list[int]],
+            device_tokens: tuple[torch.Tensor, list[int]] | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run one decode step for n sequences; returns (logits [n, V], argmax [n]).
+        The work is queued on the device; nothing here waits for it."""
+        n = len(seq_lens)
         b = bucket_for(n, self.buckets)
-        self.inputs.fill(token_ids, seq_lens, tables, b)
+        self.inputs.fill(token_ids, seq_lens, tables, b, device_tokens)
         if b in self.graphs:
             self.graphs[b].replay()
             logits, greedy = self.outputs[b]

@@ -43,6 +43,32 @@ class StepResult:
     prompt_logprobs: list[PromptLogprobChunk]
 
 
+class PendingDecode:
+    """A greedy decode step launched on the device whose tokens have not been read yet.
+
+    Its tokens are copied to pinned host memory behind the step's kernels, and an event
+    marks when they are there; the next step can be launched first, reading its input
+    tokens straight from `device_tokens`."""
+
+    def __init__(self, seqs: list[Sequence], device_tokens: torch.Tensor,
+                 host_tokens: torch.Tensor) -> None:
+        self.seqs = seqs
+        self.device_tokens = device_tokens
+        self.rows = {seq.seq_id: i for i, seq in enumerate(seqs)}
+        n = len(seqs)
+        self.host_tokens = host_tokens[:n]
+        self.host_tokens.copy_(device_tokens, non_blocking=True)
+        self.event = None
+        if device_tokens.is_cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def tokens(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host_tokens.tolist()
+
+
 @dataclass
 class ModelInputs:
     input_ids: torch.Tensor
@@ -82,6 +108,13 @@ class ModelRunner:
                         compile_enabled(), cuda_graphs_enabled())
             secs = self.graph_runner.capture()
             logger.info("Decode warm-up and graph capture took %.1fs.", secs)
+        self._init_async_buffers()
+
+    def _init_async_buffers(self) -> None:
+        n = self.graph_runner.max_batch if self.graph_runner is not None else 1
+        pin = self.device.type == "cuda"
+        self._host_tokens = [torch.zeros(n, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._host_token_flip = 0
 
     # ---- sizing -----------------------------------------------------------------------
 
@@ -211,6 +244,29 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.sample_indices])
         return StepResult(inputs.row_seqs, self.sampler(logits, _rows(inputs.row_seqs)),
                           prompt_lps)
+
+    def can_launch_async(self, batch: ScheduledBatch) -> bool:
+        return (self.graph_runner is not None and batch.is_decode_only
+                and self.graph_runner.can_run(len(batch)))
+
+    @torch.inference_mode()
+    def launch_decode(self, batch: ScheduledBatch, prev: PendingDecode | None) -> PendingDecode:
+        """Queue a greedy decode step without waiting for it. With `prev`, the batch's
+        input tokens are the ones `prev` sampled (their host copies may still be in
+        flight): every sequence of the batch must have been in `prev`."""
+        seqs = batch.seqs
+        lens = [len(s.token_ids) for s in seqs]
+        tables = [s.block_table for s in seqs]
+        if prev is None:
+            _, greedy = self.graph_runner.run([s.token_ids[-1] for s in seqs], lens, tables)
+        else:
+            rows = [prev.rows[s.seq_id] for s in seqs]
+            _, greedy = self.graph_runner.run(None, lens, tables, (prev.device_tokens, rows))
+        # Two host buffers alternate: the previous step's copy may still be landing.
+        if self._host_tokens[0].numel() < self.graph_runner.max_batch:
+            self._init_async_buffers()
+        self._host_token_flip ^= 1
+        return PendingDecode(seqs, greedy, self._host_tokens[self._host_token_flip])
 
     @torch.inference_mode()
     def _execute_decode_graph(self, batch: ScheduledBatch) -> StepResult:
