@@ -351,3 +351,24 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def _cdiv(a: int, b: int) -> int:
     return -(-int(a) // int(b))
+
+
+# ----------------------------------------------------------------------------
+# fused norm / rotary / SwiGLU kernels (csrc_triton/fused.py), imported on
+# first use like _kernels (so TRITON_INTERPRET is read then, not at import)
+# ----------------------------------------------------------------------------
+_FUSED_EXPORTS = (
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rms_norm_heads",
+    "rotary_embedding",
+    "silu_and_mul",
+)
+__all__ += list(_FUSED_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _FUSED_EXPORTS:
+        fused = importlib.import_module(__name__ + ".fused")
+        return getattr(fused, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -67,15 +67,22 @@ def test_padded_decode_path_matches_eager(tiny_model_dirs, family):
     assert padded.engine.scheduler.pool.all_free()
 
 
-def test_triton_backend_in_interpreter_matches_torch(tiny_model_dirs, monkeypatch):
+@pytest.mark.parametrize("family,fused", [("qwen3", True), ("llama", True), ("qwen2", True),
+                                          ("qwen3", False)])
+def test_triton_backend_in_interpreter_matches_torch(tiny_model_dirs, monkeypatch, family,
+                                                     fused):
+    """The GPU model path (Triton attention, and the fused norm/rotary/KV-store/SiLU
+    kernels) run by Triton's interpreter gives the torch path's tokens."""
     pytest.importorskip("triton")
     prompts = random_prompts(3, 256, 5, 21, seed=12)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     kw = dict(skip_tokenizer_init=True, max_model_len=64, block_size=16, max_num_seqs=4)
-    want = LLM(str(tiny_model_dirs["qwen3"]), **kw).generate(prompts, params, use_tqdm=False)
+    want = LLM(str(tiny_model_dirs[family]), **kw).generate(prompts, params, use_tqdm=False)
     monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "triton")
-    llm = LLM(str(tiny_model_dirs["qwen3"]), **kw)
+    monkeypatch.setenv("MINIVLLM_FUSED_OPS", "1" if fused else "0")
+    llm = LLM(str(tiny_model_dirs[family]), **kw)
     assert llm.engine.runner.model.model.layers[0].self_attn.attn.backend == "triton"
+    assert llm.engine.runner.model.model.fused_ops is fused
     _attach_graph_runner(llm)
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

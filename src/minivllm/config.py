@@ -48,6 +48,17 @@ def attention_backend(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "torch"
 
 
+def fused_ops_enabled(backend: str) -> bool:
+    """Whether the model uses the fused Triton kernels for RMSNorm + residual, rotary
+    (+ q/k norm + K/V store) and SiLU*up. MINIVLLM_FUSED_OPS=0/1 forces it; by default they
+    are used with the Triton backend when torch.compile is off (the compiler fuses those
+    ops itself when it is on)."""
+    value = os.environ.get("MINIVLLM_FUSED_OPS", "").strip()
+    if value:
+        return _env_flag("MINIVLLM_FUSED_OPS", False)
+    return backend == "triton" and not compile_enabled()
+
+
 def cpu_kv_cache_bytes() -> int:
     """Upper bound on the KV pool on a CPU (MINIVLLM_CPU_KVCACHE_GB, default 1 GiB)."""
     return int(float(os.environ.get("MINIVLLM_CPU_KVCACHE_GB", "1")) * (1 << 30))

@@ -110,3 +110,15 @@ class PagedAttention(nn.Module):
                 self.scale, meta.max_query_len, meta.max_seq_len)
         store_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention_reference(q, k_cache, v_cache, meta, self.scale)
+
+    def attend(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Attention only, for callers that already stored this step's K/V (the fused
+        rotary kernel does)."""
+        k_cache, v_cache = kv_cache
+        if self.backend == "triton":
+            from . import triton_ops
+            return triton_ops.paged_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                self.scale, meta.max_query_len, meta.max_seq_len)
+        return paged_attention_reference(q, k_cache, v_cache, meta, self.scale)

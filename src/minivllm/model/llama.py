@@ -15,6 +15,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+import csrc_triton
+
 from ..config import ModelConfig
 from .attention import AttentionMetadata, PagedAttention
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding
@@ -23,8 +25,11 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: str) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: str,
+                 fused_ops: bool) -> None:
         super().__init__()
+        self.fused_ops = fused_ops
+        self.eps = cfg.rms_norm_eps
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -47,54 +52,87 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, kv_cache, meta)
+        if self.fused_ops:
+            # One kernel: q/k norm (Qwen3), rotary, and the K/V store into the cache.
+            q, k = csrc_triton.rotary_embedding(
+                positions, q, k, self.rotary.cos_table, self.rotary.sin_table,
+                q_norm_weight=self.q_norm.weight if self.qk_norm else None,
+                k_norm_weight=self.k_norm.weight if self.qk_norm else None, eps=self.eps,
+                v=v, k_cache=kv_cache[0], v_cache=kv_cache[1], slot_mapping=meta.slot_mapping)
+            out = self.attn.attend(q, kv_cache, meta)
+        else:
+            if self.qk_norm:
+                q = self.q_norm(q)
+                k = self.k_norm(k)
+            q, k = self.rotary(positions, q, k)
+            out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
+def add_and_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                 fused_ops: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual += x (x alone for the first layer), then normalize the residual. Returns
+    (normed, residual). The fused kernel updates the residual in place."""
+    if fused_ops:
+        if residual is None:
+            return csrc_triton.rms_norm(x, norm.weight, norm.eps), x
+        return csrc_triton.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+    residual = x if residual is None else residual + x
+    return norm(residual), residual
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: str) -> None:
+    """Carries the residual stream separately (vLLM's layout) so the residual add and
+    the next norm can be one fused kernel: layer i adds its input to the residual."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: str,
+                 fused_ops: bool) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(cfg, rotary, backend)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.fused_ops = fused_ops
+        self.self_attn = DecoderAttention(cfg, rotary, backend, fused_ops)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, fused_ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = add_and_norm(x, residual, self.input_layernorm, self.fused_ops)
+        h = self.self_attn(h, positions, kv_cache, meta)
+        h, residual = add_and_norm(h, residual, self.post_attention_layernorm, self.fused_ops)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, backend: str) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, backend: str,
+                 fused_ops: bool) -> None:
         super().__init__()
+        self.fused_ops = fused_ops
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         # One rotary table shared by every layer.
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend, fused_ops)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, kv_cache, meta)
+        return add_and_norm(x, residual, self.norm, self.fused_ops)[0]
 
 
 class LlamaForCausalLM(nn.Module):
     """Llama / Qwen2 / Qwen3 causal LM. forward() returns hidden states; compute_logits()
     projects only the rows that are sampled."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, backend: str = "torch") -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, backend: str = "torch",
+                 fused_ops: bool = False) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, max_positions, backend)
+        self.model = DecoderModel(cfg, max_positions, backend, fused_ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

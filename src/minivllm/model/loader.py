@@ -91,11 +91,11 @@ def _weights_for(cfg: ModelConfig, model_path: Path, load_format: str, seed: int
 
 def load_model(cfg: ModelConfig, model_path: Path, *, load_format: str, dtype: torch.dtype,
                device: torch.device, max_positions: int, attention_backend: str,
-               seed: int = 0) -> torch.nn.Module:
+               fused_ops: bool = False, seed: int = 0) -> torch.nn.Module:
     model_cls = MODEL_CLASSES[cfg.architecture]
     # Build on the meta device (no wasted random init), then materialize on the target.
     with torch.device("meta"):
-        model = model_cls(cfg, max_positions, attention_backend)
+        model = model_cls(cfg, max_positions, attention_backend, fused_ops)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import EngineConfig, ModelConfig, compile_enabled, cuda_graphs_enabled
+from ..config import (EngineConfig, ModelConfig, compile_enabled, cuda_graphs_enabled,
+                      fused_ops_enabled)
 from ..engine.scheduler import ScheduledBatch
 from ..engine.sequence import Sequence
 from ..model.attention import AttentionMetadata
@@ -91,7 +92,9 @@ class ModelRunner:
         self.model = load_model(model_cfg, model_path, load_format=engine_cfg.load_format,
                                 dtype=dtype, device=device,
                                 max_positions=engine_cfg.max_model_len,
-                                attention_backend=attention_backend, seed=engine_cfg.seed)
+                                attention_backend=attention_backend,
+                                fused_ops=fused_ops_enabled(attention_backend),
+                                seed=engine_cfg.seed)
         self.num_blocks = self._decide_num_blocks()
         self.kv_cache = KVCache(model_cfg, self.num_blocks, self.block_size, dtype, device)
         self.sampler = Sampler(model_cfg.vocab_size, device, engine_cfg.seed)
