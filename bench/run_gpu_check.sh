@@ -16,6 +16,10 @@ run() {  # run LIMIT_S SECTIONS [ENV...]
     >>"$RES/gpu_check.log" 2>&1
   echo "[$sections] exit $?" | tee -a "$RES/gpu_check.log"
 }
+# The kernels' own GPU tests first (compiled Triton, realistic shapes, graph replay).
+timeout "${T_TESTS:-150}" python3 -m pytest -q -x -m gpu tests/test_triton_kernels.py \
+  tests/test_fused_kernels.py >"$RES/gpu_tests.log" 2>&1
+echo "[gpu tests] exit $?" | tee -a "$RES/gpu_check.log"; tail -3 "$RES/gpu_tests.log"
 run "${T_PERF:-200}" "${S_PERF:-w2,sweep,w1}" MINIVLLM_COMPILE=0 GPU_CHECK_SKIP_COMPILE=1
 run "${T_GRAPHS:-150}" "${S_GRAPHS:-graphs}"
 run "${T_BF16:-80}" "${S_BF16:-bf16}"

@@ -1,0 +1,550 @@
+"""W3 serving on the H200, budgeted: minivllm's server (concurrency sweep, then a ramp for the
+largest concurrency held without a failed request), the offline engine on the same requests,
+and `transformers serve` (continuous batching, and plain) through the same HTTP client.
+
+Each part runs in its own process, writes one JSON (serve_bench's format: bench/report.py
+and bench/serve_report.py read it) and rewrites it after every concurrency level, so a time
+limit or a crash keeps what was measured. Every part watches its own --budget-s: a level
+that would not fit is shrunk to one round, or skipped and marked so.
+
+    python -m bench.w3_gpu prepare      --work /tmp/w3 [--hf-weights]
+    python -m bench.w3_gpu minivllm     --work /tmp/w3 --out-dir DIR --budget-s 170
+    python -m bench.w3_gpu offline      --work /tmp/w3 --out-dir DIR --budget-s 110
+    python -m bench.w3_gpu transformers --work /tmp/w3 --out-dir DIR --budget-s 170 [--plain]
+    add --smoke to any of them: a tiny Qwen2 config on the CPU, tiny sizes (checks the plumbing)
+
+Requests: prompts of --prompt-tokens random token ids (seed 0), --output-tokens forced
+(minivllm: ignore_eos; transformers: min_new_tokens), greedy, streamed. minivllm runs on
+token ids alone (--skip-tokenizer-init). transformers serve only takes text, so `prepare`
+writes a word-level tokenizer whose word "t<i>" is token id i, for the whole vocabulary:
+the text prompt "t17 t4242 ..." tokenizes to exactly the token ids minivllm gets, and every
+token the dummy model samples decodes to one word (one streamed chunk per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from bench import serve_bench as sb
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_CONFIG = REPO / "bench" / "model_configs" / "qwen2.5-0.5b-instruct.json"
+DEFAULT_CONCURRENCY = [1, 8, 32, 64, 128, 256]
+DEFAULT_RAMP = [384, 512, 768, 1024]
+# The offline engine measures concurrency 64 first: it is the level of the "server within
+# 20% of the offline engine" target, so a time limit cannot cost it.
+OFFLINE_FIRST = 64
+
+SMOKE_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": True,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}
+
+STOP_RESERVE_S = 15  # kept back from a part's budget to stop its server and write the JSON
+
+
+def log(*a) -> None:
+    print("[w3_gpu]", *a, flush=True)
+
+
+# ---- the model folder: config.json, word-level tokenizer, optional HF weights ----------------
+
+def model_config(args) -> dict:
+    if args.smoke:
+        return dict(SMOKE_CONFIG)
+    return json.loads(Path(args.model_config).read_text())
+
+
+def model_dir(args) -> Path:
+    return Path(args.work) / "model"
+
+
+def config_path(args) -> Path:
+    """The config.json minivllm builds its dummy weights from."""
+    p = Path(args.work) / "minivllm-config" / "config.json"
+    if not p.exists():
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(model_config(args), indent=1))
+    return p
+
+
+def word(i: int) -> str:
+    return f"t{i}"
+
+
+def write_tokenizer(folder: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({word(i): i for i in range(vocab_size)}, unk_token=word(0)))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=word(0)).save_pretrained(folder)
+
+
+def prepare(args, hf_weights: bool) -> Path:
+    """The model folder transformers serve loads: config, tokenizer and (with hf_weights)
+    random bf16 weights written by transformers itself."""
+    folder = model_dir(args)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = model_config(args)
+    if hf_weights and not any(folder.glob("*.safetensors")):
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        t0 = time.perf_counter()
+        hf_cfg = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items()
+                                                             if k != "model_type"})
+        device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+        dtype = torch.float32 if args.smoke else torch.bfloat16
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
+        model.save_pretrained(folder)
+        del model
+        log(f"wrote random {dtype} weights to {folder} in {time.perf_counter() - t0:.1f}s")
+    if not (folder / "config.json").exists():
+        (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    if not (folder / "tokenizer.json").exists():
+        write_tokenizer(folder, cfg["vocab_size"])
+    return folder
+
+
+# ---- requests ---------------------------------------------------------------------------------
+
+def token_prompts(args, vocab: int, count: int) -> list[list[int]]:
+    # serve_bench's generator: prompt i is the same whatever the count, in every part.
+    return sb.make_prompts(count, args.prompt_tokens, "tokens", None, vocab, args.seed)
+
+
+def text_prompts(args, vocab: int, count: int) -> list[str]:
+    return [" ".join(word(i) for i in p) for p in token_prompts(args, vocab, count)]
+
+
+def requests_at(args, c: int) -> int:
+    return max(args.min_requests, int(round(args.rounds * c)))
+
+
+def workload(args, vocab: int) -> dict:
+    return {"prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+            "concurrency": args.concurrency, "rounds": args.rounds,
+            "min_requests": args.min_requests, "prompt_mode": "tokens", "seed": args.seed,
+            "vocab_size": vocab, "temperature": 0.0, "stream": True,
+            "endpoint": "/v1/completions",
+            "model": ("smoke: tiny Qwen2" if args.smoke else Path(args.model_config).stem),
+            "weights": "dummy (random)", "dtype": "float32" if args.smoke else "bfloat16"}
+
+
+class Recorder:
+    """One result file, rewritten (atomically) whenever something new is measured."""
+
+    def __init__(self, path: Path, args, vocab: int, part: str) -> None:
+        self.path = path
+        self.payload = {"benchmark": "w3_serve", "part": part, "environment": sb.environment(),
+                        "workload": workload(args, vocab), "budget_s": args.budget_s,
+                        "targets": []}
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def target(self, **fields) -> dict:
+        t = {"levels": [], **fields}
+        self.payload["targets"].append(t)
+        self.save()
+        return t
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.payload, indent=2))
+        os.replace(tmp, self.path)
+
+
+class Budget:
+    def __init__(self, seconds: float) -> None:
+        self.deadline = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic() - STOP_RESERVE_S
+
+
+def plan_level(c: int, n: int, out_tokens: int, last_tok_s: float | None,
+               left: float) -> tuple[int | None, str | None]:
+    """Requests to send at concurrency c in the time left: n, one round (c), or None."""
+    if left <= 5:
+        return None, "time budget spent"
+    if last_tok_s is None:
+        return n, None
+    # Throughput grows with concurrency, so the last level's rate overestimates the time.
+    for k in (n, c):
+        if 1.2 * k * out_tokens / last_tok_s + 3 < left:
+            return k, None
+    return None, f"would not fit in the {left:.0f}s left (est. at {last_tok_s:.0f} tok/s)"
+
+
+# ---- HTTP parts -------------------------------------------------------------------------------
+
+def minivllm_server_args(args) -> list[str]:
+    base = ["--model", str(config_path(args)), "--load-format", "dummy",
+            "--skip-tokenizer-init", "--seed", "0"]
+    if args.smoke:
+        base += ["--dtype", "float32", "--device", "cpu", "--max-model-len", "256",
+                 "--max-num-seqs", "8"]
+    else:
+        base += ["--dtype", "bfloat16", "--max-model-len", "1024", "--max-num-seqs", "256",
+                 "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    return base + shlex.split(args.minivllm_args)
+
+
+def launch(label: str, cmd: list[str], kind: str, log_dir: Path, startup_s: float) -> sb.Target:
+    port = sb.free_port()
+    cmd = cmd + ["--host", "127.0.0.1", "--port", str(port)]
+    t = sb.Target(label=label, kind=kind, base_url=f"http://127.0.0.1:{port}/v1",
+                  launch_cmd=cmd, log_path=log_dir / f"{label}.log")
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    log(f"launching {label}: {shlex.join(cmd)}")
+    t.proc = subprocess.Popen(cmd, stdout=open(t.log_path, "w"), stderr=subprocess.STDOUT,
+                              env=env, start_new_session=True)
+    t0 = time.monotonic()
+    sb.wait_healthy(t, startup_s)  # SystemExit with the log's tail if it dies or hangs
+    t.info["startup_s"] = round(time.monotonic() - t0, 1)
+    log(f"{label} healthy after {t.info['startup_s']}s")
+    return t
+
+
+async def warm_up(t: sb.Target, prompts: list, burst: int) -> list[str]:
+    """Two requests alone, then a burst at once (first-use costs out of the first level)."""
+    errors = []
+    for i in range(2):
+        r = await sb.one_request_simple(t, prompts[i], {})
+        if not r["ok"]:
+            errors.append(r["error"])
+    level = await sb.run_level(t, prompts, burst, burst, 8, 120, {})
+    errors += level["errors"]
+    return errors
+
+
+async def measure(t: sb.Target, prompts: list, c: int, n: int, out_tokens: int,
+                  left: float) -> dict:
+    with sb.GpuMemorySampler() as gpu:
+        try:
+            level = await asyncio.wait_for(
+                sb.run_level(t, prompts, c, n, out_tokens, max(30.0, left), {}), left)
+        except asyncio.TimeoutError:
+            level = {"concurrency": c, "num_requests": n, "completed": None, "failures": None,
+                     "errors": [f"level cut off by the time budget after {left:.0f}s"],
+                     "timed_out": True}
+    level["peak_gpu_mem_gib"] = gpu.peak_gib
+    return level
+
+
+def fmt_level(label: str, lv: dict) -> str:
+    return (f"{label:16s} c={lv['concurrency']:<5d} n={lv['num_requests']:<5d} "
+            f"{lv.get('output_tok_per_s')!s:>10} tok/s  TTFT p50 {lv.get('ttft_ms_p50')} ms  "
+            f"ITL p50 {lv.get('itl_ms_p50')} ms  failures {lv.get('failures')}  "
+            f"GPU {lv.get('peak_gpu_mem_gib')} GiB")
+
+
+def sweep(t: sb.Target, rec: Recorder, entry: dict, args, prompts: list, budget: Budget,
+          levels: list[int], out_tokens: int) -> float | None:
+    last = None
+    for c in levels:
+        n, why = plan_level(c, requests_at(args, c), out_tokens, last, budget.left())
+        if n is None:
+            entry["levels"].append({"concurrency": c, "skipped": why})
+            rec.save()
+            log(f"{t.label} c={c}: skipped ({why})")
+            continue
+        lv = asyncio.run(measure(t, prompts, c, n, out_tokens, budget.left()))
+        entry["levels"].append(lv)
+        rec.save()
+        log(fmt_level(t.label, lv))
+        if lv.get("output_tok_per_s"):
+            last = lv["output_tok_per_s"]
+    return last
+
+
+def ramp(t: sb.Target, rec: Recorder, args, prompts: list, budget: Budget,
+         last_tok_s: float | None, sweep_levels: list[dict]) -> None:
+    """Raise concurrency (one round per level) until a request fails or the cap; the sweep's
+    levels count too. Stops early on the budget: then the result is a lower bound."""
+    ok = [lv["concurrency"] for lv in sweep_levels if lv.get("failures") == 0]
+    failed = [lv["concurrency"] for lv in sweep_levels if lv.get("failures")]
+    info = {"levels": [], "cap": max(args.ramp + args.concurrency),
+            "memory_budget": f"--gpu-memory-utilization {args.gpu_memory_utilization}",
+            "server_args": shlex.join(minivllm_server_args(args)),
+            "first_failure": min(failed) if failed else None, "stopped_by": None}
+    rec.payload["ramp"] = info
+    for c in ([] if failed else args.ramp):
+        n, why = plan_level(c, c, args.output_tokens, last_tok_s, budget.left())
+        if n is None:
+            info["stopped_by"] = f"time budget at c={c}: {why}"
+            break
+        lv = asyncio.run(measure(t, prompts, c, n, args.output_tokens, budget.left()))
+        info["levels"].append(lv)
+        log("ramp " + fmt_level(t.label, lv))
+        if lv.get("failures") == 0 and not lv.get("timed_out"):
+            ok.append(c)
+            last_tok_s = lv.get("output_tok_per_s") or last_tok_s
+        else:
+            info["first_failure"] = c
+            break
+        info["max_concurrency_without_failure"] = max(ok) if ok else None
+        rec.save()
+    below = [c for c in ok if info["first_failure"] is None or c < info["first_failure"]]
+    info["max_concurrency_without_failure"] = max(below) if below else None
+    info["reached_cap"] = info["first_failure"] is None and info["stopped_by"] is None
+    rec.save()
+    log(f"ramp: largest concurrency without a failure {info['max_concurrency_without_failure']}"
+        f" (first failure: {info['first_failure']}, stopped by: {info['stopped_by']})")
+
+
+def run_http_part(args, part: str) -> int:
+    budget = Budget(args.budget_s)
+    log_dir = Path(args.work) / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cfg = model_config(args)
+    vocab = min(cfg["vocab_size"], args.vocab_limit)
+    count = max(requests_at(args, c) for c in args.concurrency + args.ramp + [8])
+    if part == "minivllm":
+        label, kind = "minivllm", "minivllm"
+        cmd = [sys.executable, "-m", "minivllm.server", "--disable-log-requests",
+               "--log-level", "warning"] + minivllm_server_args(args)
+        prompts = token_prompts(args, vocab, count)
+        levels = args.concurrency
+    else:
+        folder = prepare(args, hf_weights=True)
+        label = "transformers" if args.plain else "transformers-cb"
+        kind = "transformers"
+        cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(folder),
+               "--log-level", "warning"]
+        if not args.plain:
+            cmd.append("--continuous-batching")
+        cmd += (["--device", "cpu", "--dtype", "float32"] if args.smoke
+                else ["--device", "cuda", "--dtype", "bfloat16"])
+        cmd += shlex.split(args.transformers_args)
+        prompts = text_prompts(args, vocab, count)
+        levels = args.plain_concurrency if args.plain else args.concurrency
+    out = Path(args.out_dir) / f"w3_{label}.json"
+    rec = Recorder(out, args, vocab, part)
+    entry = rec.target(label=label, kind=kind, launch_cmd=shlex.join(cmd), info={})
+    t = None
+    try:
+        t = launch(label, cmd, kind, log_dir, max(10.0, budget.left()))
+        entry["base_url"] = t.base_url
+        sb.discover(t, {})
+        entry.update(model=t.model, info=t.info)
+        errs = asyncio.run(warm_up(t, prompts, min(8, max(levels))))
+        if errs:
+            entry["warmup_errors"] = errs[:5]
+            log(f"{label} warm-up errors: {errs[:3]}")
+        entry["info"]["ready_after_s"] = round(args.budget_s - budget.left() - STOP_RESERVE_S, 1)
+        rec.save()
+        last = sweep(t, rec, entry, args, prompts, budget, levels, args.output_tokens)
+        if part == "minivllm" and args.ramp:
+            ramp(t, rec, args, prompts, budget, last, entry["levels"])
+    except BaseException as e:  # noqa: BLE001 - a start-up failure or a time limit: keep the record
+        entry["error"] = (f"{type(e).__name__}: {e}" if not isinstance(e, SystemExit)
+                          else str(e.code))[-3000:]
+        log(f"{label}: {entry['error'][-1500:]}")
+        if not isinstance(e, (KeyboardInterrupt, SystemExit)):
+            traceback.print_exc()
+    finally:
+        if t is not None:
+            sb.stop_target(t)
+        if t is not None and t.log_path is not None and t.log_path.exists():
+            entry["server_log_tail"] = t.log_path.read_text(errors="replace")[-2000:]
+        rec.save()
+        log(f"wrote {out}")
+    return 1 if entry.get("error") else 0
+
+
+# ---- the offline engine on the same requests ------------------------------------------------
+
+def run_offline(args) -> int:
+    """The same closed loop on minivllm's LLMEngine in-process, built from the very flags the
+    server got: `c` requests in flight, a new one as soon as one finishes; TTFT and ITL from
+    the moments outputs leave engine.step()."""
+    budget = Budget(args.budget_s)
+    cfg = model_config(args)
+    vocab = min(cfg["vocab_size"], args.vocab_limit)
+    count = max(requests_at(args, c) for c in args.concurrency)
+    prompts = token_prompts(args, vocab, count)
+    out = Path(args.out_dir) / "w3_minivllm-offline.json"
+    rec = Recorder(out, args, vocab, "offline")
+    flags = minivllm_server_args(args)
+    entry = rec.target(label="minivllm-offline", kind="offline", base_url=None,
+                       launch_cmd=None, info={"engine_args": shlex.join(flags)})
+    try:
+        import logging
+
+        from minivllm.engine.llm_engine import LLMEngine
+        from minivllm.sampling_params import SamplingParams
+        from minivllm.server.launch import add_serve_arguments, engine_config_from_args
+
+        logging.basicConfig(level=logging.WARNING)
+        parser = argparse.ArgumentParser()
+        add_serve_arguments(parser)
+        t0 = time.monotonic()
+        engine = LLMEngine(engine_config_from_args(parser.parse_args(flags)))
+        entry["model"] = str(engine.model_path)
+        entry["info"]["startup_s"] = round(time.monotonic() - t0, 1)
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
+        warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        for p in prompts[:8]:
+            engine.add_request(p, warm)
+        while engine.has_unfinished_requests():
+            engine.step()
+        order = sorted(args.concurrency, key=lambda c: (c != OFFLINE_FIRST, c))
+        last = None
+        for c in order:
+            n, why = plan_level(c, requests_at(args, c), args.output_tokens, last, budget.left())
+            if n is None:
+                entry["levels"].append({"concurrency": c, "skipped": why})
+                rec.save()
+                continue
+            with sb.GpuMemorySampler() as gpu:
+                lv = offline_level(engine, prompts, params, c, n, budget)
+            lv["peak_gpu_mem_gib"] = gpu.peak_gib
+            entry["levels"].append(lv)
+            entry["levels"].sort(key=lambda x: x["concurrency"])
+            rec.save()
+            log(fmt_level("minivllm-offline", lv))
+            last = lv.get("output_tok_per_s") or last
+    except BaseException as e:  # noqa: BLE001
+        entry["error"] = f"{type(e).__name__}: {e}"[-3000:]
+        log(f"offline: {entry['error']}")
+        if not isinstance(e, KeyboardInterrupt):
+            traceback.print_exc()
+    finally:
+        rec.save()
+        log(f"wrote {out}")
+    return 1 if entry.get("error") else 0
+
+
+def offline_level(engine, prompts, params, c: int, n: int, budget: Budget) -> dict:
+    ms = lambda x: None if x is None else round(1000 * x, 2)  # noqa: E731
+    sent = 0
+    start_of, first_of, last_of = {}, {}, {}
+    ttfts, itls, tpots, latencies = [], [], [], []
+    out_tokens = 0
+
+    def add() -> None:
+        nonlocal sent
+        rid = engine.add_request(prompts[sent % len(prompts)], params)
+        start_of[rid] = time.perf_counter()
+        sent += 1
+
+    start = time.perf_counter()
+    while sent < min(c, n):
+        add()
+    cut = False
+    while engine.has_unfinished_requests():
+        if budget.left() < 0 and not cut:  # abort the rest: keep what finished
+            cut = True
+            for rid in list(start_of):
+                engine.abort_request(rid)  # False for those already finished
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            rid = o.request_id
+            ntok = len(o.outputs[0].token_ids)
+            prev = last_of.get(rid)
+            if prev is None and ntok:
+                first_of[rid] = now - start_of[rid]
+                ttfts.append(first_of[rid])
+                last_of[rid] = (ntok, now)
+            elif prev is not None and ntok > prev[0]:
+                itls.append(now - prev[1])
+                last_of[rid] = (ntok, now)
+            if o.finished and not cut:
+                latencies.append(now - start_of[rid])
+                out_tokens += ntok
+                if ntok > 1 and rid in first_of:
+                    tpots.append((latencies[-1] - first_of[rid]) / (ntok - 1))
+                if sent < n:
+                    add()
+    wall = time.perf_counter() - start
+    return {
+        "concurrency": c, "num_requests": n, "completed": len(latencies),
+        "failures": n - len(latencies), "errors": ["cut off by the time budget"] if cut else [],
+        "duration_s": round(wall, 3), "output_tokens": out_tokens,
+        "output_tok_per_s": round(out_tokens / wall, 2) if wall > 0 else None,
+        "requests_per_s": round(len(latencies) / wall, 3) if wall > 0 else None,
+        "ttft_ms_p50": ms(sb.percentile(ttfts, 50)), "ttft_ms_p99": ms(sb.percentile(ttfts, 99)),
+        "itl_ms_p50": ms(sb.percentile(itls, 50)), "itl_ms_p99": ms(sb.percentile(itls, 99)),
+        "tpot_ms_mean": ms(sum(tpots) / len(tpots)) if tpots else None,
+        "latency_s_p50": round(sb.percentile(latencies, 50), 3) if latencies else None,
+        "tokens_per_event": None,
+    }
+
+
+# ---- main -------------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("part", choices=["prepare", "minivllm", "offline", "transformers"])
+    p.add_argument("--work", default="/tmp/minivllm-w3", help="Model folder and server logs.")
+    p.add_argument("--out-dir", default=str(REPO / "bench" / "results" / "w3"))
+    p.add_argument("--smoke", action="store_true", help="Tiny model on the CPU, tiny sizes.")
+    p.add_argument("--model-config", default=str(DEFAULT_MODEL_CONFIG))
+    p.add_argument("--budget-s", type=float, default=170, help="Seconds this part may take.")
+    p.add_argument("--concurrency", type=int, nargs="+", default=None)
+    p.add_argument("--ramp", type=int, nargs="*", default=None,
+                   help=f"Levels past the sweep, one round each (default {DEFAULT_RAMP}).")
+    p.add_argument("--plain-concurrency", type=int, nargs="+", default=None,
+                   help="Levels for plain transformers serve (default 1 8).")
+    p.add_argument("--plain", action="store_true",
+                   help="transformers serve without --continuous-batching.")
+    p.add_argument("--prompt-tokens", type=int, default=None)
+    p.add_argument("--output-tokens", type=int, default=None)
+    p.add_argument("--rounds", type=float, default=2.0)
+    p.add_argument("--min-requests", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-limit", type=int, default=32000,
+                   help="Prompt token ids are drawn below min(vocab, this).")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3,
+                   help="minivllm's memory budget, for the sweep and the ramp alike.")
+    p.add_argument("--minivllm-args", default="", help="Extra flags for minivllm (server and "
+                                                       "offline engine alike).")
+    p.add_argument("--transformers-args", default="", help="Extra flags for transformers serve.")
+    p.add_argument("--hf-weights", action="store_true", help="prepare: also write HF weights.")
+    args = p.parse_args(argv)
+    smoke = args.smoke
+    if args.concurrency is None:
+        args.concurrency = [1, 2, 4] if smoke else DEFAULT_CONCURRENCY
+    if args.ramp is None:
+        args.ramp = [8, 16] if smoke else DEFAULT_RAMP
+    if args.plain_concurrency is None:
+        args.plain_concurrency = [1, 2] if smoke else [1, 8]
+    if args.prompt_tokens is None:
+        args.prompt_tokens = 16 if smoke else 128
+    if args.output_tokens is None:
+        args.output_tokens = 8 if smoke else 128
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.part == "prepare":
+        log(f"model folder: {prepare(args, args.hf_weights)}")
+        return 0
+    if args.part == "offline":
+        return run_offline(args)
+    return run_http_part(args, args.part)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
