@@ -38,19 +38,30 @@ def bucket_for(n: int, buckets: list[int]) -> int | None:
     return None
 
 
+class _Staging:
+    """One set of host-side staging arrays (pinned on a GPU, for async copies)."""
+
+    def __init__(self, max_batch: int, max_blocks: int, pin: bool) -> None:
+        self.ids = torch.zeros(max_batch, dtype=torch.long, pin_memory=pin)
+        self.lens = torch.zeros(max_batch, dtype=torch.int32, pin_memory=pin)
+        self.tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=pin)
+        self.index = torch.zeros(max_batch, dtype=torch.long, pin_memory=pin)
+        self.ids_np, self.lens_np = self.ids.numpy(), self.lens.numpy()
+        self.tables_np, self.index_np = self.tables.numpy(), self.index.numpy()
+
+
 class DecodeInputs:
-    """Host-side staging (pinned when on a GPU) and device-side static buffers."""
+    """Host-side staging and device-side static buffers.
+
+    Two staging sets alternate: with pipelined decoding the host fills step N+1's inputs
+    before step N's asynchronous copies are known to have run, so it must not overwrite
+    the set that step N's copies read (the host last waited for step N-1, whose set is
+    the one reused)."""
 
     def __init__(self, max_batch: int, max_blocks: int, device: torch.device) -> None:
         pin = device.type == "cuda"
-        self.host_ids = torch.zeros(max_batch, dtype=torch.long, pin_memory=pin)
-        self.host_lens = torch.zeros(max_batch, dtype=torch.int32, pin_memory=pin)
-        self.host_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=pin)
-        self._ids_np = self.host_ids.numpy()
-        self._lens_np = self.host_lens.numpy()
-        self._tables_np = self.host_tables.numpy()
-        self.host_index = torch.zeros(max_batch, dtype=torch.long, pin_memory=pin)
-        self._index_np = self.host_index.numpy()
+        self._staging = [_Staging(max_batch, max_blocks, pin) for _ in range(2)]
+        self._turn = 0
         self.index = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
@@ -64,28 +75,28 @@ class DecodeInputs:
         Token ids come from the host list, or (device_tokens = (tokens, rows)) straight from
         the previous step's sampled tokens on the device: input i = tokens[rows[i]]. That
         lets a step be launched before the previous step's tokens reach the host."""
+        st = self._staging[self._turn]
+        self._turn ^= 1
         n = len(seq_lens)
         if device_tokens is None:
-            self._ids_np[:n] = token_ids
-            self._ids_np[n:padded] = 0
+            st.ids_np[:n] = token_ids
+            st.ids_np[n:padded] = 0
+            self.input_ids[:padded].copy_(st.ids[:padded], non_blocking=True)
         else:
             prev, rows = device_tokens
-            self._index_np[:n] = rows
-            self.index[:n].copy_(self.host_index[:n], non_blocking=True)
+            st.index_np[:n] = rows
+            self.index[:n].copy_(st.index[:n], non_blocking=True)
             torch.index_select(prev, 0, self.index[:n], out=self.input_ids[:n])
             self.input_ids[n:padded].zero_()
-        self._lens_np[:n] = seq_lens
-        self._lens_np[n:padded] = 0
+        st.lens_np[:n] = seq_lens
+        st.lens_np[n:padded] = 0
         width = 1
         for i, t in enumerate(tables):
-            self._tables_np[i, :len(t)] = t
+            st.tables_np[i, :len(t)] = t
             width = max(width, len(t))
         # Only columns below `width` are read by real rows; padding rows read none.
-        if device_tokens is None:
-            self.input_ids[:padded].copy_(self.host_ids[:padded], non_blocking=True)
-        self.seq_lens[:padded].copy_(self.host_lens[:padded], non_blocking=True)
-        self.block_tables[:padded, :width].copy_(self.host_tables[:padded, :width],
-                                                 non_blocking=True)
+        self.seq_lens[:padded].copy_(st.lens[:padded], non_blocking=True)
+        self.block_tables[:padded, :width].copy_(st.tables[:padded, :width], non_blocking=True)
 
 
 class DecodeGraphRunner:

@@ -9,7 +9,7 @@ requests that asked for prompt logprobs, every prompt position in the chunk.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,7 @@ from ..model.attention import AttentionMetadata
 from ..model.loader import load_model
 from .cuda_graph_runner import DecodeGraphRunner
 from .kv_cache import KVCache, cpu_num_blocks, gpu_num_blocks
+from .mixed_graph_runner import MixedGraphRunner
 from .sampler import Sampler, SamplerOutput, SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,22 @@ class PendingDecode:
 
 
 @dataclass
+class HostInputs:
+    """One step's inputs as host lists (see ModelRunner.host_inputs)."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    query_start_loc: list[int] = field(default_factory=lambda: [0])
+    seq_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)  # not padded
+    sample_indices: list[int] = field(default_factory=list)
+    row_seqs: list[Sequence] = field(default_factory=list)
+    prompt_lp_spans: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
+    max_query_len: int = 0
+
+
+@dataclass
 class ModelInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -99,6 +116,7 @@ class ModelRunner:
         self.kv_cache = KVCache(model_cfg, self.num_blocks, self.block_size, dtype, device)
         self.sampler = Sampler(model_cfg.vocab_size, device, engine_cfg.seed)
         self.graph_runner: DecodeGraphRunner | None = None
+        self.mixed_runner: MixedGraphRunner | None = None
         if device.type == "cuda" and not engine_cfg.enforce_eager:
             self.graph_runner = DecodeGraphRunner(
                 self.model, self.kv_cache.layers,
@@ -111,6 +129,13 @@ class ModelRunner:
                         compile_enabled(), cuda_graphs_enabled())
             secs = self.graph_runner.capture()
             logger.info("Decode warm-up and graph capture took %.1fs.", secs)
+            max_tokens = min(engine_cfg.max_graph_tokens, engine_cfg.max_num_batched_tokens)
+            if max_tokens > 0 and cuda_graphs_enabled():
+                self.mixed_runner = MixedGraphRunner(
+                    self.model, self.kv_cache.layers, max_tokens=max_tokens,
+                    max_seqs=engine_cfg.max_num_seqs, max_blocks=engine_cfg.max_blocks_per_seq(),
+                    max_model_len=engine_cfg.max_model_len, device=device, use_graphs=True)
+                self.mixed_runner.capture()
         self._init_async_buffers()
 
     def _init_async_buffers(self) -> None:
@@ -176,69 +201,78 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------
 
-    def prepare(self, batch: ScheduledBatch) -> ModelInputs:
+    def host_inputs(self, batch: ScheduledBatch) -> HostInputs:
+        """The step's inputs as host lists: one flat token batch with positions and
+        slots, per-sequence offsets, lengths and block tables, and the logits rows."""
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        sample_indices: list[int] = []
-        row_seqs: list[Sequence] = []
-        lp_spans: list[tuple[Sequence, int, int, int]] = []
+        h = HostInputs()
+        qsl = h.query_start_loc
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             end = start + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
+            h.input_ids.extend(seq.token_ids[start:end])
+            h.positions.extend(range(start, end))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            h.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             tok0 = qsl[-1]
             qsl.append(tok0 + n)
-            seq_lens.append(end)
+            h.seq_lens.append(end)
+            h.block_tables.append(table)
             req = seq.request
             if req.wants_prompt_logprobs and seq.index == 0 and start < seq.num_prompt_tokens - 1:
                 # Logits at position p predict prompt token p + 1; record each only once.
                 first = max(start, len(req.prompt_logprobs or [None]) - 1)
                 last = min(end, seq.num_prompt_tokens - 1)
                 if last > first:
-                    lp_spans.append((seq, tok0 + first - start, first + 1, last - first))
+                    h.prompt_lp_spans.append((seq, tok0 + first - start, first + 1,
+                                              last - first))
             if batch.samples(i):
                 if seq.forks_pending:
                     for sibling in req.seqs:  # one row per sample, all from these logits
-                        sample_indices.append(qsl[-1] - 1)
-                        row_seqs.append(sibling)
+                        h.sample_indices.append(qsl[-1] - 1)
+                        h.row_seqs.append(sibling)
                 else:
-                    sample_indices.append(qsl[-1] - 1)
-                    row_seqs.append(seq)
-        max_blocks = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
+                    h.sample_indices.append(qsl[-1] - 1)
+                    h.row_seqs.append(seq)
+        h.max_query_len = max(batch.num_new_tokens)
+        return h
+
+    def prepare(self, batch: ScheduledBatch, host: HostInputs | None = None) -> ModelInputs:
+        h = host or self.host_inputs(batch)
+        max_blocks = max(len(t) for t in h.block_tables)
+        tables = [t + [0] * (max_blocks - len(t)) for t in h.block_tables]
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(h.slots, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(h.query_start_loc, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(h.seq_lens, dtype=torch.int32, device=dev),
             block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            max_query_len=max(batch.num_new_tokens),
-            max_seq_len=max(seq_lens),
-            query_start_loc_host=qsl,
-            seq_lens_host=seq_lens,
+            max_query_len=h.max_query_len,
+            max_seq_len=max(h.seq_lens),
+            query_start_loc_host=h.query_start_loc,
+            seq_lens_host=h.seq_lens,
         )
         return ModelInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            meta=meta, sample_indices=sample_indices, row_seqs=row_seqs,
-            prompt_lp_spans=lp_spans)
+            input_ids=torch.tensor(h.input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(h.positions, dtype=torch.long, device=dev),
+            meta=meta, sample_indices=h.sample_indices, row_seqs=h.row_seqs,
+            prompt_lp_spans=h.prompt_lp_spans)
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
         if (self.graph_runner is not None and batch.is_decode_only
                 and self.graph_runner.can_run(len(batch))):
             return self._execute_decode_graph(batch)
-        return self._execute_eager(batch)
+        host = self.host_inputs(batch)
+        if (self.mixed_runner is not None and not host.prompt_lp_spans and host.sample_indices
+                and self.mixed_runner.can_run(len(host.input_ids), len(host.seq_lens),
+                                              len(host.sample_indices))):
+            logits, greedy = self.mixed_runner.run(host)
+            return StepResult(host.row_seqs, self.sampler(logits, _rows(host.row_seqs), greedy),
+                              [])
+        return self._execute_eager(self.prepare(batch, host))
 
     @torch.inference_mode()
-    def _execute_eager(self, batch: ScheduledBatch) -> StepResult:
-        inputs = self.prepare(batch)
+    def _execute_eager(self, inputs: ModelInputs) -> StepResult:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers,
                             inputs.meta)
         prompt_lps = self._prompt_logprobs(hidden, inputs)

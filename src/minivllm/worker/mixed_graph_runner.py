@@ -1,0 +1,136 @@
+"""Prefill and mixed (prefill + decode) steps replayed as CUDA graphs, bucketed by tokens.
+
+A step of T tokens over S sequences is padded to the smallest token bucket >= T and to
+max_num_seqs sequences. Padding tokens have slot -1 (nothing stored); padding sequences
+own no query tokens and have length 0. The attention kernel is launched with
+max_query_len = the bucket, so its grid depends only on the bucket and the graph stays
+valid for any split of those tokens among sequences: programs past a sequence's tokens
+exit at once. Only the logits rows that are sampled are computed.
+
+Small steps dominate serving (a few new prompts joining a batch of decodes): these run as
+one replay instead of hundreds of eager launches. Larger steps (long prompts) run eagerly,
+where the launch cost is amortized over many tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..model.attention import AttentionMetadata
+from .cuda_graph_runner import bucket_for
+
+logger = logging.getLogger(__name__)
+
+
+def mixed_buckets(max_tokens: int) -> list[int]:
+    """Token buckets: powers of two from 16, the last one max_tokens itself."""
+    sizes, b = [], 16
+    while b < max_tokens:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_tokens]
+
+
+class MixedGraphRunner:
+    def __init__(self, model: torch.nn.Module, kv_layers, *, max_tokens: int, max_seqs: int,
+                 max_blocks: int, max_model_len: int, device: torch.device,
+                 use_graphs: bool) -> None:
+        self.model = model
+        self.kv_layers = kv_layers
+        self.max_model_len = max_model_len
+        self.device = device
+        self.buckets = mixed_buckets(max_tokens)
+        self.max_tokens = self.buckets[-1]
+        self.max_seqs = max_seqs
+        self.use_graphs = use_graphs and device.type == "cuda"
+        t, s = self.max_tokens, max_seqs
+        pin = device.type == "cuda"
+        # Host staging (pinned on a GPU) and device buffers the graphs read.
+        self.h_ids = torch.zeros(t, dtype=torch.long, pin_memory=pin)
+        self.h_pos = torch.zeros(t, dtype=torch.long, pin_memory=pin)
+        self.h_slots = torch.full((t,), -1, dtype=torch.long, pin_memory=pin)
+        self.h_qsl = torch.zeros(s + 1, dtype=torch.int32, pin_memory=pin)
+        self.h_lens = torch.zeros(s, dtype=torch.int32, pin_memory=pin)
+        self.h_tables = torch.zeros(s, max_blocks, dtype=torch.int32, pin_memory=pin)
+        self.h_rows = torch.zeros(s, dtype=torch.long, pin_memory=pin)
+        self.ids = torch.zeros(t, dtype=torch.long, device=device)
+        self.pos = torch.zeros(t, dtype=torch.long, device=device)
+        self.slots = torch.full((t,), -1, dtype=torch.long, device=device)
+        self.qsl = torch.zeros(s + 1, dtype=torch.int32, device=device)
+        self.lens = torch.zeros(s, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(s, max_blocks, dtype=torch.int32, device=device)
+        self.rows = torch.zeros(s, dtype=torch.long, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def can_run(self, num_tokens: int, num_seqs: int, num_rows: int) -> bool:
+        return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs \
+            and num_rows <= self.max_seqs
+
+    def _step(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        meta = AttentionMetadata(
+            slot_mapping=self.slots[:t], query_start_loc=self.qsl, seq_lens=self.lens,
+            block_tables=self.tables, max_query_len=t, max_seq_len=self.max_model_len)
+        hidden = self.model(self.ids[:t], self.pos[:t], self.kv_layers, meta)
+        logits = self.model.compute_logits(hidden[self.rows]).float()
+        return logits, logits.argmax(dim=-1)
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        """Warm up every bucket (Triton compiles per tile shape), then capture, largest
+        first, all graphs in one memory pool. Warm-up inputs are all padding."""
+        start = time.perf_counter()
+        for t in reversed(self.buckets):
+            self._step(t)
+        if not self.use_graphs:
+            return time.perf_counter() - start
+        torch.cuda.synchronize(self.device)
+        pool = None
+        for t in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._step(t)
+            pool = pool or graph.pool()
+            self.graphs[t] = graph
+            self.outputs[t] = out
+        torch.cuda.synchronize(self.device)
+        secs = time.perf_counter() - start
+        logger.info("Captured %d mixed-step graphs (%d..%d tokens) in %.1fs.",
+                    len(self.graphs), self.buckets[0], self.max_tokens, secs)
+        return secs
+
+    @torch.inference_mode()
+    def run(self, host) -> tuple[torch.Tensor, torch.Tensor]:
+        """host: the step's HostInputs. Returns (logits, argmax) of its sample rows."""
+        n_tok, n_seq, n_rows = len(host.input_ids), len(host.seq_lens), len(host.sample_indices)
+        t = bucket_for(n_tok, self.buckets)
+        self.h_ids[:n_tok] = torch.tensor(host.input_ids, dtype=torch.long)
+        self.h_pos[:n_tok] = torch.tensor(host.positions, dtype=torch.long)
+        self.h_slots[:n_tok] = torch.tensor(host.slots, dtype=torch.long)
+        self.h_slots[n_tok:t] = -1
+        self.h_ids[n_tok:t] = 0
+        self.h_pos[n_tok:t] = 0
+        self.h_qsl[:n_seq + 1] = torch.tensor(host.query_start_loc, dtype=torch.int32)
+        self.h_qsl[n_seq + 1:] = n_tok  # padding sequences own no tokens
+        self.h_lens[:n_seq] = torch.tensor(host.seq_lens, dtype=torch.int32)
+        self.h_lens[n_seq:] = 0
+        width = 1
+        for i, table in enumerate(host.block_tables):
+            self.h_tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+            width = max(width, len(table))
+        self.h_rows[:n_rows] = torch.tensor(host.sample_indices, dtype=torch.long)
+        self.h_rows[n_rows:] = 0
+        for dst, src, k in ((self.ids, self.h_ids, t), (self.pos, self.h_pos, t),
+                            (self.slots, self.h_slots, t), (self.qsl, self.h_qsl, None),
+                            (self.lens, self.h_lens, None), (self.rows, self.h_rows, None)):
+            dst[:k].copy_(src[:k], non_blocking=True)
+        self.tables[:n_seq, :width].copy_(self.h_tables[:n_seq, :width], non_blocking=True)
+        if t in self.graphs:
+            self.graphs[t].replay()
+            logits, greedy = self.outputs[t]
+        else:
+            logits, greedy = self._step(t)
+        return logits[:n_rows], greedy[:n_rows]
