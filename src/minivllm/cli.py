@@ -20,6 +20,8 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True)
 
 
 def _add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,7 +41,7 @@ def _engine_from_args(args):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager, load_format=args.load_format, seed=args.seed,
-        device=args.device))
+        device=args.device, enable_prefix_caching=args.enable_prefix_caching))
 
 
 def _params_from_args(args):

@@ -221,6 +221,7 @@ class EngineConfig:
     device: str | torch.device = "auto"
     skip_tokenizer_init: bool = False
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     max_cudagraph_batch_size: int | None = None
     # Prefill/mixed steps of up to this many tokens replay CUDA graphs too (0: never).
     max_graph_tokens: int = 512

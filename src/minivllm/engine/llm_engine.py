@@ -69,7 +69,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill)
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            enable_prefix_caching=config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self._pipelined = pipelining_enabled()
         self._pending: PendingDecode | None = None
@@ -377,4 +378,5 @@ class LLMEngine:
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time,
                                  req.first_token_time, req.finished_time)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs,
-                             req.finished, req.prompt_logprobs, metrics)
+                             req.finished, req.prompt_logprobs, metrics,
+                             num_cached_tokens=req.seqs[0].num_cached_tokens or 0)

@@ -15,7 +15,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_pool import BlockPool
+from .block_pool import BlockPool, block_hash
 from .sequence import Sequence, SequenceStatus
 
 
@@ -53,8 +53,10 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
-                 enable_chunked_prefill: bool = True) -> None:
+                 enable_chunked_prefill: bool = True,
+                 enable_prefix_caching: bool = True) -> None:
         self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -124,13 +126,24 @@ class Scheduler:
             slots = seq.params.n if seq.forks_pending else 1
             if self.running and len(self.running) + slots > self.max_num_seqs:
                 break
-            n = seq.num_tokens - seq.num_computed_tokens
+            cached = self._cached_prefix(seq)
+            computed = len(cached) * self.block_size
+            n = len(seq.token_ids) - computed
             if n > budget and not self.enable_chunked_prefill:
                 break
             n = min(n, budget)
             reserve = self.watermark_blocks if self.running else 0
-            if not self._reserve(seq, n, keep_free=reserve):
+            need = (self.blocks_needed(computed + n) - len(cached)
+                    + self.pool.num_reusable_free(cached))
+            if need > self.pool.num_free - reserve:
                 break
+            if cached:
+                seq.block_table = [self.pool.share(b) for b in cached]
+                seq.num_computed_tokens = computed
+                self.pool.cache_hits += len(cached)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = computed
+            self._reserve(seq, n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -139,9 +152,41 @@ class Scheduler:
         return batch
 
     def advance(self, batch: ScheduledBatch) -> None:
-        """Record that the batch's tokens now sit in the KV cache."""
+        """Record that the batch's tokens now sit in the KV cache, and offer the blocks
+        this step filled to the prefix cache."""
+        bs = self.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
+            if not seq.block_table:
+                continue  # finished while its step was in flight (pipelined decoding)
+            old = seq.num_computed_tokens
+            seq.num_computed_tokens = new = old + n
+            if self.enable_prefix_caching and new // bs > old // bs:
+                hashes = self._hashes(seq, new // bs)
+                for i in range(old // bs, new // bs):
+                    self.pool.register(seq.block_table[i], hashes[i])
+
+    # ---- prefix cache -----------------------------------------------------------------
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Hashes of the sequence's first num_blocks full blocks (extended lazily)."""
+        hashes, bs = seq.block_hashes, self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(block_hash(hashes[-1] if hashes else None,
+                                     seq.token_ids[i * bs:(i + 1) * bs]))
+        return hashes
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks that can stand for the start of a sequence being admitted. The
+        last token is always computed (its logits are needed), and requests that want
+        prompt logprobs compute everything."""
+        if (not self.enable_prefix_caching or seq.num_computed_tokens or seq.block_table
+                or seq.request.wants_prompt_logprobs):
+            return []
+        usable = (len(seq.token_ids) - 1) // self.block_size
+        hashes = self._hashes(seq, usable)[:usable]
+        self.pool.cache_queries += len(hashes)
+        return self.pool.lookup(hashes)
 
     # ---- blocks -----------------------------------------------------------------------
 
@@ -161,7 +206,9 @@ class Scheduler:
         return True
 
     def _free_blocks(self, seq: Sequence) -> None:
-        for block in seq.block_table:
+        # Tail first: the free queue evicts oldest first, and a prefix's later blocks are
+        # the least likely to be shared.
+        for block in reversed(seq.block_table):
             self.pool.free(block)
         seq.block_table = []
 

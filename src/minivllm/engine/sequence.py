@@ -61,6 +61,8 @@ class Sequence:
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # prefix-cache identity of each full block
+        self.num_cached_tokens: int | None = None  # prompt tokens found in the cache
         self.status = SequenceStatus.WAITING
         self.forks_pending = index == 0 and params.n > 1  # sample 0 spawns the others
         # Output state.

@@ -55,6 +55,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--load-format", default="auto",
                         choices=["auto", "safetensors", "gguf", "dummy"],
                         help="dummy: random weights from config.json alone.")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True, help="Reuse KV blocks of shared prompt prefixes.")
     parser.add_argument("--seed", type=int, default=0, help="Engine seed.")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
     parser.add_argument("--skip-tokenizer-init", action="store_true",
@@ -85,7 +87,8 @@ def engine_config_from_args(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
         enforce_eager=args.enforce_eager, load_format=args.load_format, seed=args.seed,
-        device=args.device, skip_tokenizer_init=args.skip_tokenizer_init)
+        device=args.device, skip_tokenizer_init=args.skip_tokenizer_init,
+        enable_prefix_caching=args.enable_prefix_caching)
 
 
 def build_server(args: argparse.Namespace):

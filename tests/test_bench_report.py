@@ -1,0 +1,183 @@
+"""The benchmark report regenerates from committed JSON alone, and the H200 W3 plumbing
+(bench/w3_gpu.py) keeps its promises: a tokenizer that gives the same ids to every server,
+and a time budget that shrinks or skips levels rather than overrunning."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+pytest.importorskip("matplotlib")
+
+from bench import report  # noqa: E402
+
+RESULTS = REPO / "bench" / "results"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _envs(root: Path) -> list[dict]:
+    out = []
+    for p in root.rglob("*.json"):
+        try:
+            data = json.loads(p.read_text())
+        except ValueError:
+            continue
+        if isinstance(data, dict) and isinstance(data.get("environment"), dict):
+            out.append(data["environment"])
+    return out
+
+
+def test_report_regenerates_from_committed_results(tmp_path):
+    out = tmp_path / "report"
+    md_path = report.render([RESULTS], out, base=REPO)
+    md = md_path.read_text()
+    pngs = sorted(out.glob("*.png"))
+    assert pngs, "no plots"
+    for p in pngs:
+        assert p.read_bytes()[:8] == PNG_MAGIC
+        assert f"({p.name})" in md, f"{p.name} not linked from the report"
+    # Every committed GPU result names its GPU and versions in the report.
+    envs = _envs(RESULTS)
+    gpus = {str(e["gpu"]).split(",")[0] for e in envs if e.get("gpu")}
+    assert gpus, "the committed results hold no GPU run"
+    for gpu in gpus:
+        assert gpu in md
+    for e in envs:
+        for k in ("torch", "transformers"):
+            if e.get(k):
+                assert f"{k} {e[k]}" in md
+    if (RESULTS / "gpu-2026-11-29" / "sweep.json").exists():
+        assert (out / "sweep_ms_per_step.png").exists()
+    assert any(p.name.startswith("w3_") and p.name.endswith("_throughput.png") for p in pngs)
+    # vLLM is never measured on our machines: the report says so and how to measure it.
+    assert "**vLLM: not measured.**" in md
+    assert "--base-url" in md
+    assert "## Headline" in md and "## Not measured" in md
+
+
+def test_missing_sections_are_reported_not_measured(tmp_path):
+    src = tmp_path / "results" / "run1"
+    src.mkdir(parents=True)
+    shutil.copy(RESULTS / "gpu-2026-11-29" / "sweep.json", src / "sweep.json")
+    (src / "w1.error.txt").write_text("Traceback ...\nRuntimeError: boom\n")
+    md = report.render([tmp_path / "results"], tmp_path / "out", base=tmp_path).read_text()
+    for what in ("W1 (minivllm)", "W2 (minivllm)", "W3", "W4", "parity (fp32 vs HF)",
+                 "bf16 vs HF bf16", "CUDA graphs vs eager", "vLLM"):
+        assert f"**{what}: not measured.**" in md, what
+    assert "RuntimeError: boom" in md  # the failure's reason, not a number
+    assert "| W1 offline, output tok/s | minivllm | not measured | - |" in md
+    assert (tmp_path / "out" / "sweep_ms_per_step.png").exists()
+    assert "NVIDIA H200" in md
+
+
+def _level(c, tok_s, failures=0, mem=None):
+    return {"concurrency": c, "num_requests": 2 * c, "completed": 2 * c - failures,
+            "failures": failures, "errors": [], "output_tok_per_s": tok_s,
+            "ttft_ms_p50": 10.0 + c, "ttft_ms_p99": 20.0 + c, "itl_ms_p50": 3.0,
+            "itl_ms_p99": 6.0, "tpot_ms_mean": 3.1, "tokens_per_event": 1.0,
+            "peak_gpu_mem_gib": mem}
+
+
+def _w3_file(path: Path, label: str, kind: str, levels: list, ramp=None) -> None:
+    env = {"date": "2030-01-01 00:00:00 UTC", "git_commit": "abc1234",
+           "gpu": "NVIDIA H200, 143771 MiB, 570.00", "torch": "2.11.0+cu130",
+           "triton": "3.6.0", "transformers": "5.17.0", "python": "3.12.3"}
+    payload = {"benchmark": "w3_serve", "environment": env,
+               "workload": {"prompt_tokens": 128, "output_tokens": 128, "rounds": 2.0,
+                            "min_requests": 4, "model": "qwen2.5-0.5b-instruct",
+                            "dtype": "bfloat16", "weights": "dummy (random)"},
+               "targets": [{"label": label, "kind": kind, "levels": levels}]}
+    if ramp:
+        payload["ramp"] = ramp
+    path.write_text(json.dumps(payload))
+
+
+def test_w3_gpu_run_headline_ratios_and_ramp(tmp_path):
+    run = tmp_path / "results" / "h200"
+    run.mkdir(parents=True)
+    cs = [1, 8, 64, 256]
+    _w3_file(run / "w3_minivllm.json", "minivllm", "minivllm",
+             [_level(c, 100.0 * c, mem=40.0) for c in cs],
+             ramp={"levels": [_level(512, 30000.0), _level(1024, 0.0, failures=3)],
+                   "cap": 1024, "memory_budget": "--gpu-memory-utilization 0.3",
+                   "server_args": "--max-num-seqs 256", "first_failure": 1024,
+                   "max_concurrency_without_failure": 512, "stopped_by": None,
+                   "reached_cap": False})
+    _w3_file(run / "w3_minivllm-offline.json", "minivllm-offline", "offline",
+             [_level(c, 110.0 * c) for c in cs])
+    _w3_file(run / "w3_transformers-cb.json", "transformers-cb", "transformers",
+             [_level(c, 20.0 * c, mem=60.0) for c in cs])
+    _w3_file(run / "w3_transformers.json", "transformers", "transformers",
+             [_level(c, 40.0) for c in (1, 8)])
+    out = tmp_path / "out"
+    md = report.render([tmp_path / "results"], out, base=tmp_path).read_text()
+    # c=64: server 6400, offline 7040 (91%), transformers-cb 1280 (5x); plain at c=8 only.
+    assert "| W3 serving, out tok/s at c=64 | minivllm server | 6,400 | - |" in md
+    assert "0.91x (server ÷ offline" in md
+    assert "| W3 serving, out tok/s at c=64 | transformers serve --continuous-batching | " \
+           "1,280 | 5.00x |" in md
+    assert "transformers serve (at c=8, where both were measured) | 40.0 | 20.00x |" in md
+    assert "= 91% (within 20%" in md
+    assert "**Largest concurrency held with no failed request: 512**" in md
+    assert "first failure came at concurrency 1024" in md
+    for kind in ("throughput", "ttft", "itl", "gpu_mem"):
+        assert (out / f"w3_results-h200_{kind}.png").exists(), kind
+    assert "NVIDIA H200" in md and "commit abc1234" in md and "qwen2.5-0.5b-instruct" in md
+
+
+def test_python_m_bench_report_entry_point(tmp_path):
+    from bench.__main__ import main
+
+    assert main(["report", "--results", str(RESULTS), "--out", str(tmp_path / "r")]) == 0
+    assert (tmp_path / "r" / "report.md").exists()
+    assert main(["no-such-command"]) == 2
+
+
+# ---- bench/w3_gpu.py ---------------------------------------------------------------------------
+
+def test_w3_tokenizer_gives_every_loader_the_same_ids(tmp_path):
+    """The dummy model's folder says qwen2, so AutoTokenizer builds Qwen2Tokenizer from
+    tokenizer.json; the generic backend must agree with it, prompt characters must be
+    exactly one token each, and every sampled id must decode to text."""
+    from transformers import AutoTokenizer
+
+    from bench import w3_gpu
+
+    cfg = dict(w3_gpu.SMOKE_CONFIG)
+    with_cfg = tmp_path / "with-config"
+    with_cfg.mkdir()
+    (with_cfg / "config.json").write_text(json.dumps(cfg))
+    w3_gpu.write_tokenizer(with_cfg, cfg["vocab_size"])
+    bare = tmp_path / "bare"
+    shutil.copytree(with_cfg, bare)
+    (bare / "config.json").unlink()
+    args = w3_gpu.parse_args(["minivllm", "--smoke"])
+    text = w3_gpu.text_prompts(args, 3)
+    ids = w3_gpu.token_prompts(args, 3)
+    assert all(len(t) == args.prompt_tokens for t in text)
+    for folder in (with_cfg, bare):
+        tok = AutoTokenizer.from_pretrained(str(folder))
+        assert [tok.encode(t, add_special_tokens=False) for t in text] == ids
+        assert [tok.encode(t) for t in text] == ids  # no BOS/EOS added either
+        for i in (300, 511):
+            assert tok.decode([i]) == f" t{i}"
+
+
+def test_w3_budget_shrinks_then_skips_levels():
+    from bench.w3_gpu import plan_level
+
+    assert plan_level(64, 128, 128, None, 100) == (128, None)        # nothing known yet
+    assert plan_level(64, 128, 128, 10000.0, 100) == (128, None)     # ~2 s: fits
+    n, why = plan_level(64, 128, 128, 200.0, 60)                      # 98 s > 60: one round
+    assert n == 64 and why is None
+    n, why = plan_level(256, 512, 128, 100.0, 60)                     # even one round won't fit
+    assert n is None and "would not fit" in why
+    assert plan_level(8, 16, 128, None, 3)[0] is None                 # budget spent
