@@ -21,13 +21,17 @@ def dense_causal(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
 
 
+MIXED = [(0, 7), (5, 3), (20, 1), (0, 1), (33, 17)]  # prefill, chunked prefill, decode
+DECODE = [(20, 1), (0, 1), (40, 1), (7, 1)]            # decode only: the batched path
+
+
+@pytest.mark.parametrize("shapes", [MIXED, DECODE], ids=["mixed", "decode"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
-def test_paged_reference_matches_dense(block_size, heads, kv_heads):
+def test_paged_reference_matches_dense(block_size, heads, kv_heads, shapes):
     g = torch.Generator().manual_seed(block_size * 10 + heads + kv_heads)
     D = 16
-    # (context already cached, new query tokens): prefill, chunked prefill, decode.
-    shapes = [(0, 7), (5, 3), (20, 1), (0, 1), (33, 17)]
+    # (context already cached, new query tokens)
     num_blocks = sum(math.ceil((c + n) / block_size) for c, n in shapes) + 3
     k_cache = torch.zeros(num_blocks, block_size, kv_heads, D)
     v_cache = torch.zeros_like(k_cache)

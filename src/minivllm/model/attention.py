@@ -52,12 +52,15 @@ def store_kv_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, Hq, D] -> [T, Hq, D], one SDPA call per sequence."""
+    """q: [T, Hq, D] -> [T, Hq, D], one SDPA call per sequence (one for the whole batch
+    when every sequence has a single query token)."""
     num_kv_heads = k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     block_size = k_cache.shape[1]
     qsl = meta.query_start_loc_host or meta.query_start_loc.tolist()
     lens = meta.seq_lens_host or meta.seq_lens.tolist()
+    if meta.max_query_len == 1 and len(lens) == q.shape[0] and min(lens) > 0:
+        return _decode_attention_reference(q, k_cache, v_cache, meta, lens, scale)
     out = torch.zeros_like(q)
     for i, seq_len in enumerate(lens):
         start, end = qsl[i], qsl[i + 1]
@@ -82,6 +85,29 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
         out[start:end] = o.transpose(0, 1)
     return out
+
+
+def _decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                meta: AttentionMetadata, lens: list[int],
+                                scale: float) -> torch.Tensor:
+    """Decode batch: gather every sequence's blocks into one padded [B, L, Hkv, D] and
+    mask the padding, so the CPU path makes one SDPA call instead of B."""
+    block_size = k_cache.shape[1]
+    num_blocks = -(-max(lens) // block_size)
+    tables = meta.block_tables[:, :num_blocks].long()
+    batch = q.shape[0]
+    k = k_cache[tables].flatten(1, 2)  # [B, L, Hkv, D]
+    v = v_cache[tables].flatten(1, 2)
+    group = q.shape[1] // k.shape[2]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=2)
+        v = v.repeat_interleave(group, dim=2)
+    length = torch.tensor(lens, device=q.device)
+    mask = torch.arange(k.shape[1], device=q.device)[None, :] < length[:, None]  # [B, L]
+    o = F.scaled_dot_product_attention(
+        q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask[:, None, None, :], scale=scale)  # [B, Hq, 1, D]
+    return o.reshape(batch, q.shape[1], q.shape[2])
 
 
 class PagedAttention(nn.Module):
