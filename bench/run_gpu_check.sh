@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
-# One device call: correctness checks, then benchmarks, results packed into $OUT.
+# GPU checks and benchmarks for one device call; results packed into $OUT/results.tgz.
 # Each group runs in its own process under a time limit, so a crash or a slow peer in one
-# group still leaves the others' results.
-# Usage (on the GPU machine, from the repo root): bash bench/run_gpu_check.sh
+# group still leaves the others' results. Groups (default: all, ~11 minutes — more than one
+# device call allows, so name groups to split the work over calls):
+#   tests   the kernels' GPU tests (compiled Triton, realistic shapes, graph replay)
+#   perf    W2, decode sweep, W1 (CUDA graphs, no torch.compile)
+#   graphs  CUDA-graph decode vs eager decode, with torch.compile
+#   parity  fp32 greedy vs HF transformers (three dummy-weight configs)
+#   bf16    bf16 vs HF bf16 divergence
+#   hf      HF peers: generate eager, generate_batch, static cache + compile
+# Usage (on the GPU machine, from the repo root): bash bench/run_gpu_check.sh [GROUP ...]
 set -u
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/minivllm-out}
@@ -16,13 +23,20 @@ run() {  # run LIMIT_S SECTIONS [ENV...]
     >>"$RES/gpu_check.log" 2>&1
   echo "[$sections] exit $?" | tee -a "$RES/gpu_check.log"
 }
-# The kernels' own GPU tests first (compiled Triton, realistic shapes, graph replay).
-timeout "${T_TESTS:-150}" python3 -m pytest -q -x -m gpu tests/test_triton_kernels.py \
-  tests/test_fused_kernels.py >"$RES/gpu_tests.log" 2>&1
-echo "[gpu tests] exit $?" | tee -a "$RES/gpu_check.log"; tail -3 "$RES/gpu_tests.log"
-run "${T_PERF:-200}" "${S_PERF:-w2,sweep,w1}" MINIVLLM_COMPILE=0 GPU_CHECK_SKIP_COMPILE=1
-run "${T_GRAPHS:-150}" "${S_GRAPHS:-graphs}"
-run "${T_BF16:-80}" "${S_BF16:-bf16}"
-run "${T_HF:-100}" "${S_HF:-hf}"
+groups=${*:-tests perf graphs parity bf16 hf}
+for g in $groups; do
+  case $g in
+    tests)
+      timeout "${T_TESTS:-150}" python3 -m pytest -q -x -m gpu tests/test_triton_kernels.py \
+        tests/test_fused_kernels.py >"$RES/gpu_tests.log" 2>&1
+      echo "[gpu tests] exit $?" | tee -a "$RES/gpu_check.log"; tail -3 "$RES/gpu_tests.log" ;;
+    perf) run "${T_PERF:-200}" w2,sweep,w1 MINIVLLM_COMPILE=0 GPU_CHECK_SKIP_COMPILE=1 ;;
+    graphs) run "${T_GRAPHS:-200}" graphs ;;
+    parity) run "${T_PARITY:-120}" parity ;;
+    bf16) run "${T_BF16:-120}" bf16 ;;
+    hf) run "${T_HF:-150}" hf ;;
+    *) echo "unknown group $g" ;;
+  esac
+done
 grep -E "^(W1|W2|HF|sweep|parity|graphs|bf16)|exit|FAILED" "$RES/gpu_check.log"
 tar czf "$OUT/results.tgz" -C "$RES" .
