@@ -13,12 +13,16 @@ that would not fit is shrunk to one round, or skipped and marked so.
     python -m bench.w3_gpu transformers --work /tmp/w3 --out-dir DIR --budget-s 170 [--plain]
     add --smoke to any of them: a tiny Qwen2 config on the CPU, tiny sizes (checks the plumbing)
 
-Requests: prompts of --prompt-tokens random token ids (seed 0), --output-tokens forced
-(minivllm: ignore_eos; transformers: min_new_tokens), greedy, streamed. minivllm runs on
-token ids alone (--skip-tokenizer-init). transformers serve only takes text, so `prepare`
-writes a word-level tokenizer whose word "t<i>" is token id i, for the whole vocabulary:
-the text prompt "t17 t4242 ..." tokenizes to exactly the token ids minivllm gets, and every
-token the dummy model samples decodes to one word (one streamed chunk per token).
+Requests: prompts of --prompt-tokens tokens (random, seeded; a fresh prompt for every request
+of a part, since minivllm caches prefixes; level c gets the same prompts in every part),
+--output-tokens forced (minivllm: ignore_eos; transformers: min_new_tokens), greedy,
+streamed. There are no real
+weights or tokenizer on the GPU machine, and transformers serve only takes text, so
+`prepare` writes, next to the config, a byte-level tokenizer without merges: a prompt of N
+ASCII characters is exactly N tokens (id = byte) for every server, the offline engine gets
+those very ids, and every other id the dummy model samples decodes to a word " t<id>", so
+streamed chunks carry text the client can time. (--prompt-mode tokens sends minivllm the ids
+with --skip-tokenizer-init instead: its chunks then carry no text.)
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -66,37 +72,65 @@ def model_config(args) -> dict:
     return json.loads(Path(args.model_config).read_text())
 
 
-def model_dir(args) -> Path:
-    return Path(args.work) / "model"
+def model_name(args) -> str:
+    return "smoke-qwen2" if args.smoke else Path(args.model_config).stem
 
 
-def config_path(args) -> Path:
-    """The config.json minivllm builds its dummy weights from."""
-    p = Path(args.work) / "minivllm-config" / "config.json"
-    if not p.exists():
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(model_config(args), indent=1))
-    return p
+def model_dir(args, hf_weights: bool) -> Path:
+    """minivllm's folder (config.json + tokenizer: dummy weights) or transformers' (+ weights)."""
+    return Path(args.work) / ("hf" if hf_weights else "minivllm") / f"{model_name(args)}-dummy"
 
 
-def word(i: int) -> str:
-    return f"t{i}"
+# A byte-level BPE with no merges: token id b < 256 is byte b, so ASCII text of N characters
+# is exactly N tokens (the ids are the bytes), and every other id is a filler word that
+# decodes to " t<id>". It is built exactly as transformers' Qwen2Tokenizer builds itself
+# from a tokenizer.json (same pre-tokenizer, decoder, normalizer), so AutoTokenizer gives
+# the same ids whether it picks Qwen2Tokenizer (a folder whose config.json says qwen2, as in
+# transformers 5.17 and 5.24) or the generic backend.
+_QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+                r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+PROMPT_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789"
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (ByteLevel's alphabet)."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1))
+          + list(range(ord("\xae"), ord("\xff") + 1)))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
 
 
 def write_tokenizer(folder: Path, vocab_size: int) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel({word(i): i for i in range(vocab_size)}, unk_token=word(0)))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=word(0)).save_pretrained(folder)
+    if vocab_size < 257:
+        raise ValueError(f"vocab_size {vocab_size} < 257: no room for the byte tokens")
+    chars = _byte_chars()
+    vocab = {chars[b]: b for b in range(256)}
+    vocab.update({f"\u0120t{i}": i for i in range(256, vocab_size)})  # \u0120 = ByteLevel space
+    tok = Tokenizer(BPE(vocab=vocab, merges=[], dropout=None, unk_token=None,
+                        continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
+                        byte_fallback=False))
+    tok.decoder = decoders.ByteLevel()
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
 
 
 def prepare(args, hf_weights: bool) -> Path:
     """The model folder transformers serve loads: config, tokenizer and (with hf_weights)
     random bf16 weights written by transformers itself."""
-    folder = model_dir(args)
+    folder = model_dir(args, hf_weights)
     folder.mkdir(parents=True, exist_ok=True)
     cfg = model_config(args)
     if hf_weights and not any(folder.glob("*.safetensors")):
@@ -123,36 +157,60 @@ def prepare(args, hf_weights: bool) -> Path:
 
 # ---- requests ---------------------------------------------------------------------------------
 
-def token_prompts(args, vocab: int, count: int) -> list[list[int]]:
-    # serve_bench's generator: prompt i is the same whatever the count, in every part.
-    return sb.make_prompts(count, args.prompt_tokens, "tokens", None, vocab, args.seed)
+def text_prompts(args, count: int, seed: int) -> list[str]:
+    """`count` prompts of --prompt-tokens characters; prompt i is the same whatever the count."""
+    rng = random.Random(seed)
+    return ["".join(rng.choice(PROMPT_CHARS) for _ in range(args.prompt_tokens))
+            for _ in range(count)]
 
 
-def text_prompts(args, vocab: int, count: int) -> list[str]:
-    return [" ".join(word(i) for i in p) for p in token_prompts(args, vocab, count)]
+class Prompts:
+    """Every request of a part gets a prompt of its own (minivllm caches prefixes: a prompt
+    seen before would skip its prefill), and level c gets the same prompts in every part:
+    slices of one seeded pool, laid out over all the levels any part measures. Warm-up
+    prompts come from another seed. As token ids (the offline engine; minivllm with
+    --prompt-mode tokens) the tokenizer above maps character = byte = token id."""
+
+    def __init__(self, args, as_tokens: bool) -> None:
+        levels = sorted(set(args.concurrency) | set(args.ramp) | set(args.plain_concurrency))
+        self.offsets, total = {}, 0
+        for c in levels:
+            self.offsets[c] = total
+            total += max(requests_at(args, c), c)
+        conv = (lambda ps: [list(p.encode("ascii")) for p in ps]) if as_tokens else list
+        self.pool = conv(text_prompts(args, total, args.seed))
+        self.warm = conv(text_prompts(args, 16, args.seed + 1))
+
+    def at(self, c: int) -> list:
+        return self.pool[self.offsets[c]:self._end(c)]
+
+    def _end(self, c: int) -> int:
+        later = [o for o in self.offsets.values() if o > self.offsets[c]]
+        return min(later) if later else len(self.pool)
 
 
 def requests_at(args, c: int) -> int:
     return max(args.min_requests, int(round(args.rounds * c)))
 
 
-def workload(args, vocab: int) -> dict:
+def workload(args) -> dict:
     return {"prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
             "concurrency": args.concurrency, "rounds": args.rounds,
-            "min_requests": args.min_requests, "prompt_mode": "tokens", "seed": args.seed,
-            "vocab_size": vocab, "temperature": 0.0, "stream": True,
+            "min_requests": args.min_requests, "prompt_mode": args.prompt_mode,
+            "seed": args.seed,
+            "prompt_chars": PROMPT_CHARS, "temperature": 0.0, "stream": True,
             "endpoint": "/v1/completions",
-            "model": ("smoke: tiny Qwen2" if args.smoke else Path(args.model_config).stem),
+            "model": model_name(args), "model_config": model_config(args),
             "weights": "dummy (random)", "dtype": "float32" if args.smoke else "bfloat16"}
 
 
 class Recorder:
     """One result file, rewritten (atomically) whenever something new is measured."""
 
-    def __init__(self, path: Path, args, vocab: int, part: str) -> None:
+    def __init__(self, path: Path, args, part: str) -> None:
         self.path = path
         self.payload = {"benchmark": "w3_serve", "part": part, "environment": sb.environment(),
-                        "workload": workload(args, vocab), "budget_s": args.budget_s,
+                        "workload": workload(args), "budget_s": args.budget_s,
                         "targets": []}
         path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -193,8 +251,10 @@ def plan_level(c: int, n: int, out_tokens: int, last_tok_s: float | None,
 # ---- HTTP parts -------------------------------------------------------------------------------
 
 def minivllm_server_args(args) -> list[str]:
-    base = ["--model", str(config_path(args)), "--load-format", "dummy",
-            "--skip-tokenizer-init", "--seed", "0"]
+    base = ["--model", str(prepare(args, hf_weights=False)), "--load-format", "dummy",
+            "--seed", "0"]
+    if args.prompt_mode == "tokens":
+        base.append("--skip-tokenizer-init")
     if args.smoke:
         base += ["--dtype", "float32", "--device", "cpu", "--max-model-len", "256",
                  "--max-num-seqs", "8"]
@@ -204,37 +264,74 @@ def minivllm_server_args(args) -> list[str]:
     return base + shlex.split(args.minivllm_args)
 
 
-def launch(label: str, cmd: list[str], kind: str, log_dir: Path, startup_s: float) -> sb.Target:
+def child_env() -> dict:
+    """Children (servers, prepare) import minivllm and bench from this checkout."""
+    env = dict(os.environ)
+    paths = [str(REPO / "src"), str(REPO)] + [x for x in env.get("PYTHONPATH", "").split(
+        os.pathsep) if x]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("HF_HUB_DISABLE_UPDATE_CHECK", "1")  # the transformers CLI asks PyPI
+    return env
+
+
+def launch(label: str, cmd: list[str], kind: str, log_dir: Path, pid_file: Path) -> sb.Target:
     port = sb.free_port()
     cmd = cmd + ["--host", "127.0.0.1", "--port", str(port)]
     t = sb.Target(label=label, kind=kind, base_url=f"http://127.0.0.1:{port}/v1",
                   launch_cmd=cmd, log_path=log_dir / f"{label}.log")
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
     log(f"launching {label}: {shlex.join(cmd)}")
     t.proc = subprocess.Popen(cmd, stdout=open(t.log_path, "w"), stderr=subprocess.STDOUT,
-                              env=env, start_new_session=True)
-    t0 = time.monotonic()
-    sb.wait_healthy(t, startup_s)  # SystemExit with the log's tail if it dies or hangs
-    t.info["startup_s"] = round(time.monotonic() - t0, 1)
-    log(f"{label} healthy after {t.info['startup_s']}s")
+                              env=child_env(), start_new_session=True)
+    # run_h200.sh ends this process group if this script itself gets killed.
+    pid_file.write_text(str(t.proc.pid))
     return t
 
 
-async def warm_up(t: sb.Target, prompts: list, burst: int) -> list[str]:
+def wait_ready(t: sb.Target, startup_s: float) -> None:
+    t0 = time.monotonic()
+    try:
+        sb.wait_healthy(t, startup_s)  # SystemExit (with the log's tail if it died)
+    except SystemExit as e:
+        raise RuntimeError(f"{t.label} did not start: {e.code}") from None
+    t.info["startup_s"] = round(time.monotonic() - t0, 1)
+    log(f"{t.label} healthy after {t.info['startup_s']}s")
+
+
+def stop(t: sb.Target) -> None:
+    """End a server this script started (its own process group): SIGINT, then SIGTERM, then
+    SIGKILL, a few seconds apart (transformers serve can linger ~30s after a SIGINT)."""
+    if t.proc is None:
+        return
+    for sig, wait in ((signal.SIGINT, 5), (signal.SIGTERM, 4), (signal.SIGKILL, 4)):
+        if t.proc.poll() is not None:
+            return
+        try:
+            os.killpg(t.proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            t.proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+async def warm_up(t: sb.Target, prompts: Prompts, burst: int) -> list[str]:
     """Two requests alone, then a burst at once (first-use costs out of the first level)."""
     errors = []
     for i in range(2):
-        r = await sb.one_request_simple(t, prompts[i], {})
+        r = await sb.one_request_simple(t, prompts.warm[i], {})
         if not r["ok"]:
             errors.append(r["error"])
-    level = await sb.run_level(t, prompts, burst, burst, 8, 120, {})
+    level = await sb.run_level(t, prompts.warm[2:], burst, burst, 8, 120, {})
     errors += level["errors"]
     return errors
 
 
 async def measure(t: sb.Target, prompts: list, c: int, n: int, out_tokens: int,
                   left: float) -> dict:
+    cpu0 = time.process_time()
     with sb.GpuMemorySampler() as gpu:
         try:
             level = await asyncio.wait_for(
@@ -244,6 +341,9 @@ async def measure(t: sb.Target, prompts: list, c: int, n: int, out_tokens: int,
                      "errors": [f"level cut off by the time budget after {left:.0f}s"],
                      "timed_out": True}
     level["peak_gpu_mem_gib"] = gpu.peak_gib
+    # The client is one Python process: near 1.0 of a core means it may be the limit.
+    if level.get("duration_s"):
+        level["client_cpu_share"] = round((time.process_time() - cpu0) / level["duration_s"], 2)
     return level
 
 
@@ -254,7 +354,7 @@ def fmt_level(label: str, lv: dict) -> str:
             f"GPU {lv.get('peak_gpu_mem_gib')} GiB")
 
 
-def sweep(t: sb.Target, rec: Recorder, entry: dict, args, prompts: list, budget: Budget,
+def sweep(t: sb.Target, rec: Recorder, entry: dict, args, prompts: Prompts, budget: Budget,
           levels: list[int], out_tokens: int) -> float | None:
     last = None
     for c in levels:
@@ -264,7 +364,7 @@ def sweep(t: sb.Target, rec: Recorder, entry: dict, args, prompts: list, budget:
             rec.save()
             log(f"{t.label} c={c}: skipped ({why})")
             continue
-        lv = asyncio.run(measure(t, prompts, c, n, out_tokens, budget.left()))
+        lv = asyncio.run(measure(t, prompts.at(c), c, n, out_tokens, budget.left()))
         entry["levels"].append(lv)
         rec.save()
         log(fmt_level(t.label, lv))
@@ -273,7 +373,7 @@ def sweep(t: sb.Target, rec: Recorder, entry: dict, args, prompts: list, budget:
     return last
 
 
-def ramp(t: sb.Target, rec: Recorder, args, prompts: list, budget: Budget,
+def ramp(t: sb.Target, rec: Recorder, args, prompts: Prompts, budget: Budget,
          last_tok_s: float | None, sweep_levels: list[dict]) -> None:
     """Raise concurrency (one round per level) until a request fails or the cap; the sweep's
     levels count too. Stops early on the budget: then the result is a lower bound."""
@@ -289,10 +389,13 @@ def ramp(t: sb.Target, rec: Recorder, args, prompts: list, budget: Budget,
         if n is None:
             info["stopped_by"] = f"time budget at c={c}: {why}"
             break
-        lv = asyncio.run(measure(t, prompts, c, n, args.output_tokens, budget.left()))
+        lv = asyncio.run(measure(t, prompts.at(c), c, n, args.output_tokens, budget.left()))
         info["levels"].append(lv)
         log("ramp " + fmt_level(t.label, lv))
-        if lv.get("failures") == 0 and not lv.get("timed_out"):
+        if lv.get("timed_out"):
+            info["stopped_by"] = f"time budget: the level at c={c} was cut off"
+            break
+        if lv.get("failures") == 0:
             ok.append(c)
             last_tok_s = lv.get("output_tok_per_s") or last_tok_s
         else:
@@ -310,40 +413,51 @@ def ramp(t: sb.Target, rec: Recorder, args, prompts: list, budget: Budget,
 
 def run_http_part(args, part: str) -> int:
     budget = Budget(args.budget_s)
-    log_dir = Path(args.work) / "logs"
+    log_dir = Path(args.log_dir or Path(args.work) / "logs")
     log_dir.mkdir(parents=True, exist_ok=True)
-    cfg = model_config(args)
-    vocab = min(cfg["vocab_size"], args.vocab_limit)
-    count = max(requests_at(args, c) for c in args.concurrency + args.ramp + [8])
     if part == "minivllm":
-        label, kind = "minivllm", "minivllm"
-        cmd = [sys.executable, "-m", "minivllm.server", "--disable-log-requests",
-               "--log-level", "warning"] + minivllm_server_args(args)
-        prompts = token_prompts(args, vocab, count)
-        levels = args.concurrency
+        label, kind, levels = "minivllm", "minivllm", args.concurrency
     else:
-        folder = prepare(args, hf_weights=True)
         label = "transformers" if args.plain else "transformers-cb"
         kind = "transformers"
-        cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(folder),
-               "--log-level", "warning"]
-        if not args.plain:
-            cmd.append("--continuous-batching")
-        cmd += (["--device", "cpu", "--dtype", "float32"] if args.smoke
-                else ["--device", "cuda", "--dtype", "bfloat16"])
-        cmd += shlex.split(args.transformers_args)
-        prompts = text_prompts(args, vocab, count)
         levels = args.plain_concurrency if args.plain else args.concurrency
     out = Path(args.out_dir) / f"w3_{label}.json"
-    rec = Recorder(out, args, vocab, part)
-    entry = rec.target(label=label, kind=kind, launch_cmd=shlex.join(cmd), info={})
+    pid_file = Path(args.work) / "server.pid"
+    rec = Recorder(out, args, part)
+    entry = rec.target(label=label, kind=kind, launch_cmd=None, info={})
     t = None
     try:
-        t = launch(label, cmd, kind, log_dir, max(10.0, budget.left()))
+        if part == "minivllm":
+            cmd = [sys.executable, "-m", "minivllm.server", "--disable-log-requests",
+                   "--log-level", "warning"] + minivllm_server_args(args)
+            prompts = Prompts(args, as_tokens=args.prompt_mode == "tokens")
+        else:
+            # In a child process: this one must not hold a CUDA context (or cached memory)
+            # while the server runs, or the GPU memory readings would include it.
+            folder = model_dir(args, hf_weights=True)
+            subprocess.run([sys.executable, "-m", "bench.w3_gpu", "prepare", "--hf-weights",
+                            "--work", args.work, "--model-config", args.model_config]
+                           + (["--smoke"] if args.smoke else []), check=True,
+                           timeout=max(30.0, budget.left()), cwd=REPO, env=child_env())
+            cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(folder),
+                   "--log-level", "warning"]
+            if not args.plain:
+                cmd.append("--continuous-batching")
+            cmd += (["--device", "cpu", "--dtype", "float32"] if args.smoke
+                    else ["--device", "cuda", "--dtype", "bfloat16"])
+            cmd += shlex.split(args.transformers_args)
+            prompts = Prompts(args, as_tokens=False)
+        t = launch(label, cmd, kind, log_dir, pid_file)
+        entry["launch_cmd"] = shlex.join(t.launch_cmd)
         entry["base_url"] = t.base_url
+        wait_ready(t, max(10.0, budget.left()))
         sb.discover(t, {})
         entry.update(model=t.model, info=t.info)
-        errs = asyncio.run(warm_up(t, prompts, min(8, max(levels))))
+        try:
+            errs = asyncio.run(asyncio.wait_for(warm_up(t, prompts, min(8, max(levels))),
+                                                max(10.0, budget.left())))
+        except asyncio.TimeoutError:
+            errs = ["warm-up cut off by the time budget"]
         if errs:
             entry["warmup_errors"] = errs[:5]
             log(f"{label} warm-up errors: {errs[:3]}")
@@ -353,14 +467,14 @@ def run_http_part(args, part: str) -> int:
         if part == "minivllm" and args.ramp:
             ramp(t, rec, args, prompts, budget, last, entry["levels"])
     except BaseException as e:  # noqa: BLE001 - a start-up failure or a time limit: keep the record
-        entry["error"] = (f"{type(e).__name__}: {e}" if not isinstance(e, SystemExit)
-                          else str(e.code))[-3000:]
+        entry["error"] = f"{type(e).__name__}: {e}"[-3000:]
         log(f"{label}: {entry['error'][-1500:]}")
-        if not isinstance(e, (KeyboardInterrupt, SystemExit)):
+        if not isinstance(e, (KeyboardInterrupt, RuntimeError)):
             traceback.print_exc()
     finally:
         if t is not None:
-            sb.stop_target(t)
+            stop(t)
+            pid_file.unlink(missing_ok=True)
         if t is not None and t.log_path is not None and t.log_path.exists():
             entry["server_log_tail"] = t.log_path.read_text(errors="replace")[-2000:]
         rec.save()
@@ -375,12 +489,9 @@ def run_offline(args) -> int:
     server got: `c` requests in flight, a new one as soon as one finishes; TTFT and ITL from
     the moments outputs leave engine.step()."""
     budget = Budget(args.budget_s)
-    cfg = model_config(args)
-    vocab = min(cfg["vocab_size"], args.vocab_limit)
-    count = max(requests_at(args, c) for c in args.concurrency)
-    prompts = token_prompts(args, vocab, count)
+    prompts = Prompts(args, as_tokens=True)  # the very ids the servers' text prompts are
     out = Path(args.out_dir) / "w3_minivllm-offline.json"
-    rec = Recorder(out, args, vocab, "offline")
+    rec = Recorder(out, args, "offline")
     flags = minivllm_server_args(args)
     entry = rec.target(label="minivllm-offline", kind="offline", base_url=None,
                        launch_cmd=None, info={"engine_args": shlex.join(flags)})
@@ -400,7 +511,7 @@ def run_offline(args) -> int:
         entry["info"]["startup_s"] = round(time.monotonic() - t0, 1)
         params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
         warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        for p in prompts[:8]:
+        for p in prompts.warm[:8]:
             engine.add_request(p, warm)
         while engine.has_unfinished_requests():
             engine.step()
@@ -413,7 +524,7 @@ def run_offline(args) -> int:
                 rec.save()
                 continue
             with sb.GpuMemorySampler() as gpu:
-                lv = offline_level(engine, prompts, params, c, n, budget)
+                lv = offline_level(engine, prompts.at(c), params, c, n, budget)
             lv["peak_gpu_mem_gib"] = gpu.peak_gib
             entry["levels"].append(lv)
             entry["levels"].sort(key=lambda x: x["concurrency"])
@@ -497,6 +608,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("part", choices=["prepare", "minivllm", "offline", "transformers"])
     p.add_argument("--work", default="/tmp/minivllm-w3", help="Model folder and server logs.")
     p.add_argument("--out-dir", default=str(REPO / "bench" / "results" / "w3"))
+    p.add_argument("--log-dir", default=None, help="Server logs (default WORK/logs).")
     p.add_argument("--smoke", action="store_true", help="Tiny model on the CPU, tiny sizes.")
     p.add_argument("--model-config", default=str(DEFAULT_MODEL_CONFIG))
     p.add_argument("--budget-s", type=float, default=170, help="Seconds this part may take.")
@@ -512,8 +624,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=float, default=2.0)
     p.add_argument("--min-requests", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vocab-limit", type=int, default=32000,
-                   help="Prompt token ids are drawn below min(vocab, this).")
+    p.add_argument("--prompt-mode", choices=["text", "tokens"], default="text",
+                   help="text (default): every server gets the word-level text of the same "
+                        "token ids and detokenizes; tokens: minivllm gets the ids with "
+                        "--skip-tokenizer-init (its chunks then carry no text, so the client "
+                        "cannot count tokens in a chunk that holds several).")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                    help="minivllm's memory budget, for the sweep and the ramp alike.")
     p.add_argument("--minivllm-args", default="", help="Extra flags for minivllm (server and "

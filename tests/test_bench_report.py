@@ -120,9 +120,9 @@ def test_w3_gpu_run_headline_ratios_and_ramp(tmp_path):
     out = tmp_path / "out"
     md = report.render([tmp_path / "results"], out, base=tmp_path).read_text()
     # c=64: server 6400, offline 7040 (91%), transformers-cb 1280 (5x); plain at c=8 only.
-    assert "| W3 serving, out tok/s at c=64 | minivllm server | 6,400 | - |" in md
+    assert "| W3 serving (GPU), out tok/s at c=64 | minivllm server | 6,400 | - |" in md
     assert "0.91x (server ÷ offline" in md
-    assert "| W3 serving, out tok/s at c=64 | transformers serve --continuous-batching | " \
+    assert "| W3 serving (GPU), out tok/s at c=64 | transformers serve --continuous-batching | " \
            "1,280 | 5.00x |" in md
     assert "transformers serve (at c=8, where both were measured) | 40.0 | 20.00x |" in md
     assert "= 91% (within 20%" in md
@@ -160,9 +160,9 @@ def test_w3_tokenizer_gives_every_loader_the_same_ids(tmp_path):
     shutil.copytree(with_cfg, bare)
     (bare / "config.json").unlink()
     args = w3_gpu.parse_args(["minivllm", "--smoke"])
-    text = w3_gpu.text_prompts(args, 3)
-    ids = w3_gpu.token_prompts(args, 3)
-    assert all(len(t) == args.prompt_tokens for t in text)
+    text = w3_gpu.Prompts(args, as_tokens=False).at(4)
+    ids = w3_gpu.Prompts(args, as_tokens=True).at(4)
+    assert len(text) == len(ids) >= 8 and all(len(t) == args.prompt_tokens for t in text)
     for folder in (with_cfg, bare):
         tok = AutoTokenizer.from_pretrained(str(folder))
         assert [tok.encode(t, add_special_tokens=False) for t in text] == ids
@@ -181,3 +181,22 @@ def test_w3_budget_shrinks_then_skips_levels():
     n, why = plan_level(256, 512, 128, 100.0, 60)                     # even one round won't fit
     assert n is None and "would not fit" in why
     assert plan_level(8, 16, 128, None, 3)[0] is None                 # budget spent
+
+
+def test_w3_prompts_are_fresh_per_request_and_shared_across_parts():
+    """minivllm caches prefixes: no prompt may repeat within a part (warm-up included), and
+    level c must get the same prompts in the server, offline and transformers parts."""
+    from bench import w3_gpu
+
+    args = w3_gpu.parse_args(["minivllm", "--concurrency", "1", "8", "64", "--ramp", "128",
+                              "--plain-concurrency", "1", "8"])
+    p = w3_gpu.Prompts(args, as_tokens=False)
+    seen = list(p.warm)
+    for c in (1, 8, 64, 128):
+        level = p.at(c)
+        assert len(level) >= max(w3_gpu.requests_at(args, c), c)
+        seen += level
+    assert len(seen) == len(set(seen))
+    other = w3_gpu.parse_args(["offline", "--concurrency", "1", "8", "64", "--ramp", "128",
+                               "--plain-concurrency", "1", "8"])
+    assert w3_gpu.Prompts(other, as_tokens=True).at(64) == [list(x.encode()) for x in p.at(64)]

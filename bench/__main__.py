@@ -1,0 +1,78 @@
+"""`python -m bench COMMAND [ARGS...]`: the benchmark harness's one entry point.
+
+Commands (each a thin wrapper; `python -m bench COMMAND --help` shows its flags):
+  report        Markdown report + PNG plots from committed JSON alone (no GPU)   bench.report
+  gpu-check     correctness, W1, W2, decode sweep, HF generate peers (GPU)     bench.gpu_check
+  serve         W3 HTTP client against any OpenAI-compatible server(s)        bench.serve_bench
+  serve-report  Markdown tables from serve JSON files                        bench.serve_report
+  w3-gpu        budgeted W3 parts for the H200 (minivllm, offline, HF serve)     bench.w3_gpu
+  w4            W4 on the CPU: SmolLM2-135M, minivllm vs HF generate             bench.w4_cpu
+  kernels       Triton kernels vs the torch reference, speed (CUDA)       bench/kernel_check.py
+  h200          issue 5's whole run on the H200 (H200_SMOKE=1: on a CPU)    bench/run_h200.sh
+
+Examples:
+  python -m bench report
+  python -m bench serve --base-url http://127.0.0.1:8000/v1 --kind vllm --label vllm
+  python -m bench gpu-check --sections w2,sweep --out-dir /tmp/gpu
+  python -m bench h200 minivllm offline
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+
+# name -> (module with main(argv) / a script, how it takes its arguments)
+COMMANDS = {
+    "report": ("bench.report", "argv"),
+    "serve": ("bench.serve_bench", "argv"),
+    "serve-report": ("bench.serve_report", "argv"),
+    "w3-gpu": ("bench.w3_gpu", "argv"),
+    "gpu-check": ("bench.gpu_check", "sys.argv"),
+    "w4": ("bench.w4_cpu", "sys.argv"),
+    "kernels": (str(BENCH_DIR / "kernel_check.py"), "script"),
+    "h200": (str(BENCH_DIR / "run_h200.sh"), "bash"),
+}
+
+
+def usage(code: int) -> int:
+    print(__doc__.strip())
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        return usage(0)
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"unknown command {name!r}\n", file=sys.stderr)
+        return usage(2)
+    target, style = COMMANDS[name]
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    src = REPO / "src"
+    if src.is_dir() and str(src) not in sys.path:
+        sys.path.insert(0, str(src))  # minivllm from this checkout when not installed
+    if style == "bash":
+        return subprocess.call(["bash", target, *rest])
+    sys.argv = [f"python -m bench {name}", *rest]  # for argparse's usage lines
+    if style == "script":
+        runpy.run_path(target, run_name="__main__")
+        return 0
+    module = importlib.import_module(target)
+    if style == "argv":
+        return int(module.main(rest) or 0)
+    return int(module.main() or 0)  # modules whose main() parses sys.argv
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

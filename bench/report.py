@@ -1,0 +1,737 @@
+"""The benchmark report: Markdown and PNG plots regenerated from committed JSON alone (no GPU).
+
+    python -m bench report [--results DIR ...] [--out bench/results/report]
+
+It reads every result file under the results folders (default bench/results, recursively):
+bench.gpu_check sections (parity, graphs, bf16, w2, sweep, w1, hf, and their *.error.txt),
+W3 serving runs (bench.serve_bench / bench.w3_gpu: "benchmark": "w3_serve"; the files of one
+folder form one run) and W4 (bench.w4_cpu). It writes report.md and the plots beside it:
+throughput, TTFT and ITL p50/p99 and peak GPU memory against concurrency (W3, per engine),
+decode ms/step against batch size beside the HBM floor (sweep), and the W1/W2 tables with
+every peer measured in the same run and the ratios. Every figure and table names the GPU (or
+CPU), the versions, the model config and the commit, from the JSON's environment. What no
+file holds is reported as "not measured" — never estimated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS_DIR = BENCH_DIR / "results"
+DEFAULT_OUT = RESULTS_DIR / "report"
+GPU_SECTIONS = ("parity", "graphs", "bf16", "w2", "sweep", "w1", "hf")
+NOT_MEASURED = "not measured"
+W3_TARGET_CONCURRENCY = 64
+VLLM_HOWTO = (
+    "vLLM cannot be installed on our H200 machine, so it is not measured here. Where vLLM runs, "
+    "measure it with the same client: start `vllm serve Qwen/Qwen2.5-0.5B-Instruct "
+    "--load-format dummy --dtype bfloat16 --max-model-len 1024` (add --skip-tokenizer-init for "
+    "token-id prompts), then `python -m bench serve --base-url http://127.0.0.1:8000/v1 --kind "
+    "vllm --label vllm --prompt-mode tokens --vocab-size 32000 --concurrency 1 8 32 64 128 256 "
+    "--out DIR/w3_vllm.json`, copy the JSON next to this run's results and rerun "
+    "`python -m bench report`.")
+
+
+# ---- loading ------------------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    path: Path
+    data: dict
+
+    @property
+    def env(self) -> dict:
+        return self.data.get("environment") or {}
+
+    @property
+    def date(self) -> str:
+        return str(self.env.get("date") or "")
+
+    @property
+    def run(self) -> Path:
+        return self.path.parent
+
+
+@dataclass
+class Results:
+    sections: dict[str, list[Result]] = field(default_factory=dict)   # gpu_check
+    errors: dict[str, list[Path]] = field(default_factory=dict)       # <section>.error.txt
+    w3: dict[Path, list[Result]] = field(default_factory=dict)        # run folder -> files
+    w4: list[Result] = field(default_factory=list)
+    ignored: list[Path] = field(default_factory=list)
+
+    def newest(self, section: str) -> Result | None:
+        found = self.sections.get(section) or []
+        # GPU results first (a CPU smoke run must not hide them), then the newest.
+        return max(found, key=lambda r: (bool(r.env.get("gpu")), r.date, str(r.path))) \
+            if found else None
+
+    def in_run(self, section: str, run: Path) -> Result | None:
+        return next((r for r in self.sections.get(section, []) if r.run == run), None)
+
+
+def load(dirs: list[Path], skip: Path | None = None) -> Results:
+    res = Results()
+    skip = skip.resolve() if skip else None
+    files = []
+    for d in dirs:
+        d = Path(d)
+        files += [d] if d.is_file() else sorted(d.rglob("*"))
+    for p in files:
+        if not p.is_file() or (skip and skip in p.resolve().parents):
+            continue
+        if p.name.endswith(".error.txt"):
+            section = p.name[: -len(".error.txt")]
+            if section in GPU_SECTIONS:
+                res.errors.setdefault(section, []).append(p)
+            continue
+        if p.suffix != ".json":
+            continue
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, ValueError):
+            res.ignored.append(p)
+            continue
+        if not isinstance(data, dict):
+            res.ignored.append(p)
+            continue
+        r = Result(p, data)
+        if data.get("section") in GPU_SECTIONS:
+            res.sections.setdefault(data["section"], []).append(r)
+        elif data.get("benchmark") == "w3_serve":
+            res.w3.setdefault(p.parent, []).append(r)
+        elif data.get("benchmark") == "w4_cpu":
+            res.w4.append(r)
+        else:
+            res.ignored.append(p)
+    return res
+
+
+# ---- formatting ---------------------------------------------------------------------------------
+
+def fmt(v, digits: int = 1) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, float):
+        if abs(v) >= 1000:
+            return f"{v:,.0f}"
+        return f"{v:,.{digits}f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def ratio(a, b) -> str:
+    if not a or not b:
+        return "-"
+    return f"{a / b:.2f}x"
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for r in rows:
+        out.append("| " + " | ".join(fmt(c) if not isinstance(c, str) else c for c in r) + " |")
+    return "\n".join(out)
+
+
+def rel(p: Path, base: Path) -> str:
+    try:
+        return str(p.resolve().relative_to(base.resolve()))
+    except ValueError:
+        return str(p)
+
+
+def machine(env: dict) -> str:
+    gpu = env.get("gpu")
+    if gpu:
+        return str(gpu).split(",")[0].strip()
+    cpu = env.get("cpu") or env.get("machine") or env.get("platform") or "CPU"
+    n = env.get("cpu_count")
+    return f"CPU: {cpu}" + (f" ({n} cores)" if n else "")
+
+
+def versions(env: dict) -> str:
+    parts = []
+    for k in ("torch", "triton", "transformers", "cuda", "python"):
+        if env.get(k):
+            parts.append(f"{k} {env[k]}")
+    return ", ".join(parts)
+
+
+def provenance(env: dict, model: str | None, source: str | None = None) -> str:
+    """One line naming the machine, versions, model config, commit and date."""
+    s = (f"{machine(env)}; {versions(env)}; model {model or '?'}; "
+         f"commit {env.get('git_commit') or 'unknown'}; {env.get('date') or 'date unknown'}")
+    return s + (f"; source `{source}`" if source else "")
+
+
+def model_of(r: Result) -> str:
+    d = r.data
+    w = d.get("workload") or {}
+    name = w.get("model") or d.get("model")
+    if not name:
+        name = next((t.get("model") for t in d.get("targets", []) if t.get("model")), None)
+        if name:
+            name = Path(str(name)).name
+    dtype = w.get("dtype") or d.get("dtype")
+    weights = w.get("weights")
+    extra = ", ".join(x for x in (dtype, weights) if x)
+    return f"{name} ({extra})" if name and extra else (name or "?")
+
+
+def error_summary(paths: list[Path], base: Path) -> str:
+    out = []
+    for p in paths:
+        try:
+            lines = [ln for ln in p.read_text(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            lines = []
+        last = lines[-1].strip() if lines else "?"
+        out.append(f"`{rel(p, base)}`: {last[:240]}")
+    return "; ".join(out)
+
+
+# ---- plots --------------------------------------------------------------------------------------
+
+class Plotter:
+    def __init__(self, out: Path) -> None:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        self.plt = plt
+        self.out = out
+        self.files: list[Path] = []
+
+    def save(self, fig, name: str, caption: str) -> str:
+        wrapped = "\n".join(_wrap(caption, 120))
+        fig.text(0.01, 0.01, wrapped, fontsize=6.5, va="bottom", ha="left", color="#444")
+        fig.subplots_adjust(bottom=0.13 + 0.035 * wrapped.count("\n"))
+        path = self.out / name
+        fig.savefig(path, dpi=110)
+        self.plt.close(fig)
+        self.files.append(path)
+        return name
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    words, lines, cur = text.split(" "), [], ""
+    for w in words:
+        if cur and len(cur) + 1 + len(w) > width:
+            lines.append(cur)
+            cur = w
+        else:
+            cur = f"{cur} {w}" if cur else w
+    return lines + ([cur] if cur else [])
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", s).strip("-") or "run"
+
+
+# ---- sections -----------------------------------------------------------------------------------
+
+class Report:
+    def __init__(self, res: Results, out: Path, base: Path, dirs: list[Path]) -> None:
+        self.res = res
+        self.dirs = dirs
+        self.out = out
+        self.base = base
+        self.plot = Plotter(out)
+        self.md: list[str] = []
+        self.missing: list[str] = []
+        self.headline: dict[str, dict] = {}
+
+    def h(self, level: int, text: str) -> None:
+        self.md += ["", "#" * level + " " + text, ""]
+
+    def p(self, text: str) -> None:
+        self.md.append(text)
+
+    def not_measured(self, what: str, why: str = "", short: str | None = None) -> None:
+        short = why if short is None else short
+        self.missing.append(what + (f" ({short[:300]})" if short else ""))
+        self.p(f"**{what}: {NOT_MEASURED}.**" + (f" {why}" if why else ""))
+
+    def src(self, r: Result) -> str:
+        return rel(r.path, self.base)
+
+    # -- correctness --
+
+    def correctness(self) -> None:
+        self.h(2, "Correctness on the GPU")
+        titles = {"parity": "fp32 greedy output vs HF transformers (same dummy weights)",
+                  "graphs": "CUDA-graph decode vs eager decode (same engine, same dtype)",
+                  "bf16": "bf16 greedy output vs HF transformers bf16"}
+        names = {"parity": "parity (fp32 vs HF)", "graphs": "CUDA graphs vs eager",
+                 "bf16": "bf16 vs HF bf16"}
+        for sec, title in titles.items():
+            self.h(3, title)
+            r = self.res.newest(sec)
+            if r is None:
+                why = ""
+                if self.res.errors.get(sec):
+                    why = "The run failed: " + error_summary(self.res.errors[sec], self.base)
+                self.not_measured(names[sec], why)
+                continue
+            rows = []
+            for row in r.data.get("rows", []):
+                div = [d for d in row.get("first_divergence", []) if d is not None]
+                rows.append([row.get("model"), row.get("dtype"),
+                             f"{row.get('identical')}/{row.get('total')}",
+                             ", ".join(map(str, div)) if div else "none"])
+            self.p(table(["model config", "dtype", "identical prompts",
+                          "first divergence (token index)"], rows))
+            self.p(f"\n{r.data.get('new_tokens', '?')} new tokens per prompt. "
+                   f"{provenance(r.env, 'dummy weights', self.src(r))}")
+
+    # -- W1 / W2 --
+
+    def w2(self) -> None:
+        self.h(2, "W2: single-stream latency (batch 1, 128-token prompt, 256 output tokens)")
+        r = self.res.newest("w2")
+        if r is None:
+            why = ("The run failed: " + error_summary(self.res.errors["w2"], self.base)
+                   if self.res.errors.get("w2") else "")
+            self.not_measured("W2 (minivllm)", why)
+            return
+        ours = [x for x in r.data.get("rows", []) if x.get("tok_per_s")]
+        best = max(ours, key=lambda x: x["tok_per_s"]) if ours else None
+        hf = self.res.in_run("hf", r.run)
+        peers = [x for x in (hf.data.get("rows", []) if hf else [])
+                 if "generate_batch" not in x.get("engine", "")]  # the W2 rows
+        rows = [[x["engine"], x.get("tok_per_s"), x.get("ms_per_token"), x.get("ttft_ms"), "-"]
+                for x in ours]
+        for x in peers:
+            if "error" in x:
+                rows.append([x["engine"], "failed", "-", "-", x["error"][:80]])
+            else:
+                rows.append([x["engine"], x.get("tok_per_s"), 1000 / x["tok_per_s"]
+                             if x.get("tok_per_s") else None, "-",
+                             ratio(best and best["tok_per_s"], x.get("tok_per_s"))])
+        self.p(table(["engine", "tok/s", "ms/token", "TTFT ms",
+                      "best minivllm ÷ this"], rows))
+        self.p("")
+        if hf is None:
+            self.not_measured("W2 HF peers in the same run",
+                              f"no hf.json in `{rel(r.run, self.base)}`")
+        expected = ("HF generate eager", "HF generate static cache + compile")
+        for e in expected:
+            if hf is not None and not any(x.get("engine") == e for x in peers):
+                self.not_measured(f"W2 peer {e}", "absent from this run's hf.json")
+        self.p(f"\nHF ms/token here is total time / 256 (TTFT included). "
+               f"{provenance(r.env, model_of(r), self.src(r))}")
+        self.headline["W2"] = {
+            "ours": best and (best["engine"], best["tok_per_s"]), "env": r.env,
+            "peers": {x["engine"]: x.get("tok_per_s") for x in peers if "error" not in x},
+            "expected": ["HF generate eager", "HF generate static cache + compile"]}
+
+    def w1(self) -> None:
+        self.h(2, "W1: offline throughput (256 requests, prompt and output lengths uniform in "
+                  "[100, 1024])")
+        r = self.res.newest("w1")
+        hf_any = self.res.newest("hf")
+        if r is None:
+            why = ("The run failed: " + error_summary(self.res.errors["w1"], self.base)
+                   if self.res.errors.get("w1") else "")
+            self.not_measured("W1 (minivllm)", why)
+            hf = hf_any
+        else:
+            hf = self.res.in_run("hf", r.run)
+        rows = []
+        best = None
+        if r is not None:
+            runs = [x for x in r.data.get("rows", []) if x.get("output_tok_per_s")]
+            best = max((x["output_tok_per_s"] for x in runs), default=None)
+            for x in runs:
+                rows.append([f"{x['engine']} (run {x.get('run')})", x["output_tok_per_s"],
+                             x.get("seconds"), x.get("preemptions"), "-", "full W1"])
+        peer = next((x for x in (hf.data.get("rows", []) if hf else [])
+                     if "generate_batch" in x.get("engine", "")), None)
+        if peer is not None:
+            if "error" in peer:
+                rows.append([peer["engine"], "failed", "-", "-", "-", peer["error"][:80]])
+            else:
+                rows.append([peer["engine"], peer.get("output_tok_per_s"), peer.get("seconds"),
+                             "-", ratio(best, peer.get("output_tok_per_s"))
+                             if r is not None else "-", peer.get("workload", "")])
+        if rows:
+            self.p(table(["engine", "output tok/s", "seconds", "preemptions",
+                          "best minivllm ÷ this", "workload"], rows))
+        if peer is None:
+            self.not_measured("W1 peer HF generate_batch", "no generate_batch row in the run")
+        if r is not None:
+            self.p(f"\n{provenance(r.env, model_of(r), self.src(r))}")
+            self.headline["W1"] = {
+                "ours": best and ("minivllm", best), "env": r.env,
+                "peers": ({f"{peer['engine']} ({peer.get('workload', 'W1')})":
+                           peer.get("output_tok_per_s")} if peer and "error" not in peer
+                          else {}),
+                "expected": [] if peer and "error" not in peer else ["HF generate_batch"]}
+        elif hf is not None and peer is not None:
+            self.p(f"\nHF only: {provenance(hf.env, model_of(hf), self.src(hf))}")
+        self.p("\nThe HF generate_batch row runs a slice of W1 (its `workload` column): at HF's "
+               "speed the full W1 takes minutes; its ratio compares output tokens/s.")
+
+    # -- decode sweep --
+
+    def sweep(self) -> None:
+        self.h(2, "Decode step time against batch size, beside the HBM floor")
+        r = self.res.newest("sweep")
+        if r is None:
+            self.not_measured("decode sweep", error_summary(self.res.errors.get("sweep", []),
+                                                            self.base))
+            return
+        rows = r.data.get("rows", [])
+        self.p(table(["batch", "context", "ms/step", "HBM floor ms", "floor / measured"],
+                     [[x["batch"], x["context"], x["ms_per_step"], x["hbm_floor_ms"],
+                       f"{100 * x['floor_fraction']:.0f}%"] for x in rows]))
+        cap = provenance(r.env, model_of(r), self.src(r))
+        plt = self.plot.plt
+        fig, ax = plt.subplots(figsize=(7, 4.4))
+        b = [x["batch"] for x in rows]
+        ax.plot(b, [x["ms_per_step"] for x in rows], "o-", label="minivllm decode step")
+        ax.plot(b, [x["hbm_floor_ms"] for x in rows], "s--",
+                label="HBM floor (weights + KV bytes / 4.28 TB/s)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(b, [str(x) for x in b])
+        ax.set_xlabel("batch size (sequences)")
+        ax.set_ylabel("ms per decode step")
+        ctx = rows[0]["context"] if rows else "?"
+        ax.set_title(f"Decode step vs batch, context {ctx} ({r.data.get('note', '')})",
+                     fontsize=9)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        name = self.plot.save(fig, "sweep_ms_per_step.png", cap)
+        self.p(f"\n![decode ms/step vs batch]({name})\n\n{cap}")
+
+    # -- W3 --
+
+    def w3(self) -> None:
+        self.h(2, "W3: serving (streaming /v1/completions, closed loop per concurrency)")
+        if not self.res.w3:
+            self.not_measured("W3")
+        gpu_runs = [run for run, rs in self.res.w3.items() if any(r.env.get("gpu") for r in rs)]
+        if not gpu_runs:
+            self.not_measured("W3 on a GPU", "no W3 result carries a GPU in its environment")
+        runs = sorted(self.res.w3.items(), key=lambda kv: max(r.date for r in kv[1]),
+                      reverse=True)
+        runs.sort(key=lambda kv: not any(r.env.get("gpu") for r in kv[1]))  # GPU runs first
+        for run, rs in runs:
+            self.w3_run(run, rs)
+        self.h(3, "vLLM")
+        if any(t.get("kind") == "vllm" for rs in self.res.w3.values() for r in rs
+               for t in r.data.get("targets", [])):
+            self.p("vLLM results are included in the runs above (targets of kind `vllm`).")
+        else:
+            self.not_measured("vLLM", VLLM_HOWTO, short="it cannot be installed on our H200 "
+                              "machine; the W3 section says how to measure it")
+
+    def w3_run(self, run: Path, rs: list[Result]) -> None:
+        rs = sorted(rs, key=lambda r: str(r.path))
+        env = max(rs, key=lambda r: r.date).env
+        w = rs[0].data.get("workload", {})
+        order = {"minivllm": 0, "minivllm-offline": 1, "transformers-cb": 2, "transformers": 3}
+        targets = sorted(((t, r) for r in rs for t in r.data.get("targets", [])),
+                         key=lambda tr: order.get(tr[0].get("label"), 9))
+        title = f"{machine(env)}: `{rel(run, self.base)}`"
+        self.h(3, title)
+        models = sorted({model_of(r) for r in rs})
+        cap = provenance(env, "; ".join(models), None)
+        self.p(f"{w.get('prompt_tokens')} prompt + {w.get('output_tokens')} output tokens, "
+               f"greedy, streamed; requests per level = max({w.get('min_requests')}, "
+               f"{w.get('rounds')} x concurrency). {cap}. Files: "
+               + ", ".join(f"`{self.src(r)}`" for r in rs))
+        rows = []
+        for t, r in targets:
+            for lv in t.get("levels", []):
+                if "skipped" in lv:
+                    rows.append([t["label"], lv["concurrency"], "-", "-", "skipped: " +
+                                 lv["skipped"]] + ["-"] * 9)
+                    continue
+                rows.append([t["label"], lv["concurrency"], lv.get("num_requests"),
+                             lv.get("failures"), lv.get("output_tok_per_s"),
+                             lv.get("ttft_ms_p50"), lv.get("ttft_ms_p99"), lv.get("itl_ms_p50"),
+                             lv.get("itl_ms_p99"), lv.get("tpot_ms_mean"),
+                             lv.get("tokens_per_event"), lv.get("peak_gpu_mem_gib"),
+                             lv.get("client_cpu_share"),
+                             "; ".join(lv.get("errors") or [])[:120] or "-"])
+            if t.get("error"):
+                lines = [ln.strip() for ln in t["error"].splitlines() if ln.strip()]
+                self.p(f"\n- `{t['label']}` stopped with an error: "
+                       f"{lines[0][:200]}" + (f" ... {lines[-1][-200:]}" if len(lines) > 1
+                                              else ""))
+        self.p("")
+        self.p(table(["engine", "c", "requests", "failures", "out tok/s", "TTFT p50 ms",
+                      "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "TPOT ms", "tok/chunk",
+                      "peak GPU GiB", "client CPU", "errors"], rows))
+        self.p("\nPeak GPU memory is the whole GPU's used memory (nvidia-ml-py) during the "
+               "level; minivllm reserves its KV pool up front (`--gpu-memory-utilization`). "
+               "ITL is the gap between streamed chunks as the client receives them: a server "
+               "that writes several chunks at once shows gaps near 0 (TPOT is the mean "
+               "time per output token after the first). Client CPU: the load generator's "
+               "CPU time over the level's wall time (one Python process: near 1.0 it may be "
+               "what limits the level).")
+        series = {t["label"]: [lv for lv in t.get("levels", []) if lv.get("output_tok_per_s")]
+                  for t, _ in targets}
+        series = {k: sorted(v, key=lambda lv: lv["concurrency"]) for k, v in series.items() if v}
+        if series:
+            self.w3_plots(run, series, cap)
+        self.w3_ratios(targets, env)
+        self.w3_ramp(rs, targets)
+
+    def w3_plots(self, run: Path, series: dict, cap: str) -> None:
+        plt = self.plot.plt
+        slug = _slug(rel(run, self.base))
+        names = []
+
+        def axes_common(ax, ylabel, title, log_y=False):
+            cs = sorted({lv["concurrency"] for v in series.values() for lv in v})
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(cs, [str(c) for c in cs])
+            ax.set_xlabel("concurrent streaming clients")
+            ax.set_ylabel(ylabel)
+            if log_y:
+                ax.set_yscale("log")
+            ax.set_title(title, fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+
+        fig, ax = plt.subplots(figsize=(7, 4.4))
+        for label, lvs in series.items():
+            ax.plot([lv["concurrency"] for lv in lvs], [lv["output_tok_per_s"] for lv in lvs],
+                    "o-", label=label)
+        axes_common(ax, "output tokens/s", "W3 throughput vs concurrency")
+        names.append(("throughput", self.plot.save(fig, f"w3_{slug}_throughput.png", cap)))
+
+        for metric, title in (("ttft", "time to first token"), ("itl", "inter-token latency")):
+            fig, ax = plt.subplots(figsize=(7, 4.4))
+            for i, (label, lvs) in enumerate(series.items()):
+                color = f"C{i}"
+                for q, style in (("p50", "o-"), ("p99", "^--")):
+                    pts = [(lv["concurrency"], lv.get(f"{metric}_ms_{q}")) for lv in lvs
+                           if lv.get(f"{metric}_ms_{q}")]
+                    if pts:
+                        ax.plot(*zip(*pts), style, color=color, label=f"{label} {q}")
+            axes_common(ax, "ms (log scale)", f"W3 {title} p50 / p99 vs concurrency",
+                        log_y=True)
+            names.append((metric, self.plot.save(fig, f"w3_{slug}_{metric}.png", cap)))
+
+        mem = {k: [(lv["concurrency"], lv["peak_gpu_mem_gib"]) for lv in v
+                   if lv.get("peak_gpu_mem_gib") is not None] for k, v in series.items()}
+        mem = {k: v for k, v in mem.items() if v}
+        if mem:
+            fig, ax = plt.subplots(figsize=(7, 4.4))
+            for label, pts in mem.items():
+                ax.plot(*zip(*pts), "o-", label=label)
+            axes_common(ax, "peak GPU memory used (GiB, whole GPU)", "W3 peak GPU memory")
+            names.append(("peak GPU memory", self.plot.save(fig, f"w3_{slug}_gpu_mem.png", cap)))
+        else:
+            self.p("\nPeak GPU memory: " + NOT_MEASURED + " in this run (no GPU or no "
+                   "nvidia-ml-py).")
+        self.p("")
+        for what, name in names:
+            self.p(f"![W3 {what}]({name})")
+        self.p(f"\n{cap}")
+
+    def w3_ratios(self, targets: list, env: dict) -> None:
+        by = {t["label"]: {lv["concurrency"]: lv for lv in t.get("levels", [])
+                           if lv.get("output_tok_per_s")} for t, _ in targets}
+        server = by.get("minivllm")
+        if not server:
+            return
+        peers = [k for k in by if k != "minivllm"]
+        cs = sorted(server)
+        rows = []
+        for c in cs:
+            row = [c, server[c]["output_tok_per_s"]]
+            for k in peers:
+                lv = by[k].get(c)
+                row.append(ratio(server[c]["output_tok_per_s"], lv and lv["output_tok_per_s"]))
+            rows.append(row)
+        if peers:
+            self.p("\nminivllm's server throughput as a multiple of each peer's at the same "
+                   "concurrency (`minivllm-offline` is minivllm's own engine without HTTP):\n")
+            self.p(table(["c", "minivllm tok/s"] + [f"÷ {k}" for k in peers], rows))
+        off = by.get("minivllm-offline", {})
+        c = W3_TARGET_CONCURRENCY
+        head = {"env": env, "server": server.get(c, {}).get("output_tok_per_s"),
+                "offline": off.get(c, {}).get("output_tok_per_s"), "peers": {},
+                "best_server": max(lv["output_tok_per_s"] for lv in server.values()),
+                "best_server_c": max(server.values(),
+                                     key=lambda lv: lv["output_tok_per_s"])["concurrency"]}
+        for k in peers:
+            if k == "minivllm-offline":
+                continue
+            # At the target concurrency, else at the largest one both measured.
+            common = [x for x in by[k] if x in server]
+            at = c if c in common else (max(common) if common else None)
+            if at is not None:
+                head["peers"][k] = (at, by[k][at]["output_tok_per_s"],
+                                    server[at]["output_tok_per_s"])
+        if head["server"] and head["offline"]:
+            share = head["server"] / head["offline"]
+            verdict = "within 20%" if share >= 0.8 else "NOT within 20%"
+            self.p(f"\nServer vs offline engine at concurrency {c}: {fmt(head['server'])} vs "
+                   f"{fmt(head['offline'])} tok/s = {100 * share:.0f}% ({verdict}; target: "
+                   f"within 20%).")
+        elif env.get("gpu"):
+            self.not_measured(f"server vs offline engine at concurrency {c}",
+                              "the run lacks one of the two")
+        if env.get("gpu") and "W3" not in self.headline:
+            self.headline["W3"] = head
+
+    def w3_ramp(self, rs: list[Result], targets: list) -> None:
+        ramp = next((r.data["ramp"] for r in rs if r.data.get("ramp")), None)
+        if ramp is None:
+            ok = [lv["concurrency"] for t, _ in targets if t["label"] == "minivllm"
+                  for lv in t.get("levels", []) if lv.get("failures") == 0]
+            if ok:
+                self.p(f"\nLargest concurrency held without a failed request: no ramp in this "
+                       f"run; the sweep's largest level without a failure was {max(ok)} "
+                       f"(a lower bound).")
+            return
+        mx = ramp.get("max_concurrency_without_failure")
+        if ramp.get("first_failure") is not None:
+            tail = f"the first failure came at concurrency {ramp['first_failure']}"
+        elif ramp.get("reached_cap"):
+            tail = f"no request failed up to the cap of {ramp.get('cap')}: {mx} is a lower bound"
+        else:
+            tail = f"the ramp stopped early ({ramp.get('stopped_by')}): {mx} is a lower bound"
+        self.p(f"\n**Largest concurrency held with no failed request: {fmt(mx)}** "
+               f"(memory budget `{ramp.get('memory_budget')}`; {tail}). Ramp levels (one round "
+               f"each): " + ", ".join(
+                   f"{lv['concurrency']}: {fmt(lv.get('output_tok_per_s'))} tok/s, "
+                   f"{lv.get('failures')} failed" for lv in ramp.get("levels", []))
+               + f". Server flags: `{ramp.get('server_args', '')}`.")
+        if "W3" in self.headline:
+            self.headline["W3"]["max_concurrency"] = mx
+
+    # -- W4 --
+
+    def w4(self) -> None:
+        self.h(2, "W4: CPU (SmolLM2-135M fp32, 8 requests x 64 tokens)")
+        if not self.res.w4:
+            self.not_measured("W4")
+            return
+        r = max(self.res.w4, key=lambda r: r.date)
+        self.p(table(["engine", "output tok/s", "seconds", "vs HF one at a time"],
+                     [[x["engine"], x.get("output_tok_per_s"), x.get("seconds"),
+                       f"{x.get('speedup_vs_hf_one_at_a_time', 0):.2f}x"]
+                      for x in r.data.get("rows", [])]))
+        self.p(f"\n{provenance(r.env, model_of(r), self.src(r))}")
+
+    # -- headline --
+
+    def headline_table(self) -> list[str]:
+        rows = []
+        w1, w2, w3 = (self.headline.get(k) for k in ("W1", "W2", "W3"))
+        for name, h in (("W1 offline, output tok/s", w1), ("W2 batch 1, tok/s", w2)):
+            if not h or not h.get("ours"):
+                rows.append([name, "minivllm", NOT_MEASURED, "-"])
+                continue
+            label, v = h["ours"]
+            rows.append([name, label, fmt(v), "-"])
+            for peer in h["expected"] + [k for k in h["peers"] if k not in h["expected"]]:
+                pv = h["peers"].get(peer)
+                rows.append([name, peer, fmt(pv) if pv else NOT_MEASURED, ratio(v, pv)])
+        c = W3_TARGET_CONCURRENCY
+        name = f"W3 serving (GPU), out tok/s at c={c}"
+        if not w3 or not w3.get("server"):
+            rows.append([name, "minivllm server", NOT_MEASURED, "-"])
+        else:
+            rows.append([name, "minivllm server", fmt(w3["server"]), "-"])
+            off = w3.get("offline")
+            rows.append([name, "minivllm offline engine (same requests)",
+                         fmt(off) if off else NOT_MEASURED,
+                         ratio(w3["server"], off) + (" (server ÷ offline; target >= 0.80x)"
+                                                     if off else "")])
+            for peer in ["transformers-cb", "transformers"] + [
+                    k for k in w3["peers"] if k not in ("transformers-cb", "transformers")]:
+                title = {"transformers-cb": "transformers serve --continuous-batching",
+                         "transformers": "transformers serve"}.get(peer, peer)
+                if peer not in w3["peers"]:
+                    rows.append([name, title, NOT_MEASURED, "-"])
+                    continue
+                at, pv, sv = w3["peers"][peer]
+                where = "" if at == c else f" (at c={at}, where both were measured)"
+                rows.append([name, title + where, fmt(pv), ratio(sv, pv)])
+        rows.append(["W3", "vLLM", NOT_MEASURED + " (cannot be installed on our H200)", "-"])
+        lines = [table(["workload", "engine", "value", "minivllm ÷ engine"], rows)]
+        envs = [h["env"] for h in (w1, w2, w3) if h]
+        if envs:
+            lines.append("\n" + "; ".join(sorted({f"{machine(e)}, {e.get('date', '?')[:10]}, "
+                                                   f"commit {e.get('git_commit', '?')}"
+                                                   for e in envs})))
+        if w3 and w3.get("max_concurrency") is not None:
+            lines.append(f"\nW3: largest concurrency with no failed request: "
+                         f"{w3['max_concurrency']}; best server throughput "
+                         f"{fmt(w3['best_server'])} tok/s at c={w3['best_server_c']}.")
+        return lines
+
+    # -- all --
+
+    def build(self) -> str:
+        self.correctness()
+        self.w1()
+        self.w2()
+        self.sweep()
+        self.w3()
+        self.w4()
+        body = self.md
+        head = ["# minivllm benchmark report", "",
+                "Generated by `python -m bench report` from the JSON under "
+                + ", ".join(f"`{rel(Path(d), self.base)}`" for d in self.dirs)
+                + " alone: rerun it after adding results. Nothing here is estimated: a missing "
+                  "measurement says " + f'"{NOT_MEASURED}".', "",
+                "## Headline", ""]
+        head += self.headline_table()
+        head += ["", "## Not measured", ""]
+        head += [f"- {m}" for m in self.missing] or ["- nothing"]
+        tail = ["", "## Files", ""]
+        tail += [f"- `{rel(p, self.base)}` (not a known result format)" for p in
+                 self.res.ignored]
+        tail += ["- plots: " + ", ".join(f"`{p.name}`" for p in self.plot.files)]
+        return "\n".join(head + body + tail) + "\n"
+
+
+def render(dirs: list[Path], out: Path, base: Path | None = None) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.png"):
+        old.unlink()
+    res = load([Path(d) for d in dirs], skip=out)
+    rep = Report(res, out, base or Path.cwd(), dirs)
+    md = rep.build()
+    path = out / "report.md"
+    path.write_text(md)
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench report", description=__doc__.split(
+        "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--results", nargs="+", default=[str(RESULTS_DIR)],
+                    help="Result folders or files (default bench/results, recursively).")
+    ap.add_argument("--out", default=str(DEFAULT_OUT),
+                    help="Folder for report.md and the PNGs (default bench/results/report).")
+    args = ap.parse_args(argv)
+    base = BENCH_DIR.parent if str(Path.cwd().resolve()).startswith(
+        str(BENCH_DIR.parent.resolve())) else Path.cwd()
+    path = render([Path(d) for d in args.results], Path(args.out), base)
+    print(f"wrote {path} ({len(list(Path(args.out).glob('*.png')))} plots)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
