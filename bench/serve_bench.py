@@ -88,10 +88,10 @@ def launch_target(kind: str, args: argparse.Namespace, log_dir: Path) -> Target:
         cmd += shlex.split(args.minivllm_args)
         label, req_kind = "minivllm", "minivllm"
     elif kind in ("transformers", "transformers-cb"):
-        exe = shutil.which("transformers") or "transformers"
         if model_path is None:
             raise SystemExit("--model-path is needed to launch transformers serve")
-        cmd = [exe, "serve", str(model_path), "--host", "127.0.0.1", "--port", str(port),
+        # The module form works where the `transformers` script is not on PATH (the H200).
+        cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model_path), "--host", "127.0.0.1", "--port", str(port),
                "--log-level", "warning"]
         if kind == "transformers-cb":
             cmd.append("--continuous-batching")
@@ -103,6 +103,7 @@ def launch_target(kind: str, args: argparse.Namespace, log_dir: Path) -> Target:
     t = Target(label=label, kind=req_kind, base_url=f"http://127.0.0.1:{port}/v1",
                launch_cmd=cmd, log_path=log_path)
     env = dict(os.environ)
+    env.setdefault("HF_HUB_DISABLE_UPDATE_CHECK", "1")  # no network: don't ask PyPI
     env.setdefault("OMP_NUM_THREADS", "1")
     print(f"[serve_bench] launching {label}: {shlex.join(cmd)}", flush=True)
     log = open(log_path, "w")
@@ -134,7 +135,7 @@ def stop_target(t: Target) -> None:
         return
     try:
         os.killpg(t.proc.pid, signal.SIGINT)
-        t.proc.wait(30)
+        t.proc.wait(10)
     except (subprocess.TimeoutExpired, ProcessLookupError):
         try:
             os.killpg(t.proc.pid, signal.SIGKILL)
@@ -263,9 +264,12 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
                     usage_tokens = obj["usage"].get("completion_tokens")
                 choices = obj.get("choices") or []
                 # A token event: new text, or new tokens without text (a server without
-                # a tokenizer), i.e. anything but an empty closing chunk.
-                if any((c.get("text") or (c.get("delta") or {}).get("content"))
-                       or c.get("finish_reason") is None for c in choices):
+                # a tokenizer), i.e. anything but an empty closing chunk -- except that
+                # the first chunk with choices always counts (a whole short answer can
+                # arrive in one closing chunk).
+                if choices and (ttft is None or any(
+                        (c.get("text") or (c.get("delta") or {}).get("content"))
+                        or c.get("finish_reason") is None for c in choices)):
                     now = time.perf_counter()
                     if ttft is None:
                         ttft = now - t0
@@ -493,16 +497,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def level_sizes(args) -> list[int]:
+    """Requests sent at each concurrency level."""
+    return [max(args.min_requests, int(round(args.rounds * c))) for c in args.concurrency]
+
+
+def split_prompts(prompts: list, args) -> tuple[list, list[list]]:
+    """(warm-up prompts, one fresh slice of prompts per level)."""
+    warm, rest = prompts[:args.warmup], prompts[args.warmup:]
+    slices, at = [], 0
+    for n in level_sizes(args):
+        slices.append(rest[at:at + n])
+        at += n
+    return warm, slices
+
+
 async def bench_target(t: Target, args, prompts_for, headers) -> list[dict]:
     levels = []
-    for _ in range(args.warmup):
-        warm = await one_request_simple(t, prompts_for(t)[0], headers)
+    warm_prompts, level_prompts = split_prompts(prompts_for(t), args)
+    for prompt in warm_prompts:
+        warm = await one_request_simple(t, prompt, headers)
         if not warm["ok"]:
             print(f"[serve_bench] {t.label}: warm-up failed: {warm['error']}", flush=True)
-    for c in args.concurrency:
-        n = max(args.min_requests, int(round(args.rounds * c)))
+    for c, n, prompts in zip(args.concurrency, level_sizes(args), level_prompts):
         with GpuMemorySampler() as gpu:
-            level = await run_level(t, prompts_for(t), c, n, args.output_tokens, args.timeout,
+            level = await run_level(t, prompts, c, n, args.output_tokens, args.timeout,
                                     headers)
         level["peak_gpu_mem_gib"] = gpu.peak_gib
         levels.append(level)
@@ -531,8 +550,9 @@ def main(argv=None) -> int:
     tok_path = args.tokenizer or args.model_path or default_model_path()
     tokenizer = load_tokenizer(tok_path) if args.prompt_mode != "tokens" else None
     vocab = args.vocab_size or (len(tokenizer) if tokenizer is not None else 32000)
-    max_requests = max(max(args.min_requests, int(round(args.rounds * c)))
-                       for c in args.concurrency)
+    # Every request gets a prompt of its own (the same sequence for every target), so no
+    # engine's prefix cache sees a repeated prompt.
+    max_requests = args.warmup + sum(level_sizes(args))
     text_prompts = token_prompts = None
 
     def prompts_for(t: Target) -> list:
@@ -614,16 +634,15 @@ def run_offline_minivllm(args, prompts_for) -> dict:
         ["--model", args.model_path] if args.model_path else []))
     engine = LLMEngine(engine_config_from_args(eargs))
     t = Target(label="minivllm-offline", kind="minivllm")
-    prompts = prompts_for(t)
+    warm_prompts, level_prompts = split_prompts(prompts_for(t), args)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
     ms = lambda x: None if x is None else round(1000 * x, 2)  # noqa: E731
-    for _ in range(args.warmup):
-        engine.add_request(prompts[0], SamplingParams(max_tokens=8, ignore_eos=True))
+    for prompt in warm_prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
     levels = []
-    for c in args.concurrency:
-        n = max(args.min_requests, int(round(args.rounds * c)))
+    for c, n, prompts in zip(args.concurrency, level_sizes(args), level_prompts):
         sent = 0
         start_of: dict[str, float] = {}
         last_of: dict[str, tuple[int, float]] = {}
