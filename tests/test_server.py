@@ -802,3 +802,23 @@ def test_cli_serve_subprocess_and_sigint(tiny_chat_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt(http):
+    """lm-eval style scoring: echo + max_tokens=0 returns only the prompt's logprobs."""
+    body = {"prompt": "The capital of France is", "max_tokens": 0, "echo": True,
+            "logprobs": 1, "temperature": 0}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    choice = data["choices"][0]
+    assert choice["text"] == "The capital of France is"
+    lps = choice["logprobs"]
+    assert lps["token_logprobs"][0] is None
+    assert len(lps["tokens"]) == data["usage"]["prompt_tokens"]
+    assert all(isinstance(v, float) for v in lps["token_logprobs"][1:])
+    assert data["usage"]["completion_tokens"] == 0
+    r = http.post("/v1/completions", json={**body, "echo": False})
+    assert r.status_code == 400 and r.json()["error"]["message"]
+    r = http.post("/v1/completions", json={**body, "stream": True})
+    assert r.status_code == 400

@@ -150,8 +150,20 @@ class CompletionRequest(_SamplingFields):
         prompt_lp = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
             prompt_lp = max(prompt_lp or 0, self.logprobs)
-        return self._sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs,
+        max_tokens = self.max_tokens
+        if self.echo_only:
+            if self.stream:
+                raise RequestError("max_tokens=0 (score the prompt only) needs stream=false.",
+                                   param="max_tokens")
+            max_tokens = 1  # one token is generated and dropped from the response
+        return self._sampling_params(max_tokens=max_tokens, logprobs=self.logprobs,
                                      prompt_logprobs=prompt_lp, max_n=max_n)
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens=0: return the prompt (and its logprobs) and nothing more,
+        as scoring clients such as lm-eval ask for (OpenAI's and vLLM's behaviour)."""
+        return bool(self.echo) and self.max_tokens == 0
 
 
 class CompletionLogprobs(OpenAIBaseModel):

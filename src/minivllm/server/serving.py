@@ -273,21 +273,23 @@ class OpenAIServing:
         for pi, out in enumerate(finals):
             prompt = job.prompts[pi]
             for o in out.outputs:
-                completion_tokens += len(o.token_ids)
-                text = o.text
+                gen_ids, gen_lps, text = o.token_ids, o.logprobs, o.text
+                if req.echo_only:  # the one generated token is not part of the answer
+                    gen_ids, gen_lps, text = [], [], ""
+                completion_tokens += len(gen_ids)
                 logprobs = None
                 if req.logprobs is not None:
                     lp = _CompletionLogprobs()
                     if req.echo:
                         self._add_completion_logprobs(lp, prompt.token_ids,
                                                       out.prompt_logprobs, req.logprobs)
-                    self._add_completion_logprobs(lp, o.token_ids, o.logprobs, req.logprobs)
+                    self._add_completion_logprobs(lp, gen_ids, gen_lps, req.logprobs)
                     logprobs = lp.as_dict()
                 if req.echo:
                     text = self._prompt_text(prompt) + text
                 choices.append({"index": pi * n + o.index, "text": text, "logprobs": logprobs,
-                                "finish_reason": o.finish_reason,
-                                "stop_reason": o.stop_reason})
+                                "finish_reason": "length" if req.echo_only else o.finish_reason,
+                                "stop_reason": None if req.echo_only else o.stop_reason})
         prompt_tokens = sum(len(p.token_ids) for p in job.prompts)
         return OrjsonResponse({
             "id": job.request_id, "object": "text_completion", "created": job.created,
