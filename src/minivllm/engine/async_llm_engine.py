@@ -34,6 +34,7 @@ import asyncio
 import concurrent.futures
 import copy
 import logging
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -45,6 +46,9 @@ from ..sampling_params import SamplingParams
 from .llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
+
+
+SWITCH_INTERVAL_S = 0.0005
 
 
 class EngineDeadError(RuntimeError):
@@ -162,6 +166,9 @@ class AsyncLLMEngine:
         """Start the engine thread (building the engine there) and wait until it is ready;
         an error while building the engine is raised here."""
         if self._thread is None:
+            # The engine thread and the event loop share the GIL; at the default 5 ms switch
+            # interval a decode step (a few ms on a GPU) can wait a whole interval for it.
+            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
             self._thread = threading.Thread(target=self._thread_main, name="minivllm-engine",
                                             daemon=True)
             self._thread.start()
