@@ -121,6 +121,7 @@ def test_compiled_decode_step_matches_eager(tiny_model_dirs, monkeypatch):
     opaque custom ops run by the interpreter) gives the same tokens as eager decoding."""
     pytest.importorskip("triton")
     monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "triton")
+    monkeypatch.setenv("MINIVLLM_COMPILE", "1")  # so the model leaves fusion to Inductor
     prompts = random_prompts(3, 256, 5, 21, seed=12)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     kw = dict(skip_tokenizer_init=True, max_model_len=64, block_size=16, max_num_seqs=4)
