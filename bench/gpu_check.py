@@ -408,8 +408,63 @@ def section_hf(ctx):
     ctx.save("hf", {"model": name, "dtype": "bfloat16", "rows": rows})
 
 
+# Engine configurations probed one per process (a CUDA fault in one cannot hide the
+# others), each compared with the plain eager engine on the same fp32 greedy workload.
+FEATURES = {
+    "eager": ({"enforce_eager": True}, {"MINIVLLM_FUSED_OPS": "0", "MINIVLLM_PIPELINE": "0"}),
+    "eager-fused": ({"enforce_eager": True}, {"MINIVLLM_FUSED_OPS": "1"}),
+    "decode-graphs": ({"max_graph_tokens": 0},
+                      {"MINIVLLM_FUSED_OPS": "1", "MINIVLLM_PIPELINE": "0"}),
+    "mixed-graphs": ({}, {"MINIVLLM_FUSED_OPS": "1", "MINIVLLM_PIPELINE": "0"}),
+    "pipelined": ({}, {"MINIVLLM_FUSED_OPS": "1", "MINIVLLM_PIPELINE": "1"}),
+    "compiled": ({}, {"MINIVLLM_COMPILE": "1", "MINIVLLM_PIPELINE": "1"}),
+}
+
+
+def section_feature(ctx):
+    """One feature configuration (GPU_CHECK_FEATURE names it; its environment variables
+    are set by the caller, see run_gpu_check.sh)."""
+    name = os.environ.get("GPU_CHECK_FEATURE", "eager")
+    kwargs, _ = FEATURES[name]
+    prompts = random_prompts(3 if ctx.smoke else 24, 8, 12 if ctx.smoke else 300, 10000,
+                             seed=7)
+    n_new = 4 if ctx.smoke else 48
+    t0 = time.perf_counter()
+    llm = make_llm(ctx, "qwen2.5-0.5b-instruct", "float32", max_num_seqs=16,
+                   max_num_batched_tokens=512, num_kv_blocks=2048, **kwargs)
+    build = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    tokens = mini_greedy(llm, prompts, n_new)
+    ctx.save(f"feature_{name}", {"feature": name, "engine_kwargs": kwargs,
+                                 "env": FEATURES[name][1], "build_s": build,
+                                 "generate_s": time.perf_counter() - t0, "tokens": tokens})
+
+
+def section_features_compare(ctx):
+    base_path = ctx.out_dir / "feature_eager.json"
+    if not base_path.exists():
+        raise RuntimeError("the eager baseline did not run")
+    base = json.loads(base_path.read_text())["tokens"]
+    rows = []
+    for name in FEATURES:
+        path = ctx.out_dir / f"feature_{name}.json"
+        if not path.exists():
+            rows.append({"feature": name, "status": "did not run or crashed"})
+            continue
+        d = json.loads(path.read_text())
+        r = {"feature": name, "status": "ran", "build_s": d["build_s"],
+             "generate_s": d["generate_s"], **compare(d["tokens"], base)}
+        rows.append(r)
+    for r in rows:
+        log(f"feature {r['feature']:14s} {r['status']:22s} "
+            f"{r.get('identical', '-')}/{r.get('total', '-')} identical to eager; "
+            f"build {r.get('build_s', 0):.1f}s generate {r.get('generate_s', 0):.2f}s")
+    ctx.save("features", {"dtype": "float32", "rows": rows})
+
+
 SECTIONS = {"parity": section_parity, "graphs": section_graphs, "bf16": section_bf16,
-            "w2": section_w2, "sweep": section_sweep, "w1": section_w1, "hf": section_hf}
+            "w2": section_w2, "sweep": section_sweep, "w1": section_w1, "hf": section_hf,
+            "feature": section_feature, "features_compare": section_features_compare}
 
 
 def main():

@@ -4,6 +4,8 @@
 # group still leaves the others' results. Groups (default: all, ~11 minutes — more than one
 # device call allows, so name groups to split the work over calls):
 #   tests   the kernels' GPU tests (compiled Triton, realistic shapes, graph replay)
+#   features  each engine feature in its own process (eager, fused kernels, decode graphs,
+#           mixed-step graphs, pipelining, torch.compile), tokens compared with eager
 #   perf    W2, decode sweep, W1 (CUDA graphs, no torch.compile)
 #   graphs  CUDA-graph decode vs eager decode, with torch.compile
 #   parity  fp32 greedy vs HF transformers (three dummy-weight configs)
@@ -23,13 +25,20 @@ run() {  # run LIMIT_S SECTIONS [ENV...]
     >>"$RES/gpu_check.log" 2>&1
   echo "[$sections] exit $?" | tee -a "$RES/gpu_check.log"
 }
-groups=${*:-tests perf graphs parity bf16 hf}
+groups=${*:-tests features perf graphs parity bf16 hf}
 for g in $groups; do
   case $g in
     tests)
       timeout "${T_TESTS:-150}" python3 -m pytest -q -x -m gpu tests/test_triton_kernels.py \
         tests/test_fused_kernels.py >"$RES/gpu_tests.log" 2>&1
       echo "[gpu tests] exit $?" | tee -a "$RES/gpu_check.log"; tail -3 "$RES/gpu_tests.log" ;;
+    features)
+      for f in eager eager-fused decode-graphs mixed-graphs pipelined compiled; do
+        env_args=$(python3 -c "from bench.gpu_check import FEATURES; \
+print(' '.join(f'{k}={v}' for k, v in FEATURES['$f'][1].items()))")
+        run "${T_FEATURE:-90}" feature GPU_CHECK_FEATURE=$f $env_args
+      done
+      run 30 features_compare ;;
     perf) run "${T_PERF:-200}" w2,sweep,w1 MINIVLLM_COMPILE=0 GPU_CHECK_SKIP_COMPILE=1 ;;
     graphs) run "${T_GRAPHS:-200}" graphs ;;
     parity) run "${T_PARITY:-120}" parity ;;
@@ -38,5 +47,5 @@ for g in $groups; do
     *) echo "unknown group $g" ;;
   esac
 done
-grep -E "^(W1|W2|HF|sweep|parity|graphs|bf16)|exit|FAILED" "$RES/gpu_check.log"
+grep -E "^(W1|W2|HF|sweep|parity|graphs|bf16|feature)|exit|FAILED" "$RES/gpu_check.log"
 tar czf "$OUT/results.tgz" -C "$RES" .
