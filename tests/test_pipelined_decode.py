@@ -37,7 +37,12 @@ def test_pipelined_equals_step_by_step(tiny_model_dirs, monkeypatch):
     stop_ids = [o.outputs[0].token_ids[3 + i] for i, o in enumerate(free)]
     params = [SamplingParams(temperature=0.0, max_tokens=5 + 3 * i, ignore_eos=True,
                              stop_token_ids=[stop_ids[i]] if i % 2 else None)
-              for i in range(6)]
+              for i in range(4)]
+    # Seeded random sampling takes part too: its generator draws once per step either way.
+    params += [SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=20,
+                              ignore_eos=True),
+               SamplingParams(temperature=1.2, top_k=5, min_p=0.05, seed=12, max_tokens=17,
+                              stop_token_ids=[stop_ids[5]])]
     plain, _ = _llm(tiny_model_dirs["llama"], monkeypatch, False)
     want = plain.generate(prompts, params, use_tqdm=False)
     piped, launches = _llm(tiny_model_dirs["llama"], monkeypatch, True)

@@ -239,13 +239,13 @@ class LLMEngine:
     # scheduler can plan step N+1 (one more token each) without knowing the values. Step
     # N+1 is launched with its input tokens read on the device from N's output; only then
     # are N's tokens read back and processed (stop checks, text). A sequence that stopped
-    # at N has already been given a row in N+1: that row's token is dropped. Only greedy
-    # sequences without logprobs, penalties or pending min_tokens take part, so a step's
-    # tokens are exactly the argmax the graph computes.
+    # at N has already been given a row in N+1: that row's token is dropped. Sequences
+    # asking for logprobs, penalties (which need the previous tokens' values) or a
+    # min_tokens still ahead do not take part.
 
     def _seq_can_pipeline(self, seq: Sequence) -> bool:
         p = seq.params
-        return (p.greedy and p.logprobs is None and not p.has_penalties
+        return (p.logprobs is None and not p.has_penalties
                 and len(seq.token_ids) - seq.num_prompt_tokens >= p.min_tokens)
 
     def _batch_can_pipeline(self, batch: ScheduledBatch) -> bool:

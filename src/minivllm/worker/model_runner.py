@@ -288,22 +288,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch_decode(self, batch: ScheduledBatch, prev: PendingDecode | None) -> PendingDecode:
-        """Queue a greedy decode step without waiting for it. With `prev`, the batch's
-        input tokens are the ones `prev` sampled (their host copies may still be in
-        flight): every sequence of the batch must have been in `prev`."""
+        """Queue a decode step and its sampling without waiting for them. With `prev`,
+        the batch's input tokens are the ones `prev` sampled (their host copies may still
+        be in flight): every sequence of the batch must have been in `prev`."""
         seqs = batch.seqs
         lens = [len(s.token_ids) for s in seqs]
         tables = [s.block_table for s in seqs]
         if prev is None:
-            _, greedy = self.graph_runner.run([s.token_ids[-1] for s in seqs], lens, tables)
+            logits, greedy = self.graph_runner.run([s.token_ids[-1] for s in seqs], lens,
+                                                   tables)
         else:
             rows = [prev.rows[s.seq_id] for s in seqs]
-            _, greedy = self.graph_runner.run(None, lens, tables, (prev.device_tokens, rows))
+            logits, greedy = self.graph_runner.run(None, lens, tables,
+                                                   (prev.device_tokens, rows))
+        tokens = self.sampler.sample_on_device(logits, _rows(seqs), greedy)
         # Two host buffers alternate: the previous step's copy may still be landing.
         if self._host_tokens[0].numel() < self.graph_runner.max_batch:
             self._init_async_buffers()
         self._host_token_flip ^= 1
-        return PendingDecode(seqs, greedy, self._host_tokens[self._host_token_flip])
+        return PendingDecode(seqs, tokens, self._host_tokens[self._host_token_flip])
 
     @torch.inference_mode()
     def _execute_decode_graph(self, batch: ScheduledBatch) -> StepResult:

@@ -59,25 +59,31 @@ class Sampler:
         """greedy_tokens: argmax of these logits if the caller already has it (the
         decode graph computes it); used when nothing below changes the logits."""
         logits = logits.float()
-        num_rows = logits.shape[0]
         want_logprobs = [r.params.logprobs is not None for r in rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-
-        changed = self._apply_bans(logits, rows)
-        changed |= self._apply_penalties(logits, rows)
-
-        greedy = [r.params.greedy for r in rows]
-        if all(greedy):
-            sampled = greedy_tokens if greedy_tokens is not None and not changed \
-                else logits.argmax(dim=-1)
-        else:
-            sampled = self._sample_random(logits, rows, greedy)
-
+        sampled = self._sample(logits, rows, greedy_tokens)
         token_ids = sampled.tolist()
-        lp_out: list = [None] * num_rows
+        lp_out: list = [None] * logits.shape[0]
         if raw_logprobs is not None:
             lp_out = self._gather_logprobs(raw_logprobs, sampled, rows, want_logprobs)
         return SamplerOutput(token_ids, lp_out)
+
+    def sample_on_device(self, logits: torch.Tensor, rows: list[SamplingRow],
+                         greedy_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The sampled ids as a device tensor, without waiting for them (pipelined
+        decoding; rows must not ask for logprobs)."""
+        return self._sample(logits.float(), rows, greedy_tokens)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow],
+                greedy_tokens: torch.Tensor | None) -> torch.Tensor:
+        changed = self._apply_bans(logits, rows)
+        changed |= self._apply_penalties(logits, rows)
+        greedy = [r.params.greedy for r in rows]
+        if all(greedy):
+            if greedy_tokens is not None and not changed:
+                return greedy_tokens
+            return logits.argmax(dim=-1)
+        return self._sample_random(logits, rows, greedy)
 
     # ---- steps --------------------------------------------------------------------------
 
