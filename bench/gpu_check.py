@@ -161,24 +161,31 @@ def mini_greedy(llm, prompts, new_tokens):
 
 # ---- sections ---------------------------------------------------------------------
 
-def section_parity(ctx):
-    os.environ["MINIVLLM_COMPILE"] = "0"  # CUDA graphs on; compile is covered in `graphs`
+def _compare_with_hf(ctx, section: str, dtype: str, seed: int) -> None:
+    """Greedy output of minivllm (CUDA graphs, no compile) against HF transformers on the
+    same dummy weights, 8 prompts per model config."""
+    os.environ["MINIVLLM_COMPILE"] = "0"  # compile is covered by the `graphs` section
     rows = []
     n_new = 8 if ctx.smoke else 64
     for name in PARITY_MODELS:
-        prompts = random_prompts(8, 16, 200, 10000, seed=1)
-        llm = make_llm(ctx, name, "float32", max_num_seqs=8, num_kv_blocks=2048)
-        ours_batched = mini_greedy(llm, prompts, n_new)
+        prompts = random_prompts(8, 16, 200, 10000, seed=seed)
+        llm = make_llm(ctx, name, dtype, max_num_seqs=8, num_kv_blocks=2048)
+        ours = mini_greedy(llm, prompts, n_new)
         del llm
         free_memory()
-        hf = hf_model(ctx, name, torch.float32)
+        hf = hf_model(ctx, name, getattr(torch, dtype))
         ref = hf_greedy(hf, prompts, n_new)
         del hf
         free_memory()
-        r = {"model": name, "dtype": "float32", **compare(ours_batched, ref)}
+        r = {"model": name, "dtype": dtype, **compare(ours, ref)}
         rows.append(r)
-        log(f"parity {name}: {r['identical']}/{r['total']} identical; {r['first_divergence']}")
-    ctx.save("parity", {"new_tokens": n_new, "rows": rows})
+        log(f"{section} {name}: {r['identical']}/{r['total']} identical; "
+            f"{r['first_divergence']}")
+    ctx.save(section, {"new_tokens": n_new, "rows": rows})
+
+
+def section_parity(ctx):
+    _compare_with_hf(ctx, "parity", "float32", seed=1)
 
 
 def section_graphs(ctx):
@@ -204,23 +211,7 @@ def section_graphs(ctx):
 
 
 def section_bf16(ctx):
-    os.environ["MINIVLLM_COMPILE"] = "0"
-    rows = []
-    n_new = 8 if ctx.smoke else 64
-    for name in PARITY_MODELS:
-        prompts = random_prompts(8, 16, 200, 10000, seed=3)
-        llm = make_llm(ctx, name, "bfloat16", max_num_seqs=8, num_kv_blocks=2048)
-        ours = mini_greedy(llm, prompts, n_new)
-        del llm
-        free_memory()
-        hf = hf_model(ctx, name, torch.bfloat16)
-        ref = hf_greedy(hf, prompts, n_new)
-        del hf
-        free_memory()
-        r = {"model": name, "dtype": "bfloat16", **compare(ours, ref)}
-        rows.append(r)
-        log(f"bf16 {name}: {r['identical']}/{r['total']} identical; {r['first_divergence']}")
-    ctx.save("bf16", {"new_tokens": n_new, "rows": rows})
+    _compare_with_hf(ctx, "bf16", "bfloat16", seed=3)
 
 
 def section_w2(ctx):

@@ -620,6 +620,66 @@ def main(argv=None) -> int:
     return 0
 
 
+def offline_level(engine, prompts, params, c: int, n: int, time_left=None) -> dict:
+    """One closed-loop level on the engine in-process (no HTTP): c requests in flight, a
+    new one as each finishes, until n. time_left(): seconds left, or None for no limit;
+    when it runs out, the requests still running are aborted and counted as failures."""
+    ms = lambda x: None if x is None else round(1000 * x, 2)  # noqa: E731
+    sent = 0
+    start_of, first_of, last_of = {}, {}, {}
+    ttfts, itls, tpots, latencies = [], [], [], []
+    out_tokens = 0
+
+    def add() -> None:
+        nonlocal sent
+        rid = engine.add_request(prompts[sent % len(prompts)], params)
+        start_of[rid] = time.perf_counter()
+        sent += 1
+
+    start = time.perf_counter()
+    while sent < min(c, n):
+        add()
+    cut = False
+    while engine.has_unfinished_requests():
+        if time_left is not None and time_left() < 0 and not cut:  # abort the rest: keep what finished
+            cut = True
+            for rid in list(start_of):
+                engine.abort_request(rid)  # False for those already finished
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            rid = o.request_id
+            ntok = len(o.outputs[0].token_ids)
+            prev = last_of.get(rid)
+            if prev is None and ntok:
+                first_of[rid] = now - start_of[rid]
+                ttfts.append(first_of[rid])
+                last_of[rid] = (ntok, now)
+            elif prev is not None and ntok > prev[0]:
+                itls.append(now - prev[1])
+                last_of[rid] = (ntok, now)
+            if o.finished and not cut:
+                latencies.append(now - start_of[rid])
+                out_tokens += ntok
+                if ntok > 1 and rid in first_of:
+                    tpots.append((latencies[-1] - first_of[rid]) / (ntok - 1))
+                if sent < n:
+                    add()
+    wall = time.perf_counter() - start
+    return {
+        "concurrency": c, "num_requests": n, "completed": len(latencies),
+        "failures": n - len(latencies), "errors": ["cut off by the time budget"] if cut else [],
+        "duration_s": round(wall, 3), "output_tokens": out_tokens,
+        "output_tok_per_s": round(out_tokens / wall, 2) if wall > 0 else None,
+        "requests_per_s": round(len(latencies) / wall, 3) if wall > 0 else None,
+        "ttft_ms_p50": ms(percentile(ttfts, 50)), "ttft_ms_p99": ms(percentile(ttfts, 99)),
+        "itl_ms_p50": ms(percentile(itls, 50)), "itl_ms_p99": ms(percentile(itls, 99)),
+        "tpot_ms_mean": ms(sum(tpots) / len(tpots)) if tpots else None,
+        "latency_s_p50": round(percentile(latencies, 50), 3) if latencies else None,
+        "tokens_per_event": None,
+    }
+
+
 def run_offline_minivllm(args, prompts_for) -> dict:
     """The same closed loop on minivllm's LLMEngine in this process: `c` requests in
     flight, a new one added as soon as one finishes; TTFT and ITL from the moments outputs
@@ -636,63 +696,13 @@ def run_offline_minivllm(args, prompts_for) -> dict:
     t = Target(label="minivllm-offline", kind="minivllm")
     warm_prompts, level_prompts = split_prompts(prompts_for(t), args)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
-    ms = lambda x: None if x is None else round(1000 * x, 2)  # noqa: E731
     for prompt in warm_prompts:
         engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
     levels = []
     for c, n, prompts in zip(args.concurrency, level_sizes(args), level_prompts):
-        sent = 0
-        start_of: dict[str, float] = {}
-        last_of: dict[str, tuple[int, float]] = {}
-        first_of: dict[str, float] = {}
-        ttfts, itls, tpots, latencies = [], [], [], []
-        out_tokens = 0
-
-        def add() -> None:
-            nonlocal sent
-            rid = engine.add_request(prompts[sent % len(prompts)], params)
-            start_of[rid] = time.perf_counter()
-            sent += 1
-
-        start = time.perf_counter()
-        while sent < min(c, n):
-            add()
-        while engine.has_unfinished_requests():
-            outs = engine.step()
-            now = time.perf_counter()
-            for out in outs:
-                rid = out.request_id
-                ntok = len(out.outputs[0].token_ids)
-                prev = last_of.get(rid)
-                if prev is None and ntok:
-                    first_of[rid] = now - start_of[rid]
-                    ttfts.append(first_of[rid])
-                    last_of[rid] = (ntok, now)
-                elif prev is not None and ntok > prev[0]:
-                    itls.append(now - prev[1])
-                    last_of[rid] = (ntok, now)
-                if out.finished:
-                    latency = now - start_of[rid]
-                    latencies.append(latency)
-                    out_tokens += ntok
-                    if ntok > 1 and rid in first_of:
-                        tpots.append((latency - first_of[rid]) / (ntok - 1))
-                    if sent < n:
-                        add()
-        wall = time.perf_counter() - start
-        levels.append({
-            "concurrency": c, "num_requests": n, "completed": len(latencies), "failures": 0,
-            "errors": [], "duration_s": round(wall, 3), "output_tokens": out_tokens,
-            "output_tok_per_s": round(out_tokens / wall, 2),
-            "requests_per_s": round(len(latencies) / wall, 3),
-            "ttft_ms_p50": ms(percentile(ttfts, 50)), "ttft_ms_p99": ms(percentile(ttfts, 99)),
-            "itl_ms_p50": ms(percentile(itls, 50)), "itl_ms_p99": ms(percentile(itls, 99)),
-            "tpot_ms_mean": ms(sum(tpots) / len(tpots)) if tpots else None,
-            "latency_s_p50": round(percentile(latencies, 50), 3),
-            "tokens_per_event": None, "peak_gpu_mem_gib": None,
-        })
+        levels.append({**offline_level(engine, prompts, params, c, n), "peak_gpu_mem_gib": None})
         print(f"[serve_bench] {t.label:16s} c={c:<4d} {levels[-1]['output_tok_per_s']!s:>9} "
               f"tok/s  TTFT p50 {levels[-1]['ttft_ms_p50']} ms  ITL p50 "
               f"{levels[-1]['itl_ms_p50']} ms", flush=True)

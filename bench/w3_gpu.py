@@ -50,12 +50,7 @@ DEFAULT_RAMP = [384, 512, 768, 1024]
 # 20% of the offline engine" target, so a time limit cannot cost it.
 OFFLINE_FIRST = 64
 
-SMOKE_CONFIG = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": True,
-    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}
+from bench.gpu_check import SMOKE_CONFIG  # noqa: E402  (the same tiny model)
 
 STOP_RESERVE_S = 15  # kept back from a part's budget to stop its server and write the JSON
 
@@ -543,60 +538,7 @@ def run_offline(args) -> int:
 
 
 def offline_level(engine, prompts, params, c: int, n: int, budget: Budget) -> dict:
-    ms = lambda x: None if x is None else round(1000 * x, 2)  # noqa: E731
-    sent = 0
-    start_of, first_of, last_of = {}, {}, {}
-    ttfts, itls, tpots, latencies = [], [], [], []
-    out_tokens = 0
-
-    def add() -> None:
-        nonlocal sent
-        rid = engine.add_request(prompts[sent % len(prompts)], params)
-        start_of[rid] = time.perf_counter()
-        sent += 1
-
-    start = time.perf_counter()
-    while sent < min(c, n):
-        add()
-    cut = False
-    while engine.has_unfinished_requests():
-        if budget.left() < 0 and not cut:  # abort the rest: keep what finished
-            cut = True
-            for rid in list(start_of):
-                engine.abort_request(rid)  # False for those already finished
-        outs = engine.step()
-        now = time.perf_counter()
-        for o in outs:
-            rid = o.request_id
-            ntok = len(o.outputs[0].token_ids)
-            prev = last_of.get(rid)
-            if prev is None and ntok:
-                first_of[rid] = now - start_of[rid]
-                ttfts.append(first_of[rid])
-                last_of[rid] = (ntok, now)
-            elif prev is not None and ntok > prev[0]:
-                itls.append(now - prev[1])
-                last_of[rid] = (ntok, now)
-            if o.finished and not cut:
-                latencies.append(now - start_of[rid])
-                out_tokens += ntok
-                if ntok > 1 and rid in first_of:
-                    tpots.append((latencies[-1] - first_of[rid]) / (ntok - 1))
-                if sent < n:
-                    add()
-    wall = time.perf_counter() - start
-    return {
-        "concurrency": c, "num_requests": n, "completed": len(latencies),
-        "failures": n - len(latencies), "errors": ["cut off by the time budget"] if cut else [],
-        "duration_s": round(wall, 3), "output_tokens": out_tokens,
-        "output_tok_per_s": round(out_tokens / wall, 2) if wall > 0 else None,
-        "requests_per_s": round(len(latencies) / wall, 3) if wall > 0 else None,
-        "ttft_ms_p50": ms(sb.percentile(ttfts, 50)), "ttft_ms_p99": ms(sb.percentile(ttfts, 99)),
-        "itl_ms_p50": ms(sb.percentile(itls, 50)), "itl_ms_p99": ms(sb.percentile(itls, 99)),
-        "tpot_ms_mean": ms(sum(tpots) / len(tpots)) if tpots else None,
-        "latency_s_p50": round(sb.percentile(latencies, 50), 3) if latencies else None,
-        "tokens_per_event": None,
-    }
+    return sb.offline_level(engine, prompts, params, c, n, time_left=budget.left)
 
 
 # ---- main -------------------------------------------------------------------------------------

@@ -26,7 +26,6 @@ size, the head counts and ``num_splits`` / ``max_seq_len``).
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import sys
 
@@ -74,22 +73,10 @@ def _interpreted_module():
             _interp_mod = mod
             return mod
     # Load a second copy of _kernels.py with the interpreter switched on.
-    path = os.path.join(os.path.dirname(__file__), "_kernels.py")
-    iname = __name__ + "._kernels_interpreted"
-    spec = importlib.util.spec_from_file_location(iname, path)
-    mod = importlib.util.module_from_spec(spec)
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        sys.modules[iname] = mod
-        spec.loader.exec_module(mod)
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-    _interp_mod = mod
-    return mod
+    from ._interpret import load_interpreted_copy
+    _interp_mod = load_interpreted_copy(os.path.join(os.path.dirname(__file__), "_kernels.py"),
+                                        __name__ + "._kernels_interpreted")
+    return _interp_mod
 
 
 def _kernels_for(device: torch.device):

@@ -34,7 +34,6 @@ PyTorch would not use.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
@@ -299,22 +298,11 @@ def _interpreted_module():
     if _is_interpreted(self_mod):
         _interp_mod = self_mod
         return self_mod
+    from csrc_triton._interpret import load_interpreted_copy
     pkg = __name__.rpartition(".")[0]
     iname = (pkg + "." if pkg else "") + "_fused_interpreted"
-    spec = importlib.util.spec_from_file_location(iname, os.path.abspath(__file__))
-    mod = importlib.util.module_from_spec(spec)
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        sys.modules[iname] = mod
-        spec.loader.exec_module(mod)
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-    _interp_mod = mod
-    return mod
+    _interp_mod = load_interpreted_copy(os.path.abspath(__file__), iname)
+    return _interp_mod
 
 
 def _kernels_for(device: torch.device):
