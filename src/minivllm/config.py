@@ -224,7 +224,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_cudagraph_batch_size: int | None = None
     # Prefill/mixed steps of up to this many tokens replay CUDA graphs too (0: never).
-    max_graph_tokens: int = 512
+    max_graph_tokens: int = 1024
     trust_remote_code: bool = False  # accepted for vLLM compatibility; nothing remote runs
 
     def __post_init__(self) -> None:
