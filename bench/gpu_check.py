@@ -399,6 +399,49 @@ def section_hf(ctx):
     ctx.save("hf", {"model": name, "dtype": "bfloat16", "rows": rows})
 
 
+def section_profile(ctx):
+    """Where a decode step's GPU time goes: torch.profiler over eager decode steps (the
+    kernels a graph replays are the same), top kernels by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from minivllm import SamplingParams
+
+    name = "qwen2.5-0.5b-instruct"
+    rows = []
+    for batch in ([2] if ctx.smoke else [1, 64]):
+        llm = make_llm(ctx, name, "bfloat16", max_num_seqs=max(batch, 2), num_kv_blocks=4096,
+                       enforce_eager=True)
+        eng = llm.engine
+        params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+        for p in random_prompts(batch, 512, 512, 10000, seed=9):
+            eng.add_request(p, params)
+        for _ in range(4):
+            eng.step()  # prefill and a few decodes outside the profile
+        sync()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                               if torch.cuda.is_available() else [])
+        steps = 2 if ctx.smoke else 10
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                eng.step()
+            sync()
+        events = prof.key_averages()
+        dev_attr = "device_time_total" if hasattr(events[0], "device_time_total") \
+            else "cuda_time_total"
+        top = sorted(events, key=lambda e: getattr(e, dev_attr, 0), reverse=True)[:25]
+        rows.append({"batch": batch, "steps": steps, "top_kernels": [
+            {"name": e.key[:120], "device_ms_per_step": getattr(e, dev_attr, 0) / 1000 / steps,
+             "calls_per_step": e.count / steps,
+             "cpu_ms_per_step": e.cpu_time_total / 1000 / steps} for e in top]})
+        log(f"profile batch {batch}: " + "; ".join(
+            f"{k['name'][:40]} {k['device_ms_per_step']:.3f}ms x{k['calls_per_step']:.0f}"
+            for k in rows[-1]["top_kernels"][:6]))
+        del llm, eng
+        free_memory()
+    ctx.save("profile", {"model": name, "dtype": "bfloat16", "rows": rows,
+                         "note": "eager decode steps, enforce_eager=True, context ~512"})
+
+
 # Engine configurations probed one per process (a CUDA fault in one cannot hide the
 # others), each compared with the plain eager engine on the same fp32 greedy workload.
 FEATURES = {
@@ -455,7 +498,8 @@ def section_features_compare(ctx):
 
 SECTIONS = {"parity": section_parity, "graphs": section_graphs, "bf16": section_bf16,
             "w2": section_w2, "sweep": section_sweep, "w1": section_w1, "hf": section_hf,
-            "feature": section_feature, "features_compare": section_features_compare}
+            "feature": section_feature, "features_compare": section_features_compare,
+            "profile": section_profile}
 
 
 def main():

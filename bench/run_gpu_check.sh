@@ -11,6 +11,7 @@
 #   parity  fp32 greedy vs HF transformers (three dummy-weight configs)
 #   bf16    bf16 vs HF bf16 divergence
 #   hf      HF peers: generate eager, generate_batch, static cache + compile
+#   profile top kernels of eager decode steps (torch.profiler), batch 1 and 64
 # Usage (on the GPU machine, from the repo root): bash bench/run_gpu_check.sh [GROUP ...]
 set -u
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -44,6 +45,7 @@ print(' '.join(f'{k}={v}' for k, v in FEATURES['$f'][1].items()))")
     parity) run "${T_PARITY:-120}" parity ;;
     bf16) run "${T_BF16:-120}" bf16 ;;
     hf) run "${T_HF:-150}" hf ;;
+    profile) run "${T_PROFILE:-120}" profile ;;
     *) echo "unknown group $g" ;;
   esac
 done
