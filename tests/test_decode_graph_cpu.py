@@ -136,3 +136,23 @@ def test_compiled_decode_step_matches_eager(tiny_model_dirs, monkeypatch):
     assert runner.graph_runner.compiled
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_broken_fused_kernels_fall_back_to_torch_ops(tiny_model_dirs, monkeypatch):
+    """A fused kernel that fails its self-check turns fusion off; the engine still runs."""
+    pytest.importorskip("triton")
+    import csrc_triton
+
+    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "triton")
+    monkeypatch.setenv("MINIVLLM_FUSED_OPS", "1")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no such kernel on this device")
+
+    monkeypatch.setattr(csrc_triton, "silu_and_mul", broken)
+    kw = dict(skip_tokenizer_init=True, max_model_len=64, max_num_seqs=2)
+    llm = LLM(str(tiny_model_dirs["qwen2"]), **kw)
+    assert llm.engine.runner.model.model.fused_ops is False
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3

@@ -112,12 +112,19 @@ class ModelRunner:
                                 attention_backend=attention_backend,
                                 fused_ops=fused_ops_enabled(attention_backend),
                                 seed=engine_cfg.seed)
+        if fused_ops_enabled(attention_backend) and not fused_ops_work(device, dtype):
+            logger.warning("The fused Triton kernels failed their self-check on this device; "
+                           "running the model with plain PyTorch ops instead.")
+            for module in self.model.modules():
+                if hasattr(module, "fused_ops"):
+                    module.fused_ops = False
         self.num_blocks = self._decide_num_blocks()
         self.kv_cache = KVCache(model_cfg, self.num_blocks, self.block_size, dtype, device)
         self.sampler = Sampler(model_cfg.vocab_size, device, engine_cfg.seed)
         self.graph_runner: DecodeGraphRunner | None = None
         self.mixed_runner: MixedGraphRunner | None = None
-        if device.type == "cuda" and not engine_cfg.enforce_eager:
+        # The torch reference backend reads lengths on the host: it cannot be captured.
+        if device.type == "cuda" and not engine_cfg.enforce_eager and attention_backend == "triton":
             self.graph_runner = DecodeGraphRunner(
                 self.model, self.kv_cache.layers,
                 max_batch=min(engine_cfg.max_num_seqs,
@@ -335,6 +342,45 @@ class ModelRunner:
                        in zip(tok_lp[:, 0].tolist(), ranks, top_ids, top_vals)]
             chunks.append(PromptLogprobChunk(seq, first_pos, entries))
         return chunks
+
+
+def fused_ops_work(device: torch.device, dtype: torch.dtype) -> bool:
+    """Run each fused kernel once on small inputs against the PyTorch ops it replaces. A
+    kernel that fails to compile or disagrees on this device turns fusion off instead of
+    breaking the engine."""
+    import csrc_triton
+
+    from ..model.layers import RMSNorm, RotaryEmbedding
+
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(5, 64, device=device, generator=g).to(dtype)
+        res = torch.randn(5, 64, device=device, generator=g).to(dtype)
+        norm = RMSNorm(64, 1e-6).to(device=device, dtype=dtype)
+        tol = dict(rtol=2e-2, atol=2e-2) if dtype != torch.float32 else dict(rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(csrc_triton.rms_norm(x, norm.weight, 1e-6), norm(x), **tol)
+        out, new_res = csrc_triton.fused_add_rms_norm(x.clone(), res.clone(), norm.weight, 1e-6)
+        torch.testing.assert_close(new_res, res + x, **tol)
+        torch.testing.assert_close(out, norm(res + x), **tol)
+        gate_up = torch.randn(5, 32, device=device, generator=g).to(dtype)
+        torch.testing.assert_close(csrc_triton.silu_and_mul(gate_up),
+                                   torch.nn.functional.silu(gate_up[:, :16]) * gate_up[:, 16:],
+                                   **tol)
+        rope = RotaryEmbedding(32, 64, 10000.0, None)
+        rope.reset_tables(device)
+        q = torch.randn(5, 4, 32, device=device, generator=g).to(dtype)
+        k = torch.randn(5, 2, 32, device=device, generator=g).to(dtype)
+        pos = torch.tensor([3, 0, 7, 1, 63], device=device)
+        q2, k2 = csrc_triton.rotary_embedding(pos, q, k, rope.cos_table, rope.sin_table)
+        q_ref, k_ref = rope(pos, q, k)
+        torch.testing.assert_close(q2, q_ref, **tol)
+        torch.testing.assert_close(k2, k_ref, **tol)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return True
+    except Exception:  # noqa: BLE001 - any failure means: don't use them
+        logger.exception("fused kernel self-check failed")
+        return False
 
 
 def _rows(seqs: list[Sequence]) -> list[SamplingRow]:
