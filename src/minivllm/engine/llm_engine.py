@@ -197,7 +197,10 @@ class LLMEngine:
                                    "is too small for the waiting requests.")
             return self._outputs(touched)
         self._mark_scheduled(batch)
-        if self._pipelined and self._batch_can_pipeline(batch):
+        # With a step pending, _pipeline_can_continue() already vetted every running
+        # sequence, and the batch is a subset of them.
+        if self._pipelined and self.runner.can_launch_async(batch) and (
+                self._pending is not None or self._batch_can_pipeline(batch)):
             return self._step_pipelined(batch)
         touched = []
         if self._pending is not None:
@@ -243,17 +246,12 @@ class LLMEngine:
     # asking for logprobs, penalties (which need the previous tokens' values) or a
     # min_tokens still ahead do not take part.
 
-    def _seq_can_pipeline(self, seq: Sequence) -> bool:
-        p = seq.params
-        return (p.logprobs is None and not p.has_penalties
-                and len(seq.token_ids) - seq.num_prompt_tokens >= p.min_tokens)
+    @staticmethod
+    def _seq_can_pipeline(seq: Sequence) -> bool:
+        return seq.pipelinable and (not seq.params.min_tokens or len(seq.token_ids)
+                                    - seq.num_prompt_tokens >= seq.params.min_tokens)
 
     def _batch_can_pipeline(self, batch: ScheduledBatch) -> bool:
-        if not self.runner.can_launch_async(batch):
-            return False
-        prev = self._pending
-        if prev is not None and any(s.seq_id not in prev.rows for s in batch.seqs):
-            return False
         return all(self._seq_can_pipeline(s) for s in batch.seqs)
 
     def _pipeline_can_continue(self) -> bool:

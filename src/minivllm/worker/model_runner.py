@@ -308,7 +308,10 @@ class ModelRunner:
             rows = [prev.rows[s.seq_id] for s in seqs]
             logits, greedy = self.graph_runner.run(None, lens, tables,
                                                    (prev.device_tokens, rows))
-        tokens = self.sampler.sample_on_device(logits, _rows(seqs), greedy)
+        if all(s.plain_greedy for s in seqs):
+            tokens = greedy  # skip building sampler rows: the common, hottest case
+        else:
+            tokens = self.sampler.sample_on_device(logits, _rows(seqs), greedy)
         # Two host buffers alternate: the previous step's copy may still be landing.
         if self._host_tokens[0].numel() < self.graph_runner.max_batch:
             self._init_async_buffers()
@@ -321,6 +324,8 @@ class ModelRunner:
         logits, greedy = self.graph_runner.run([s.token_ids[-1] for s in seqs],
                                                [s.num_tokens for s in seqs],
                                                [s.block_table for s in seqs])
+        if all(s.plain_greedy for s in seqs):
+            return StepResult(seqs, SamplerOutput(greedy.tolist(), []), [])
         return StepResult(seqs, self.sampler(logits, _rows(seqs), greedy), [])
 
     def _prompt_logprobs(self, hidden: torch.Tensor,
