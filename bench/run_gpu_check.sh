@@ -31,7 +31,7 @@ for g in $groups; do
   case $g in
     tests)
       timeout "${T_TESTS:-150}" python3 -m pytest -q -x -m gpu tests/test_triton_kernels.py \
-        tests/test_fused_kernels.py >"$RES/gpu_tests.log" 2>&1
+        tests/test_fused_kernels.py tests/test_gpu_engine.py >"$RES/gpu_tests.log" 2>&1
       echo "[gpu tests] exit $?" | tee -a "$RES/gpu_check.log"; tail -3 "$RES/gpu_tests.log" ;;
     features)
       for f in eager eager-fused decode-graphs mixed-graphs pipelined compiled; do

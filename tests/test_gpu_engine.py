@@ -1,0 +1,73 @@
+"""The engine on a real GPU (skipped without CUDA): every fast path gives the tokens of the
+plain eager engine, in fp32 where rounding cannot flip a greedy choice."""
+
+import json
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from conftest import random_prompts
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 256,
+    "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "vocab_size": 4096, "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": True,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpu-model") / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    return path
+
+
+def _run(config_path, monkeypatch, env: dict, prompts, params, **kw):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    llm = LLM(str(config_path), load_format="dummy", dtype="float32", device="cuda",
+              skip_tokenizer_init=True, max_model_len=512, max_num_seqs=16,
+              max_num_batched_tokens=256, num_kv_blocks=512, **kw)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.scheduler.pool.all_free()
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@pytest.mark.parametrize("name,env,kw", [
+    ("fused eager", {"MINIVLLM_FUSED_OPS": "1"}, {"enforce_eager": True}),
+    ("decode graphs", {"MINIVLLM_PIPELINE": "0"}, {"max_graph_tokens": 0}),
+    ("mixed graphs", {"MINIVLLM_PIPELINE": "0"}, {}),
+    ("pipelined", {"MINIVLLM_PIPELINE": "1"}, {}),
+    ("no prefix cache", {}, {"enable_prefix_caching": False}),
+])
+def test_fast_paths_match_eager(config_path, monkeypatch, name, env, kw):
+    prompts = random_prompts(12, 4096, 3, 200, seed=41)
+    prompts += [prompts[0][:150] + [9, 9, 9]]  # a shared prefix for the cache
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=20, ignore_eos=True),
+              SamplingParams(n=2, temperature=0.0, max_tokens=12, ignore_eos=True)] * 4
+    params += [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)]
+    with monkeypatch.context() as m:
+        want = _run(config_path, m, {"MINIVLLM_FUSED_OPS": "0", "MINIVLLM_PIPELINE": "0"},
+                    prompts, params, enforce_eager=True)
+    got = _run(config_path, monkeypatch, env, prompts, params, **kw)
+    assert got == want, name
+
+
+def test_preemption_on_the_gpu(config_path, monkeypatch):
+    prompts = random_prompts(10, 4096, 20, 60, seed=42)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with monkeypatch.context() as m:
+        want = _run(config_path, m, {}, prompts, params)
+    llm = LLM(str(config_path), load_format="dummy", dtype="float32", device="cuda",
+              skip_tokenizer_init=True, max_model_len=128, max_num_seqs=16,
+              num_kv_blocks=24)
+    got = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params,
+                                                                  use_tqdm=False)]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert got == want
