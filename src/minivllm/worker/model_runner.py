@@ -125,25 +125,30 @@ class ModelRunner:
         self.mixed_runner: MixedGraphRunner | None = None
         # The torch reference backend reads lengths on the host: it cannot be captured.
         if device.type == "cuda" and not engine_cfg.enforce_eager and attention_backend == "triton":
-            self.graph_runner = DecodeGraphRunner(
-                self.model, self.kv_cache.layers,
-                max_batch=min(engine_cfg.max_num_seqs,
-                              engine_cfg.max_cudagraph_batch_size or engine_cfg.max_num_seqs),
-                max_blocks=engine_cfg.max_blocks_per_seq(), block_size=self.block_size,
-                max_model_len=engine_cfg.max_model_len, device=device,
-                use_compile=compile_enabled(), use_graphs=cuda_graphs_enabled())
-            logger.info("Warming up decode (torch.compile=%s, CUDA graphs=%s)...",
-                        compile_enabled(), cuda_graphs_enabled())
-            secs = self.graph_runner.capture()
-            logger.info("Decode warm-up and graph capture took %.1fs.", secs)
-            max_tokens = min(engine_cfg.max_graph_tokens, engine_cfg.max_num_batched_tokens)
-            if max_tokens > 0 and cuda_graphs_enabled():
-                self.mixed_runner = MixedGraphRunner(
-                    self.model, self.kv_cache.layers, max_tokens=max_tokens,
-                    max_seqs=engine_cfg.max_num_seqs, max_blocks=engine_cfg.max_blocks_per_seq(),
-                    max_model_len=engine_cfg.max_model_len, device=device, use_graphs=True)
-                self.mixed_runner.capture()
+            self._setup_graphs()
         self._init_async_buffers()
+
+    def _setup_graphs(self) -> None:
+        """Capture the decode graphs (batch buckets) and the prefill/mixed-step graphs
+        (token buckets). Their memory comes on top of the KV cache sized before."""
+        cfg = self.cfg
+        self.graph_runner = DecodeGraphRunner(
+            self.model, self.kv_cache.layers,
+            max_batch=min(cfg.max_num_seqs, cfg.max_cudagraph_batch_size or cfg.max_num_seqs),
+            max_blocks=cfg.max_blocks_per_seq(), block_size=self.block_size,
+            max_model_len=cfg.max_model_len, device=self.device,
+            use_compile=compile_enabled(), use_graphs=cuda_graphs_enabled())
+        logger.info("Warming up decode (torch.compile=%s, CUDA graphs=%s)...",
+                    compile_enabled(), cuda_graphs_enabled())
+        secs = self.graph_runner.capture()
+        logger.info("Decode warm-up and graph capture took %.1fs.", secs)
+        max_tokens = min(cfg.max_graph_tokens, cfg.max_num_batched_tokens)
+        if max_tokens > 0 and cuda_graphs_enabled():
+            self.mixed_runner = MixedGraphRunner(
+                self.model, self.kv_cache.layers, max_tokens=max_tokens,
+                max_seqs=cfg.max_num_seqs, max_blocks=cfg.max_blocks_per_seq(),
+                max_model_len=cfg.max_model_len, device=self.device, use_graphs=True)
+            self.mixed_runner.capture()
 
     def _init_async_buffers(self) -> None:
         n = self.graph_runner.max_batch if self.graph_runner is not None else 1
