@@ -121,6 +121,18 @@ def _dot_fp32(dtype: torch.dtype, interpreted: bool) -> bool:
 # ----------------------------------------------------------------------------
 # store_kv_cache
 # ----------------------------------------------------------------------------
+def _check_attention_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """(rows, q heads, head_dim, block_size, kv heads) after checking q against the cache."""
+    _check_cache(k_cache, v_cache)
+    rows, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim:
+        raise ValueError(f"head_dim mismatch q {head_dim} vs cache {cache_dim}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+    return rows, num_heads, head_dim, block_size, num_kv_heads
+
+
 def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write key/value ``[T, Hkv, D]`` into the paged cache in place.
@@ -203,13 +215,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``(B, Hkv, num_splits)``; ``num_splits`` defaults to
     ``decode_num_splits(B, Hkv, max_seq_len)`` (Python ints only).
     """
-    _check_cache(k_cache, v_cache)
-    B, Hq, D = q.shape
-    nb, bs, Hkv, Dc = k_cache.shape
-    if Dc != D:
-        raise ValueError(f"head_dim mismatch q {D} vs cache {Dc}")
-    if Hq % Hkv != 0:
-        raise ValueError(f"num_heads {Hq} not a multiple of num_kv_heads {Hkv}")
+    B, Hq, D, bs, Hkv = _check_attention_shapes(q, k_cache, v_cache)
     if seq_lens.shape[0] != B:
         raise ValueError(f"seq_lens has {seq_lens.shape[0]} rows, q has {B}")
     if out is None:
@@ -295,13 +301,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Dispatches to :func:`paged_attention_decode` when ``max_query_len == 1``
     and there is one query row per sequence.
     """
-    _check_cache(k_cache, v_cache)
-    T, Hq, D = q.shape
-    nb, bs, Hkv, Dc = k_cache.shape
-    if Dc != D:
-        raise ValueError(f"head_dim mismatch q {D} vs cache {Dc}")
-    if Hq % Hkv != 0:
-        raise ValueError(f"num_heads {Hq} not a multiple of num_kv_heads {Hkv}")
+    T, Hq, D, bs, Hkv = _check_attention_shapes(q, k_cache, v_cache)
     num_seqs = seq_lens.shape[0]
     if query_start_loc.shape[0] != num_seqs + 1:
         raise ValueError("query_start_loc must have num_seqs + 1 entries")
