@@ -822,3 +822,24 @@ def test_echo_with_max_tokens_zero_scores_the_prompt(http):
     assert r.status_code == 400 and r.json()["error"]["message"]
     r = http.post("/v1/completions", json={**body, "stream": True})
     assert r.status_code == 400
+
+
+def test_return_token_ids(http, client):
+    """vLLM's return_token_ids: choices carry the generated (and prompt) token ids, which
+    decode to the text."""
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    r = http.post("/v1/completions", json=body).json()
+    choice = r["choices"][0]
+    assert choice["prompt_token_ids"] == [5, 6, 7, 8] and len(choice["token_ids"]) == 6
+    streamed = []
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    streamed.extend(c.get("token_ids", []))
+    assert streamed == choice["token_ids"]
+    chat = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0,
+        "return_token_ids": True}).json()["choices"][0]
+    assert chat["token_ids"] and chat["prompt_token_ids"]

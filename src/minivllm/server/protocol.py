@@ -85,6 +85,8 @@ class _SamplingFields(OpenAIBaseModel):
     min_tokens: int = 0
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: bool = False
+    # vLLM's extension: each choice also carries its token ids (and the prompt's).
+    return_token_ids: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None

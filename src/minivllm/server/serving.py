@@ -287,9 +287,12 @@ class OpenAIServing:
                     logprobs = lp.as_dict()
                 if req.echo:
                     text = self._prompt_text(prompt) + text
-                choices.append({"index": pi * n + o.index, "text": text, "logprobs": logprobs,
-                                "finish_reason": "length" if req.echo_only else o.finish_reason,
-                                "stop_reason": None if req.echo_only else o.stop_reason})
+                choice = {"index": pi * n + o.index, "text": text, "logprobs": logprobs,
+                          "finish_reason": "length" if req.echo_only else o.finish_reason,
+                          "stop_reason": None if req.echo_only else o.stop_reason}
+                if req.return_token_ids:
+                    choice.update(prompt_token_ids=prompt.token_ids, token_ids=list(gen_ids))
+                choices.append(choice)
         prompt_tokens = sum(len(p.token_ids) for p in job.prompts)
         return OrjsonResponse({
             "id": job.request_id, "object": "text_completion", "created": job.created,
@@ -325,6 +328,7 @@ class OpenAIServing:
         n = job.params.n
         states = [_ChoiceState() for _ in range(len(job.prompts) * n)]
         lp_states = [_CompletionLogprobs() for _ in states]
+        first_chunk = [True] * len(states)
         usage_chunks = req.include_usage
         completion_tokens = 0
         try:
@@ -359,11 +363,15 @@ class OpenAIServing:
                     if finish is not None:
                         st.done = True
                         completion_tokens += len(o.token_ids)
+                    choice = {"index": ci, "text": delta, "logprobs": logprobs,
+                              "finish_reason": finish, "stop_reason": o.stop_reason}
+                    if req.return_token_ids:
+                        choice["token_ids"] = new_tokens
+                        if echo_now or first_chunk[ci]:
+                            choice["prompt_token_ids"] = prompt.token_ids
+                        first_chunk[ci] = False
                     chunk = {"id": job.request_id, "object": "text_completion",
-                             "created": job.created, "model": job.model,
-                             "choices": [{"index": ci, "text": delta, "logprobs": logprobs,
-                                          "finish_reason": finish,
-                                          "stop_reason": o.stop_reason}]}
+                             "created": job.created, "model": job.model, "choices": [choice]}
                     if usage_chunks:
                         chunk["usage"] = None
                     yield sse(chunk)
@@ -424,10 +432,13 @@ class OpenAIServing:
             logprobs = None
             if req.logprobs:
                 logprobs = {"content": self._chat_logprobs(o.token_ids, o.logprobs, top_n)}
-            choices.append({"index": o.index,
-                            "message": {"role": "assistant", "content": echo_text + o.text},
-                            "logprobs": logprobs, "finish_reason": o.finish_reason,
-                            "stop_reason": o.stop_reason})
+            choice = {"index": o.index,
+                      "message": {"role": "assistant", "content": echo_text + o.text},
+                      "logprobs": logprobs, "finish_reason": o.finish_reason,
+                      "stop_reason": o.stop_reason}
+            if req.return_token_ids:
+                choice.update(prompt_token_ids=prompt.token_ids, token_ids=list(o.token_ids))
+            choices.append(choice)
         return OrjsonResponse({
             "id": job.request_id, "object": "chat.completion", "created": job.created,
             "model": job.model, "choices": choices,
@@ -492,10 +503,12 @@ class OpenAIServing:
                     if finish is not None:
                         st.done = True
                         completion_tokens += len(o.token_ids)
-                    yield chunk({"index": o.index,
-                                 "delta": {"content": delta} if delta else {},
-                                 "logprobs": logprobs, "finish_reason": finish,
-                                 "stop_reason": o.stop_reason})
+                    choice = {"index": o.index, "delta": {"content": delta} if delta else {},
+                              "logprobs": logprobs, "finish_reason": finish,
+                              "stop_reason": o.stop_reason}
+                    if req.return_token_ids:
+                        choice["token_ids"] = new_tokens
+                    yield chunk(choice)
             if usage_chunks:
                 yield sse({"id": job.request_id, "object": "chat.completion.chunk",
                            "created": job.created, "model": job.model, "choices": [],
