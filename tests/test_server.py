@@ -843,3 +843,17 @@ def test_return_token_ids(http, client):
         "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0,
         "return_token_ids": True}).json()["choices"][0]
     assert chat["token_ids"] and chat["prompt_token_ids"]
+
+
+def test_prefix_cache_metrics_count_a_repeated_prompt(http, client, server):
+    assert wait_idle(server)
+    prompt = "A long shared preamble that several requests repeat word for word. " * 4
+    client.completions.create(prompt=prompt, max_tokens=2, **greedy())
+    assert wait_idle(server)
+    before = http.get("/metrics").text
+    client.completions.create(prompt=prompt, max_tokens=2, **greedy())
+    assert wait_idle(server)
+    after = http.get("/metrics").text
+    hits = _metric(after, "minivllm:prefix_cache_hits_total") - \
+        _metric(before, "minivllm:prefix_cache_hits_total")
+    assert hits >= 16  # at least one whole block of the repeated prompt came from the cache

@@ -560,6 +560,8 @@ class AsyncLLMEngine:
             "num_free_blocks": sched.pool.num_free,
             "num_blocks": sched.pool.num_blocks,
             "num_preemptions": sched.num_preemptions,
+            "prefix_cache_queries": sched.pool.cache_queries * sched.block_size,
+            "prefix_cache_hits": sched.pool.cache_hits * sched.block_size,
             "prompt_tokens": eng.stats.get("prompt_tokens", 0),
             "generation_tokens": eng.stats.get("generation_tokens", 0),
         }

@@ -160,6 +160,12 @@ class EngineMetrics:
         lines += _scalar("counter", "minivllm:num_preemptions_total",
                          "Cumulative number of preemptions from the engine.",
                          [(lbl, snapshot.get("num_preemptions", 0))])
+        lines += _scalar("counter", "minivllm:prefix_cache_queries_total",
+                         "Prompt tokens looked up in the prefix cache (whole blocks).",
+                         [(lbl, snapshot.get("prefix_cache_queries", 0))])
+        lines += _scalar("counter", "minivllm:prefix_cache_hits_total",
+                         "Prompt tokens found in the prefix cache (whole blocks).",
+                         [(lbl, snapshot.get("prefix_cache_hits", 0))])
         lines += _scalar("counter", "minivllm:prompt_tokens_total",
                          "Number of prefill tokens processed.",
                          [(lbl, snapshot.get("prompt_tokens", 0))])
