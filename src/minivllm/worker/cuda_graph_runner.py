@@ -116,12 +116,17 @@ class DecodeGraphRunner:
         if use_compile:
             # Each engine instance compiles its own step; don't let Dynamo's per-function
             # recompile limit silently turn later engines in one process eager.
-            import torch._dynamo
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            from torch import _dynamo
+            _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 64)
             self.step_fn = torch.compile(self._decode_step, dynamic=True, fullgraph=False)
         self.compiled = use_compile
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Every bucket writes its logits and argmax here, outside the graphs' memory pool:
+        # per-graph outputs would stay allocated, one [bucket, vocab] block per bucket.
+        vocab = model.config.vocab_size
+        self.logits_out = torch.empty(self.max_batch, vocab, dtype=torch.float32, device=device)
+        self.greedy_out = torch.empty(self.max_batch, dtype=torch.long, device=device)
 
     def _decode_step(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
                      block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,8 +142,10 @@ class DecodeGraphRunner:
             seq_lens=seq_lens, block_tables=block_tables,
             max_query_len=1, max_seq_len=self.max_model_len)
         hidden = self.model(input_ids, positions, self.kv_layers, meta)
-        logits = self.model.compute_logits(hidden).float()
-        return logits, logits.argmax(dim=-1)
+        logits = self.model.compute_logits(hidden)
+        self.logits_out[:batch].copy_(logits)
+        self.greedy_out[:batch].copy_(logits.argmax(dim=-1))
+        return self.logits_out[:batch], self.greedy_out[:batch]
 
     @torch.inference_mode()
     def capture(self) -> float:

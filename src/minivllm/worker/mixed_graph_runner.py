@@ -65,6 +65,11 @@ class MixedGraphRunner:
         self.rows = torch.zeros(s, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Shared by every bucket's graph (kept out of the graphs' pool; see
+        # DecodeGraphRunner).
+        vocab = model.config.vocab_size
+        self.logits_out = torch.empty(s, vocab, dtype=torch.float32, device=device)
+        self.greedy_out = torch.empty(s, dtype=torch.long, device=device)
 
     def can_run(self, num_tokens: int, num_seqs: int, num_rows: int) -> bool:
         return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs \
@@ -75,8 +80,10 @@ class MixedGraphRunner:
             slot_mapping=self.slots[:t], query_start_loc=self.qsl, seq_lens=self.lens,
             block_tables=self.tables, max_query_len=t, max_seq_len=self.max_model_len)
         hidden = self.model(self.ids[:t], self.pos[:t], self.kv_layers, meta)
-        logits = self.model.compute_logits(hidden[self.rows]).float()
-        return logits, logits.argmax(dim=-1)
+        logits = self.model.compute_logits(hidden[self.rows])
+        self.logits_out.copy_(logits)
+        self.greedy_out.copy_(logits.argmax(dim=-1))
+        return self.logits_out, self.greedy_out
 
     @torch.inference_mode()
     def capture(self) -> float:
