@@ -36,3 +36,10 @@ def test_bad_arguments_exit_with_a_message(tiny_text_model_dir):
     assert proc.returncode == 2
     assert "minivllm: error: temperature" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_bench_lists_the_harness_commands():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "minivllm.cli", "bench"], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert "report" in proc.stdout + proc.stderr

@@ -1,4 +1,4 @@
-"""Command line: minivllm serve | generate | chat | download-default-model."""
+"""Command line: minivllm serve | generate | chat | bench | download-default-model."""
 
 from __future__ import annotations
 
@@ -110,6 +110,18 @@ def cmd_download(args) -> None:
     print(ensure_default_model())
 
 
+def cmd_bench(args) -> None:
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "bench" / "__main__.py").exists():
+        raise ValueError("the benchmark harness lives in the source checkout (bench/); run "
+                         "minivllm from an editable install of the repository")
+    raise SystemExit(subprocess.call([sys.executable, "-m", "bench", *args.bench_args],
+                                     cwd=root))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -135,6 +147,10 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("download-default-model",
                    help="prepare SmolLM2-135M-Instruct in the local cache (once)")
 
+    bench = sub.add_parser("bench", help="the benchmark harness (python -m bench) of a "
+                                         "source checkout; `minivllm bench` lists its commands")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+
     args = parser.parse_args(argv)
     try:
         _dispatch(parser, args)
@@ -154,6 +170,8 @@ def _dispatch(parser: argparse.ArgumentParser, args) -> None:
         cmd_chat(args)
     elif args.command == "download-default-model":
         cmd_download(args)
+    elif args.command == "bench":
+        cmd_bench(args)
 
 
 if __name__ == "__main__":
