@@ -212,3 +212,15 @@ def test_incremental_detokenization_never_breaks_characters(text_llm):
         pieces.append(detok.append_text(seq))
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == text_llm.get_tokenizer().decode(ids)
+
+
+def test_logit_bias(llm):
+    prompt = [7, 8, 9]
+    forced = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5,
+                          ignore_eos=True, logit_bias={17: 100.0}), use_tqdm=False)
+    assert forced[0].outputs[0].token_ids == [17] * 5
+    free = _ids(llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5,
+                             ignore_eos=True), use_tqdm=False))[0]
+    banned = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5,
+                          ignore_eos=True, logit_bias={free[0]: -100.0}), use_tqdm=False)
+    assert banned[0].outputs[0].token_ids[0] != free[0]

@@ -383,7 +383,9 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ({"prompt": "x", "temperature": float("nan")}, 400, "temperature"),
     ({"prompt": "x", "stream_options": 3}, 400, "stream_options"),
-    ({"prompt": "x", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"abc": 1.0}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 500}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"99999999": 1.0}}, 400, "logit_bias"),
     ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ({"prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "maximum context length"),
     ({"prompt": [1] * MAX_MODEL_LEN}, 400, "maximum context length"),
@@ -857,3 +859,10 @@ def test_prefix_cache_metrics_count_a_repeated_prompt(http, client, server):
     hits = _metric(after, "minivllm:prefix_cache_hits_total") - \
         _metric(before, "minivllm:prefix_cache_hits_total")
     assert hits >= 16  # at least one whole block of the repeated prompt came from the cache
+
+
+def test_logit_bias_forces_a_token(client):
+    r = client.completions.create(model=client.models.list().data[0].id, prompt="Hello",
+                                  max_tokens=4, temperature=0, logit_bias={"42": 100},
+                                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert r.choices[0].model_extra["token_ids"] == [42, 42, 42, 42]

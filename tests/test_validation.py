@@ -25,6 +25,8 @@ from minivllm import LLM, SamplingParams
     (dict(min_tokens=-1), "min_tokens"),
     (dict(min_tokens=10, max_tokens=5), "min_tokens"),
     (dict(seed="abc"), "seed"),
+    (dict(logit_bias={5: 101.0}), "logit_bias"),
+    (dict(logit_bias={"x": 1.0}), "logit_bias"),
 ])
 def test_bad_sampling_params(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):

@@ -35,10 +35,16 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     # Filled in by the engine from the tokenizer / generation config.
     _eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
 
     def __post_init__(self) -> None:
+        if self.logit_bias:
+            try:
+                self.logit_bias = {int(t): b for t, b in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ValueError("logit_bias keys must be token ids.") from None
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
@@ -88,6 +94,11 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 bad(f"stop_token_ids must be non-negative integers, got {t!r}.")
+        for t, b in (self.logit_bias or {}).items():
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                bad(f"logit_bias keys must be token ids, got {t!r}.")
+            if not isinstance(b, (int, float)) or not -100.0 <= b <= 100.0:
+                bad(f"logit_bias values must be in [-100, 100], got {b!r}.")
 
     @property
     def greedy(self) -> bool:
@@ -95,6 +106,7 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
+        """Whether sampling needs the earlier tokens' values (not only the logits)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
 

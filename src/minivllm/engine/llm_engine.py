@@ -118,6 +118,9 @@ class LLMEngine:
         for t in params.stop_token_ids:
             if t >= vocab:
                 raise ValueError(f"stop_token_ids has {t}, outside the vocabulary (< {vocab}).")
+        for t in params.logit_bias or {}:
+            if t >= vocab:
+                raise ValueError(f"logit_bias has token {t}, outside the vocabulary (< {vocab}).")
 
     def add_request(self, prompt: str | list[int] | dict | None, params: SamplingParams,
                     request_id: str | None = None, prompt_token_ids: list[int] | None = None,

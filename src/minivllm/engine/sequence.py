@@ -66,7 +66,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.forks_pending = index == 0 and params.n > 1  # sample 0 spawns the others
         # Its next token is just the argmax of its logits (the decode graph computes that).
-        self.plain_greedy = (params.greedy and params.logprobs is None
+        self.plain_greedy = (params.greedy and params.logprobs is None and not params.logit_bias
                              and not params.has_penalties and params.min_tokens == 0)
         # Can take part in pipelined decoding (once min_tokens is reached): its sampling
         # needs no values of the tokens still in flight.

@@ -94,8 +94,6 @@ class _SamplingFields(OpenAIBaseModel):
 
     def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None, max_n: int) -> SamplingParams:
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported.", param="logit_bias")
         if self.n > max_n:
             raise RequestError(f"n must be at most {max_n} (the server's max_num_seqs), "
                                f"got {self.n}.", param="n")
@@ -121,6 +119,7 @@ class _SamplingFields(OpenAIBaseModel):
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
+                logit_bias=self.logit_bias,
             )
         except ValueError as e:
             raise RequestError(str(e)) from e

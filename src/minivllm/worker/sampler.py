@@ -88,10 +88,16 @@ class Sampler:
     # ---- steps --------------------------------------------------------------------------
 
     def _apply_bans(self, logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
-        """min_tokens: EOS and stop tokens cannot be drawn before then (in place)."""
+        """logit_bias, and min_tokens: EOS and stop tokens cannot be drawn before then
+        (in place)."""
         changed = False
         for i, r in enumerate(rows):
             p = r.params
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), device=logits.device)
+                bias = torch.tensor(list(p.logit_bias.values()), device=logits.device)
+                logits[i, ids] += bias
+                changed = True
             if p.min_tokens and r.num_output_tokens < p.min_tokens:
                 banned = set(p.stop_token_ids) | set(p._eos_token_ids)
                 banned = [t for t in banned if t < self.vocab_size]
