@@ -22,7 +22,7 @@ from ..model.loader import load_model
 from .cuda_graph_runner import DecodeGraphRunner
 from .kv_cache import KVCache, cpu_num_blocks, gpu_num_blocks
 from .mixed_graph_runner import MixedGraphRunner
-from .sampler import Sampler, SamplerOutput, SamplingRow
+from .sampler import Sampler, SamplerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ class ModelRunner:
                 and self.mixed_runner.can_run(len(host.input_ids), len(host.seq_lens),
                                               len(host.sample_indices))):
             logits, greedy = self.mixed_runner.run(host)
-            return StepResult(host.row_seqs, self.sampler(logits, _rows(host.row_seqs), greedy),
+            return StepResult(host.row_seqs, self.sampler(logits, host.row_seqs, greedy),
                               [])
         return self._execute_eager(self.prepare(batch, host))
 
@@ -291,7 +291,7 @@ class ModelRunner:
         if not inputs.sample_indices:
             return StepResult([], SamplerOutput([], []), prompt_lps)
         logits = self.model.compute_logits(hidden[inputs.sample_indices])
-        return StepResult(inputs.row_seqs, self.sampler(logits, _rows(inputs.row_seqs)),
+        return StepResult(inputs.row_seqs, self.sampler(logits, inputs.row_seqs),
                           prompt_lps)
 
     def can_launch_async(self, batch: ScheduledBatch) -> bool:
@@ -316,7 +316,7 @@ class ModelRunner:
         if all(s.plain_greedy for s in seqs):
             tokens = greedy  # skip building sampler rows: the common, hottest case
         else:
-            tokens = self.sampler.sample_on_device(logits, _rows(seqs), greedy)
+            tokens = self.sampler.sample_on_device(logits, seqs, greedy)
         # Two host buffers alternate: the previous step's copy may still be landing.
         if self._host_tokens[0].numel() < self.graph_runner.max_batch:
             self._init_async_buffers()
@@ -331,7 +331,7 @@ class ModelRunner:
                                                [s.block_table for s in seqs])
         if all(s.plain_greedy for s in seqs):
             return StepResult(seqs, SamplerOutput(greedy.tolist(), []), [])
-        return StepResult(seqs, self.sampler(logits, _rows(seqs), greedy), [])
+        return StepResult(seqs, self.sampler(logits, seqs, greedy), [])
 
     def _prompt_logprobs(self, hidden: torch.Tensor,
                          inputs: ModelInputs) -> list[PromptLogprobChunk]:
@@ -393,5 +393,3 @@ def fused_ops_work(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def _rows(seqs: list[Sequence]) -> list[SamplingRow]:
-    return [SamplingRow(s.params, s.generator, s.token_ids, s.num_prompt_tokens) for s in seqs]

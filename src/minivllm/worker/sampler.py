@@ -10,33 +10,28 @@ else is in the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from ..sampling_params import SamplingParams
 
 
-@dataclass
-class SamplingRow:
-    """What the sampler needs to know about one row of logits. token_ids is the
-    sequence's own list (not copied: slicing it every step would cost O(length))."""
+class SamplingRow(Protocol):
+    """What the sampler reads about one row of logits (an engine Sequence provides it;
+    the sampler takes the sequences themselves, so nothing is copied per step)."""
 
     params: SamplingParams
     generator: torch.Generator | None
-    token_ids: list[int]
-    num_prompt_tokens: int
 
     @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[:self.num_prompt_tokens]
+    def prompt_token_ids(self) -> list[int]: ...
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+    def output_token_ids(self) -> list[int]: ...
 
     @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+    def num_output_tokens(self) -> int: ...
 
 
 @dataclass
