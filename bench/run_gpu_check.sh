@@ -12,6 +12,7 @@
 #   bf16    bf16 vs HF bf16 divergence
 #   hf      HF peers: generate eager, generate_batch, static cache + compile
 #   profile top kernels of eager decode steps (torch.profiler), batch 1 and 64
+#   kernels bench/kernel_check.py: the attention kernels vs the reference, bandwidth
 # Usage (on the GPU machine, from the repo root): bash bench/run_gpu_check.sh [GROUP ...]
 set -u
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -46,6 +47,10 @@ print(' '.join(f'{k}={v}' for k, v in FEATURES['$f'][1].items()))")
     bf16) run "${T_BF16:-120}" bf16 ;;
     hf) run "${T_HF:-150}" hf ;;
     profile) run "${T_PROFILE:-120}" profile ;;
+    kernels)
+      timeout "${T_KERNELS:-200}" python3 bench/kernel_check.py --out "$RES/kernel_check.json" \
+        >"$RES/kernel_check.log" 2>&1
+      echo "[kernels] exit $?" | tee -a "$RES/gpu_check.log"; tail -5 "$RES/kernel_check.log" ;;
     *) echo "unknown group $g" ;;
   esac
 done
