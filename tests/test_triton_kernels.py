@@ -1,28 +1,20 @@
 """Tests of the Triton kernels in csrc_triton against a dense torch reference.
 
 On a machine without CUDA the kernels run under Triton's interpreter
-(TRITON_INTERPRET=1, set below before csrc_triton is imported; CPU tensors
+(TRITON_INTERPRET=1, set by conftest.py before csrc_triton is imported; CPU tensors
 always go through the interpreter anyway), so the shapes here are tiny.  On
 a CUDA machine (without TRITON_INTERPRET=1) the same tests run compiled on the
 GPU, plus the ``@pytest.mark.gpu`` tests with realistic shapes.
 """
 
 import os
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")  # conftest.py has chosen the interpreter on CPU-only machines
 
-pytest.importorskip("triton")
-
-try:
-    import csrc_triton
-except ImportError:  # not installed: use the repo checkout
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import csrc_triton
+import csrc_triton  # noqa: E402
 
 from csrc_triton import paged_attention, paged_attention_decode, store_kv_cache
 
