@@ -368,7 +368,7 @@ def section_hf(ctx):
 
     try:
         prompts, outs = w1_requests(ctx.smoke)
-        k = 8 if ctx.smoke else 64
+        k = 8 if ctx.smoke else 16
         sub_p, sub_o = prompts[:k], outs[:k]
         gc_ = GenerationConfig(max_new_tokens=max(sub_o), do_sample=False, eos_token_id=-1,
                                pad_token_id=0, use_cuda_graph=False,

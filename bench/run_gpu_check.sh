@@ -15,27 +15,38 @@
 #   kernels bench/kernel_check.py: the attention kernels vs the reference, bandwidth
 # Usage (on the GPU machine, from the repo root): bash bench/run_gpu_check.sh [GROUP ...]
 set -u
+START=$(date +%s)
+TOTAL_S=${TOTAL_S:-570}  # the whole call's budget: a group gets min(its limit, what is left)
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/minivllm-out}
 RES=/tmp/minivllm-results
 mkdir -p "$OUT" "$RES"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$RES/nvidia-smi.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+pack() {  # after every group, so a call killed at its limit still returns what ran
+  tar czf "$OUT/results.tgz.tmp" -C "$RES" . 2>/dev/null && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"
+}
+budget() {  # budget LIMIT_S -> min(LIMIT_S, seconds left - 10)
+  local left=$(( TOTAL_S - ($(date +%s) - START) - 10 ))
+  [ "$1" -lt "$left" ] && echo "$1" || echo "$left"
+}
 run() {  # run LIMIT_S SECTIONS [ENV...]
-  local limit=$1 sections=$2; shift 2
+  local limit sections=$2; limit=$(budget "$1"); shift 2
+  if [ "$limit" -lt 20 ]; then echo "[$sections] skipped: out of time" | tee -a "$RES/gpu_check.log"; return; fi
   env "$@" timeout "$limit" python3 -m bench.gpu_check --sections "$sections" --out-dir "$RES" \
     >>"$RES/gpu_check.log" 2>&1
-  echo "[$sections] exit $?" | tee -a "$RES/gpu_check.log"
+  echo "[$sections] exit $? at +$(( $(date +%s) - START ))s" | tee -a "$RES/gpu_check.log"
+  pack
 }
 groups=${*:-tests features perf graphs parity bf16 hf}
 for g in $groups; do
   case $g in
     tests)
-      timeout "${T_TESTS:-150}" python3 -m pytest -q -x -m gpu tests/test_triton_kernels.py \
+      timeout "$(budget "${T_TESTS:-150}")" python3 -m pytest -q --maxfail=5 -m gpu tests/test_triton_kernels.py \
         tests/test_fused_kernels.py tests/test_gpu_engine.py >"$RES/gpu_tests.log" 2>&1
       echo "[gpu tests] exit $?" | tee -a "$RES/gpu_check.log"; tail -3 "$RES/gpu_tests.log" ;;
     features)
-      for f in eager eager-fused decode-graphs mixed-graphs pipelined compiled; do
+      for f in ${FEATURE_LIST:-eager eager-fused decode-graphs mixed-graphs pipelined compiled}; do
         env_args=$(python3 -c "from bench.gpu_check import FEATURES; \
 print(' '.join(f'{k}={v}' for k, v in FEATURES['$f'][1].items()))")
         run "${T_FEATURE:-90}" feature GPU_CHECK_FEATURE=$f $env_args
@@ -48,11 +59,12 @@ print(' '.join(f'{k}={v}' for k, v in FEATURES['$f'][1].items()))")
     hf) run "${T_HF:-150}" hf ;;
     profile) run "${T_PROFILE:-120}" profile ;;
     kernels)
-      timeout "${T_KERNELS:-200}" python3 bench/kernel_check.py --out "$RES/kernel_check.json" \
+      timeout "$(budget "${T_KERNELS:-200}")" python3 bench/kernel_check.py --out "$RES/kernel_check.json" \
         >"$RES/kernel_check.log" 2>&1
       echo "[kernels] exit $?" | tee -a "$RES/gpu_check.log"; tail -5 "$RES/kernel_check.log" ;;
     *) echo "unknown group $g" ;;
   esac
+  pack
 done
 grep -E "^(W1|W2|HF|sweep|parity|graphs|bf16|feature)|exit|FAILED" "$RES/gpu_check.log"
 tar czf "$OUT/results.tgz" -C "$RES" .
