@@ -13,17 +13,16 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def git_commit() -> str:
+    # The GPU machine's copy of the tree carries a .git whose HEAD is not ours: the device
+    # scripts export MINIVLLM_GIT_COMMIT from bench/.commit (written before the call).
+    if os.environ.get("MINIVLLM_GIT_COMMIT"):
+        return os.environ["MINIVLLM_GIT_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"],
                                        cwd=Path(__file__).parent, text=True,
                                        stderr=subprocess.DEVNULL).strip()
     except Exception:
-        # The GPU machine gets the working tree without .git: run_gpu_check.sh's caller
-        # writes the commit into bench/.commit beforehand.
-        stamp = Path(__file__).parent / ".commit"
-        if stamp.exists():
-            return stamp.read_text().strip()
-        return os.environ.get("MINIVLLM_GIT_COMMIT", "unknown")
+        return "unknown"
 
 
 def environment() -> dict:

@@ -241,14 +241,32 @@ def section_w2(ctx):
         m = out.metrics
         ttft = m.first_token_time - m.arrival_time
         total = min(times)
+        host = _host_profile(llm, prompt, params) if label.startswith("minivllm (CUDA") else None
         rows.append({"engine": label, "seconds": total, "tok_per_s": n_out / total,
                      "ms_per_token": 1000 * (total - ttft) / (n_out - 1),
-                     "ttft_ms": 1000 * ttft})
+                     "ttft_ms": 1000 * ttft, "host_profile": host})
         log(f"W2 {label}: {n_out / total:.0f} tok/s, {rows[-1]['ms_per_token']:.3f} ms/token")
         del llm
         free_memory()
     ctx.save("w2", {"workload": {"prompt": 128, "output": n_out, "batch": 1,
                                  "model": name, "dtype": "bfloat16"}, "rows": rows})
+
+
+def _host_profile(llm, prompt, params, top=30):
+    """cProfile of one W2 generation: where the host's time per token goes (the GPU part
+    of a step is ~1 ms at batch 1, so host work above that shows up as lost time)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.generate([prompt], params, use_tqdm=False)
+    sync()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return [{"function": f"{Path(k[0]).name}:{k[1]}:{k[2]}", "calls": v[1],
+             "tottime_ms": 1000 * v[2], "cumtime_ms": 1000 * v[3]} for k, v in rows]
 
 
 def section_sweep(ctx):

@@ -17,6 +17,8 @@
 set -u
 START=$(date +%s)
 TOTAL_S=${TOTAL_S:-570}  # the whole call's budget: a group gets min(its limit, what is left)
+# The device's copy of .git is not ours: the commit comes from bench/.commit (carry it).
+export MINIVLLM_GIT_COMMIT=${MINIVLLM_GIT_COMMIT:-$(cat bench/.commit 2>/dev/null || echo unknown)}
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/minivllm-out}
 RES=/tmp/minivllm-results

@@ -24,8 +24,8 @@
 # Knobs: W3_ARGS (extra flags for every bench.w3_gpu part, e.g. "--rounds 1"), MINIVLLM_ARGS
 # (extra engine flags), TRANSFORMERS_ARGS, PYTHON (default python3), RES, WORK, OUT.
 # H200_SMOKE=1: the same plumbing with a tiny model on the CPU and tiny sizes (no GPU needed).
-# The commit: git where there is one, else bench/.commit (write it before copying the tree:
-# git rev-parse --short HEAD > bench/.commit), else $MINIVLLM_GIT_COMMIT.
+# The commit: $MINIVLLM_GIT_COMMIT, else bench/.commit (write it before the device call:
+# git rev-parse --short HEAD > bench/.commit, and carry it: the device's .git is not ours).
 set -u
 cd "$(dirname "$0")/.." || exit 1
 START=$(date +%s)
@@ -52,7 +52,7 @@ left() { echo $(( TOTAL_S - ($(date +%s) - START) )); }
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_UPDATE_CHECK=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ -z "${MINIVLLM_GIT_COMMIT:-}" ]; then
-  MINIVLLM_GIT_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || cat bench/.commit 2>/dev/null || echo unknown)
+  MINIVLLM_GIT_COMMIT=$(cat bench/.commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 fi
 export MINIVLLM_GIT_COMMIT
 say "parts: ${PARTS[*]}; budget ${TOTAL_S}s; commit $MINIVLLM_GIT_COMMIT; smoke ${H200_SMOKE:-0}"

@@ -45,9 +45,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
 # ----------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------
-def check(out, ref, exact, max_flip_frac=0.02):
+def check(out, ref, exact, max_flip_frac=0.02, ulps=1):
     """exact: bit-for-bit.  Otherwise fp32 within 1e-6 relative, and
-    bf16/fp16 within one ulp on at most ``max_flip_frac`` of the elements."""
+    bf16/fp16 within ``ulps`` ulp on at most ``max_flip_frac`` of the elements."""
     assert out.shape == ref.shape, (out.shape, ref.shape)
     assert out.dtype == ref.dtype, (out.dtype, ref.dtype)
     if exact:
@@ -62,7 +62,7 @@ def check(out, ref, exact, max_flip_frac=0.02):
         return
     flips = (out != ref).sum().item()
     assert flips <= max_flip_frac * out.numel(), f"{flips}/{out.numel()} elements differ"
-    torch.testing.assert_close(o, r, rtol=ULP[out.dtype], atol=1e-6)
+    torch.testing.assert_close(o, r, rtol=ulps * ULP[out.dtype], atol=1e-6)
 
 
 def gen(seed):
@@ -353,11 +353,15 @@ def test_gpu_norms(dtype, T, H):
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
         norm.to(dtype)
-        check(rms_norm(x, norm.weight, 1e-6), norm(x), exact=False, max_flip_frac=1e-3)
+        # The reference rounds twice (normalized x to dtype, then times the weight), so a
+        # 1-ulp flip of the first rounding can become 2 ulps of the output (seen on the
+        # H200: ~1e-5 of the elements at hidden size 4096).
+        check(rms_norm(x, norm.weight, 1e-6), norm(x), exact=False, max_flip_frac=1e-3,
+              ulps=2)
         new_res = res + x
         out, r = fused_add_rms_norm(x, res.clone(), norm.weight, 1e-6)
         check(r, new_res, exact=True)
-        check(out, norm(new_res), exact=False, max_flip_frac=1e-3)
+        check(out, norm(new_res), exact=False, max_flip_frac=1e-3, ulps=2)
 
 
 @gpu
