@@ -13,6 +13,7 @@
 #   hf      HF peers: generate eager, generate_batch, static cache + compile
 #   profile top kernels of eager decode steps (torch.profiler), batch 1 and 64
 #   kernels bench/kernel_check.py: the attention kernels vs the reference, bandwidth
+#   s:A,B   the named bench.gpu_check sections (no torch.compile), e.g. s:w2
 # Usage (on the GPU machine, from the repo root): bash bench/run_gpu_check.sh [GROUP ...]
 set -u
 START=$(date +%s)
@@ -44,8 +45,8 @@ groups=${*:-tests features perf graphs parity bf16 hf}
 for g in $groups; do
   case $g in
     tests)
-      timeout "$(budget "${T_TESTS:-150}")" python3 -m pytest -q --maxfail=5 -m gpu tests/test_triton_kernels.py \
-        tests/test_fused_kernels.py tests/test_gpu_engine.py >"$RES/gpu_tests.log" 2>&1
+      timeout "$(budget "${T_TESTS:-150}")" python3 -m pytest -q --maxfail=5 -m gpu \
+        ${GPU_TEST_FILES:-tests/test_triton_kernels.py tests/test_fused_kernels.py tests/test_gpu_engine.py} >"$RES/gpu_tests.log" 2>&1
       echo "[gpu tests] exit $?" | tee -a "$RES/gpu_check.log"; tail -3 "$RES/gpu_tests.log" ;;
     features)
       for f in ${FEATURE_LIST:-eager eager-fused decode-graphs mixed-graphs pipelined compiled}; do
@@ -64,6 +65,7 @@ print(' '.join(f'{k}={v}' for k, v in FEATURES['$f'][1].items()))")
       timeout "$(budget "${T_KERNELS:-200}")" python3 bench/kernel_check.py --out "$RES/kernel_check.json" \
         >"$RES/kernel_check.log" 2>&1
       echo "[kernels] exit $?" | tee -a "$RES/gpu_check.log"; tail -5 "$RES/kernel_check.log" ;;
+    s:*) run "${T_SECTIONS:-120}" "${g#s:}" MINIVLLM_COMPILE=0 GPU_CHECK_SKIP_COMPILE=1 ;;
     *) echo "unknown group $g" ;;
   esac
   pack
