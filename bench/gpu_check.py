@@ -221,13 +221,15 @@ def section_w2(ctx):
     n_out = 16 if ctx.smoke else 256
     prompt = random_prompts(1, 128, 128, 10000, seed=4)[0]
     rows = []
-    variants = (("minivllm (compile + CUDA graphs)", {}, "1"),
-                ("minivllm (CUDA graphs, no compile)", {}, "0"),
-                ("minivllm eager", {"enforce_eager": True}, "0"))
+    variants = (("minivllm (compile + CUDA graphs)", {}, "1", "1"),
+                ("minivllm (CUDA graphs, no compile)", {}, "0", "1"),
+                ("minivllm (CUDA graphs, no compile, not pipelined)", {}, "0", "0"),
+                ("minivllm eager", {"enforce_eager": True}, "0", "1"))
     if os.environ.get("GPU_CHECK_SKIP_COMPILE"):
         variants = variants[1:]
-    for label, kw, compile_flag in variants:
+    for label, kw, compile_flag, pipeline_flag in variants:
         os.environ["MINIVLLM_COMPILE"] = compile_flag
+        os.environ["MINIVLLM_PIPELINE"] = pipeline_flag
         llm = make_llm(ctx, name, "bfloat16", max_num_seqs=8, num_kv_blocks=1024, **kw)
         params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
         llm.generate([prompt], params, use_tqdm=False)  # warm-up
@@ -241,13 +243,17 @@ def section_w2(ctx):
         m = out.metrics
         ttft = m.first_token_time - m.arrival_time
         total = min(times)
-        host = _host_profile(llm, prompt, params) if label.startswith("minivllm (CUDA") else None
+        main = label == "minivllm (CUDA graphs, no compile)"
+        host = _host_profile(llm, prompt, params) if main else None
+        timeline = _device_timeline(llm, prompt, params) if main and not ctx.smoke else None
         rows.append({"engine": label, "seconds": total, "tok_per_s": n_out / total,
                      "ms_per_token": 1000 * (total - ttft) / (n_out - 1),
-                     "ttft_ms": 1000 * ttft, "host_profile": host})
+                     "ttft_ms": 1000 * ttft, "device_timeline": timeline,
+                     "host_profile": host})
         log(f"W2 {label}: {n_out / total:.0f} tok/s, {rows[-1]['ms_per_token']:.3f} ms/token")
         del llm
         free_memory()
+    os.environ.pop("MINIVLLM_PIPELINE", None)
     ctx.save("w2", {"workload": {"prompt": 128, "output": n_out, "batch": 1,
                                  "model": name, "dtype": "bfloat16"}, "rows": rows})
 
@@ -269,12 +275,42 @@ def _host_profile(llm, prompt, params, top=30):
              "tottime_ms": 1000 * v[2], "cumtime_ms": 1000 * v[3]} for k, v in rows]
 
 
+def _device_timeline(llm, prompt, params):
+    """torch.profiler trace of one W2 generation: how busy the GPU is between the first and
+    last kernel, and the largest idle gaps (a gap means the host did not queue the next
+    step in time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate([prompt], params, use_tqdm=False)
+        sync()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+    if not spans:
+        return None
+    busy, gaps, cur_s, cur_e = 0.0, [], spans[0][0], spans[0][1]
+    for a, b in spans[1:]:
+        if a > cur_e:
+            busy += cur_e - cur_s
+            gaps.append(a - cur_e)
+            cur_s, cur_e = a, b
+        else:
+            cur_e = max(cur_e, b)
+    busy += cur_e - cur_s
+    wall = spans[-1][1] - spans[0][0]
+    gaps.sort(reverse=True)
+    return {"device_events": len(spans), "wall_us": wall, "busy_us": busy,
+            "busy_fraction": busy / wall, "gaps_over_20us": sum(g > 20 for g in gaps),
+            "gap_us_total": sum(gaps), "largest_gaps_us": gaps[:20]}
+
+
 def section_sweep(ctx):
     from minivllm.config import ModelConfig, load_config_json
 
     name = "qwen2.5-0.5b-instruct"
     ctx_len = 64 if ctx.smoke else 1024
     batches = [1, 2] if ctx.smoke else [1, 8, 64, 256]
+    points = [(b, ctx_len) for b in batches] + [(1, 32 if ctx.smoke else 256)]  # W2's range
     llm = make_llm(ctx, name, "bfloat16", max_num_seqs=max(batches),
                    num_kv_blocks=max(batches) * (-(-ctx_len // 16)) + 160)
     runner = llm.engine.runner
@@ -282,9 +318,9 @@ def section_sweep(ctx):
     cfg = ModelConfig.from_dict(load_config_json(ctx.model_config_path(name)))
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     bs = llm.engine.config.block_size
-    blocks_per_seq = -(-ctx_len // bs)
     rows = []
-    for b in batches:
+    for b, ctx_len in points:
+        blocks_per_seq = -(-ctx_len // bs)
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(b)]
         if gr is None:
             break
@@ -343,6 +379,19 @@ def section_w1(ctx):
                      "output_tok_per_s": n_out / secs,
                      "preemptions": llm.engine.scheduler.num_preemptions})
         log(f"W1 run {rep}: {n_out / secs:,.0f} output tok/s ({secs:.2f} s)")
+    # The slice HF generate_batch gets in the `hf` section (its first 64 prompts, 128 new
+    # tokens each), so the two engines are also compared on the very same work.
+    k = 8 if ctx.smoke else 64
+    sync()
+    t0 = time.perf_counter()
+    res = llm.generate(prompts[:k], SamplingParams(temperature=0.0, max_tokens=128,
+                                                   ignore_eos=True), use_tqdm=False)
+    sync()
+    secs = time.perf_counter() - t0
+    n_out = sum(len(r.outputs[0].token_ids) for r in res)
+    rows.append({"engine": "minivllm", "workload": f"W1 first {k} requests, max_tokens=128",
+                 "seconds": secs, "output_tokens": n_out, "output_tok_per_s": n_out / secs})
+    log(f"W1 slice ({k} x 128): {n_out / secs:,.0f} output tok/s")
     ctx.save("w1", {"workload": {"requests": len(prompts), "model": name, "dtype": "bfloat16",
                                  "total_output_tokens": sum(outs),
                                  "total_prompt_tokens": sum(map(len, prompts))},
@@ -378,16 +427,30 @@ def section_hf(ctx):
                      "tok_per_s": n_out / secs})
         log(f"HF {label}: {n_out / secs:.0f} tok/s")
 
+    peers = os.environ.get("GPU_CHECK_HF_PEERS", "eager,batch,static").split(",")
+    if "eager" in peers:
+        try:
+            timed_generate("HF generate eager")
+        except Exception as e:
+            rows.append({"engine": "HF generate eager", "error": repr(e)})
+        ctx.save("hf", {"model": name, "dtype": "bfloat16", "rows": rows})
+    if not ctx.smoke and "static" in peers:
+        try:
+            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+            timed_generate("HF generate static cache + compile", cache_implementation="static")
+        except Exception as e:
+            rows.append({"engine": "HF generate static cache + compile", "error": repr(e)})
+            log("HF static+compile failed:", repr(e)[:300])
+        ctx.save("hf", {"model": name, "dtype": "bfloat16", "rows": rows})
+        model = hf_model(ctx, name, torch.bfloat16)  # uncompiled again for generate_batch
+    if "batch" not in peers:
+        return
     try:
-        timed_generate("HF generate eager")
-    except Exception as e:
-        rows.append({"engine": "HF generate eager", "error": repr(e)})
-    ctx.save("hf", {"model": name, "dtype": "bfloat16", "rows": rows})
-
-    try:
+        # HF's generate_batch runs ~1k tok/s: the full W1 (~145k output tokens) would take
+        # minutes, so it gets W1's first 64 prompts with max_new_tokens=128 for all.
         prompts, outs = w1_requests(ctx.smoke)
-        k = 8 if ctx.smoke else 16
-        sub_p, sub_o = prompts[:k], outs[:k]
+        k = 8 if ctx.smoke else 64
+        sub_p, sub_o = prompts[:k], [min(o, 128) for o in outs[:k]]
         gc_ = GenerationConfig(max_new_tokens=max(sub_o), do_sample=False, eos_token_id=-1,
                                pad_token_id=0, use_cuda_graph=False,
                                num_blocks=4096, max_batch_tokens=8192)
@@ -405,15 +468,6 @@ def section_hf(ctx):
     except Exception as e:
         rows.append({"engine": "HF generate_batch", "error": repr(e)})
         log("HF generate_batch failed:", traceback.format_exc()[-1500:])
-    ctx.save("hf", {"model": name, "dtype": "bfloat16", "rows": rows})
-
-    if not ctx.smoke:
-        try:
-            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-            timed_generate("HF generate static cache + compile", cache_implementation="static")
-        except Exception as e:
-            rows.append({"engine": "HF generate static cache + compile", "error": repr(e)})
-            log("HF static+compile failed:", repr(e)[:300])
     ctx.save("hf", {"model": name, "dtype": "bfloat16", "rows": rows})
 
 

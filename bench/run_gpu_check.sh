@@ -23,11 +23,12 @@ export MINIVLLM_GIT_COMMIT=${MINIVLLM_GIT_COMMIT:-$(cat bench/.commit 2>/dev/nul
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/minivllm-out}
 RES=/tmp/minivllm-results
+OUT_NAME=${OUT_NAME:-results.tgz}  # the tarball under $OUT
 mkdir -p "$OUT" "$RES"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$RES/nvidia-smi.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 pack() {  # after every group, so a call killed at its limit still returns what ran
-  tar czf "$OUT/results.tgz.tmp" -C "$RES" . 2>/dev/null && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"
+  tar czf "$OUT/$OUT_NAME.tmp" -C "$RES" . 2>/dev/null && mv "$OUT/$OUT_NAME.tmp" "$OUT/$OUT_NAME"
 }
 budget() {  # budget LIMIT_S -> min(LIMIT_S, seconds left - 10)
   local left=$(( TOTAL_S - ($(date +%s) - START) - 10 ))
@@ -71,4 +72,4 @@ print(' '.join(f'{k}={v}' for k, v in FEATURES['$f'][1].items()))")
   pack
 done
 grep -E "^(W1|W2|HF|sweep|parity|graphs|bf16|feature)|exit|FAILED" "$RES/gpu_check.log"
-tar czf "$OUT/results.tgz" -C "$RES" .
+pack

@@ -45,7 +45,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
 # ----------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------
-def check(out, ref, exact, max_flip_frac=0.02, ulps=1):
+def check(out, ref, exact, max_flip_frac=0.02, ulps=1, fp32_atol=1e-7):
     """exact: bit-for-bit.  Otherwise fp32 within 1e-6 relative, and
     bf16/fp16 within ``ulps`` ulp on at most ``max_flip_frac`` of the elements."""
     assert out.shape == ref.shape, (out.shape, ref.shape)
@@ -58,7 +58,7 @@ def check(out, ref, exact, max_flip_frac=0.02, ulps=1):
         return
     o, r = out.float(), ref.float()
     if out.dtype == torch.float32:
-        torch.testing.assert_close(o, r, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(o, r, rtol=1e-6, atol=fp32_atol)
         return
     flips = (out != ref).sum().item()
     assert flips <= max_flip_frac * out.numel(), f"{flips}/{out.numel()} elements differ"
@@ -389,8 +389,12 @@ def test_gpu_rotary(dtype, T, hq, hkv, d, qk_norm):
         else:
             q_ref, k_ref = rope(positions, q, k)
     q_out, k_out = rotary_embedding(positions, q, k, rope.cos_table, rope.sin_table, **kw)
-    check(q_out, q_ref, exact=not qk_norm, max_flip_frac=1e-3)
-    check(k_out, k_ref, exact=not qk_norm, max_flip_frac=1e-3)
+    # With the q/k norm, the normalized value's rounding (2 ulps in bf16, as for the norms)
+    # meets rotary's x*cos - y*sin, which can cancel to near zero: fp32 gets an absolute
+    # tolerance of 1e-6 on inputs of size ~1 (H200: max error 4.8e-7).
+    tol = dict(ulps=2, fp32_atol=1e-6) if qk_norm else {}
+    check(q_out, q_ref, exact=not qk_norm, max_flip_frac=1e-3, **tol)
+    check(k_out, k_ref, exact=not qk_norm, max_flip_frac=1e-3, **tol)
 
 
 @gpu
