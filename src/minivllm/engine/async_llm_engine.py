@@ -1,28 +1,30 @@
 """AsyncLLMEngine: the synchronous LLMEngine behind an asyncio interface.
 
-One dedicated background thread owns the LLMEngine: it builds it, steps it whenever
-there is work, and sleeps on a condition variable when there is none. Nothing else ever
-touches the engine. Coroutines talk to that thread through two one-way channels:
+The LLMEngine is driven by an EngineCore (engine_core.py) owned either by a background
+thread of this process (the default) or by a process of its own (engine_process=True, what
+`minivllm serve` uses). Either way coroutines talk to it through two one-way channels:
 
-    asyncio handler --(command list + condition)--> engine thread
-        add / abort / call(fn) / stop
-    engine thread --(loop.call_soon_threadsafe, once per step)--> per-request asyncio queues
-        RequestOutput | exception
+    asyncio handler --(commands: add / abort / call / stop)--> engine owner
+    engine owner --(one batch of events per iteration, one call_soon_threadsafe per
+                    event loop)--> per-request asyncio queues
 
-so requests that arrive while a step runs all land in the next step's batch.
+so requests that arrive while a step runs all land in the next step's batch. With the
+thread, the engine's Python work shares the GIL with the event loop; with the process it
+does not (see engine_core.py for what that costs), and outputs cross the process boundary
+as deltas.
 
 Guarantees:
-- add_request() validates on the engine thread and raises ValueError to the caller before
+- add_request() validates on the engine side and raises ValueError to the caller before
   any output exists (a server answers 400 before streaming starts).
-- abort(request_id) may be called from any thread; the engine thread frees the request's
-  KV blocks before its next step. A consumer that stops reading (client disconnect,
+- abort(request_id) may be called from any thread; the engine frees the request's KV
+  blocks before its next step. A consumer that stops reading (client disconnect,
   cancelled task) aborts its request.
 - An exception inside a step fails the requests that step touched (their iterators
   raise EngineStepError, chained to the cause); the engine keeps serving the others.
 - max_waiting_requests bounds the requests accepted but not yet producing output;
   past it add_request raises QueueFullError (a server answers 503).
 - shutdown() stops admission, lets in-flight requests finish for a while, aborts the
-  rest (their streams end with finish_reason "abort") and joins the thread.
+  rest (their streams end with finish_reason "abort") and stops the engine.
 
 This module imports no server code (fastapi, uvicorn, ...): the engine stays usable where
 only the engine is installed.
@@ -33,7 +35,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
+import itertools
 import logging
+import multiprocessing
+import os
+import pickle
 import sys
 import threading
 import time
@@ -41,22 +47,22 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from ..config import EngineConfig
-from ..outputs import CompletionOutput, RequestOutput
+from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
+from .engine_core import (EngineCore, EngineStepError, OutputDecoder, decode_events,
+                          engine_facts, run_engine_process)
 from .llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["AsyncLLMEngine", "RequestStream", "EngineDeadError", "EngineStepError",
+           "RequestAbortedError", "QueueFullError", "EngineShuttingDownError", "StatLogger"]
 
-SWITCH_INTERVAL_S = 0.0005
+SWITCH_INTERVAL_S = float(os.environ.get("MINIVLLM_SWITCH_INTERVAL_S", "0.0005"))
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread is not running (never started, stopped, or crashed)."""
-
-
-class EngineStepError(RuntimeError):
-    """A step of the engine failed while this request was in it."""
+    """The engine is not running (never started, stopped, or crashed)."""
 
 
 class RequestAbortedError(RuntimeError):
@@ -72,7 +78,8 @@ class EngineShuttingDownError(RuntimeError):
 
 
 class StatLogger(Protocol):
-    """Hooks the engine thread calls (a server's metrics implement them)."""
+    """Hooks called after each engine iteration, on the thread that delivers outputs (the
+    engine thread, or the receiver thread of an engine process)."""
 
     def on_step(self, now: float, outputs: list[RequestOutput]) -> None: ...
 
@@ -90,7 +97,6 @@ class RequestStream:
         self.finished = False  # the last item was taken (a finished output or an error)
         self._holds_reservation = False  # counts in the engine's waiting/in-flight numbers
         self.started = False   # the first output was delivered
-        self.last_output: RequestOutput | None = None  # engine-thread side, for aborts
 
     def _take(self, item: RequestOutput | BaseException) -> RequestOutput:
         if isinstance(item, BaseException):
@@ -122,23 +128,33 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    """Owns an LLMEngine on a background thread. Build with an EngineConfig (the engine is
-    built on that thread) or an existing LLMEngine (handed over: stop using it)."""
+    """Owns an LLMEngine. Build with an EngineConfig (the engine is built by its owner) or
+    an existing LLMEngine (handed over: stop using it; thread only). engine_process=True
+    runs the engine in a process of its own ('spawn'); then submit()/call() take only
+    picklable functions and `engine` is None here."""
 
     def __init__(self, engine: EngineConfig | LLMEngine, *,
                  max_waiting_requests: int | None = None,
                  stat_loggers: list[StatLogger] | None = None,
-                 start: bool = True) -> None:
+                 start: bool = True, engine_process: bool = False) -> None:
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be at least 1 (or None: no limit).")
+        if engine_process and isinstance(engine, LLMEngine):
+            raise ValueError("An existing LLMEngine cannot move to another process: pass "
+                             "its EngineConfig.")
         self._config_or_engine = engine
         self.engine: LLMEngine | None = engine if isinstance(engine, LLMEngine) else None
+        self.engine_process = engine_process
         self.max_waiting_requests = max_waiting_requests
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
+        # Commands to the engine owner (thread: a list under _cv; process: a pipe).
         self._cv = threading.Condition()
         self._commands: list[tuple] = []
         self._stop = False
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # engine thread, or receiver thread
+        self._process = None
+        self._conn = None
+        self._send_lock = threading.Lock()
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
         self.dead_error: BaseException | None = None
@@ -147,9 +163,14 @@ class AsyncLLMEngine:
         self._count_lock = threading.Lock()
         self._num_not_started = 0
         self._num_in_flight = 0
-        # Engine-thread state.
+        # Requests and calls waiting for the engine's answer, and live streams. Written by
+        # the callers (under _lock) and by the delivering thread.
+        self._lock = threading.Lock()
+        self._adding: dict[str, tuple[RequestStream, asyncio.Future]] = {}
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count()
         self._streams: dict[str, RequestStream] = {}
-        # Published by the engine thread after each iteration; read by anyone.
+        # Published after each engine iteration; read by anyone.
         self.snapshot: dict[str, Any] = {}
         # Facts about the model, set once the engine exists (read-only afterwards).
         self.tokenizer = None
@@ -163,15 +184,18 @@ class AsyncLLMEngine:
     # ---- lifecycle ----------------------------------------------------------------------
 
     def start(self, timeout: float | None = None) -> "AsyncLLMEngine":
-        """Start the engine thread (building the engine there) and wait until it is ready;
-        an error while building the engine is raised here."""
+        """Start the engine (building it) and wait until it is ready; an error while
+        building the engine is raised here."""
         if self._thread is None:
-            # The engine thread and the event loop share the GIL; at the default 5 ms switch
-            # interval a decode step (a few ms on a GPU) can wait a whole interval for it.
-            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
-            self._thread = threading.Thread(target=self._thread_main, name="minivllm-engine",
-                                            daemon=True)
-            self._thread.start()
+            if self.engine_process:
+                self._start_process()
+            else:
+                # The engine thread and the event loop share the GIL; at the default 5 ms
+                # switch interval a decode step can wait a whole interval for it.
+                sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+                self._thread = threading.Thread(target=self._thread_main,
+                                                name="minivllm-engine", daemon=True)
+                self._thread.start()
         if not self._ready.wait(timeout):
             raise TimeoutError("The engine did not start in time.")
         if self._init_error is not None:
@@ -180,8 +204,11 @@ class AsyncLLMEngine:
 
     @property
     def is_running(self) -> bool:
-        return (self._thread is not None and self._thread.is_alive() and self._ready.is_set()
-                and self._init_error is None and self.dead_error is None)
+        alive = self._thread is not None and self._thread.is_alive()
+        if self._process is not None:
+            alive = alive and self._process.is_alive()
+        return (alive and self._ready.is_set() and self._init_error is None
+                and self.dead_error is None)
 
     @property
     def accepting(self) -> bool:
@@ -194,7 +221,7 @@ class AsyncLLMEngine:
 
     async def shutdown(self, drain_timeout: float = 0.0) -> None:
         """Stop admitting requests, let in-flight ones finish for up to drain_timeout
-        seconds, abort the rest and stop the thread."""
+        seconds, abort the rest and stop the engine."""
         self._accepting = False
         deadline = time.monotonic() + max(0.0, drain_timeout)
         while self.is_running and time.monotonic() < deadline and (
@@ -203,8 +230,23 @@ class AsyncLLMEngine:
         await asyncio.get_running_loop().run_in_executor(None, self.stop)
 
     def stop(self, timeout: float | None = 30.0) -> None:
-        """Abort whatever is in flight and stop the thread (blocking; any thread)."""
+        """Abort whatever is in flight and stop the engine (blocking; any thread)."""
         self._accepting = False
+        if self._process is not None:
+            with self._send_lock:
+                already, self._stop = self._stop, True
+                if not already:
+                    try:
+                        self._conn.send(("stop",))
+                    except (OSError, ValueError):
+                        pass
+            if self._thread is not None and self._thread is not threading.current_thread():
+                self._thread.join(timeout)
+            self._process.join(5 if timeout is None else min(timeout, 5))
+            if self._process.is_alive():
+                self._process.terminate()
+                self._process.join(5)
+            return
         with self._cv:
             self._stop = True
             self._cv.notify()
@@ -214,6 +256,15 @@ class AsyncLLMEngine:
     # ---- commands (any thread) ----------------------------------------------------------
 
     def _send(self, command: tuple) -> None:
+        if self._process is not None:
+            with self._send_lock:
+                if self._stop:
+                    raise EngineDeadError("The engine has stopped.")
+                try:
+                    self._conn.send(command)
+                except (OSError, ValueError) as e:
+                    raise EngineDeadError(f"The engine process is gone: {e!r}") from e
+            return
         with self._cv:
             if self._stop:
                 raise EngineDeadError("The engine has stopped.")
@@ -224,19 +275,34 @@ class AsyncLLMEngine:
         if self._init_error is not None:
             raise EngineDeadError(f"The engine failed to start: {self._init_error}")
         if self.dead_error is not None:
-            raise EngineDeadError(f"The engine thread died: {self.dead_error}")
+            raise EngineDeadError(f"The engine died: {self.dead_error}")
         if not self.is_running:
             raise EngineDeadError("The engine is not running.")
 
     def submit(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
-        """Run fn(engine) on the engine thread between steps; a Future of its result."""
+        """Run fn(engine) on the engine side between steps; a Future of its result."""
         self._check_alive()
+        payload: Any = fn
+        if self._process is not None:
+            try:
+                payload = pickle.dumps(fn)
+            except Exception as e:  # noqa: BLE001
+                raise TypeError("With engine_process=True the function must be picklable "
+                                f"(a module-level function): {e}") from e
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._send(("call", fn, fut))
+        call_id = next(self._call_ids)
+        with self._lock:
+            self._calls[call_id] = fut
+        try:
+            self._send(("call", call_id, payload))
+        except BaseException:
+            with self._lock:
+                self._calls.pop(call_id, None)
+            raise
         return fut
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Await fn(engine), run on the engine thread between steps."""
+        """Await fn(engine), run on the engine side between steps."""
         return await asyncio.wrap_future(self.submit(fn))
 
     def abort(self, request_id: str | list[str]) -> None:
@@ -273,15 +339,24 @@ class AsyncLLMEngine:
         pending: list[tuple[RequestStream, asyncio.Future]] = []
         send_error = None
         for spec in specs:
-            stream = RequestStream(spec["request_id"], loop)
+            rid = spec["request_id"]
+            stream = RequestStream(rid, loop)
             stream._holds_reservation = True
             accepted = loop.create_future()
             accepted.add_done_callback(
                 lambda f, stream=stream: self._on_add_settled(f, stream))
             try:
-                self._send(("add", stream, spec.get("prompt"), spec["params"],
-                            spec.get("prompt_token_ids"), spec.get("arrival_time") or now,
-                            accepted))
+                with self._lock:
+                    if rid in self._adding or rid in self._streams:
+                        raise ValueError(f"Request id {rid!r} is already in use.")
+                    self._adding[rid] = (stream, accepted)
+                try:
+                    self._send(("add", rid, spec.get("prompt"), spec["params"],
+                                spec.get("prompt_token_ids"), spec.get("arrival_time") or now))
+                except BaseException:
+                    with self._lock:
+                        self._adding.pop(rid, None)
+                    raise
             except BaseException as e:  # noqa: BLE001
                 send_error = e
                 accepted.cancel()  # releases this one's reservation
@@ -345,9 +420,10 @@ class AsyncLLMEngine:
             if not stream.finished:
                 self.abort(request_id)
 
-    # ---- delivery (event loop thread) ---------------------------------------------------
+    # ---- delivery -----------------------------------------------------------------------
 
     def _deliver(self, items: list[tuple[RequestStream, Any]]) -> None:
+        """On the stream's event loop: queue the items and settle the reservations."""
         for stream, item in items:
             holds = stream._holds_reservation
             final = isinstance(item, BaseException) or item.finished
@@ -362,181 +438,62 @@ class AsyncLLMEngine:
             stream.started = True
             stream.queue.put_nowait(item)
 
-    # ---- the engine thread --------------------------------------------------------------
-
-    def _thread_main(self) -> None:
-        try:
-            if self.engine is None:
-                self.engine = LLMEngine(self._config_or_engine)  # type: ignore[arg-type]
-            eng = self.engine
-            self.tokenizer = copy.deepcopy(eng.tokenizer) if eng.tokenizer is not None else None
-            self.model_path = eng.model_path
-            self.max_model_len = eng.max_model_len
-            self.vocab_size = eng.vocab_size
-            self.eos_token_ids = frozenset(eng.eos_token_ids)
-            self._publish()
-        except BaseException as e:  # noqa: BLE001 - reported to start()
-            self._init_error = e
-            self._ready.set()
-            return
-        self._ready.set()
-        try:
-            self._loop()
-        except BaseException as e:  # noqa: BLE001 - must not vanish silently
-            logger.exception("The engine thread died")
-            self.dead_error = e
-            self._fail_all(EngineDeadError(f"The engine thread died: {e!r}"))
-
-    def _loop(self) -> None:
-        eng = self.engine
-        assert eng is not None
-        while True:
-            with self._cv:
-                while not self._commands and not self._stop and not eng.has_unfinished_requests():
-                    self._cv.wait()
-                commands, self._commands = self._commands, []
-                stop = self._stop
-            deliveries: list[tuple[RequestStream, Any]] = []
-            calls = []
-            for command in commands:
-                if command[0] == "call":
-                    calls.append(command)
-                else:
-                    self._handle(command, deliveries)
-            if commands:
-                self._publish()
-            for command in calls:  # after publishing: a caller sees a current snapshot
-                self._handle(command, deliveries)
-            if stop:
-                self._abort_all(deliveries)
-                self._publish()
-                self._flush(deliveries)
-                with self._cv:  # late commands: their futures must not hang
-                    late, self._commands = self._commands, []
-                for command in late:
-                    self._reject(command, EngineDeadError("The engine has stopped."))
-                return
-            if eng.has_unfinished_requests():
-                self._step(deliveries)
-                # Publish before delivering, so a client that got its last token reads
-                # metrics that already count it.
-                self._publish()
-            self._flush(deliveries)
-
-    def _handle(self, command: tuple, deliveries: list) -> None:
-        eng = self.engine
-        kind = command[0]
-        if kind == "add":
-            _, stream, prompt, params, prompt_token_ids, arrival_time, accepted = command
-            rid = stream.request_id
-            try:
-                if rid in self._streams:
-                    raise ValueError(f"Request id {rid!r} is already in use.")
-                eng.add_request(prompt, params, request_id=rid,
-                                prompt_token_ids=prompt_token_ids, arrival_time=arrival_time)
-            except Exception as e:  # noqa: BLE001 - handed to the caller
-                _resolve(stream.loop, accepted, error=e)
-                return
-            self._streams[rid] = stream
-            _resolve(stream.loop, accepted, result=None)
-        elif kind == "abort":
-            for rid in command[1]:
-                self._abort_one(rid, deliveries)
-        elif kind == "call":
-            _, fn, fut = command
-            if not fut.set_running_or_notify_cancel():
-                return
-            try:
-                fut.set_result(fn(eng))
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(e)
-
-    def _reject(self, command: tuple, error: BaseException) -> None:
-        if command[0] == "add":
-            stream, accepted = command[1], command[-1]
-            _resolve(stream.loop, accepted, error=error)
-        elif command[0] == "call":
-            fut = command[2]
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(error)
-
-    def _abort_one(self, rid: str, deliveries: list) -> None:
-        eng = self.engine
-        stream = self._streams.pop(rid, None)
-        req = eng.requests.get(rid)
-        final = None
-        if stream is not None and (req is not None or stream.last_output is not None):
-            final = _abort_output(stream.last_output, eng, req)
-        eng.abort_request(rid)
-        if req is not None:
+    def _dispatch(self, events: list, snapshot: dict, outputs: list | None) -> None:
+        """One engine iteration's events -> futures, streams and stat loggers. Runs on the
+        engine thread or the receiver thread (one of them, never both)."""
+        # Publish before delivering, so a client that got its last token reads metrics
+        # that already count it.
+        self.snapshot = snapshot
+        deliveries: list[tuple[RequestStream, Any]] = []
+        for ev in events:
+            kind = ev[0]
+            if kind == "output":
+                out = ev[1]
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    deliveries.append((stream, out))
+                    if out.finished:
+                        del self._streams[out.request_id]
+            elif kind == "added":
+                _, rid, error = ev
+                with self._lock:
+                    stream, accepted = self._adding.pop(rid)
+                    if error is None:
+                        self._streams[rid] = stream
+                _resolve(stream.loop, accepted, error=error)
+            elif kind == "aborted":
+                _, rid, final, live = ev
+                if live:
+                    for sl in self.stat_loggers:
+                        _safe(sl.on_abort, rid)
+                stream = self._streams.pop(rid, None)
+                if stream is not None:
+                    deliveries.append((stream, final if final is not None
+                                       else RequestAbortedError(f"Request {rid} was aborted.")))
+            elif kind == "failed":
+                _, rid, error = ev
+                for sl in self.stat_loggers:
+                    _safe(sl.on_abort, rid)
+                stream = self._streams.pop(rid, None)
+                if stream is not None:
+                    deliveries.append((stream, error))
+            elif kind == "called":
+                _, call_id, error, value = ev
+                with self._lock:
+                    fut = self._calls.pop(call_id, None)
+                if fut is not None and fut.set_running_or_notify_cancel():
+                    if error is not None:
+                        fut.set_exception(error)
+                    else:
+                        fut.set_result(value)
+        if outputs is not None:
+            now = time.monotonic()
             for sl in self.stat_loggers:
-                _safe(sl.on_abort, rid)
-        if stream is not None:
-            deliveries.append((stream, final if final is not None
-                               else RequestAbortedError(f"Request {rid} was aborted.")))
-
-    def _abort_all(self, deliveries: list) -> None:
-        for rid in list(self._streams):
-            self._abort_one(rid, deliveries)
-        for rid in list(self.engine.requests):
-            self.engine.abort_request(rid)
-
-    def _step(self, deliveries: list) -> None:
-        eng = self.engine
-        try:
-            outputs = eng.step()
-        except Exception as e:  # noqa: BLE001 - fail the affected requests, keep serving
-            logger.exception("Engine step failed")
-            self._fail_step(e, deliveries)
-            return
-        if not outputs and eng.requests and not eng.scheduler.has_work():
-            # Requests the scheduler no longer knows: fail them rather than spin.
-            self._fail_step(RuntimeError("request lost by the scheduler"), deliveries)
-            return
-        now = time.monotonic()
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            stream.last_output = out
-            deliveries.append((stream, out))
-            if out.finished:
-                del self._streams[out.request_id]
-        for sl in self.stat_loggers:
-            _safe(sl.on_step, now, outputs)
-
-    def _fail_step(self, error: Exception, deliveries: list) -> None:
-        """Fail the requests the failed step was working on (those running); if none can be
-        told apart, everything in flight. Their blocks are freed; others carry on."""
-        eng = self.engine
-        affected = {s.request.request_id for s in eng.scheduler.running}
-        if not affected:
-            affected = set(eng.requests)
-        for rid in affected:
-            try:
-                eng.abort_request(rid)
-            except Exception:  # noqa: BLE001
-                logger.exception("abort after a failed step failed")
-            for sl in self.stat_loggers:
-                _safe(sl.on_abort, rid)
-            stream = self._streams.pop(rid, None)
-            if stream is not None:
-                err = EngineStepError(f"The engine failed while running this request: {error!r}")
-                err.__cause__ = error
-                deliveries.append((stream, err))
-
-    def _fail_all(self, error: BaseException) -> None:
-        deliveries = [(s, error) for s in self._streams.values()]
-        self._streams.clear()
+                _safe(sl.on_step, now, outputs)
         self._flush(deliveries)
-        with self._cv:
-            late, self._commands = self._commands, []
-            self._stop = True
-        for command in late:
-            self._reject(command, error)
 
     def _flush(self, deliveries: list) -> None:
-        """Hand outputs to their event loops: one call_soon_threadsafe per loop per step."""
+        """Hand outputs to their event loops: one call_soon_threadsafe per loop."""
         if not deliveries:
             return
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
@@ -548,23 +505,128 @@ class AsyncLLMEngine:
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
 
-    def _publish(self) -> None:
-        eng = self.engine
-        sched = eng.scheduler
-        self.snapshot = {
-            "time": time.monotonic(),
-            "num_requests_running": len({s.request.request_id for s in sched.running}),
-            "num_requests_waiting": len({s.request.request_id for s in sched.waiting}),
-            "num_unfinished": len(eng.requests),
-            "kv_cache_usage": sched.pool.usage,
-            "num_free_blocks": sched.pool.num_free,
-            "num_blocks": sched.pool.num_blocks,
-            "num_preemptions": sched.num_preemptions,
-            "prefix_cache_queries": sched.pool.cache_queries * sched.block_size,
-            "prefix_cache_hits": sched.pool.cache_hits * sched.block_size,
-            "prompt_tokens": eng.stats.get("prompt_tokens", 0),
-            "generation_tokens": eng.stats.get("generation_tokens", 0),
-        }
+    def _fail_all(self, error: BaseException) -> None:
+        """The engine is gone: every stream, pending add and pending call gets `error`."""
+        with self._cv:
+            self._stop = True
+            self._commands = []
+        with self._lock:
+            streams, self._streams = self._streams, {}
+            adding, self._adding = self._adding, {}
+            calls, self._calls = self._calls, {}
+        self._flush([(s, error) for s in streams.values()])
+        for stream, accepted in adding.values():
+            _resolve(stream.loop, accepted, error=error)
+        for fut in calls.values():
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(error)
+
+    def _set_facts(self, facts: dict) -> None:
+        self.tokenizer = facts["tokenizer"]
+        self.model_path = facts["model_path"]
+        self.max_model_len = facts["max_model_len"]
+        self.vocab_size = facts["vocab_size"]
+        self.eos_token_ids = facts["eos_token_ids"]
+        if "snapshot" in facts:
+            self.snapshot = facts["snapshot"]
+
+    # ---- owner 1: the engine thread -----------------------------------------------------
+
+    def _thread_main(self) -> None:
+        try:
+            if self.engine is None:
+                self.engine = LLMEngine(self._config_or_engine)  # type: ignore[arg-type]
+            core = EngineCore(self.engine)
+            facts = engine_facts(self.engine)
+            # The tokenizer is used by both threads: the frontend gets its own copy.
+            facts["tokenizer"] = copy.deepcopy(facts["tokenizer"])
+            self._set_facts(facts)
+            self.snapshot = core.snapshot()
+        except BaseException as e:  # noqa: BLE001 - reported to start()
+            self._init_error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._thread_loop(core)
+        except BaseException as e:  # noqa: BLE001 - must not vanish silently
+            logger.exception("The engine thread died")
+            self.dead_error = e
+            self._fail_all(EngineDeadError(f"The engine thread died: {e!r}"))
+
+    def _thread_loop(self, core: EngineCore) -> None:
+        while True:
+            with self._cv:
+                while not self._commands and not self._stop and not core.has_work():
+                    self._cv.wait()
+                commands, self._commands = self._commands, []
+                stop = self._stop
+            events: list = []
+            for command in commands:
+                core.apply(command, events)
+            if stop:
+                core.abort_all(events)
+                self._dispatch(events, core.snapshot(), None)
+                self._fail_all(EngineDeadError("The engine has stopped."))  # late commands
+                return
+            outputs = core.step(events) if core.has_work() else None
+            if events or commands or outputs is not None:
+                self._dispatch(events, core.snapshot(), outputs)
+
+    # ---- owner 2: an engine process, and the thread receiving its events ----------------
+
+    def _start_process(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        level = logging.getLogger().getEffectiveLevel()
+        self._process = ctx.Process(target=run_engine_process, name="minivllm-engine",
+                                    args=(self._config_or_engine, child_conn, level),
+                                    daemon=True)
+        self._process.start()
+        child_conn.close()
+        self._conn = parent_conn
+        self._thread = threading.Thread(target=self._receive_main, name="minivllm-receiver",
+                                        daemon=True)
+        self._thread.start()
+
+    def _receive_main(self) -> None:
+        conn = self._conn
+        try:
+            first = conn.recv()
+        except (EOFError, OSError) as e:
+            self._init_error = EngineDeadError(f"The engine process died while starting: {e!r}")
+            self._ready.set()
+            return
+        if first[0] != "ready":
+            self._init_error = first[1] if first[0] == "init_error" else RuntimeError(first)
+            self._ready.set()
+            return
+        self._set_facts(first[1])
+        self._ready.set()
+        decoder = OutputDecoder()
+        try:
+            while True:
+                msg = conn.recv()
+                if msg[0] == "events":
+                    _, wire, snapshot, stepped = msg
+                    events = decode_events(wire, decoder)
+                    outputs = [ev[1] for ev in events if ev[0] == "output"] if stepped else None
+                    self._dispatch(events, snapshot, outputs)
+                elif msg[0] == "stopped":
+                    self._fail_all(EngineDeadError("The engine has stopped."))
+                    return
+                elif msg[0] == "dead":
+                    raise msg[1]
+        except BaseException as e:  # noqa: BLE001 - the process died or broke the protocol
+            if not self._stop:
+                logger.error("The engine process died: %r", e)
+                self.dead_error = e
+            self._fail_all(EngineDeadError(f"The engine process died: {e!r}"))
+        finally:
+            try:
+                conn.close()
+            except OSError:
+                pass
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, *, result=None,
@@ -587,19 +649,3 @@ def _safe(fn: Callable, *args) -> None:
         fn(*args)
     except Exception:  # noqa: BLE001 - metrics must never break serving
         logger.exception("stat logger failed")
-
-
-def _abort_output(last: RequestOutput | None, eng: LLMEngine, req) -> RequestOutput:
-    """The final output of a request aborted while someone may still be reading: what it
-    had shown so far, with finish_reason "abort" on the samples that were still running."""
-    if last is None:
-        last = eng.make_output(req)
-    outputs = [CompletionOutput(
-        index=o.index, text=o.text, token_ids=list(o.token_ids),
-        cumulative_logprob=o.cumulative_logprob,
-        logprobs=list(o.logprobs) if o.logprobs is not None else None,
-        finish_reason=o.finish_reason or "abort", stop_reason=o.stop_reason)
-        for o in last.outputs]
-    return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, outputs, True,
-                         last.prompt_logprobs, last.metrics, last.num_cached_tokens,
-                         dict(last.extra))

@@ -47,11 +47,14 @@ def make_tiny_chat_model(dest: str | Path, tokenizer_dir: str | Path | None = No
 class ServerThread:
     """A real minivllm server (AsyncLLMEngine + FastAPI app + uvicorn) on 127.0.0.1 on a
     free port, served from a background thread. Use as a context manager, or start()
-    and stop(). `engine_kwargs` go to EngineConfig; `app_kwargs` to build_app."""
+    and stop(). `engine_kwargs` go to EngineConfig; `app_kwargs` to build_app;
+    engine_process=True runs the engine in a process of its own, as `minivllm serve`."""
 
     def __init__(self, engine_kwargs: dict, *, max_waiting_requests: int | None = None,
-                 log_level: str = "warning", **app_kwargs) -> None:
+                 log_level: str = "warning", engine_process: bool = False,
+                 **app_kwargs) -> None:
         self.engine_kwargs = engine_kwargs
+        self.engine_process = engine_process
         self.max_waiting_requests = max_waiting_requests
         self.app_kwargs = app_kwargs
         self.log_level = log_level
@@ -68,7 +71,8 @@ class ServerThread:
         from .api_server import build_app, make_server
 
         self.engine = AsyncLLMEngine(EngineConfig(**self.engine_kwargs),
-                                     max_waiting_requests=self.max_waiting_requests)
+                                     max_waiting_requests=self.max_waiting_requests,
+                                     engine_process=self.engine_process)
         self.app = build_app(self.engine, **self.app_kwargs)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -1,0 +1,118 @@
+"""The engine in a process of its own (AsyncLLMEngine(engine_process=True), `minivllm serve`'s
+default): outputs rebuilt from deltas equal the in-thread engine's, functions cross only
+when picklable, and a dead engine process fails its requests instead of hanging them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from minivllm.config import EngineConfig
+from minivllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
+from minivllm.engine.engine_core import engine_idle
+from minivllm.sampling_params import SamplingParams
+from minivllm.server.testing import ServerThread, make_tiny_chat_model
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-process"))
+
+
+def _config(model_dir) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), max_model_len=512, max_num_seqs=16,
+                        num_kv_blocks=512)
+
+
+# Requests whose outputs exercise every field the delta encoding carries: logprobs, prompt
+# logprobs (over chunked-free prefill), n > 1, stop strings that cut text, seeds.
+REQUESTS = [
+    ("Once upon a time", SamplingParams(temperature=0.0, max_tokens=20, logprobs=2,
+                                        prompt_logprobs=1)),
+    ("The list: 1, 2, 3,", SamplingParams(temperature=0.8, seed=7, n=3, max_tokens=16)),
+    ("Say hello", SamplingParams(temperature=0.0, max_tokens=24, stop=[" the", "."],
+                                 include_stop_str_in_output=False)),
+    ([1, 5, 9, 200, 3000], SamplingParams(temperature=1.0, seed=3, max_tokens=12,
+                                          logprobs=0, ignore_eos=True)),
+]
+
+
+async def _collect(engine: AsyncLLMEngine) -> list:
+    async def one(i, prompt, params):
+        outs = []
+        kw = {"prompt_token_ids": prompt} if isinstance(prompt, list) else {}
+        async for out in engine.generate(None if kw else prompt, params, f"r{i}", **kw):
+            outs.append(out)
+        return outs
+    return await asyncio.gather(*(one(i, p, sp) for i, (p, sp) in enumerate(REQUESTS)))
+
+
+def _view(out):
+    return (out.request_id, out.prompt, out.prompt_token_ids, out.finished,
+            out.prompt_logprobs, out.num_cached_tokens,
+            [(o.index, o.text, o.token_ids, o.cumulative_logprob, o.logprobs, o.finish_reason,
+              o.stop_reason) for o in out.outputs])
+
+
+def test_process_outputs_equal_thread_outputs(chat_dir):
+    finals = {}
+    for process in (False, True):
+        engine = AsyncLLMEngine(_config(chat_dir), engine_process=process)
+        try:
+            streams = asyncio.run(_collect(engine))
+            assert engine.submit(engine_idle).result(10)
+            if process:
+                assert engine.engine is None and engine._process.is_alive()
+                with pytest.raises(TypeError, match="picklable"):
+                    engine.submit(lambda e: 1)
+            assert engine.tokenizer is not None and engine.max_model_len == 512
+        finally:
+            engine.stop()
+        if process:
+            assert not engine._process.is_alive()
+        # Every intermediate output is cumulative and grows; the final ones are compared.
+        for outs in streams:
+            for a, b in zip(outs, outs[1:]):
+                for x, y in zip(a.outputs, b.outputs):
+                    assert y.text.startswith(x.text)
+                    assert y.token_ids[:len(x.token_ids)] == x.token_ids
+        finals[process] = [_view(outs[-1]) for outs in streams]
+    assert finals[True] == finals[False]
+    assert finals[True][0][4] is not None and len(finals[True][1][6]) == 3
+
+
+def test_engine_process_start_error_is_raised(tmp_path):
+    with pytest.raises(Exception, match="missing|not found|No such|does not exist"):
+        AsyncLLMEngine(EngineConfig(model=str(tmp_path / "missing")), engine_process=True)
+
+
+def test_killed_engine_process_fails_requests_and_health(chat_dir):
+    with ServerThread(dict(model=str(chat_dir), max_model_len=1024, num_kv_blocks=512),
+                      served_model_names=["tiny"], engine_process=True) as s:
+        with httpx.Client(base_url=s.url, timeout=30) as h:
+            assert h.get("/health").status_code == 200
+            body = {"model": "tiny", "prompt": "never ending", "max_tokens": 1000,
+                    "ignore_eos": True, "stream": True, "temperature": 0.0}
+            lines = []
+            with h.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line[6:])
+                        if len(lines) == 1:
+                            os.kill(s.engine._process.pid, signal.SIGKILL)
+            assert lines[-1] == "[DONE]" and '"error"' in lines[-2]
+            deadline = time.monotonic() + 10
+            while h.get("/health").status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert h.get("/health").status_code == 503
+            r = h.post("/v1/completions", json={"model": "tiny", "prompt": "hi",
+                                                "max_tokens": 2})
+            assert r.status_code >= 500 and "error" in r.json()
+        with pytest.raises(EngineDeadError):
+            s.engine.submit(engine_idle)
