@@ -221,15 +221,27 @@ def section_w2(ctx):
     n_out = 16 if ctx.smoke else 256
     prompt = random_prompts(1, 128, 128, 10000, seed=4)[0]
     rows = []
-    variants = (("minivllm (compile + CUDA graphs)", {}, "1", "1"),
-                ("minivllm (CUDA graphs, no compile)", {}, "0", "1"),
-                ("minivllm (CUDA graphs, no compile, not pipelined)", {}, "0", "0"),
-                ("minivllm eager", {"enforce_eager": True}, "0", "1"))
-    if os.environ.get("GPU_CHECK_SKIP_COMPILE"):
-        variants = variants[1:]
-    for label, kw, compile_flag, pipeline_flag in variants:
-        os.environ["MINIVLLM_COMPILE"] = compile_flag
-        os.environ["MINIVLLM_PIPELINE"] = pipeline_flag
+    # name: (label, engine kwargs, environment)
+    all_variants = {
+        "compile": ("minivllm (compile + CUDA graphs)", {}, {"MINIVLLM_COMPILE": "1"}),
+        "graphs": ("minivllm (CUDA graphs, no compile)", {}, {}),
+        "graphs-mlp": ("minivllm (CUDA graphs, small-batch Triton down projection)", {},
+                       {"MINIVLLM_SMALL_M_GEMV": "mlp"}),
+        "graphs-all": ("minivllm (CUDA graphs, small-batch Triton projections)", {},
+                       {"MINIVLLM_SMALL_M_GEMV": "all"}),
+        "not-pipelined": ("minivllm (CUDA graphs, no compile, not pipelined)", {},
+                          {"MINIVLLM_PIPELINE": "0"}),
+        "eager": ("minivllm eager", {"enforce_eager": True}, {}),
+    }
+    names = os.environ.get("GPU_CHECK_W2_VARIANTS", "compile,graphs,not-pipelined,eager")
+    names = names.split(",")
+    if os.environ.get("GPU_CHECK_SKIP_COMPILE") and "compile" in names:
+        names.remove("compile")
+    flags = {"MINIVLLM_COMPILE": "0", "MINIVLLM_PIPELINE": "1", "MINIVLLM_SMALL_M_GEMV": "0"}
+    for name in names:
+        label, kw, env = all_variants[name]
+        for flag, default in flags.items():
+            os.environ[flag] = env.get(flag, default)
         llm = make_llm(ctx, name, "bfloat16", max_num_seqs=8, num_kv_blocks=1024, **kw)
         params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
         llm.generate([prompt], params, use_tqdm=False)  # warm-up
@@ -248,12 +260,13 @@ def section_w2(ctx):
         timeline = _device_timeline(llm, prompt, params) if main and not ctx.smoke else None
         rows.append({"engine": label, "seconds": total, "tok_per_s": n_out / total,
                      "ms_per_token": 1000 * (total - ttft) / (n_out - 1),
-                     "ttft_ms": 1000 * ttft, "device_timeline": timeline,
+                     "ttft_ms": 1000 * ttft, "env": env, "device_timeline": timeline,
                      "host_profile": host})
         log(f"W2 {label}: {n_out / total:.0f} tok/s, {rows[-1]['ms_per_token']:.3f} ms/token")
         del llm
         free_memory()
-    os.environ.pop("MINIVLLM_PIPELINE", None)
+    for flag in flags:
+        os.environ.pop(flag, None)
     ctx.save("w2", {"workload": {"prompt": 128, "output": n_out, "batch": 1,
                                  "model": name, "dtype": "bfloat16"}, "rows": rows})
 
@@ -403,8 +416,6 @@ def section_w1(ctx):
 def section_hf(ctx):
     """Peers: HF generate (eager; static cache + torch.compile) on W2; generate_batch on
     a slice of W1 (the full W1 takes minutes at HF's speed)."""
-    from transformers import GenerationConfig
-
     name = "qwen2.5-0.5b-instruct"
     n_out = 16 if ctx.smoke else 256
     prompt = random_prompts(1, 128, 128, 10000, seed=4)[0]
@@ -434,7 +445,10 @@ def section_hf(ctx):
         except Exception as e:
             rows.append({"engine": "HF generate eager", "error": repr(e)})
         ctx.save("hf", {"model": name, "dtype": "bfloat16", "rows": rows})
-    if not ctx.smoke and "static" in peers:
+    if "batch" in peers:
+        _hf_generate_batch(ctx, model, rows)
+        ctx.save("hf", {"model": name, "dtype": "bfloat16", "rows": rows})
+    if not ctx.smoke and "static" in peers:  # last: compiling takes the longest
         try:
             model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
             timed_generate("HF generate static cache + compile", cache_implementation="static")
@@ -442,9 +456,11 @@ def section_hf(ctx):
             rows.append({"engine": "HF generate static cache + compile", "error": repr(e)})
             log("HF static+compile failed:", repr(e)[:300])
         ctx.save("hf", {"model": name, "dtype": "bfloat16", "rows": rows})
-        model = hf_model(ctx, name, torch.bfloat16)  # uncompiled again for generate_batch
-    if "batch" not in peers:
-        return
+
+
+def _hf_generate_batch(ctx, model, rows):
+    from transformers import GenerationConfig
+
     try:
         # HF's generate_batch runs ~1k tok/s: the full W1 (~145k output tokens) would take
         # minutes, so it gets W1's first 64 prompts with max_new_tokens=128 for all.
@@ -468,7 +484,6 @@ def section_hf(ctx):
     except Exception as e:
         rows.append({"engine": "HF generate_batch", "error": repr(e)})
         log("HF generate_batch failed:", traceback.format_exc()[-1500:])
-    ctx.save("hf", {"model": name, "dtype": "bfloat16", "rows": rows})
 
 
 def section_profile(ctx):
@@ -512,6 +527,35 @@ def section_profile(ctx):
         free_memory()
     ctx.save("profile", {"model": name, "dtype": "bfloat16", "rows": rows,
                          "note": "eager decode steps, enforce_eager=True, context ~512"})
+
+
+def section_small_m(ctx):
+    """bf16 greedy tokens with the small-batch projection kernel (MINIVLLM_SMALL_M_GEMV)
+    against cuBLAS, and CUDA-graph decode against eager decode with the kernel on (both
+    take it for steps of <= 8 tokens, so they must agree exactly)."""
+    name = "qwen2.5-0.5b-instruct"
+    prompts = random_prompts(3 if ctx.smoke else 8, 8, 12 if ctx.smoke else 200, 10000,
+                             seed=11)
+    n_new = 4 if ctx.smoke else 48
+    runs = {}
+    for label, mode, kw in (("cublas graphs", "0", {}), ("mlp graphs", "mlp", {}),
+                            ("all graphs", "all", {}), ("all eager", "all",
+                                                         {"enforce_eager": True})):
+        os.environ["MINIVLLM_SMALL_M_GEMV"] = mode
+        llm = make_llm(ctx, name, "bfloat16", max_num_seqs=8, num_kv_blocks=1024, **kw)
+        runs[label] = {"mode": llm.engine.runner.small_m_mode,
+                       "tokens": mini_greedy(llm, prompts, n_new)}
+        del llm
+        free_memory()
+    os.environ.pop("MINIVLLM_SMALL_M_GEMV", None)
+    rows = [{"compare": f"{a} vs {b}", "modes": [runs[a]["mode"], runs[b]["mode"]],
+             **compare(runs[a]["tokens"], runs[b]["tokens"])}
+            for a, b in (("mlp graphs", "cublas graphs"), ("all graphs", "cublas graphs"),
+                         ("all graphs", "all eager"))]
+    for r in rows:
+        log(f"small-m {r['compare']}: {r['identical']}/{r['total']} identical; "
+            f"{r['first_divergence']}")
+    ctx.save("small_m", {"dtype": "bfloat16", "new_tokens": n_new, "rows": rows})
 
 
 # Engine configurations probed one per process (a CUDA fault in one cannot hide the
@@ -571,7 +615,7 @@ def section_features_compare(ctx):
 SECTIONS = {"parity": section_parity, "graphs": section_graphs, "bf16": section_bf16,
             "w2": section_w2, "sweep": section_sweep, "w1": section_w1, "hf": section_hf,
             "feature": section_feature, "features_compare": section_features_compare,
-            "profile": section_profile}
+            "profile": section_profile, "small_m": section_small_m}
 
 
 def main():

@@ -350,6 +350,7 @@ _FUSED_EXPORTS = (
     "rms_norm_heads",
     "rotary_embedding",
     "silu_and_mul",
+    "small_m_linear",
 )
 __all__ += list(_FUSED_EXPORTS)
 

@@ -86,6 +86,19 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+# Steps of at most this many tokens may use csrc_triton.small_m_linear for projections
+# (`small_m` below: "" off, "mlp" the down projection with SwiGLU fused in, "all" every
+# projection of a decoder layer). Decided once per engine (config.small_m_gemv_mode).
+SMALL_M_MAX = 8
+
+
+def project(layer: nn.Linear, x: torch.Tensor, small_m: bool) -> torch.Tensor:
+    """layer(x), through the small-batch Triton kernel when asked and x has few rows."""
+    if small_m and x.shape[0] <= SMALL_M_MAX:
+        return csrc_triton.small_m_linear(x, layer.weight, layer.bias)
+    return layer(x)
+
+
 class GatedMLP(nn.Module):
     """SwiGLU MLP with the gate and up projections fused into one matmul."""
 
@@ -94,9 +107,13 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.fused_ops = fused_ops
+        self.small_m = ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        gate_up = project(self.gate_up_proj, x, self.small_m == "all")
+        if self.small_m and x.shape[0] <= SMALL_M_MAX:
+            return csrc_triton.small_m_linear(gate_up, self.down_proj.weight,
+                                              silu_mul_input=True)
         if self.fused_ops:
             return self.down_proj(csrc_triton.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)

@@ -19,7 +19,7 @@ import csrc_triton
 
 from ..config import ModelConfig
 from .attention import AttentionMetadata, PagedAttention
-from .layers import GatedMLP, RMSNorm, RotaryEmbedding
+from .layers import GatedMLP, RMSNorm, RotaryEmbedding, project
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -44,10 +44,12 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.rotary = rotary
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, backend)
+        self.small_m = ""  # see layers.SMALL_M_MAX
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        small = self.small_m == "all"
+        qkv = project(self.qkv_proj, x, small)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -66,7 +68,7 @@ class DecoderAttention(nn.Module):
                 k = self.k_norm(k)
             q, k = self.rotary(positions, q, k)
             out = self.attn(q, k, v, kv_cache, meta)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return project(self.o_proj, out.reshape(-1, self.q_size), small)
 
 
 def add_and_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,

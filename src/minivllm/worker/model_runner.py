@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import (EngineConfig, ModelConfig, compile_enabled, cuda_graphs_enabled,
-                      fused_ops_enabled)
+                      fused_ops_enabled, small_m_gemv_mode)
 from ..engine.scheduler import ScheduledBatch
 from ..engine.sequence import Sequence
 from ..model.attention import AttentionMetadata
@@ -118,6 +118,10 @@ class ModelRunner:
             for module in self.model.modules():
                 if hasattr(module, "fused_ops"):
                     module.fused_ops = False
+        self.small_m_mode = self._choose_small_m_mode(attention_backend)
+        for module in self.model.modules():
+            if hasattr(module, "small_m"):
+                module.small_m = self.small_m_mode
         self.num_blocks = self._decide_num_blocks()
         self.kv_cache = KVCache(model_cfg, self.num_blocks, self.block_size, dtype, device)
         self.sampler = Sampler(model_cfg.vocab_size, device, engine_cfg.seed)
@@ -149,6 +153,25 @@ class ModelRunner:
                 max_seqs=cfg.max_num_seqs, max_blocks=cfg.max_blocks_per_seq(),
                 max_model_len=cfg.max_model_len, device=self.device, use_graphs=True)
             self.mixed_runner.capture()
+
+    def _choose_small_m_mode(self, attention_backend: str) -> str:
+        """The small-batch projection kernel: only where asked (MINIVLLM_SMALL_M_GEMV), on
+        a GPU, in 16-bit dtypes (fp32 keeps cuBLAS, the bit-for-bit parity reference) and
+        after a self-check."""
+        mode = small_m_gemv_mode()
+        if not mode:
+            return ""
+        if (self.device.type != "cuda" or self.dtype == torch.float32
+                or attention_backend != "triton"):
+            logger.info("MINIVLLM_SMALL_M_GEMV=%s ignored: it needs a GPU, a 16-bit dtype and "
+                        "the Triton backend.", mode)
+            return ""
+        if not small_m_linear_works(self.device, self.dtype):
+            logger.warning("The small-batch projection kernel failed its self-check; "
+                           "using cuBLAS for every projection.")
+            return ""
+        logger.info("Small-batch projections (<= 8 tokens) use the Triton kernel: %s.", mode)
+        return mode
 
     def _init_async_buffers(self) -> None:
         n = self.graph_runner.max_batch if self.graph_runner is not None else 1
@@ -352,6 +375,31 @@ class ModelRunner:
                        in zip(tok_lp[:, 0].tolist(), ranks, top_ids, top_vals)]
             chunks.append(PromptLogprobChunk(seq, first_pos, entries))
         return chunks
+
+
+def small_m_linear_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """csrc_triton.small_m_linear against F.linear (with and without the SwiGLU input)."""
+    import csrc_triton
+
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        tol = dict(rtol=3e-2, atol=3e-2)
+        for m in (1, 3, 8):
+            x = torch.randn(m, 96, device=device, generator=g).to(dtype)
+            w = (torch.randn(40, 96, device=device, generator=g) * 0.1).to(dtype)
+            b = torch.randn(40, device=device, generator=g).to(dtype)
+            torch.testing.assert_close(csrc_triton.small_m_linear(x, w, b),
+                                       torch.nn.functional.linear(x, w, b), **tol)
+            gu = torch.randn(m, 192, device=device, generator=g).to(dtype)
+            act = torch.nn.functional.silu(gu[:, :96]) * gu[:, 96:]
+            torch.testing.assert_close(csrc_triton.small_m_linear(gu, w, silu_mul_input=True),
+                                       torch.nn.functional.linear(act, w), **tol)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return True
+    except Exception:  # noqa: BLE001 - any failure means: don't use it
+        logger.exception("small_m_linear self-check failed")
+        return False
 
 
 def fused_ops_work(device: torch.device, dtype: torch.dtype) -> bool:
