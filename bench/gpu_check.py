@@ -352,11 +352,32 @@ def section_sweep(ctx):
         rows.append({"batch": b, "context": ctx_len, "ms_per_step": ms, "hbm_floor_ms": floor_ms,
                      "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
                      "floor_fraction": floor_ms / ms})
+        if b == 1 and torch.cuda.is_available():
+            rows[-1]["kernels"] = _replay_kernels(gr, args)
         log(f"sweep batch {b}: {ms:.3f} ms/step (floor {floor_ms:.3f} ms)")
     ctx.save("sweep", {"model": name, "dtype": "bfloat16", "rows": rows,
                        "note": "graph replay incl. host input staging, logits and argmax"})
     del llm
     free_memory()
+
+
+def _replay_kernels(gr, args, steps=20):
+    """Device time per kernel name over `steps` graph replays (what a step is made of)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            gr.run(*args)
+        sync()
+    per = {}
+    for e in prof.events():
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            t = per.setdefault(e.name[:80], [0.0, 0])
+            t[0] += e.time_range.end - e.time_range.start
+            t[1] += 1
+    top = sorted(per.items(), key=lambda kv: kv[1][0], reverse=True)[:15]
+    return [{"name": k, "us_per_step": v[0] / steps, "calls_per_step": v[1] / steps}
+            for k, v in top]
 
 
 def w1_requests(smoke):
