@@ -260,7 +260,9 @@ def section_w2(ctx):
         timeline = _device_timeline(llm, prompt, params) if main and not ctx.smoke else None
         rows.append({"engine": label, "seconds": total, "tok_per_s": n_out / total,
                      "ms_per_token": 1000 * (total - ttft) / (n_out - 1),
-                     "ttft_ms": 1000 * ttft, "env": env, "device_timeline": timeline,
+                     "ttft_ms": 1000 * ttft, "env": env,
+                     "small_m_mode": getattr(llm.engine.runner, "small_m_mode", ""),
+                     "device_timeline": timeline,
                      "host_profile": host})
         log(f"W2 {label}: {n_out / total:.0f} tok/s, {rows[-1]['ms_per_token']:.3f} ms/token")
         del llm
