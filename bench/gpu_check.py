@@ -58,6 +58,10 @@ class Ctx:
         self.tmp.mkdir(parents=True, exist_ok=True)
 
     def model_config_path(self, name: str) -> Path:
+        if not (MODELS_DIR / f"{name}.json").exists():
+            # Checked in smoke runs too: they stand in a tiny model for a real config, and
+            # must not hide a wrong name (a W2 run on the H200 was lost to one).
+            raise ValueError(f"no model config {name!r} under {MODELS_DIR}")
         if self.smoke:
             p = self.tmp / f"smoke-{name}.json"
             cfg = dict(SMOKE_CONFIG)
@@ -233,13 +237,13 @@ def section_w2(ctx):
                           {"MINIVLLM_PIPELINE": "0"}),
         "eager": ("minivllm eager", {"enforce_eager": True}, {}),
     }
-    names = os.environ.get("GPU_CHECK_W2_VARIANTS", "compile,graphs,not-pipelined,eager")
-    names = names.split(",")
-    if os.environ.get("GPU_CHECK_SKIP_COMPILE") and "compile" in names:
-        names.remove("compile")
+    variants = os.environ.get("GPU_CHECK_W2_VARIANTS", "compile,graphs,not-pipelined,eager")
+    variants = variants.split(",")
+    if os.environ.get("GPU_CHECK_SKIP_COMPILE") and "compile" in variants:
+        variants.remove("compile")
     flags = {"MINIVLLM_COMPILE": "0", "MINIVLLM_PIPELINE": "1", "MINIVLLM_SMALL_M_GEMV": "0"}
-    for name in names:
-        label, kw, env = all_variants[name]
+    for variant in variants:
+        label, kw, env = all_variants[variant]
         for flag, default in flags.items():
             os.environ[flag] = env.get(flag, default)
         llm = make_llm(ctx, name, "bfloat16", max_num_seqs=8, num_kv_blocks=1024, **kw)
