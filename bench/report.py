@@ -72,6 +72,15 @@ class Results:
         return max(found, key=lambda r: (bool(r.env.get("gpu")), r.date, str(r.path))) \
             if found else None
 
+    def newest_with_peers(self, section: str, has_peer) -> Result | None:
+        """The newest `section` result whose run folder also holds its peers (has_peer(hf
+        result) is true); else the newest. Ratios only compare results of one run."""
+        found = [r for r in self.sections.get(section) or []
+                 if (hf := self.in_run("hf", r.run)) is not None and has_peer(hf)]
+        if not found:
+            return self.newest(section)
+        return max(found, key=lambda r: (bool(r.env.get("gpu")), r.date, str(r.path)))
+
     def in_run(self, section: str, run: Path) -> Result | None:
         return next((r for r in self.sections.get(section, []) if r.run == run), None)
 
@@ -297,7 +306,9 @@ class Report:
 
     def w2(self) -> None:
         self.h(2, "W2: single-stream latency (batch 1, 128-token prompt, 256 output tokens)")
-        r = self.res.newest("w2")
+        r = self.res.newest_with_peers("w2", lambda hf: any(
+            "generate_batch" not in x.get("engine", "") for x in hf.data.get("rows", [])))
+        self._newer_note("w2", r, "tok_per_s")
         if r is None:
             why = ("The run failed: " + error_summary(self.res.errors["w2"], self.base)
                    if self.res.errors.get("w2") else "")
@@ -337,7 +348,10 @@ class Report:
     def w1(self) -> None:
         self.h(2, "W1: offline throughput (256 requests, prompt and output lengths uniform in "
                   "[100, 1024])")
-        r = self.res.newest("w1")
+        r = self.res.newest_with_peers("w1", lambda hf: any(
+            "generate_batch" in x.get("engine", "") and "error" not in x
+            for x in hf.data.get("rows", [])))
+        self._newer_note("w1", r, "output_tok_per_s")
         hf_any = self.res.newest("hf")
         if r is None:
             why = ("The run failed: " + error_summary(self.res.errors["w1"], self.base)
@@ -380,6 +394,16 @@ class Report:
             self.p(f"\nHF only: {provenance(hf.env, model_of(hf), self.src(hf))}")
         self.p("\nThe HF generate_batch row runs a slice of W1 (its `workload` column): at HF's "
                "speed the full W1 takes minutes; its ratio compares output tokens/s.")
+
+    def _newer_note(self, section: str, shown: Result | None, key: str) -> None:
+        """Say so when a newer run of `section` exists than the one shown with its peers."""
+        newest = self.res.newest(section)
+        if shown is None or newest is None or newest.path == shown.path:
+            return
+        best = max((x.get(key) or 0 for x in newest.data.get("rows", [])), default=0)
+        self.p(f"Shown: the newest run with its HF peers (`{rel(shown.run, self.base)}`). A "
+               f"newer run without peers (`{rel(newest.run, self.base)}`, commit "
+               f"{newest.env.get('git_commit', '?')}) measured {fmt(best)} at best.\n")
 
     # -- decode sweep --
 
@@ -589,6 +613,11 @@ class Report:
                               "the run lacks one of the two")
         if env.get("gpu") and "W3" not in self.headline:
             self.headline["W3"] = head
+        elif env.get("gpu") and not self.headline["W3"]["peers"] and head["peers"]:
+            # The newest run had no HF peers: take them (with that run's own minivllm
+            # numbers, so each ratio stays within one run) from the newest run that has.
+            self.headline["W3"]["peers"] = head["peers"]
+            self.headline["W3"]["peers_commit"] = env.get("git_commit", "?")
 
     def w3_ramp(self, rs: list[Result], targets: list) -> None:
         ramp = next((r.data["ramp"] for r in rs if r.data.get("ramp")), None)
@@ -664,6 +693,9 @@ class Report:
                     continue
                 at, pv, sv = w3["peers"][peer]
                 where = "" if at == c else f" (at c={at}, where both were measured)"
+                if w3.get("peers_commit"):
+                    where += (f" (ratio to that run's server, commit {w3['peers_commit']}: "
+                              f"{fmt(sv)} tok/s)")
                 rows.append([name, title + where, fmt(pv), ratio(sv, pv)])
         rows.append(["W3", "vLLM", NOT_MEASURED + " (cannot be installed on our H200)", "-"])
         lines = [table(["workload", "engine", "value", "minivllm ÷ engine"], rows)]

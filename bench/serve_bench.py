@@ -293,9 +293,9 @@ def percentile(values: list[float], q: float) -> float | None:
     return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
-async def run_level(t: Target, prompts: list, concurrency: int, num_requests: int,
-                    output_tokens: int, timeout: float, headers: dict) -> dict:
-    url = t.base_url + "/completions"
+async def _run_requests(url: str, bodies: list[dict], concurrency: int, timeout: float,
+                        headers: dict) -> list[dict]:
+    """`concurrency` closed-loop workers sending `bodies` in order (one asyncio loop)."""
     limits = httpx.Limits(max_connections=concurrency + 4,
                           max_keepalive_connections=concurrency + 4)
     results: list[dict] = []
@@ -303,17 +303,58 @@ async def run_level(t: Target, prompts: list, concurrency: int, num_requests: in
 
     async def worker(client: httpx.AsyncClient) -> None:
         nonlocal next_index
-        while next_index < num_requests:
+        while next_index < len(bodies):
             i = next_index
             next_index += 1
-            body = request_body(t, prompts[i % len(prompts)], output_tokens)
-            results.append(await one_request(client, url, body))
+            results.append(await one_request(client, url, bodies[i]))
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits,
                                  headers=headers) as client:
-        start = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    return results
+
+
+def _client_process(url: str, bodies: list[dict], concurrency: int, timeout: float,
+                    headers: dict, start_at: float) -> tuple[list[dict], float, float]:
+    """One client process of a level: waits for the common start time (time.monotonic is
+    system-wide on Linux), runs its share, returns (results, end time, CPU seconds)."""
+    time.sleep(max(0.0, start_at - time.monotonic()))
+    cpu0 = time.process_time()
+    results = asyncio.run(_run_requests(url, bodies, concurrency, timeout, headers))
+    return results, time.monotonic(), time.process_time() - cpu0
+
+
+async def run_level(t: Target, prompts: list, concurrency: int, num_requests: int,
+                    output_tokens: int, timeout: float, headers: dict,
+                    client_procs: int = 1) -> dict:
+    """One closed-loop level. client_procs > 1 spreads the streams over that many client
+    processes (request i goes to process i mod P), so that parsing thousands of SSE chunks
+    a second in Python does not make the client the bottleneck of a fast server."""
+    url = t.base_url + "/completions"
+    bodies = [request_body(t, prompts[i % len(prompts)], output_tokens)
+              for i in range(num_requests)]
+    procs = max(1, min(client_procs, concurrency, num_requests))
+    client_cpu = None
+    if procs == 1:
+        start = time.perf_counter()
+        results = await _run_requests(url, bodies, concurrency, timeout, headers)
         wall = time.perf_counter() - start
+    else:
+        import concurrent.futures
+        import multiprocessing
+
+        shares = [bodies[k::procs] for k in range(procs)]
+        conc = [concurrency // procs + (k < concurrency % procs) for k in range(procs)]
+        start_at = time.monotonic() + 3.0  # after every process has started and imported
+        loop = asyncio.get_running_loop()
+        with concurrent.futures.ProcessPoolExecutor(
+                procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            done = await asyncio.gather(*(loop.run_in_executor(
+                pool, _client_process, url, shares[k], conc[k], timeout, headers, start_at)
+                for k in range(procs)))
+        results = [r for rs, _, _ in done for r in rs]
+        wall = max(end for _, end, _ in done) - start_at
+        client_cpu = sum(cpu for _, _, cpu in done)
 
     ok = [r for r in results if r["ok"]]
     out_tokens = 0
@@ -329,7 +370,7 @@ async def run_level(t: Target, prompts: list, concurrency: int, num_requests: in
     itls = [x for r in ok for x in r["itls"]]
     ms = lambda x: None if x is None else round(1000 * x, 2)  # noqa: E731
     errors = sorted({r["error"] for r in results if not r["ok"]})
-    return {
+    level = {
         "concurrency": concurrency, "num_requests": num_requests, "completed": len(ok),
         "failures": len(results) - len(ok), "errors": errors[:5],
         "duration_s": round(wall, 3),
@@ -342,7 +383,11 @@ async def run_level(t: Target, prompts: list, concurrency: int, num_requests: in
         "latency_s_p50": (round(percentile([r["latency"] for r in ok], 50), 3)
                           if ok else None),
         "tokens_per_event": round(out_tokens / max(1, sum(r["events"] for r in ok)), 2),
+        "client_procs": procs,
     }
+    if client_cpu is not None:
+        level["client_cpu_s"] = round(client_cpu, 3)
+    return level
 
 
 # ---- GPU memory ------------------------------------------------------------------------------
@@ -427,6 +472,10 @@ def environment() -> dict:
 
 
 def git_commit() -> str:
+    # The GPU machine's .git is not ours: its scripts export MINIVLLM_GIT_COMMIT (from
+    # bench/.commit), which wins (a W3 run there recorded a wrong "bd1c6fb-dirty").
+    if os.environ.get("MINIVLLM_GIT_COMMIT"):
+        return os.environ["MINIVLLM_GIT_COMMIT"]
     try:
         commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=BENCH_DIR,
                                          text=True, stderr=subprocess.DEVNULL).strip()
@@ -434,7 +483,7 @@ def git_commit() -> str:
                                stderr=subprocess.DEVNULL).returncode != 0
         return commit + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("MINIVLLM_GIT_COMMIT", "unknown")
+        return "unknown"
 
 
 # ---- main --------------------------------------------------------------------------------------
@@ -490,6 +539,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=2, help="Warm-up requests per target.")
     p.add_argument("--timeout", type=float, default=1800, help="Per-request timeout (s).")
+    p.add_argument("--client-procs", type=int, default=1,
+                   help="Client processes per level (streams spread over them): more than "
+                        "one keeps a single Python client from being the bottleneck.")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/serve_*.json).")
     p.add_argument("--markdown", default=None,
                    help="Markdown table path (default: the JSON path with .md).")
@@ -522,7 +574,7 @@ async def bench_target(t: Target, args, prompts_for, headers) -> list[dict]:
     for c, n, prompts in zip(args.concurrency, level_sizes(args), level_prompts):
         with GpuMemorySampler() as gpu:
             level = await run_level(t, prompts, c, n, args.output_tokens, args.timeout,
-                                    headers)
+                                    headers, client_procs=args.client_procs)
         level["peak_gpu_mem_gib"] = gpu.peak_gib
         levels.append(level)
         print(f"[serve_bench] {t.label:16s} c={c:<4d} {level['output_tok_per_s']!s:>9} tok/s  "

@@ -59,6 +59,18 @@ def _view(out):
               o.stop_reason) for o in out.outputs])
 
 
+def _same(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-4 * max(1.0, abs(a))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if hasattr(a, "__dataclass_fields__") and type(a) is type(b):
+        return all(_same(getattr(a, f), getattr(b, f)) for f in a.__dataclass_fields__)
+    return a == b
+
+
 def test_process_outputs_equal_thread_outputs(chat_dir):
     finals = {}
     for process in (False, True):
@@ -82,7 +94,9 @@ def test_process_outputs_equal_thread_outputs(chat_dir):
                     assert y.text.startswith(x.text)
                     assert y.token_ids[:len(x.token_ids)] == x.token_ids
         finals[process] = [_view(outs[-1]) for outs in streams]
-    assert finals[True] == finals[False]
+    # Exact but for floats: requests reach the engine at times that differ between runs,
+    # so batches (and the CPU GEMMs' rounding) differ and logprobs move in the 7th digit.
+    assert _same(finals[True], finals[False])
     assert finals[True][0][4] is not None and len(finals[True][1][6]) == 3
 
 

@@ -217,8 +217,13 @@ class OutputEncoder:
         prompt = (out.prompt, out.prompt_token_ids) if first else None
         if out.finished:
             del self._sent[rid]
-        return (rid, prompt, plp is not None, new_plp, out.metrics, out.num_cached_tokens,
-                out.extra, out.finished, samples)
+        m = out.metrics
+        # Plain tuples and builtins only: pickling a dataclass goes through Python-level
+        # __reduce_ex__ and cost ~17 us per output (4 ms per step at batch 256).
+        metrics = None if m is None else (m.arrival_time, m.first_scheduled_time,
+                                           m.first_token_time, m.finished_time)
+        return (rid, prompt, plp is not None, new_plp, metrics, out.num_cached_tokens,
+                out.extra or None, out.finished, samples)
 
     def forget(self, rid: str) -> None:
         self._sent.pop(rid, None)
@@ -232,6 +237,7 @@ class OutputDecoder:
 
     def decode(self, msg: tuple) -> RequestOutput:
         (rid, prompt, has_plp, new_plp, metrics, num_cached, extra, finished, samples) = msg
+        metrics = RequestMetrics(*metrics) if metrics is not None else None
         state = self._state.get(rid)
         if state is None:
             state = self._state[rid] = {"prompt": None, "prompt_token_ids": [],
@@ -262,7 +268,7 @@ class OutputDecoder:
             del self._state[rid]
         plp = list(state["plp"]) if state["plp"] is not None else None
         return RequestOutput(rid, state["prompt"], state["prompt_token_ids"], outputs,
-                             finished, plp, metrics, num_cached, extra)
+                             finished, plp, metrics, num_cached, extra or {})
 
     def forget(self, rid: str) -> None:
         self._state.pop(rid, None)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -77,6 +78,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0}
+        freeze_startup_objects()
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -381,3 +383,13 @@ class LLMEngine:
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs,
                              req.finished, req.prompt_logprobs, metrics,
                              num_cached_tokens=req.seqs[0].num_cached_tokens or 0)
+
+
+def freeze_startup_objects() -> None:
+    """Move every object alive now (torch, transformers, the model's modules...) out of the
+    cyclic GC's reach. Otherwise the collections that a step's allocations trigger scan
+    them all: ~2 ms per step at batch 256 in a microbenchmark with torch loaded, against
+    ~0.15 ms frozen. (Frozen objects that later become cyclic garbage are never freed;
+    start-up objects live as long as the process anyway.)"""
+    gc.collect()
+    gc.freeze()

@@ -125,6 +125,8 @@ def run_server(args: argparse.Namespace) -> None:
                  f"orjson): {e}")
     except (ValueError, FileNotFoundError, OSError) as e:
         sys.exit(f"minivllm serve: {e}")
+    from ..engine.llm_engine import freeze_startup_objects
+    freeze_startup_objects()  # the server process's own objects (see the function)
     names = server.config.app.state.serving.served_model_names
     log.info("Serving %s (max_model_len %d) on http://%s:%d", names[0], engine.max_model_len,
              args.host, args.port)

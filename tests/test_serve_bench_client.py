@@ -1,0 +1,32 @@
+"""bench.serve_bench's client against a real minivllm server: one client process, and the
+streams spread over several (what keeps the client from being the bottleneck on a GPU)."""
+
+import asyncio
+
+import pytest
+
+from bench import serve_bench as sb
+from minivllm.server.testing import ServerThread, make_tiny_chat_model
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-bench"))
+    with ServerThread(dict(model=str(model), max_model_len=512, num_kv_blocks=512),
+                      served_model_names=["tiny"]) as s:
+        yield s
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_level_counts_every_request_and_token(server, procs):
+    t = sb.Target(label="minivllm", kind="minivllm", base_url=server.url + "/v1",
+                  model="tiny")
+    prompts = [f"prompt number {i}" for i in range(5)]
+    level = asyncio.run(sb.run_level(t, prompts, concurrency=4, num_requests=10,
+                                     output_tokens=6, timeout=60, headers={},
+                                     client_procs=procs))
+    assert level["completed"] == 10 and level["failures"] == 0, level["errors"]
+    assert level["output_tokens"] == 60  # usage counts, ignore_eos forces the length
+    assert level["client_procs"] == procs
+    assert level["duration_s"] > 0 and level["ttft_ms_p50"] > 0
+    assert ("client_cpu_s" in level) == (procs > 1)
