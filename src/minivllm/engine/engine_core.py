@@ -274,40 +274,31 @@ class OutputDecoder:
         self._state.pop(rid, None)
 
 
-def encode_events(events: list, encoder: OutputEncoder) -> list:
-    wire = []
+def _map_outputs(events: list, convert, forget) -> list:
+    """The events with every output converted (encoded or decoded); the codec forgets a
+    request once it was aborted or failed (a finished one it drops itself)."""
+    mapped = []
     for ev in events:
         kind = ev[0]
         if kind == "output":
-            wire.append(("output", encoder.encode(ev[1])))
+            mapped.append(("output", convert(ev[1])))
         elif kind == "aborted":
             rid, final, live = ev[1], ev[2], ev[3]
-            wire.append(("aborted", rid, encoder.encode(final) if final is not None else None,
-                         live))
-            encoder.forget(rid)
+            mapped.append(("aborted", rid, convert(final) if final is not None else None, live))
+            forget(rid)
         else:
             if kind == "failed":
-                encoder.forget(ev[1])
-            wire.append(ev)
-    return wire
+                forget(ev[1])
+            mapped.append(ev)
+    return mapped
+
+
+def encode_events(events: list, encoder: OutputEncoder) -> list:
+    return _map_outputs(events, encoder.encode, encoder.forget)
 
 
 def decode_events(wire: list, decoder: OutputDecoder) -> list:
-    events = []
-    for ev in wire:
-        kind = ev[0]
-        if kind == "output":
-            events.append(("output", decoder.decode(ev[1])))
-        elif kind == "aborted":
-            rid, final, live = ev[1], ev[2], ev[3]
-            events.append(("aborted", rid, decoder.decode(final) if final is not None else None,
-                           live))
-            decoder.forget(rid)
-        else:
-            if kind == "failed":
-                decoder.forget(ev[1])
-            events.append(ev)
-    return events
+    return _map_outputs(wire, decoder.decode, decoder.forget)
 
 
 # ---- the engine process ---------------------------------------------------------------

@@ -377,29 +377,39 @@ class ModelRunner:
         return chunks
 
 
+def _passes_self_check(what: str, device: torch.device, check) -> bool:
+    """Run check(generator) (assertions against PyTorch); any failure, compile errors
+    included, means: don't use the kernels it checks."""
+    try:
+        check(torch.Generator(device=device).manual_seed(0))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return True
+    except Exception:  # noqa: BLE001
+        logger.exception("%s self-check failed", what)
+        return False
+
+
 def small_m_linear_works(device: torch.device, dtype: torch.dtype) -> bool:
     """csrc_triton.small_m_linear against F.linear (with and without the SwiGLU input)."""
     import csrc_triton
 
-    try:
-        g = torch.Generator(device=device).manual_seed(0)
+    linear = torch.nn.functional.linear
+
+    def check(g):
         tol = dict(rtol=3e-2, atol=3e-2)
         for m in (1, 3, 8):
             x = torch.randn(m, 96, device=device, generator=g).to(dtype)
             w = (torch.randn(40, 96, device=device, generator=g) * 0.1).to(dtype)
             b = torch.randn(40, device=device, generator=g).to(dtype)
-            torch.testing.assert_close(csrc_triton.small_m_linear(x, w, b),
-                                       torch.nn.functional.linear(x, w, b), **tol)
+            torch.testing.assert_close(csrc_triton.small_m_linear(x, w, b), linear(x, w, b),
+                                       **tol)
             gu = torch.randn(m, 192, device=device, generator=g).to(dtype)
             act = torch.nn.functional.silu(gu[:, :96]) * gu[:, 96:]
             torch.testing.assert_close(csrc_triton.small_m_linear(gu, w, silu_mul_input=True),
-                                       torch.nn.functional.linear(act, w), **tol)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return True
-    except Exception:  # noqa: BLE001 - any failure means: don't use it
-        logger.exception("small_m_linear self-check failed")
-        return False
+                                       linear(act, w), **tol)
+
+    return _passes_self_check("small_m_linear", device, check)
 
 
 def fused_ops_work(device: torch.device, dtype: torch.dtype) -> bool:
@@ -410,8 +420,7 @@ def fused_ops_work(device: torch.device, dtype: torch.dtype) -> bool:
 
     from ..model.layers import RMSNorm, RotaryEmbedding
 
-    try:
-        g = torch.Generator(device=device).manual_seed(0)
+    def check(g):
         x = torch.randn(5, 64, device=device, generator=g).to(dtype)
         res = torch.randn(5, 64, device=device, generator=g).to(dtype)
         norm = RMSNorm(64, 1e-6).to(device=device, dtype=dtype)
@@ -433,11 +442,7 @@ def fused_ops_work(device: torch.device, dtype: torch.dtype) -> bool:
         q_ref, k_ref = rope(pos, q, k)
         torch.testing.assert_close(q2, q_ref, **tol)
         torch.testing.assert_close(k2, k_ref, **tol)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return True
-    except Exception:  # noqa: BLE001 - any failure means: don't use them
-        logger.exception("fused kernel self-check failed")
-        return False
+
+    return _passes_self_check("fused kernel", device, check)
 
 
