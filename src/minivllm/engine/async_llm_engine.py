@@ -50,7 +50,7 @@ from ..config import EngineConfig
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .engine_core import (EngineCore, EngineStepError, OutputDecoder, decode_events,
-                          engine_facts, run_engine_process)
+                          engine_facts, engine_process_main)
 from .llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -579,7 +579,7 @@ class AsyncLLMEngine:
         ctx = multiprocessing.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         level = logging.getLogger().getEffectiveLevel()
-        self._process = ctx.Process(target=run_engine_process, name="minivllm-engine",
+        self._process = ctx.Process(target=engine_process_main, name="minivllm-engine",
                                     args=(self._config_or_engine, child_conn, level),
                                     daemon=True)
         self._process.start()

@@ -374,6 +374,25 @@ def run_engine_process(config, conn, log_level: int = logging.INFO) -> None:
             pass
 
 
+def engine_process_main(config, conn, log_level: int = logging.INFO) -> None:
+    """The engine process's target: run_engine_process, then leave without the
+    interpreter's teardown (Triton's bindings print a wall of "leaked type" warnings from
+    it; nothing is left to clean up once the frontend has been told "stopped")."""
+    import os
+    import sys
+
+    code = 0
+    try:
+        run_engine_process(config, conn, log_level)
+    except BaseException:  # noqa: BLE001
+        code = 1
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def _unpickle_call(payload):
     import pickle
     try:
