@@ -335,7 +335,8 @@ def run_engine_process(config, conn, log_level: int = logging.INFO) -> None:
         core = EngineCore(LLMEngine(config))
         conn.send(("ready", {**engine_facts(core.engine), "snapshot": core.snapshot()}))
     except BaseException as e:  # noqa: BLE001 - reported to the frontend
-        logger.exception("The engine failed to start")
+        if not isinstance(e, (ValueError, OSError)):  # a bad flag or path needs no traceback
+            logger.exception("The engine failed to start")
         conn.send(("init_error", _picklable_error(e)))
         return
     encoder = OutputEncoder()
