@@ -3,7 +3,8 @@
 Sections (each writes its own JSON under --out-dir, so a partial run still reports):
   parity     fp32 greedy output vs HF transformers on dummy-weight models (Qwen2.5-0.5B,
              Qwen3-0.6B, Llama-3.2-1B configs), 8 prompts x 64 tokens
-  graphs     CUDA-graph decode vs eager decode, same dtype (fp32 and bf16)
+  graphs     CUDA-graph decode vs eager decode, same dtype (fp32 and bf16; no torch.compile
+             unless GPU_CHECK_GRAPHS_COMPILE=1)
   bf16       bf16 vs HF bf16: share of identical prompts, first divergence position
   w2         single-stream latency: batch 1, 128 prompt, 256 output tokens
   sweep      decode step ms at batch 1, 8, 64, 256, context 1024, against the HBM floor
@@ -195,7 +196,7 @@ def section_parity(ctx):
 def section_graphs(ctx):
     rows = []
     n_new = 8 if ctx.smoke else 64
-    os.environ["MINIVLLM_COMPILE"] = os.environ.get("GPU_CHECK_GRAPHS_COMPILE", "1")
+    os.environ["MINIVLLM_COMPILE"] = os.environ.get("GPU_CHECK_GRAPHS_COMPILE", "0")
     for dtype in ("float32", "bfloat16"):
         name = "qwen2.5-0.5b-instruct"
         prompts = random_prompts(20, 16, 300, 10000, seed=2)

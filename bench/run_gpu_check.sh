@@ -7,7 +7,7 @@
 #   features  each engine feature in its own process (eager, fused kernels, decode graphs,
 #           mixed-step graphs, pipelining, torch.compile), tokens compared with eager
 #   perf    W2, decode sweep, W1 (CUDA graphs, no torch.compile)
-#   graphs  CUDA-graph decode vs eager decode, with torch.compile
+#   graphs  CUDA-graph decode vs eager decode, fp32 and bf16 (GPU_CHECK_GRAPHS_COMPILE=1: compiled)
 #   parity  fp32 greedy vs HF transformers (three dummy-weight configs)
 #   bf16    bf16 vs HF bf16 divergence
 #   hf      HF peers: generate eager, generate_batch, static cache + compile

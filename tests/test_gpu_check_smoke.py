@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = "parity,bf16,w2,sweep,w1,small_m,profile,hf"
+SECTIONS = "parity,graphs,bf16,w2,sweep,w1,small_m,profile,hf"
 
 
 def test_every_section_runs_in_smoke_mode(tmp_path):
