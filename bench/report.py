@@ -487,7 +487,8 @@ class Report:
                              lv.get("ttft_ms_p50"), lv.get("ttft_ms_p99"), lv.get("itl_ms_p50"),
                              lv.get("itl_ms_p99"), lv.get("tpot_ms_mean"),
                              lv.get("tokens_per_event"), lv.get("peak_gpu_mem_gib"),
-                             lv.get("client_cpu_share"),
+                             lv.get("client_cpu_share"), lv.get("server_ttft_ms_mean", "-"),
+                             lv.get("server_running_mean", "-"),
                              "; ".join(lv.get("errors") or [])[:120] or "-"])
             if t.get("error"):
                 lines = [ln.strip() for ln in t["error"].splitlines() if ln.strip()]
@@ -497,14 +498,18 @@ class Report:
         self.p("")
         self.p(table(["engine", "c", "requests", "failures", "out tok/s", "TTFT p50 ms",
                       "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "TPOT ms", "tok/chunk",
-                      "peak GPU GiB", "client CPU", "errors"], rows))
+                      "peak GPU GiB", "client CPU", "server TTFT ms", "running",
+                      "errors"], rows))
         self.p("\nPeak GPU memory is the whole GPU's used memory (nvidia-ml-py) during the "
                "level; minivllm reserves its KV pool up front (`--gpu-memory-utilization`). "
                "ITL is the gap between streamed chunks as the client receives them: a server "
                "that writes several chunks at once shows gaps near 0 (TPOT is the mean "
                "time per output token after the first). Client CPU: the load generator's "
                "CPU time over the level's wall time (one Python process: near 1.0 it may be "
-               "what limits the level).")
+               "what limits the level; with several client processes it is their sum). "
+               "Server TTFT (mean) and running (mean number of requests the engine ran) "
+               "come from the server's own /metrics during the level: a server TTFT far "
+               "below the client's puts the difference in HTTP and the client.")
         series = {t["label"]: [lv for lv in t.get("levels", []) if lv.get("output_tok_per_s")]
                   for t, _ in targets}
         series = {k: sorted(v, key=lambda lv: lv["concurrency"]) for k, v in series.items() if v}

@@ -390,6 +390,96 @@ async def run_level(t: Target, prompts: list, concurrency: int, num_requests: in
     return level
 
 
+# ---- the server's own view ---------------------------------------------------------------
+
+METRIC_PREFIX = {"minivllm": "minivllm:", "vllm": "vllm:"}
+_HISTOGRAMS = {"ttft": "time_to_first_token_seconds", "queue": "request_queue_time_seconds",
+               "e2e": "e2e_request_latency_seconds", "itl": "inter_token_latency_seconds"}
+_GAUGES = {"running": "num_requests_running", "waiting": "num_requests_waiting"}
+
+
+def parse_prometheus(text: str, prefix: str) -> dict[str, float]:
+    """{metric name without prefix (and labels): value}, summed over label sets."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(prefix):
+            continue
+        name, _, rest = line.partition("{") if "{" in line.split(" ")[0] else (
+            line.split(" ")[0], "", line)
+        try:
+            value = float(rest.rsplit(" ", 1)[-1])
+        except ValueError:
+            continue
+        key = name[len(prefix):]
+        values[key] = values.get(key, 0.0) + value
+    return values
+
+
+class ServerMetricsSampler:
+    """What the server says about a level, from its Prometheus /metrics: mean TTFT, queue
+    time, end-to-end latency and inter-token latency over the level's requests (histogram
+    sums and counts, before and after), and the mean of the running / waiting gauges
+    sampled every `interval` seconds. Set against the client's numbers it tells where the
+    time goes: in the engine (server TTFT close to the client's) or in HTTP and the client
+    (server TTFT much lower), and whether the engine had the whole concurrency running."""
+
+    def __init__(self, t: "Target", interval: float = 0.25) -> None:
+        self.prefix = METRIC_PREFIX.get(t.kind)
+        self.url = t.base_url.rsplit("/v1", 1)[0] + "/metrics"
+        self.interval = interval
+        self.result: dict = {}
+
+    async def _scrape(self, client) -> dict[str, float] | None:
+        try:
+            r = await client.get(self.url)
+            return parse_prometheus(r.text, self.prefix) if r.status_code == 200 else None
+        except Exception:  # noqa: BLE001 - a diagnostic must not fail the level
+            return None
+
+    async def run(self, level_coro):
+        """Await level_coro while sampling; returns its result."""
+        if self.prefix is None:
+            return await level_coro
+        async with httpx.AsyncClient(timeout=5) as client:
+            before = await self._scrape(client)
+            gauges: dict[str, list[float]] = {k: [] for k in _GAUGES}
+            stop = asyncio.Event()
+
+            async def sample() -> None:
+                while not stop.is_set():
+                    m = await self._scrape(client)
+                    for k, name in _GAUGES.items():
+                        if m and name in m:
+                            gauges[k].append(m[name])
+                    try:
+                        await asyncio.wait_for(stop.wait(), self.interval)
+                    except asyncio.TimeoutError:
+                        pass
+
+            sampler = asyncio.ensure_future(sample())
+            try:
+                return await level_coro
+            finally:
+                stop.set()
+                await sampler
+                after = await self._scrape(client)
+                self.result = self._summary(before, after, gauges)
+
+    @staticmethod
+    def _summary(before, after, gauges) -> dict:
+        out: dict = {}
+        if before is not None and after is not None:
+            for k, name in _HISTOGRAMS.items():
+                n = after.get(name + "_count", 0) - before.get(name + "_count", 0)
+                total = after.get(name + "_sum", 0) - before.get(name + "_sum", 0)
+                if n > 0:
+                    out[f"server_{k}_ms_mean"] = round(1000 * total / n, 2)
+        for k, vals in gauges.items():
+            if vals:
+                out[f"server_{k}_mean"] = round(sum(vals) / len(vals), 1)
+        return out
+
+
 # ---- GPU memory ------------------------------------------------------------------------------
 
 class GpuMemorySampler:

@@ -330,16 +330,18 @@ CLIENT_PROCS = 1  # set from --client-procs
 async def measure(t: sb.Target, prompts: list, c: int, n: int, out_tokens: int,
                   left: float) -> dict:
     cpu0 = time.process_time()
+    server = sb.ServerMetricsSampler(t)
     with sb.GpuMemorySampler() as gpu:
         try:
-            level = await asyncio.wait_for(
+            level = await asyncio.wait_for(server.run(
                 sb.run_level(t, prompts, c, n, out_tokens, max(30.0, left), {},
-                             client_procs=CLIENT_PROCS), left)
+                             client_procs=CLIENT_PROCS)), left)
         except asyncio.TimeoutError:
             level = {"concurrency": c, "num_requests": n, "completed": None, "failures": None,
                      "errors": [f"level cut off by the time budget after {left:.0f}s"],
                      "timed_out": True}
     level["peak_gpu_mem_gib"] = gpu.peak_gib
+    level.update(server.result)  # the server's own TTFT, queue time, running/waiting
     # CPU seconds of the client per second of the level, over all its processes; near
     # 1.0 per process means the client may be the limit.
     if level.get("duration_s"):
@@ -352,7 +354,10 @@ def fmt_level(label: str, lv: dict) -> str:
     return (f"{label:16s} c={lv['concurrency']:<5d} n={lv['num_requests']:<5d} "
             f"{lv.get('output_tok_per_s')!s:>10} tok/s  TTFT p50 {lv.get('ttft_ms_p50')} ms  "
             f"ITL p50 {lv.get('itl_ms_p50')} ms  failures {lv.get('failures')}  "
-            f"GPU {lv.get('peak_gpu_mem_gib')} GiB")
+            f"GPU {lv.get('peak_gpu_mem_gib')} GiB"
+            + (f"  [server: TTFT {lv['server_ttft_ms_mean']} ms mean, running "
+               f"{lv.get('server_running_mean')}, waiting {lv.get('server_waiting_mean')}]"
+               if "server_ttft_ms_mean" in lv else ""))
 
 
 def sweep(t: sb.Target, rec: Recorder, entry: dict, args, prompts: Prompts, budget: Budget,

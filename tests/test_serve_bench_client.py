@@ -30,3 +30,22 @@ def test_level_counts_every_request_and_token(server, procs):
     assert level["client_procs"] == procs
     assert level["duration_s"] > 0 and level["ttft_ms_p50"] > 0
     assert ("client_cpu_s" in level) == (procs > 1)
+
+
+def test_server_metrics_sampler_reads_the_servers_view(server):
+    t = sb.Target(label="minivllm", kind="minivllm", base_url=server.url + "/v1",
+                  model="tiny")
+    sampler = sb.ServerMetricsSampler(t, interval=0.02)
+    level = asyncio.run(sampler.run(sb.run_level(
+        t, ["a long story about a cat"], concurrency=4, num_requests=8, output_tokens=40,
+        timeout=60, headers={})))
+    assert level["completed"] == 8
+    got = sampler.result
+    # Server-side TTFT is measured from the handler's arrival, inside the client's TTFT.
+    assert 0 < got["server_ttft_ms_mean"] <= level["ttft_ms_p99"] + 1
+    assert got["server_e2e_ms_mean"] > 0 and got["server_queue_ms_mean"] >= 0
+    assert 0 <= got["server_running_mean"] <= 4
+    # A target without Prometheus metrics is left alone.
+    other = sb.ServerMetricsSampler(sb.Target(label="x", kind="transformers",
+                                              base_url=server.url + "/v1"))
+    assert asyncio.run(other.run(asyncio.sleep(0, result=7))) == 7 and other.result == {}
