@@ -234,6 +234,8 @@ def section_w2(ctx):
                        {"MINIVLLM_SMALL_M_GEMV": "mlp"}),
         "graphs-all": ("minivllm (CUDA graphs, small-batch Triton projections)", {},
                        {"MINIVLLM_SMALL_M_GEMV": "all"}),
+        "graphs-norm": ("minivllm (CUDA graphs, small-batch Triton projections, norms "
+                        "fused in)", {}, {"MINIVLLM_SMALL_M_GEMV": "all-norm"}),
         "not-pipelined": ("minivllm (CUDA graphs, no compile, not pipelined)", {},
                           {"MINIVLLM_PIPELINE": "0"}),
         "eager": ("minivllm eager", {"enforce_eager": True}, {}),
@@ -573,8 +575,10 @@ def section_small_m(ctx):
     n_new = 4 if ctx.smoke else 48
     runs = {}
     for label, mode, kw in (("cublas graphs", "0", {}), ("mlp graphs", "mlp", {}),
-                            ("all graphs", "all", {}), ("all eager", "all",
-                                                         {"enforce_eager": True})):
+                            ("all graphs", "all", {}),
+                            ("all eager", "all", {"enforce_eager": True}),
+                            ("all-norm graphs", "all-norm", {}),
+                            ("all-norm eager", "all-norm", {"enforce_eager": True})):
         os.environ["MINIVLLM_SMALL_M_GEMV"] = mode
         llm = make_llm(ctx, name, "bfloat16", max_num_seqs=8, num_kv_blocks=1024, **kw)
         runs[label] = {"mode": llm.engine.runner.small_m_mode,
@@ -585,7 +589,8 @@ def section_small_m(ctx):
     rows = [{"compare": f"{a} vs {b}", "modes": [runs[a]["mode"], runs[b]["mode"]],
              **compare(runs[a]["tokens"], runs[b]["tokens"])}
             for a, b in (("mlp graphs", "cublas graphs"), ("all graphs", "cublas graphs"),
-                         ("all graphs", "all eager"))]
+                         ("all graphs", "all eager"), ("all-norm graphs", "cublas graphs"),
+                         ("all-norm graphs", "all-norm eager"))]
     for r in rows:
         log(f"small-m {r['compare']}: {r['identical']}/{r['total']} identical; "
             f"{r['first_divergence']}")

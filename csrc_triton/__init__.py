@@ -351,6 +351,7 @@ _FUSED_EXPORTS = (
     "rotary_embedding",
     "silu_and_mul",
     "small_m_linear",
+    "small_m_norm_linear",
 )
 __all__ += list(_FUSED_EXPORTS)
 

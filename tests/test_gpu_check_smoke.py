@@ -12,7 +12,7 @@ SECTIONS = "parity,graphs,bf16,w2,sweep,w1,small_m,profile,hf"
 
 
 def test_every_section_runs_in_smoke_mode(tmp_path):
-    env = {**os.environ, "GPU_CHECK_W2_VARIANTS": "graphs,graphs-mlp,graphs-all,eager",
+    env = {**os.environ, "GPU_CHECK_W2_VARIANTS": "graphs,graphs-mlp,graphs-all,graphs-norm,eager",
            "GPU_CHECK_HF_PEERS": "eager", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'src'}"}
     r = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--smoke", "--sections",
                         SECTIONS, "--out-dir", str(tmp_path / "out"), "--tmp-dir",
@@ -24,5 +24,5 @@ def test_every_section_runs_in_smoke_mode(tmp_path):
         assert data["section"] == name and data["environment"]["git_commit"]
     w2 = json.loads((tmp_path / "out" / "w2.json").read_text())
     assert [row["env"].get("MINIVLLM_SMALL_M_GEMV", "0") for row in w2["rows"]] == \
-        ["0", "mlp", "all", "0"]
+        ["0", "mlp", "all", "all-norm", "0"]
     assert all(row["tok_per_s"] > 0 for row in w2["rows"])

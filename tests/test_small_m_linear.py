@@ -112,7 +112,8 @@ def _plain(mlp):
 
 
 def test_mode_flag(monkeypatch):
-    for value, mode in (("", ""), ("0", ""), ("mlp", "mlp"), ("all", "all"), ("1", "all")):
+    for value, mode in (("", ""), ("0", ""), ("mlp", "mlp"), ("all", "all"), ("1", "all"),
+                        ("all-norm", "all-norm")):
         monkeypatch.setenv("MINIVLLM_SMALL_M_GEMV", value)
         assert small_m_gemv_mode() == mode
     monkeypatch.setenv("MINIVLLM_SMALL_M_GEMV", "sometimes")
@@ -145,3 +146,81 @@ def test_gpu_qwen_shapes(dtype, m, n, k, bias, silu):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("has_res", [False, True])
+def test_norm_linear_matches_add_norm_then_linear(dtype, m, has_res):
+    from minivllm.model.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(m + 10 * has_res)
+    k, n = 48, 20
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    res = torch.randn(m, k, generator=g).to(dtype).to(DEVICE) if has_res else None
+    norm = RMSNorm(k, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(k, generator=g) + 0.5)
+    norm = norm.to(device=DEVICE, dtype=dtype)
+    w = (torch.randn(n, k, generator=g) * 0.2).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=g).to(dtype).to(DEVICE)
+    out, new_res = csrc_triton.small_m_norm_linear(x, res, norm.weight, 1e-6, w, b)
+    h = x if res is None else res + x
+    assert torch.equal(new_res, h)  # the residual add is PyTorch's, bit for bit
+    if res is not None:
+        assert new_res.data_ptr() not in (x.data_ptr(), res.data_ptr())
+    with torch.no_grad():
+        _check(out, _ref(norm(h), w, b), dtype, k)
+
+
+def test_engine_modes_give_the_same_tokens(tiny_model_dirs, monkeypatch):
+    """The model with each small-batch mode (fp32 here, kernels interpreted) against the
+    plain one: greedy tokens equal, logprobs within fp32 accumulation differences. Decode
+    steps of a 3-request batch take the small-batch kernels; prefills (> 8 tokens) don't."""
+    from minivllm import LLM, SamplingParams
+
+    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "triton")
+    monkeypatch.setenv("MINIVLLM_FUSED_OPS", "1")
+    prompts = [[5, 9, 200, 31, 7, 99, 12, 4, 18, 3, 77], [8, 2, 41], [130, 12, 6, 6, 90]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    results = {}
+    for family in ("qwen2", "qwen3"):  # q/k/v bias; q/k norm
+        for mode in ("", "mlp", "all", "all-norm"):
+            llm = LLM(str(tiny_model_dirs[family]), skip_tokenizer_init=True,
+                      max_model_len=64, max_num_seqs=4, num_kv_blocks=64)
+            for module in llm.engine.runner.model.modules():
+                if hasattr(module, "small_m"):
+                    module.small_m = mode
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            results[family, mode] = [(o.outputs[0].token_ids, [
+                lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                for o in outs]
+        for mode in ("mlp", "all", "all-norm"):
+            for (ids, lps), (ref_ids, ref_lps) in zip(results[family, mode],
+                                                       results[family, ""]):
+                assert ids == ref_ids, (family, mode)
+                assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-4
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("n,bias", [(1152, True), (9728, False)])
+def test_gpu_norm_linear_qwen_shapes(m, n, bias):
+    from minivllm.model.layers import RMSNorm
+
+    torch.manual_seed(m + n)
+    k = 896
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    res = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    norm = RMSNorm(k, 1e-6).cuda().to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda") * 0.05).to(torch.bfloat16)
+    b = torch.randn(n, device="cuda").to(torch.bfloat16) if bias else None
+    out, new_res = csrc_triton.small_m_norm_linear(x, res, norm.weight, 1e-6, w, b)
+    assert torch.equal(new_res, res + x)
+    with torch.no_grad():
+        ref = _ref(norm(res + x), w, b)
+    # The normalized inputs may differ from PyTorch's RMSNorm by an ulp here and there
+    # (another reduction order, rsqrtf): compare at the scale of the outputs.
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=1e-2 * scale)

@@ -63,15 +63,16 @@ def small_m_gemv_mode() -> str:
     """MINIVLLM_SMALL_M_GEMV: where the small-batch Triton projection (csrc_triton's
     small_m_linear) replaces cuBLAS for steps of at most 8 tokens in 16-bit dtypes:
     "mlp" (the down projection, with SiLU*up fused into it), "all" (also q/k/v, o and
-    gate/up), "0"/"" (nowhere, the default until the H200 says it pays)."""
+    gate/up), "all-norm" (that, with the residual adds and RMSNorms fused into the q/k/v
+    and gate/up projections), "0"/"" (nowhere, the default until the H200 says it pays)."""
     value = os.environ.get("MINIVLLM_SMALL_M_GEMV", "").strip().lower()
     if value in ("", "0", "off", "false", "no"):
         return ""
-    if value in ("mlp", "all"):
+    if value in ("mlp", "all", "all-norm"):
         return value
     if value in ("1", "on", "true", "yes"):
         return "all"
-    raise ValueError(f"MINIVLLM_SMALL_M_GEMV must be 0, mlp or all, got {value!r}.")
+    raise ValueError(f"MINIVLLM_SMALL_M_GEMV must be 0, mlp, all or all-norm, got {value!r}.")
 
 
 def cpu_kv_cache_bytes() -> int:

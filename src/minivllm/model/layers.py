@@ -88,8 +88,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 # Steps of at most this many tokens may use csrc_triton.small_m_linear for projections
 # (`small_m` below: "" off, "mlp" the down projection with SwiGLU fused in, "all" every
-# projection of a decoder layer). Decided once per engine (config.small_m_gemv_mode).
+# projection of a decoder layer, "all-norm" that plus the RMSNorms (and residual adds)
+# fused into the q/k/v and gate/up projections). Decided once per engine
+# (config.small_m_gemv_mode).
 SMALL_M_MAX = 8
+ALL_PROJECTIONS = ("all", "all-norm")
 
 
 def project(layer: nn.Linear, x: torch.Tensor, small_m: bool) -> torch.Tensor:
@@ -110,8 +113,11 @@ class GatedMLP(nn.Module):
         self.small_m = ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = project(self.gate_up_proj, x, self.small_m == "all")
-        if self.small_m and x.shape[0] <= SMALL_M_MAX:
+        return self.down(project(self.gate_up_proj, x, self.small_m in ALL_PROJECTIONS))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up, then the down projection."""
+        if self.small_m and gate_up.shape[0] <= SMALL_M_MAX:
             return csrc_triton.small_m_linear(gate_up, self.down_proj.weight,
                                               silu_mul_input=True)
         if self.fused_ops:

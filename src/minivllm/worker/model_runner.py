@@ -166,7 +166,7 @@ class ModelRunner:
             logger.info("MINIVLLM_SMALL_M_GEMV=%s ignored: it needs a GPU, a 16-bit dtype and "
                         "the Triton backend.", mode)
             return ""
-        if not small_m_linear_works(self.device, self.dtype):
+        if not small_m_linear_works(self.device, self.dtype, norm=mode == "all-norm"):
             logger.warning("The small-batch projection kernel failed its self-check; "
                            "using cuBLAS for every projection.")
             return ""
@@ -390,9 +390,12 @@ def _passes_self_check(what: str, device: torch.device, check) -> bool:
         return False
 
 
-def small_m_linear_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """csrc_triton.small_m_linear against F.linear (with and without the SwiGLU input)."""
+def small_m_linear_works(device: torch.device, dtype: torch.dtype, norm: bool = False) -> bool:
+    """csrc_triton.small_m_linear against F.linear (with and without the SwiGLU input),
+    and with norm=True small_m_norm_linear against RMSNorm + F.linear."""
     import csrc_triton
+
+    from ..model.layers import RMSNorm
 
     linear = torch.nn.functional.linear
 
@@ -408,6 +411,12 @@ def small_m_linear_works(device: torch.device, dtype: torch.dtype) -> bool:
             act = torch.nn.functional.silu(gu[:, :96]) * gu[:, 96:]
             torch.testing.assert_close(csrc_triton.small_m_linear(gu, w, silu_mul_input=True),
                                        linear(act, w), **tol)
+            if norm:
+                rms = RMSNorm(96, 1e-6).to(device=device, dtype=dtype)
+                res = torch.randn(m, 96, device=device, generator=g).to(dtype)
+                out, new_res = csrc_triton.small_m_norm_linear(x, res, rms.weight, 1e-6, w, b)
+                torch.testing.assert_close(new_res, res + x, **tol)
+                torch.testing.assert_close(out, linear(rms(res + x), w, b), **tol)
 
     return _passes_self_check("small_m_linear", device, check)
 
