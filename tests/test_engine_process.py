@@ -24,15 +24,16 @@ def chat_dir(tmp_path_factory):
     return make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-process"))
 
 
-def _config(model_dir) -> EngineConfig:
+def _config(model_dir, **kw) -> EngineConfig:
     return EngineConfig(model=str(model_dir), max_model_len=512, max_num_seqs=16,
-                        num_kv_blocks=512)
+                        num_kv_blocks=512, **kw)
 
 
 # Requests whose outputs exercise every field the delta encoding carries: logprobs, prompt
 # logprobs (over chunked-free prefill), n > 1, stop strings that cut text, seeds.
 REQUESTS = [
-    ("Once upon a time", SamplingParams(temperature=0.0, max_tokens=20, logprobs=2,
+    ("Once upon a time, in a land far away, there lived a cat who liked long stories "
+     "about other cats", SamplingParams(temperature=0.0, max_tokens=20, logprobs=2,
                                         prompt_logprobs=1)),
     ("The list: 1, 2, 3,", SamplingParams(temperature=0.8, seed=7, n=3, max_tokens=16)),
     ("Say hello", SamplingParams(temperature=0.0, max_tokens=24, stop=[" the", "."],
@@ -71,10 +72,14 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def test_process_outputs_equal_thread_outputs(chat_dir):
+# The second run chunks every prefill (16-token budget): prompt logprobs then arrive over
+# several steps and cross the pipe as several deltas.
+@pytest.mark.parametrize("budget", [None, 16])
+def test_process_outputs_equal_thread_outputs(chat_dir, budget):
     finals = {}
+    kw = {"max_num_batched_tokens": budget} if budget else {}
     for process in (False, True):
-        engine = AsyncLLMEngine(_config(chat_dir), engine_process=process)
+        engine = AsyncLLMEngine(_config(chat_dir, **kw), engine_process=process)
         try:
             streams = asyncio.run(_collect(engine))
             assert engine.submit(engine_idle).result(10)
@@ -98,6 +103,8 @@ def test_process_outputs_equal_thread_outputs(chat_dir):
     # so batches (and the CPU GEMMs' rounding) differ and logprobs move in the 7th digit.
     assert _same(finals[True], finals[False])
     assert finals[True][0][4] is not None and len(finals[True][1][6]) == 3
+    # prompt_logprobs: one entry per prompt token (None for the first), all of them.
+    assert len(finals[True][0][4]) == len(finals[True][0][2]) > 16
 
 
 def test_engine_process_start_error_is_raised(tmp_path):
