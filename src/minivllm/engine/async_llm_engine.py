@@ -49,8 +49,9 @@ from typing import Any, Protocol
 from ..config import EngineConfig
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
-from .engine_core import (EngineCore, EngineStepError, OutputDecoder, decode_events,
-                          engine_facts, engine_process_main)
+from .engine_core import EngineCore, EngineStepError
+from .engine_process import engine_facts, engine_process_main
+from .output_codec import OutputDecoder, decode_events
 from .llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
