@@ -132,17 +132,22 @@ class AsyncLLMEngine:
     """Owns an LLMEngine. Build with an EngineConfig (the engine is built by its owner) or
     an existing LLMEngine (handed over: stop using it; thread only). engine_process=True
     runs the engine in a process of its own ('spawn'); then submit()/call() take only
-    picklable functions and `engine` is None here."""
+    picklable functions and `engine` is None here. extra_frontends=N (with the process)
+    makes the engine serve N more frontends: `frontend_connections` holds their ends, for
+    AsyncLLMEngine.attach() in other processes (`minivllm serve --api-servers`)."""
 
-    def __init__(self, engine: EngineConfig | LLMEngine, *,
+    def __init__(self, engine: EngineConfig | LLMEngine | None, *,
                  max_waiting_requests: int | None = None,
                  stat_loggers: list[StatLogger] | None = None,
-                 start: bool = True, engine_process: bool = False) -> None:
+                 start: bool = True, engine_process: bool = False,
+                 extra_frontends: int = 0, _attach_to=None) -> None:
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be at least 1 (or None: no limit).")
         if engine_process and isinstance(engine, LLMEngine):
             raise ValueError("An existing LLMEngine cannot move to another process: pass "
                              "its EngineConfig.")
+        if extra_frontends and not engine_process:
+            raise ValueError("extra_frontends needs engine_process=True.")
         self._config_or_engine = engine
         self.engine: LLMEngine | None = engine if isinstance(engine, LLMEngine) else None
         self.engine_process = engine_process
@@ -154,7 +159,9 @@ class AsyncLLMEngine:
         self._stop = False
         self._thread: threading.Thread | None = None  # engine thread, or receiver thread
         self._process = None
-        self._conn = None
+        self._conn = _attach_to  # the connection to an engine process (None: a thread)
+        self._extra_frontends = extra_frontends
+        self.frontend_connections: list = []
         self._send_lock = threading.Lock()
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
@@ -188,7 +195,9 @@ class AsyncLLMEngine:
         """Start the engine (building it) and wait until it is ready; an error while
         building the engine is raised here."""
         if self._thread is None:
-            if self.engine_process:
+            if self._conn is not None:  # attached to an engine process started elsewhere
+                self._start_receiver()
+            elif self.engine_process:
                 self._start_process()
             else:
                 # The engine thread and the event loop share the GIL; at the default 5 ms
@@ -202,6 +211,14 @@ class AsyncLLMEngine:
         if self._init_error is not None:
             raise self._init_error
         return self
+
+    @classmethod
+    def attach(cls, connection, *, max_waiting_requests: int | None = None,
+               stat_loggers: list[StatLogger] | None = None) -> "AsyncLLMEngine":
+        """A frontend of an engine process started by another AsyncLLMEngine (one of its
+        `frontend_connections`, passed to this process)."""
+        return cls(None, max_waiting_requests=max_waiting_requests, stat_loggers=stat_loggers,
+                   engine_process=True, _attach_to=connection)
 
     @property
     def is_running(self) -> bool:
@@ -231,9 +248,10 @@ class AsyncLLMEngine:
         await asyncio.get_running_loop().run_in_executor(None, self.stop)
 
     def stop(self, timeout: float | None = 30.0) -> None:
-        """Abort whatever is in flight and stop the engine (blocking; any thread)."""
+        """Abort whatever is in flight and stop the engine (blocking; any thread). With
+        several frontends, the engine process ends once every one of them has stopped."""
         self._accepting = False
-        if self._process is not None:
+        if self._conn is not None:
             with self._send_lock:
                 already, self._stop = self._stop, True
                 if not already:
@@ -243,10 +261,11 @@ class AsyncLLMEngine:
                         pass
             if self._thread is not None and self._thread is not threading.current_thread():
                 self._thread.join(timeout)
-            self._process.join(5 if timeout is None else min(timeout, 5))
-            if self._process.is_alive():
-                self._process.terminate()
-                self._process.join(5)
+            if self._process is not None and not self._extra_frontends:
+                self._process.join(5 if timeout is None else min(timeout, 5))
+                if self._process.is_alive():
+                    self._process.terminate()
+                    self._process.join(5)
             return
         with self._cv:
             self._stop = True
@@ -257,7 +276,7 @@ class AsyncLLMEngine:
     # ---- commands (any thread) ----------------------------------------------------------
 
     def _send(self, command: tuple) -> None:
-        if self._process is not None:
+        if self._conn is not None:
             with self._send_lock:
                 if self._stop:
                     raise EngineDeadError("The engine has stopped.")
@@ -284,7 +303,7 @@ class AsyncLLMEngine:
         """Run fn(engine) on the engine side between steps; a Future of its result."""
         self._check_alive()
         payload: Any = fn
-        if self._process is not None:
+        if self._conn is not None:
             try:
                 payload = pickle.dumps(fn)
             except Exception as e:  # noqa: BLE001
@@ -578,14 +597,21 @@ class AsyncLLMEngine:
 
     def _start_process(self) -> None:
         ctx = multiprocessing.get_context("spawn")
-        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        pipes = [ctx.Pipe(duplex=True) for _ in range(1 + self._extra_frontends)]
         level = logging.getLogger().getEffectiveLevel()
+        # Not a daemon when other frontends share it: it must outlive this one's stop().
         self._process = ctx.Process(target=engine_process_main, name="minivllm-engine",
-                                    args=(self._config_or_engine, child_conn, level),
-                                    daemon=True)
+                                    args=(self._config_or_engine,
+                                          [child for _, child in pipes], level),
+                                    daemon=not self._extra_frontends)
         self._process.start()
-        child_conn.close()
-        self._conn = parent_conn
+        for _, child in pipes:
+            child.close()
+        self._conn = pipes[0][0]
+        self.frontend_connections = [parent for parent, _ in pipes[1:]]
+        self._start_receiver()
+
+    def _start_receiver(self) -> None:
         self._thread = threading.Thread(target=self._receive_main, name="minivllm-receiver",
                                         daemon=True)
         self._thread.start()

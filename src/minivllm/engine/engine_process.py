@@ -32,63 +32,118 @@ def engine_facts(engine: LLMEngine) -> dict:
             "eos_token_ids": frozenset(engine.eos_token_ids)}
 
 
-def run_engine_process(config, conn, log_level: int = logging.INFO) -> None:
-    """Main of the engine process (multiprocessing 'spawn'). Talks over `conn` (a Pipe end):
-    receives commands, sends ("ready", facts) | ("init_error", error) once, then one
-    ("events", wire_events, snapshot, stepped) per loop iteration that did something, and
-    ("stopped",) at the end. Every request here came through the core, so a step's outputs
-    are exactly its "output" events."""
+def run_engine_process(config, conns, log_level: int = logging.INFO) -> None:
+    """Main of the engine process (multiprocessing 'spawn'). Serves one or more frontends,
+    each over its own connection (a Pipe end): to each it sends ("ready", facts) |
+    ("init_error", error) once, then ("events", wire_events, snapshot, stepped) for the
+    loop iterations that concern it (its requests' events, answers to its commands), and
+    ("stopped",) once it has said "stop". A request's events go to the frontend that added
+    it; a frontend that stops or goes away has its requests aborted. The process ends
+    when no frontend is left."""
     import signal
+    from multiprocessing.connection import wait
 
-    # Ctrl-C reaches the whole process group: the frontend handles it and sends "stop".
+    conns = list(conns) if isinstance(conns, (list, tuple)) else [conns]
+    # Ctrl-C reaches the whole process group: the frontends handle it and send "stop".
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level,
                         format="%(levelname)s %(asctime)s %(name)s [engine]: %(message)s")
     try:
         core = EngineCore(LLMEngine(config))
-        conn.send(("ready", {**engine_facts(core.engine), "snapshot": core.snapshot()}))
-    except BaseException as e:  # noqa: BLE001 - reported to the frontend
+        ready = ("ready", {**engine_facts(core.engine), "snapshot": core.snapshot()})
+    except BaseException as e:  # noqa: BLE001 - reported to the frontends
         if not isinstance(e, (ValueError, OSError)):  # a bad flag or path needs no traceback
             logger.exception("The engine failed to start")
-        conn.send(("init_error", _picklable_error(e)))
+        for conn in conns:
+            _send_quietly(conn, ("init_error", _picklable_error(e)))
         return
+    for conn in conns:
+        _send_quietly(conn, ready)
     encoder = OutputEncoder()
+    owner: dict[str, int] = {}  # request id -> index of the frontend that added it
+    live = set(range(len(conns)))
     try:
-        while True:
+        while live:
             if not core.has_work():
-                conn.poll(None)  # idle: sleep until a command arrives
-            commands = []
-            while conn.poll(0):
-                commands.append(conn.recv())
-            events: list = []
-            stop = False
-            for command in commands:
+                wait([conns[k] for k in live])  # idle: sleep until a command arrives
+            commands, leaving = [], []
+            for k in sorted(live):
+                try:
+                    while conns[k].poll(0):
+                        commands.append((k, conns[k].recv()))
+                except (EOFError, OSError):
+                    leaving.append((k, False))  # gone without a word: nobody to answer
+            out: dict[int, list] = {k: [] for k in live}
+            spoke = {k for k, _ in commands}
+            for k, command in commands:
                 if command[0] == "stop":
-                    stop = True
+                    leaving.append((k, True))
                     continue
-                if command[0] == "call":
+                if command[0] == "add":
+                    owner[command[1]] = k
+                elif command[0] == "call":
                     command = (*command[:2], _unpickle_call(command[2]))
+                events: list = []
                 core.apply(command, events)
-            if stop:
-                core.abort_all(events)
-                conn.send(("events", _wire(events, encoder), core.snapshot(), False))
-                conn.send(("stopped",))
-                return
+                _route(events, owner, k, out)
+            for k, answer in leaving:
+                events = []
+                for rid in [r for r, o in owner.items() if o == k]:
+                    core.abort(rid, events)
+                _route(events, owner, k, out)
+                if answer:
+                    _send_quietly(conns[k], ("events", _wire(out[k], encoder),
+                                             core.snapshot(), False))
+                    _send_quietly(conns[k], ("stopped",))
+                live.discard(k)
+                out.pop(k, None)
+            if not live:
+                break
+            events = []
             outputs = core.step(events) if core.has_work() else None
-            if events or commands or outputs is not None:
-                conn.send(("events", _wire(events, encoder), core.snapshot(),
-                           outputs is not None))
-    except (EOFError, BrokenPipeError, ConnectionResetError):
-        return  # the frontend went away
+            _route(events, owner, None, out)
+            snapshot = core.snapshot()
+            busy = set(owner.values())
+            for k in live:
+                if out[k] or k in spoke or (outputs is not None and k in busy):
+                    conns[k].send(("events", _wire(out[k], encoder), snapshot,
+                                   outputs is not None))
+        core.abort_all([])
+    except (BrokenPipeError, ConnectionResetError):
+        return  # a frontend went away mid-send; the others see EOF when this process ends
     except BaseException as e:  # noqa: BLE001 - must not vanish silently
         logger.exception("The engine process died")
-        try:
-            conn.send(("dead", _picklable_error(e)))
-        except Exception:  # noqa: BLE001
-            pass
+        for conn in conns:
+            _send_quietly(conn, ("dead", _picklable_error(e)))
 
 
-def engine_process_main(config, conn, log_level: int = logging.INFO) -> None:
+def _route(events: list, owner: dict[str, int], default: int | None,
+           out: dict[int, list]) -> None:
+    """Append each event to the list of the frontend it concerns (dropped when that
+    frontend has left)."""
+    for ev in events:
+        kind = ev[0]
+        if kind == "output":
+            rid = ev[1].request_id
+            k = owner.pop(rid, default) if ev[1].finished else owner.get(rid, default)
+        elif kind in ("aborted", "failed"):
+            k = owner.pop(ev[1], default)
+        elif kind == "added":
+            k = owner.pop(ev[1], default) if ev[2] is not None else owner.get(ev[1], default)
+        else:  # "called": the caller's
+            k = default
+        if k in out:
+            out[k].append(ev)
+
+
+def _send_quietly(conn, message) -> None:
+    try:
+        conn.send(message)
+    except (OSError, ValueError):
+        pass
+
+
+def engine_process_main(config, conns, log_level: int = logging.INFO) -> None:
     """The engine process's target: run_engine_process, then leave without the
     interpreter's teardown (Triton's bindings print a wall of "leaked type" warnings from
     it; nothing is left to clean up once the frontend has been told "stopped")."""
@@ -97,7 +152,7 @@ def engine_process_main(config, conn, log_level: int = logging.INFO) -> None:
 
     code = 0
     try:
-        run_engine_process(config, conn, log_level)
+        run_engine_process(config, conns, log_level)
     except BaseException:  # noqa: BLE001
         code = 1
     finally:

@@ -74,6 +74,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="Server log level.")
     parser.add_argument("--disable-log-requests", action="store_true",
                         help="Don't log each HTTP request.")
+    parser.add_argument("--api-servers", type=int, default=1,
+                        help="HTTP server processes sharing the port and the one engine "
+                             "(vLLM's --api-server-count): more than one when a single "
+                             "process cannot stream the engine's tokens fast enough. "
+                             "--max-waiting-requests and /metrics' request histograms are "
+                             "then per process.")
     parser.add_argument("--engine-in-thread", action="store_true",
                         help="Run the engine on a thread of the server's process instead of "
                              "a process of its own (they then share the GIL: slower under "
@@ -95,17 +101,19 @@ def engine_config_from_args(args: argparse.Namespace):
         enable_prefix_caching=args.enable_prefix_caching)
 
 
-def build_server(args: argparse.Namespace):
-    """(uvicorn.Server, AsyncLLMEngine): the engine started, the server not yet."""
+def build_server(args: argparse.Namespace, engine=None):
+    """(uvicorn.Server, AsyncLLMEngine): the engine started, the server not yet. With
+    `engine` (an attached frontend), only the server is built around it."""
     from ..engine.async_llm_engine import AsyncLLMEngine
     from .api_server import build_app, make_server
 
-    config = engine_config_from_args(args)
-    waiting = args.max_waiting_requests or None
-    # The engine gets a process of its own: sharing the GIL with the HTTP event loop cost
-    # ~3x throughput at 64 concurrent streams (docs/decisions.md).
-    engine = AsyncLLMEngine(config, max_waiting_requests=waiting,
-                            engine_process=not args.engine_in_thread)
+    if engine is None:
+        config = engine_config_from_args(args)
+        # The engine gets a process of its own: sharing the GIL with the HTTP event loop
+        # cost ~3x throughput at 64 concurrent streams (docs/decisions.md).
+        engine = AsyncLLMEngine(config, max_waiting_requests=args.max_waiting_requests or None,
+                                engine_process=not args.engine_in_thread,
+                                extra_frontends=max(0, args.api_servers - 1))
     app = build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
                     max_num_seqs=args.max_num_seqs, drain_timeout=args.shutdown_timeout)
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -113,11 +121,47 @@ def build_server(args: argparse.Namespace):
     return server, engine
 
 
+def _listening_socket(host: str, port: int):
+    """One socket for every API server process (each accepts from it)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _api_server_process(args: argparse.Namespace, connection, sock) -> None:
+    """Main of an extra API server process: a frontend attached to the engine process."""
+    from ..engine.async_llm_engine import AsyncLLMEngine
+    from ..engine.llm_engine import freeze_startup_objects
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    engine = AsyncLLMEngine.attach(connection,
+                                   max_waiting_requests=args.max_waiting_requests or None)
+    server, _ = build_server(args, engine)
+    freeze_startup_objects()
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.stop()
+
+
 def run_server(args: argparse.Namespace) -> None:
     """Build the engine, then serve until SIGINT/SIGTERM; shut down gracefully."""
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     log = logging.getLogger("minivllm.server")
+    if args.api_servers < 1:
+        sys.exit("minivllm serve: --api-servers must be at least 1")
+    if args.api_servers > 1 and args.engine_in_thread:
+        sys.exit("minivllm serve: --api-servers needs the engine in its own process")
     try:
         server, engine = build_server(args)
     except ImportError as e:
@@ -130,13 +174,44 @@ def run_server(args: argparse.Namespace) -> None:
     names = server.config.app.state.serving.served_model_names
     log.info("Serving %s (max_model_len %d) on http://%s:%d", names[0], engine.max_model_len,
              args.host, args.port)
+    sockets, workers = None, []
+    if args.api_servers > 1:
+        import multiprocessing
+
+        sockets = [_listening_socket(args.host, args.port)]
+        ctx = multiprocessing.get_context("spawn")
+        for k, conn in enumerate(engine.frontend_connections):
+            workers.append(ctx.Process(target=_api_server_process, name=f"minivllm-api-{k + 1}",
+                                       args=(args, conn, sockets[0])))
+            workers[-1].start()
+            conn.close()  # the worker holds it now; the engine must see EOF if it dies
+        log.info("%d API server processes share the port.", args.api_servers)
     try:
-        server.run()
+        server.run(sockets=sockets)
     except KeyboardInterrupt:
         # uvicorn re-raises the SIGINT it caught once its graceful shutdown is done.
         pass
     finally:
         engine.stop()
+        _stop_api_servers(workers, args.shutdown_timeout)
+
+
+def _stop_api_servers(workers: list, drain_timeout: float) -> None:
+    """Wait for the extra API server processes. Ctrl-C reached them too; a SIGTERM sent to
+    this process alone did not, so one still running after a second gets one (a graceful
+    shutdown for uvicorn), then, past the drain time, a second (forced)."""
+    import os
+    import signal
+
+    for w in workers:
+        w.join(1.0)
+        if w.is_alive():
+            os.kill(w.pid, signal.SIGTERM)
+    for w in workers:
+        w.join(drain_timeout + 10)
+        if w.is_alive():
+            w.terminate()
+            w.join(5)
 
 
 def main(argv: list[str] | None = None) -> None:
