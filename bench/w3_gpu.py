@@ -422,7 +422,7 @@ def run_http_part(args, part: str) -> int:
     log_dir = Path(args.log_dir or Path(args.work) / "logs")
     log_dir.mkdir(parents=True, exist_ok=True)
     if part == "minivllm":
-        label, kind, levels = "minivllm", "minivllm", args.concurrency
+        label, kind, levels = args.label or "minivllm", "minivllm", args.concurrency
     else:
         label = "transformers" if args.plain else "transformers-cb"
         kind = "transformers"
@@ -588,6 +588,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                        "offline engine alike).")
     p.add_argument("--transformers-args", default="", help="Extra flags for transformers serve.")
     p.add_argument("--hf-weights", action="store_true", help="prepare: also write HF weights.")
+    p.add_argument("--label", default=None,
+                   help="minivllm part: the label (and file name) of this server variant, "
+                        "e.g. minivllm-api2 with --minivllm-args='--api-servers 2' "
+                        "(default minivllm: the one the report compares with the offline "
+                        "engine).")
     p.add_argument("--client-procs", type=int, default=None,
                    help="Client processes per level (default: a quarter of the CPUs, at most "
                         "4; 1 on a machine of 4 CPUs or fewer).")
