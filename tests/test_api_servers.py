@@ -10,12 +10,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 
-from minivllm.server.testing import make_tiny_chat_model
+from minivllm.server.testing import make_tiny_chat_model, wait_until_healthy
 
 
 def test_two_api_servers_share_one_engine(tmp_path):
@@ -31,16 +30,7 @@ def test_two_api_servers_share_one_engine(tmp_path):
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.2)
+        wait_until_healthy(url, proc)
 
         prompts = [f"Tell me about number {i % 4}" for i in range(16)]
 

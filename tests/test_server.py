@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from minivllm.engine.engine_core import engine_idle as engine_idle_check
-from minivllm.server.testing import ServerThread, make_tiny_chat_model
+from minivllm.server.testing import ServerThread, make_tiny_chat_model, wait_until_healthy
 
 MODEL = "tiny-chat"
 MAX_MODEL_LEN = 1024
@@ -793,16 +793,7 @@ def test_cli_serve_subprocess_and_sigint(tiny_chat_dir):
                                                                "OMP_NUM_THREADS": "1"})
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.2)
+        wait_until_healthy(url, proc, timeout=60)
         client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
         assert client.models.list().data[0].id == tiny_chat_dir.name
         r = client.chat.completions.create(model=tiny_chat_dir.name, max_tokens=3,

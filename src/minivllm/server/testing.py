@@ -108,3 +108,22 @@ class ServerThread:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def wait_until_healthy(url: str, proc=None, timeout: float = 90.0) -> None:
+    """Poll GET url/health until it answers 200; fail early if `proc` (a server started as
+    a subprocess, its output piped) exits meanwhile."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError("the server exited: " + proc.stdout.read().decode()[-3000:])
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("the server did not start in time")
+        time.sleep(0.2)
