@@ -38,7 +38,6 @@ import copy
 import itertools
 import logging
 import multiprocessing
-import os
 import pickle
 import sys
 import threading
@@ -59,7 +58,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["AsyncLLMEngine", "RequestStream", "EngineDeadError", "EngineStepError",
            "RequestAbortedError", "QueueFullError", "EngineShuttingDownError", "StatLogger"]
 
-SWITCH_INTERVAL_S = float(os.environ.get("MINIVLLM_SWITCH_INTERVAL_S", "0.0005"))
+SWITCH_INTERVAL_S = 0.0005  # the engine thread and the event loop share the GIL (thread owner)
 
 
 class EngineDeadError(RuntimeError):
