@@ -504,7 +504,7 @@ def run_offline(args) -> int:
     try:
         import logging
 
-        from minivllm.engine.llm_engine import LLMEngine
+        from minivllm.engine.llm_engine import LLMEngine, freeze_startup_objects
         from minivllm.sampling_params import SamplingParams
         from minivllm.server.launch import add_serve_arguments, engine_config_from_args
 
@@ -513,6 +513,7 @@ def run_offline(args) -> int:
         add_serve_arguments(parser)
         t0 = time.monotonic()
         engine = LLMEngine(engine_config_from_args(parser.parse_args(flags)))
+        freeze_startup_objects()  # as the server's engine process does: like for like
         entry["model"] = str(engine.model_path)
         entry["info"]["startup_s"] = round(time.monotonic() - t0, 1)
         params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from .engine_core import EngineCore
-from .llm_engine import LLMEngine
+from .llm_engine import LLMEngine, freeze_startup_objects
 from .output_codec import OutputEncoder, encode_events
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ def run_engine_process(config, conns, log_level: int = logging.INFO) -> None:
     try:
         core = EngineCore(LLMEngine(config))
         ready = ("ready", {**engine_facts(core.engine), "snapshot": core.snapshot()})
+        freeze_startup_objects()  # this process lives exactly as long as its engine
     except BaseException as e:  # noqa: BLE001 - reported to the frontends
         if not isinstance(e, (ValueError, OSError)):  # a bad flag or path needs no traceback
             logger.exception("The engine failed to start")

@@ -78,7 +78,6 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0}
-        freeze_startup_objects()
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -389,7 +388,10 @@ def freeze_startup_objects() -> None:
     """Move every object alive now (torch, transformers, the model's modules...) out of the
     cyclic GC's reach. Otherwise the collections that a step's allocations trigger scan
     them all: ~2 ms per step at batch 256 in a microbenchmark with torch loaded, against
-    ~0.15 ms frozen. (Frozen objects that later become cyclic garbage are never freed;
-    start-up objects live as long as the process anyway.)"""
+    ~0.15 ms frozen. Frozen objects that later become cyclic garbage are never freed, and
+    an engine holds reference cycles (bound methods kept as attributes): so this is for a
+    process that keeps its one engine until it exits (the engine process, the server, a
+    benchmark), never called by LLMEngine itself, where a user may build and drop
+    several engines and must get their memory back."""
     gc.collect()
     gc.freeze()
