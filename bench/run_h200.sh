@@ -73,7 +73,7 @@ fi
 import importlib, sys
 print("python", sys.version.split()[0])
 for m in ("torch", "triton", "transformers", "fastapi", "uvicorn", "pydantic", "orjson",
-          "httpx", "httpx2", "pynvml", "matplotlib", "uvloop", "httptools"):
+          "httpx", "httpx2", "pynvml", "matplotlib", "httptools"):
     try:
         print(m, getattr(importlib.import_module(m), "__version__", "?"))
     except Exception as e:

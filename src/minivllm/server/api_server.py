@@ -267,6 +267,10 @@ def make_server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000,
             finally:
                 await drain
 
+    # uvloop made uvicorn's re-raised Ctrl-C land inside the still-running loop (a
+    # traceback on every clean shutdown); the asyncio loop with httptools' parser keeps
+    # most of the gain.
+    uvicorn_kwargs.setdefault("loop", "asyncio")
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             access_log=access_log,
                             timeout_graceful_shutdown=int(drain_timeout) + 5,
