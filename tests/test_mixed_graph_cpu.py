@@ -50,3 +50,19 @@ def test_mixed_steps_match_eager(tiny_model_dirs, monkeypatch, backend):
     for w, g in zip(want, got):
         assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
     assert llm.engine.scheduler.pool.all_free()
+
+
+def test_small_buckets_project_only_their_rows(tiny_model_dirs):
+    """With more sequences allowed than a bucket has tokens (24 > 16), a 16-token step's
+    head projects 16 rows, not 24: the outputs are the same."""
+    prompts = random_prompts(6, 256, 3, 20, seed=37)
+    params = SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=5, ignore_eos=True)
+    kw = dict(skip_tokenizer_init=True, max_model_len=96, block_size=4, max_num_seqs=24,
+              max_num_batched_tokens=48)
+    want = LLM(str(tiny_model_dirs["llama"]), **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tiny_model_dirs["llama"]), **kw)
+    calls = _attach(llm, 32)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert 16 in [min(b for b in mixed_buckets(32) if b >= c) for c in calls]
+    for w, g in zip(want, got):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]

@@ -121,7 +121,6 @@ class DecodeGraphRunner:
             self.step_fn = torch.compile(self._decode_step, dynamic=True, fullgraph=False)
         self.compiled = use_compile
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Every bucket writes its logits and argmax here, outside the graphs' memory pool:
         # per-graph outputs would stay allocated, one [bucket, vocab] block per bucket.
         vocab = model.config.vocab_size
@@ -129,7 +128,8 @@ class DecodeGraphRunner:
         self.greedy_out = torch.empty(self.max_batch, dtype=torch.long, device=device)
 
     def _decode_step(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
-                     block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     block_tables: torch.Tensor) -> None:
+        """One decode step; its logits and argmax land in logits_out / greedy_out."""
         bs = self.block_size
         positions = (seq_lens.long() - 1).clamp(min=0)
         block_ids = block_tables.gather(1, (positions // bs)[:, None]).squeeze(1).long()
@@ -145,7 +145,6 @@ class DecodeGraphRunner:
         logits = self.model.compute_logits(hidden)
         self.logits_out[:batch].copy_(logits)
         self.greedy_out[:batch].copy_(logits.argmax(dim=-1))
-        return self.logits_out[:batch], self.greedy_out[:batch]
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -175,11 +174,10 @@ class DecodeGraphRunner:
             self.step_fn(inp.input_ids[:b], inp.seq_lens[:b], inp.block_tables[:b])
             torch.cuda.synchronize(self.device)
             with torch.cuda.graph(graph, pool=pool):
-                out = self.step_fn(inp.input_ids[:b], inp.seq_lens[:b], inp.block_tables[:b])
+                self.step_fn(inp.input_ids[:b], inp.seq_lens[:b], inp.block_tables[:b])
             if pool is None:
                 pool = graph.pool()
             self.graphs[b] = graph
-            self.outputs[b] = out
         torch.cuda.synchronize(self.device)
         total = time.perf_counter() - start
         logger.info("Captured %d decode graphs (batch %d..%d) in %.1fs (warm-up %.1fs).",
@@ -200,9 +198,8 @@ class DecodeGraphRunner:
         self.inputs.fill(token_ids, seq_lens, tables, b, device_tokens)
         if b in self.graphs:
             self.graphs[b].replay()
-            logits, greedy = self.outputs[b]
         else:
             inp = self.inputs
-            logits, greedy = self.step_fn(inp.input_ids[:b], inp.seq_lens[:b],
-                                          inp.block_tables[:b])
-        return logits[:n], greedy[:n]
+            self.step_fn(inp.input_ids[:b], inp.seq_lens[:b], inp.block_tables[:b])
+        # Every bucket's step writes into these shared buffers (see __init__).
+        return self.logits_out[:n], self.greedy_out[:n]

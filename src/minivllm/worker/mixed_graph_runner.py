@@ -64,7 +64,6 @@ class MixedGraphRunner:
         self.tables = torch.zeros(s, max_blocks, dtype=torch.int32, device=device)
         self.rows = torch.zeros(s, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Shared by every bucket's graph (kept out of the graphs' pool; see
         # DecodeGraphRunner).
         vocab = model.config.vocab_size
@@ -75,15 +74,20 @@ class MixedGraphRunner:
         return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs \
             and num_rows <= self.max_seqs
 
-    def _step(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rows(self, t: int) -> int:
+        # A step of t tokens samples at most t rows (each sample row is one of its tokens):
+        # the head need not project all max_seqs rows for a small bucket.
+        return min(t, self.max_seqs)
+
+    def _step(self, t: int) -> None:
         meta = AttentionMetadata(
             slot_mapping=self.slots[:t], query_start_loc=self.qsl, seq_lens=self.lens,
             block_tables=self.tables, max_query_len=t, max_seq_len=self.max_model_len)
         hidden = self.model(self.ids[:t], self.pos[:t], self.kv_layers, meta)
-        logits = self.model.compute_logits(hidden[self.rows])
-        self.logits_out.copy_(logits)
-        self.greedy_out.copy_(logits.argmax(dim=-1))
-        return self.logits_out, self.greedy_out
+        r = self._rows(t)
+        logits = self.model.compute_logits(hidden[self.rows[:r]])
+        self.logits_out[:r].copy_(logits)
+        self.greedy_out[:r].copy_(logits.argmax(dim=-1))
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -99,10 +103,9 @@ class MixedGraphRunner:
         for t in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self._step(t)
+                self._step(t)
             pool = pool or graph.pool()
             self.graphs[t] = graph
-            self.outputs[t] = out
         torch.cuda.synchronize(self.device)
         secs = time.perf_counter() - start
         logger.info("Captured %d mixed-step graphs (%d..%d tokens) in %.1fs.",
@@ -137,7 +140,6 @@ class MixedGraphRunner:
         self.tables[:n_seq, :width].copy_(self.h_tables[:n_seq, :width], non_blocking=True)
         if t in self.graphs:
             self.graphs[t].replay()
-            logits, greedy = self.outputs[t]
         else:
-            logits, greedy = self._step(t)
-        return logits[:n_rows], greedy[:n_rows]
+            self._step(t)
+        return self.logits_out[:n_rows], self.greedy_out[:n_rows]
