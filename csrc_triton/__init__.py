@@ -121,6 +121,12 @@ def _dot_fp32(dtype: torch.dtype, interpreted: bool) -> bool:
 # ----------------------------------------------------------------------------
 # store_kv_cache
 # ----------------------------------------------------------------------------
+def _attention_strides(q, out, k_cache, v_cache, block_tables) -> tuple[int, ...]:
+    """The stride arguments every attention kernel takes, in its order."""
+    return (*q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
+            *block_tables.stride())
+
+
 def _check_attention_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
     """(rows, q heads, head_dim, block_size, kv heads) after checking q against the cache."""
     _check_cache(k_cache, v_cache)
@@ -240,11 +246,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kern._decode_split_kernel[(B, Hkv, num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse, block_tables, seq_lens,
         float(scale) * _LOG2E,
-        q.stride(0), q.stride(1), q.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
-        block_tables.stride(0), block_tables.stride(1),
+        *_attention_strides(q, out, k_cache, v_cache, block_tables),
         NUM_Q_HEADS=Hq, GQA=gqa, HEAD_DIM=D, BLOCK_SIZE=bs,
         BLOCK_G=block_g, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
         NUM_SPLITS=num_splits, DOT_FP32=_dot_fp32(k_cache.dtype, interpreted),
@@ -323,11 +325,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kern._prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
         float(scale) * _LOG2E,
-        q.stride(0), q.stride(1), q.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
-        block_tables.stride(0), block_tables.stride(1),
+        *_attention_strides(q, out, k_cache, v_cache, block_tables),
         GQA=gqa, HEAD_DIM=D, BLOCK_SIZE=bs,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
         DOT_FP32=_dot_fp32(k_cache.dtype, interpreted),
