@@ -477,7 +477,7 @@ class Report:
                + ", ".join(f"`{self.src(r)}`" for r in rs))
         rows = []
         for t, r in targets:
-            for lv in t.get("levels", []):
+            for lv in sorted(t.get("levels", []), key=lambda lv: lv["concurrency"]):
                 if "skipped" in lv:
                     rows.append([t["label"], lv["concurrency"], "-", "-", "skipped: " +
                                  lv["skipped"]] + ["-"] * 9)

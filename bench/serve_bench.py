@@ -294,8 +294,11 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 async def _run_requests(url: str, bodies: list[dict], concurrency: int, timeout: float,
-                        headers: dict) -> list[dict]:
-    """`concurrency` closed-loop workers sending `bodies` in order (one asyncio loop)."""
+                        headers: dict, start_at: float | None = None) -> tuple[list[dict], float]:
+    """`concurrency` closed-loop workers sending `bodies` in order (one asyncio loop).
+    The HTTP client is made first; the first request goes out at `start_at`
+    (time.monotonic, system-wide on Linux) if given. Returns (results, time of the first
+    request)."""
     limits = httpx.Limits(max_connections=concurrency + 4,
                           max_keepalive_connections=concurrency + 4)
     results: list[dict] = []
@@ -310,18 +313,98 @@ async def _run_requests(url: str, bodies: list[dict], concurrency: int, timeout:
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits,
                                  headers=headers) as client:
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        started = time.monotonic()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-    return results
+    return results, started
 
 
-def _client_process(url: str, bodies: list[dict], concurrency: int, timeout: float,
-                    headers: dict, start_at: float) -> tuple[list[dict], float, float]:
-    """One client process of a level: waits for the common start time (time.monotonic is
-    system-wide on Linux), runs its share, returns (results, end time, CPU seconds)."""
-    time.sleep(max(0.0, start_at - time.monotonic()))
-    cpu0 = time.process_time()
-    results = asyncio.run(_run_requests(url, bodies, concurrency, timeout, headers))
-    return results, time.monotonic(), time.process_time() - cpu0
+def _client_worker(conn) -> None:
+    """A client process of a ClientPool: says it is ready (imports done), then runs one
+    share of a level per job until it gets None."""
+    conn.send("ready")
+    while True:
+        job = conn.recv()
+        if job is None:
+            return
+        url, bodies, concurrency, timeout, headers, start_at = job
+        cpu0 = time.process_time()
+        results, started = asyncio.run(
+            _run_requests(url, bodies, concurrency, timeout, headers, start_at))
+        conn.send((results, started, time.monotonic(), time.process_time() - cpu0))
+
+
+class ClientPool:
+    """`procs` client processes, started once and kept for every level of the run.
+
+    A level's clock starts at a common start time set once every process has started and
+    imported (a spawned process re-imports the benchmark's modules, which took seconds on
+    the H200 host: counted in the level, that start-up lag had cut a short level's
+    throughput by two thirds). Each process reports when its first request really went
+    out; the level records the largest lag behind the start time."""
+
+    START_DELAY_S = 0.1  # between sending the jobs and the common start
+
+    def __init__(self, procs: int, ready_timeout: float = 120.0) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.conns, self.procs = [], []
+        for _ in range(procs):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_client_worker, args=(child,), daemon=True)
+            p.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(p)
+        for conn in self.conns:
+            if not conn.poll(ready_timeout):
+                self.close()
+                raise RuntimeError(f"a client process was not ready in {ready_timeout:.0f}s")
+            conn.recv()
+
+    def __len__(self) -> int:
+        return len(self.conns)
+
+    def run(self, url: str, shares: list[list[dict]], concurrencies: list[int],
+            timeout: float, headers: dict) -> tuple[float, list[tuple]]:
+        """Runs share k on process k (blocking); returns (start time, per-process results)."""
+        start_at = time.monotonic() + self.START_DELAY_S
+        for conn, share, conc in zip(self.conns, shares, concurrencies):
+            conn.send((url, share, conc, timeout, headers, start_at))
+        return start_at, [conn.recv() for conn in self.conns[:len(shares)]]
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for p in self.procs:
+            p.join(5)
+            if p.is_alive():
+                p.terminate()
+        self.conns, self.procs = [], []
+
+
+_CLIENT_POOLS: dict[int, ClientPool] = {}
+
+
+def client_pool(procs: int) -> ClientPool:
+    """The run's pool of `procs` client processes (started on first use, closed at exit)."""
+    if procs not in _CLIENT_POOLS:
+        import atexit
+
+        if not _CLIENT_POOLS:
+            atexit.register(close_client_pools)
+        _CLIENT_POOLS[procs] = ClientPool(procs)
+    return _CLIENT_POOLS[procs]
+
+
+def close_client_pools() -> None:
+    while _CLIENT_POOLS:
+        _CLIENT_POOLS.popitem()[1].close()
 
 
 async def run_level(t: Target, prompts: list, concurrency: int, num_requests: int,
@@ -334,27 +417,21 @@ async def run_level(t: Target, prompts: list, concurrency: int, num_requests: in
     bodies = [request_body(t, prompts[i % len(prompts)], output_tokens)
               for i in range(num_requests)]
     procs = max(1, min(client_procs, concurrency, num_requests))
-    client_cpu = None
+    client_cpu = start_lag = None
     if procs == 1:
-        start = time.perf_counter()
-        results = await _run_requests(url, bodies, concurrency, timeout, headers)
-        wall = time.perf_counter() - start
+        results, started = await _run_requests(url, bodies, concurrency, timeout, headers)
+        wall = time.monotonic() - started
     else:
-        import concurrent.futures
-        import multiprocessing
-
+        pool = client_pool(procs)
         shares = [bodies[k::procs] for k in range(procs)]
         conc = [concurrency // procs + (k < concurrency % procs) for k in range(procs)]
-        start_at = time.monotonic() + 3.0  # after every process has started and imported
-        loop = asyncio.get_running_loop()
-        with concurrent.futures.ProcessPoolExecutor(
-                procs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            done = await asyncio.gather(*(loop.run_in_executor(
-                pool, _client_process, url, shares[k], conc[k], timeout, headers, start_at)
-                for k in range(procs)))
-        results = [r for rs, _, _ in done for r in rs]
-        wall = max(end for _, end, _ in done) - start_at
-        client_cpu = sum(cpu for _, _, cpu in done)
+        # In a thread, so that this loop (the server-metrics sampler) keeps running.
+        start_at, done = await asyncio.get_running_loop().run_in_executor(
+            None, pool.run, url, shares, conc, timeout, headers)
+        results = [r for rs, _, _, _ in done for r in rs]
+        wall = max(end for _, _, end, _ in done) - start_at
+        start_lag = max(started for _, started, _, _ in done) - start_at
+        client_cpu = sum(cpu for _, _, _, cpu in done)
 
     ok = [r for r in results if r["ok"]]
     out_tokens = 0
@@ -387,6 +464,8 @@ async def run_level(t: Target, prompts: list, concurrency: int, num_requests: in
     }
     if client_cpu is not None:
         level["client_cpu_s"] = round(client_cpu, 3)
+        # How late the last client process sent its first request (should be ~0).
+        level["client_start_lag_ms"] = round(1000 * start_lag, 2)
     return level
 
 
@@ -423,7 +502,7 @@ class ServerMetricsSampler:
     time goes: in the engine (server TTFT close to the client's) or in HTTP and the client
     (server TTFT much lower), and whether the engine had the whole concurrency running."""
 
-    def __init__(self, t: "Target", interval: float = 0.25) -> None:
+    def __init__(self, t: "Target", interval: float = 0.1) -> None:
         self.prefix = METRIC_PREFIX.get(t.kind)
         self.url = t.base_url.rsplit("/v1", 1)[0] + "/metrics"
         self.interval = interval

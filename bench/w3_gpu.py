@@ -46,9 +46,11 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_CONFIG = REPO / "bench" / "model_configs" / "qwen2.5-0.5b-instruct.json"
 DEFAULT_CONCURRENCY = [1, 8, 32, 64, 128, 256]
 DEFAULT_RAMP = [384, 512, 768, 1024]
-# The offline engine measures concurrency 64 first: it is the level of the "server within
-# 20% of the offline engine" target, so a time limit cannot cost it.
-OFFLINE_FIRST = 64
+# Every target measures concurrency 64 first: it is the level of the "server within 20% of
+# the offline engine" target and of the peer ratios, so a time limit cannot cost it, and a
+# slow peer's budget is not spent on low concurrencies first (whose rate, taken as the
+# estimate for the next level, would skip the rest).
+FIRST_LEVEL = 64
 
 from bench.gpu_check import SMOKE_CONFIG  # noqa: E402  (the same tiny model)
 
@@ -360,11 +362,24 @@ def fmt_level(label: str, lv: dict) -> str:
                if "server_ttft_ms_mean" in lv else ""))
 
 
+def estimated_rate(c: int, measured: dict[int, float]) -> float | None:
+    """Throughput to plan level c with: the rate of the largest measured level at or below
+    c (throughput grows with concurrency, so that overestimates the time), else the lowest
+    measured rate scaled down in proportion to c (it grows at most linearly)."""
+    below = [k for k in measured if k <= c]
+    if below:
+        return measured[max(below)]
+    if measured:
+        return min(rate * c / k for k, rate in measured.items())
+    return None
+
+
 def sweep(t: sb.Target, rec: Recorder, entry: dict, args, prompts: Prompts, budget: Budget,
           levels: list[int], out_tokens: int) -> float | None:
-    last = None
-    for c in levels:
-        n, why = plan_level(c, requests_at(args, c), out_tokens, last, budget.left())
+    measured: dict[int, float] = {}
+    for c in sorted(levels, key=lambda c: (c != FIRST_LEVEL, c)):
+        n, why = plan_level(c, requests_at(args, c), out_tokens, estimated_rate(c, measured),
+                            budget.left())
         if n is None:
             entry["levels"].append({"concurrency": c, "skipped": why})
             rec.save()
@@ -375,8 +390,8 @@ def sweep(t: sb.Target, rec: Recorder, entry: dict, args, prompts: Prompts, budg
         rec.save()
         log(fmt_level(t.label, lv))
         if lv.get("output_tok_per_s"):
-            last = lv["output_tok_per_s"]
-    return last
+            measured[c] = lv["output_tok_per_s"]
+    return measured[max(measured)] if measured else None
 
 
 def ramp(t: sb.Target, rec: Recorder, args, prompts: Prompts, budget: Budget,
@@ -522,7 +537,7 @@ def run_offline(args) -> int:
             engine.add_request(p, warm)
         while engine.has_unfinished_requests():
             engine.step()
-        order = sorted(args.concurrency, key=lambda c: (c != OFFLINE_FIRST, c))
+        order = sorted(args.concurrency, key=lambda c: (c != FIRST_LEVEL, c))
         last = None
         for c in order:
             n, why = plan_level(c, requests_at(args, c), args.output_tokens, last, budget.left())

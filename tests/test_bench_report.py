@@ -183,6 +183,17 @@ def test_w3_budget_shrinks_then_skips_levels():
     assert plan_level(8, 16, 128, None, 3)[0] is None                 # budget spent
 
 
+def test_w3_plans_lower_levels_from_a_higher_one_in_proportion():
+    """Concurrency 64 is measured first; a lower level's rate is then estimated down in
+    proportion to c (so a slow peer's low levels are not planned as if at 64's rate)."""
+    from bench.w3_gpu import estimated_rate
+
+    assert estimated_rate(8, {}) is None
+    assert estimated_rate(8, {64: 640.0}) == 80.0
+    assert estimated_rate(128, {64: 640.0}) == 640.0                 # at or below: as is
+    assert estimated_rate(32, {64: 640.0, 8: 200.0}) == 200.0
+
+
 def test_w3_prompts_are_fresh_per_request_and_shared_across_parts():
     """minivllm caches prefixes: no prompt may repeat within a part (warm-up included), and
     level c must get the same prompts in the server, offline and transformers parts."""

@@ -30,6 +30,13 @@ def test_level_counts_every_request_and_token(server, procs):
     assert level["client_procs"] == procs
     assert level["duration_s"] > 0 and level["ttft_ms_p50"] > 0
     assert ("client_cpu_s" in level) == (procs > 1)
+    assert ("client_start_lag_ms" in level) == (procs > 1)
+    if procs > 1:  # the pool's processes are kept for the next level and answer again
+        again = asyncio.run(sb.run_level(t, prompts, concurrency=4, num_requests=4,
+                                         output_tokens=3, timeout=60, headers={},
+                                         client_procs=procs))
+        assert again["completed"] == 4 and again["output_tokens"] == 12
+        assert sb.client_pool(procs) is sb.client_pool(procs)
 
 
 def test_server_metrics_sampler_reads_the_servers_view(server):
