@@ -51,6 +51,11 @@ DEFAULT_RAMP = [384, 512, 768, 1024]
 # slow peer's budget is not spent on low concurrencies first (whose rate, taken as the
 # estimate for the next level, would skip the rest).
 FIRST_LEVEL = 64
+# The warm-up ends with a burst of this many requests at once (capped by the part's largest
+# level), 8 output tokens each: prefills of that size compile their Triton kernels there,
+# not in the first measured level (on a fresh H200 the first c=64 level had a 495 ms mean
+# server TTFT after an 8-request warm-up).
+WARM_BURST = 64
 
 from bench.gpu_check import SMOKE_CONFIG  # noqa: E402  (the same tiny model)
 
@@ -176,7 +181,7 @@ class Prompts:
             total += max(requests_at(args, c), c)
         conv = (lambda ps: [list(p.encode("ascii")) for p in ps]) if as_tokens else list
         self.pool = conv(text_prompts(args, total, args.seed))
-        self.warm = conv(text_prompts(args, 16, args.seed + 1))
+        self.warm = conv(text_prompts(args, 2 + WARM_BURST, args.seed + 1))
 
     def at(self, c: int) -> list:
         return self.pool[self.offsets[c]:self._end(c)]
@@ -321,7 +326,8 @@ async def warm_up(t: sb.Target, prompts: Prompts, burst: int) -> list[str]:
         r = await sb.one_request_simple(t, prompts.warm[i], {})
         if not r["ok"]:
             errors.append(r["error"])
-    level = await sb.run_level(t, prompts.warm[2:], burst, burst, 8, 120, {})
+    level = await sb.run_level(t, prompts.warm[2:], burst, burst, 8, 120, {},
+                               client_procs=CLIENT_PROCS)  # starts the client pool too
     errors += level["errors"]
     return errors
 
@@ -475,7 +481,7 @@ def run_http_part(args, part: str) -> int:
         sb.discover(t, {})
         entry.update(model=t.model, info=t.info)
         try:
-            errs = asyncio.run(asyncio.wait_for(warm_up(t, prompts, min(8, max(levels))),
+            errs = asyncio.run(asyncio.wait_for(warm_up(t, prompts, min(WARM_BURST, max(levels))),
                                                 max(10.0, budget.left())))
         except asyncio.TimeoutError:
             errs = ["warm-up cut off by the time budget"]
@@ -533,7 +539,7 @@ def run_offline(args) -> int:
         entry["info"]["startup_s"] = round(time.monotonic() - t0, 1)
         params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
         warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        for p in prompts.warm[:8]:
+        for p in prompts.warm[:WARM_BURST]:  # as the server parts' warm-up burst
             engine.add_request(p, warm)
         while engine.has_unfinished_requests():
             engine.step()
