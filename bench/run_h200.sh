@@ -11,8 +11,8 @@
 #   offline   the offline engine (LLMEngine, same flags) on the same requests, c=64 first
 #                                                                             (limit T_OFFLINE)
 #   hf-cb     transformers serve --continuous-batching, same requests        (limit T_HF_CB)
-#   minivllm-api2  the same server with --api-servers 2 (two HTTP processes, one engine),
-#             no ramp                                                   (limit T_MINIVLLM_API2)
+#   minivllm-apiN  the same server with --api-servers N (N HTTP processes, one engine), e.g.
+#             minivllm-api2; no ramp                 (limit T_MINIVLLM_API, else T_MINIVLLM_API2)
 #   hf-plain  transformers serve without continuous batching (one request at a time), c=1
 #             and 8, one round each                                          (limit T_HF_PLAIN)
 #   gpu       bench.gpu_check w2,sweep,w1 then hf (W1, W2, decode sweep, HF generate peers);
@@ -140,14 +140,16 @@ run_gpu_check() {
 for part in "${PARTS[@]}"; do
   case $part in
     minivllm) run_part minivllm "${T_MINIVLLM:-170}" "${W3[@]}" minivllm "${COMMON[@]}" "${MV[@]}" "${EXTRA[@]}" ;;
-    minivllm-api2) run_part minivllm-api2 "${T_MINIVLLM_API2:-150}" "${W3[@]}" minivllm --label minivllm-api2 --ramp "${COMMON[@]}" "--minivllm-args=--api-servers 2 ${MINIVLLM_ARGS:-}" "${EXTRA[@]}" ;;
+    minivllm-api[0-9]*)
+      n=${part#minivllm-api}
+      run_part "$part" "${T_MINIVLLM_API:-${T_MINIVLLM_API2:-150}}" "${W3[@]}" minivllm --label "$part" --ramp "${COMMON[@]}" "--minivllm-args=--api-servers $n ${MINIVLLM_ARGS:-}" "${EXTRA[@]}" ;;
     offline)  run_part offline "${T_OFFLINE:-100}" "${W3[@]}" offline "${COMMON[@]}" "${MV[@]}" "${EXTRA[@]}" ;;
     hf-cb)    run_part hf-cb "${T_HF_CB:-160}" "${W3[@]}" transformers "${COMMON[@]}" "${TF[@]}" "${EXTRA[@]}" ;;
     hf-plain) run_part hf-plain "${T_HF_PLAIN:-90}" "${W3[@]}" transformers --plain --rounds 1 --min-requests 2 "${COMMON[@]}" "${TF[@]}" "${EXTRA[@]}" ;;
     gpu)
       run_gpu_check "${GPU_PERF_SECTIONS:-w2,sweep,w1}" "${T_GPU_PERF:-220}" MINIVLLM_COMPILE=0 GPU_CHECK_SKIP_COMPILE=1
       run_gpu_check "${GPU_HF_SECTIONS:-hf}" "${T_GPU_HF:-150}" ;;
-    *) say "unknown part $part (minivllm minivllm-api2 offline hf-cb hf-plain gpu)" ;;
+    *) say "unknown part $part (minivllm minivllm-apiN offline hf-cb hf-plain gpu)" ;;
   esac
 done
 
