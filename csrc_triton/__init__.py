@@ -321,11 +321,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cfg = _prefill_config(rows, D, k_cache.dtype, interpreted,
                           long_ctx=int(max_seq_len) >= 2 * int(max_query_len))
     block_d = _next_pow2(max(D, 16))
-    grid = (_cdiv(rows, cfg["BLOCK_M"]), num_seqs, Hkv)
+    # Tiles of the whole batch (every sequence's rows, plus one spare tile per sequence:
+    # see _kernels._tile_owner), not cdiv(rows, BLOCK_M) x num_seqs: a mixed step's
+    # decode rows and a graph's padding sequences no longer launch empty tiles.
+    grid = (T * gqa // cfg["BLOCK_M"] + num_seqs, Hkv)
     kern._prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
         float(scale) * _LOG2E,
         *_attention_strides(q, out, k_cache, v_cache, block_tables),
+        num_seqs,
         GQA=gqa, HEAD_DIM=D, BLOCK_SIZE=bs,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
         DOT_FP32=_dot_fp32(k_cache.dtype, interpreted),

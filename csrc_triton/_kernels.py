@@ -118,6 +118,24 @@ def _attn_tiles(
 
 
 @triton.jit
+def _tile_owner(query_start_loc_ptr, tile, num_seqs, GQA: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The sequence whose tiles include `tile`: the last i with first_tile(i) <= tile,
+    first_tile(i) = qsl[i] * GQA // BLOCK_M + i (binary search; strictly increasing in i).
+    Sequence i gets first_tile(i+1) - first_tile(i) >= cdiv(qlen_i * GQA, BLOCK_M) tiles,
+    as floor(b/M) - floor(a/M) + 1 >= ceil((b - a)/M); the surplus tiles, and those past
+    the last sequence's, find no rows and return."""
+    lo = tile * 0
+    hi = lo + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc_ptr + mid) * GQA // BLOCK_M + mid
+        below = first <= tile
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    return lo
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -127,30 +145,37 @@ def _prefill_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     stride_bts, stride_btn,
+    num_seqs,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     """Varlen causal attention over the paged cache.
 
-    grid = (cdiv(max_query_len * GQA, BLOCK_M), num_seqs, num_kv_heads).
+    grid = (num_tokens * GQA // BLOCK_M + num_seqs, num_kv_heads): one program
+    per row tile of the whole batch, not per (tile of the longest query,
+    sequence) pair, which in a mixed step of one prefill and many decodes (or
+    a CUDA graph padded to max_seqs sequences) launched mostly empty programs.
+    Sequence i owns the tiles from first_tile(i) = qsl[i] * GQA // BLOCK_M + i
+    on: at least as many as its query rows need (see _tile_owner).
     The M dimension packs (query token, head of the GQA group) pairs:
     row r of the flattened per-sequence index covers token r // GQA and
     query head kvh * GQA + r % GQA, so every K/V tile is loaded once for the
     whole GQA group.
     """
-    pid_m = tl.program_id(0)
-    seq = tl.program_id(1)
-    kvh = tl.program_id(2)
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
 
+    seq = _tile_owner(query_start_loc_ptr, tile, num_seqs, GQA, BLOCK_M)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_end = tl.load(query_start_loc_ptr + seq + 1)
     qlen = q_end - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - qlen
 
+    pid_m = tile - (q_start * GQA // BLOCK_M + seq)
     row0 = pid_m * BLOCK_M
-    if row0 >= qlen * GQA:
+    if (row0 < 0) | (row0 >= qlen * GQA):  # below: tiles before qsl[0] > 0
         return
 
     rows = row0 + tl.arange(0, BLOCK_M)

@@ -228,6 +228,35 @@ def test_prefill_non_identity_tables_and_out_arg():
     assert rel_err(out, ref) < 1e-4
 
 
+@pytest.mark.parametrize("hq,hkv", [(7, 1), (4, 2)])
+def test_prefill_tiles_of_a_padded_mixed_batch(hq, hkv):
+    """The prefill kernel's grid covers the batch's row tiles (plus one spare per
+    sequence), each program finding its sequence by binary search: a graph-style batch
+    with rows before qsl[0] and after qsl[-1], many decode rows, a prefill spanning
+    several tiles and qlen-0 padding sequences. Owned rows match the reference; rows of
+    no sequence are left as they were."""
+    gen = torch.Generator().manual_seed(31)
+    d, bs = 16, 4
+    seq_lens = [1, 30, 9, 1, 17, 5, 0, 0, 0]
+    q_lens = [1, 1, 9, 1, 1, 5, 0, 0, 0]
+    lead, tail = 3, 6
+    nb = sum(-(-s // bs) for s in seq_lens) + 4
+    k_cache, v_cache = make_cache(nb, bs, hkv, d, torch.float32, gen)
+    bt = make_block_tables(seq_lens, bs, nb, gen)
+    T = lead + sum(q_lens) + tail
+    q = torch.randn(T, hq, d, generator=gen).to(DEVICE)
+    starts = [lead + sum(q_lens[:i]) for i in range(len(q_lens) + 1)]
+    qsl = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, k_cache, v_cache, bt, sl, qsl, d ** -0.5, max(q_lens), max(seq_lens),
+                    out=out)
+    ref = ref_attention(q, k_cache, v_cache, bt, sl, qsl, d ** -0.5)
+    owned = slice(starts[0], starts[-1])
+    assert rel_err(out[owned], ref[owned]) < 1e-4
+    assert torch.isnan(out[:lead]).all() and torch.isnan(out[starts[-1]:]).all()
+
+
 def test_store_then_prefill_roundtrip():
     """store_kv_cache the new tokens of a chunk, then attend over them."""
     gen = torch.Generator().manual_seed(6)
