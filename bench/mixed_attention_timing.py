@@ -1,8 +1,10 @@
 """Time the attention kernels on the shape of a mixed-step CUDA graph (GPU only).
 
-A server under load runs many mixed steps: a few decode rows plus one new prompt, padded
-to a token bucket and to max_num_seqs sequences. This times one layer's paged_attention on
-that shape (Qwen2.5-0.5B heads) beside paged_attention_decode on the decode rows alone.
+A server under load runs many mixed steps: decode rows plus one new prompt, padded to a
+token bucket and to max_num_seqs sequences. This times one layer's paged_attention on that
+padded shape (Qwen2.5-0.5B heads), on the same batch unpadded, and paged_attention_decode on
+the decode rows alone. Each is captured in a CUDA graph and replayed, so the numbers are
+device time, not Python launch overhead (an eager loop measured the host).
 
     python -m bench.mixed_attention_timing [--out FILE]
 """
@@ -37,22 +39,32 @@ def main(argv=None) -> int:
     sl = torch.tensor(seq_lens, device=dev, dtype=torch.int32)
 
     def timed(fn, n=200) -> float:
-        for _ in range(10):
+        fn()  # compile
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
             fn()
+        for _ in range(10):
+            graph.replay()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(n):
-            fn()
+            graph.replay()
         end.record()
         torch.cuda.synchronize()
         return 1000 * start.elapsed_time(end) / n  # us
 
+    real = decodes + 1
+    n_tok = decodes + prompt
     res = {
         "shape": {"heads": [hq, hkv, d], "max_seqs": max_seqs, "bucket": bucket,
                   "decode_rows": decodes, "prompt_tokens": prompt, "max_seq_len": max_len},
         "mixed_graph_shape_us": timed(lambda: paged_attention(
             q, k, v, bt, sl, qsl, d ** -0.5, bucket, max_len)),
+        "mixed_unpadded_us": timed(lambda: paged_attention(
+            q[:n_tok], k, v, bt[:real], sl[:real], qsl[:real + 1], d ** -0.5, prompt,
+            max(seq_lens))),
         "decode_rows_alone_us": timed(lambda: paged_attention_decode(
             q[:decodes], k, v, bt[:decodes], sl[:decodes], d ** -0.5, max_len)),
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -362,20 +362,31 @@ class Report:
             hf = self.res.in_run("hf", r.run)
         rows = []
         best = None
+        our_slice = None  # minivllm on the slice of W1 that HF generate_batch runs
         if r is not None:
             runs = [x for x in r.data.get("rows", []) if x.get("output_tok_per_s")]
-            best = max((x["output_tok_per_s"] for x in runs), default=None)
-            for x in runs:
+            full = [x for x in runs if not x.get("workload")]
+            best = max((x["output_tok_per_s"] for x in full), default=None)
+            for x in full:
                 rows.append([f"{x['engine']} (run {x.get('run')})", x["output_tok_per_s"],
                              x.get("seconds"), x.get("preemptions"), "-", "full W1"])
+            for x in runs:
+                if x.get("workload"):
+                    our_slice = x
+                    rows.append([x["engine"], x["output_tok_per_s"], x.get("seconds"),
+                                 x.get("preemptions", "-"), "-", x["workload"]])
         peer = next((x for x in (hf.data.get("rows", []) if hf else [])
                      if "generate_batch" in x.get("engine", "")), None)
+        # A peer on a slice is compared with minivllm on the same slice where the run has it.
+        ours_vs_peer = best
+        if peer is not None and peer.get("workload") and our_slice is not None:
+            ours_vs_peer = our_slice["output_tok_per_s"]
         if peer is not None:
             if "error" in peer:
                 rows.append([peer["engine"], "failed", "-", "-", "-", peer["error"][:80]])
             else:
                 rows.append([peer["engine"], peer.get("output_tok_per_s"), peer.get("seconds"),
-                             "-", ratio(best, peer.get("output_tok_per_s"))
+                             "-", ratio(ours_vs_peer, peer.get("output_tok_per_s"))
                              if r is not None else "-", peer.get("workload", "")])
         if rows:
             self.p(table(["engine", "output tok/s", "seconds", "preemptions",
@@ -384,16 +395,21 @@ class Report:
             self.not_measured("W1 peer HF generate_batch", "no generate_batch row in the run")
         if r is not None:
             self.p(f"\n{provenance(r.env, model_of(r), self.src(r))}")
+            peer_label = peer and f"{peer['engine']} ({peer.get('workload', 'W1')})"
             self.headline["W1"] = {
                 "ours": best and ("minivllm", best), "env": r.env,
-                "peers": ({f"{peer['engine']} ({peer.get('workload', 'W1')})":
-                           peer.get("output_tok_per_s")} if peer and "error" not in peer
-                          else {}),
-                "expected": [] if peer and "error" not in peer else ["HF generate_batch"]}
+                "peers": ({peer_label: peer.get("output_tok_per_s")}
+                          if peer and "error" not in peer else {}),
+                "expected": [] if peer and "error" not in peer else ["HF generate_batch"],
+                # minivllm's own number on a peer's slice, shown and used for its ratio
+                "ours_on_slice": ({peer_label: (our_slice["workload"], ours_vs_peer)}
+                                  if peer and our_slice is not None and ours_vs_peer != best
+                                  else {})}
         elif hf is not None and peer is not None:
             self.p(f"\nHF only: {provenance(hf.env, model_of(hf), self.src(hf))}")
         self.p("\nThe HF generate_batch row runs a slice of W1 (its `workload` column): at HF's "
-               "speed the full W1 takes minutes; its ratio compares output tokens/s.")
+               "speed the full W1 takes minutes. Its ratio is to minivllm on the same slice "
+               "where the run has that row, else to minivllm's best full W1.")
 
     def _newer_note(self, section: str, shown: Result | None, key: str) -> None:
         """Say so when a newer run of `section` exists than the one shown with its peers."""
@@ -575,10 +591,12 @@ class Report:
     def w3_ratios(self, targets: list, env: dict) -> None:
         by = {t["label"]: {lv["concurrency"]: lv for lv in t.get("levels", [])
                            if lv.get("output_tok_per_s")} for t, _ in targets}
+        self.w3_api_servers_vs_offline(by)
         server = by.get("minivllm")
         if not server:
             return
-        peers = [k for k in by if k != "minivllm"]
+        variants = sorted(k for k in by if k.startswith("minivllm-api"))  # --api-servers N
+        peers = [k for k in by if k != "minivllm" and k not in variants]
         cs = sorted(server)
         rows = []
         for c in cs:
@@ -594,6 +612,7 @@ class Report:
         off = by.get("minivllm-offline", {})
         c = W3_TARGET_CONCURRENCY
         head = {"env": env, "server": server.get(c, {}).get("output_tok_per_s"),
+                "variants": {k: by[k][c]["output_tok_per_s"] for k in variants if c in by[k]},
                 "offline": off.get(c, {}).get("output_tok_per_s"), "peers": {},
                 "best_server": max(lv["output_tok_per_s"] for lv in server.values()),
                 "best_server_c": max(server.values(),
@@ -623,6 +642,18 @@ class Report:
             # numbers, so each ratio stays within one run) from the newest run that has.
             self.headline["W3"]["peers"] = head["peers"]
             self.headline["W3"]["peers_commit"] = env.get("git_commit", "?")
+
+    def w3_api_servers_vs_offline(self, by: dict) -> None:
+        """The server with several HTTP processes (--api-servers N, label minivllm-apiN)
+        against the offline engine of the same run, at the target concurrency."""
+        c = W3_TARGET_CONCURRENCY
+        offline = by.get("minivllm-offline", {}).get(c, {}).get("output_tok_per_s")
+        for k in sorted(x for x in by if x.startswith("minivllm-api")):
+            got = by[k].get(c, {}).get("output_tok_per_s")
+            if got and offline:
+                self.p(f"\n`{k}` (`--api-servers {k[len('minivllm-api'):]}`) vs offline "
+                       f"engine at concurrency {c}: {fmt(got)} vs {fmt(offline)} tok/s = "
+                       f"{100 * got / offline:.0f}%.")
 
     def w3_ramp(self, rs: list[Result], targets: list) -> None:
         ramp = next((r.data["ramp"] for r in rs if r.data.get("ramp")), None)
@@ -677,7 +708,11 @@ class Report:
             rows.append([name, label, fmt(v), "-"])
             for peer in h["expected"] + [k for k in h["peers"] if k not in h["expected"]]:
                 pv = h["peers"].get(peer)
-                rows.append([name, peer, fmt(pv) if pv else NOT_MEASURED, ratio(v, pv)])
+                mine = v
+                if peer in h.get("ours_on_slice", {}):
+                    work, mine = h["ours_on_slice"][peer]
+                    rows.append([name, f"minivllm ({work})", fmt(mine), "-"])
+                rows.append([name, peer, fmt(pv) if pv else NOT_MEASURED, ratio(mine, pv)])
         c = W3_TARGET_CONCURRENCY
         name = f"W3 serving (GPU), out tok/s at c={c}"
         if not w3 or not w3.get("server"):
@@ -689,6 +724,9 @@ class Report:
                          fmt(off) if off else NOT_MEASURED,
                          ratio(w3["server"], off) + (" (server ÷ offline; target >= 0.80x)"
                                                      if off else "")])
+            for k, v in w3.get("variants", {}).items():
+                rows.append([name, f"minivllm server --api-servers {k[len('minivllm-api'):]}",
+                             fmt(v), ratio(v, off) + " (÷ offline)" if off else "-"])
             for peer in ["transformers-cb", "transformers"] + [
                     k for k in w3["peers"] if k not in ("transformers-cb", "transformers")]:
                 title = {"transformers-cb": "transformers serve --continuous-batching",

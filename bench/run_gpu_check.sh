@@ -13,6 +13,8 @@
 #   hf      HF peers: generate eager, generate_batch, static cache + compile
 #   profile top kernels of eager decode steps (torch.profiler), batch 1 and 64
 #   kernels bench/kernel_check.py: the attention kernels vs the reference, bandwidth
+#   mixed-attn  bench/mixed_attention_timing.py: attention on a padded mixed-step graph's
+#           shape vs unpadded vs decode rows alone (CUDA-graph replays)
 #   s:A,B   the named bench.gpu_check sections (no torch.compile), e.g. s:w2
 # Usage (on the GPU machine, from the repo root): bash bench/run_gpu_check.sh [GROUP ...]
 set -u
@@ -66,6 +68,10 @@ print(' '.join(f'{k}={v}' for k, v in FEATURES['$f'][1].items()))")
       timeout "$(budget "${T_KERNELS:-200}")" python3 bench/kernel_check.py --out "$RES/kernel_check.json" \
         >"$RES/kernel_check.log" 2>&1
       echo "[kernels] exit $?" | tee -a "$RES/gpu_check.log"; tail -5 "$RES/kernel_check.log" ;;
+    mixed-attn)
+      timeout "$(budget "${T_MIXED_ATTN:-60}")" python3 -m bench.mixed_attention_timing \
+        --out "$RES/mixed_attention_timing.json" >"$RES/mixed_attention_timing.log" 2>&1
+      echo "[mixed-attn] exit $?" | tee -a "$RES/gpu_check.log"; tail -12 "$RES/mixed_attention_timing.log" ;;
     s:*) run "${T_SECTIONS:-120}" "${g#s:}" MINIVLLM_COMPILE=0 GPU_CHECK_SKIP_COMPILE=1 ;;
     *) echo "unknown group $g" ;;
   esac
