@@ -278,14 +278,15 @@ def child_env() -> dict:
     return env
 
 
-def launch(label: str, cmd: list[str], kind: str, log_dir: Path, pid_file: Path) -> sb.Target:
+def launch(label: str, cmd: list[str], kind: str, log_dir: Path, pid_file: Path,
+           env: dict | None = None) -> sb.Target:
     port = sb.free_port()
     cmd = cmd + ["--host", "127.0.0.1", "--port", str(port)]
     t = sb.Target(label=label, kind=kind, base_url=f"http://127.0.0.1:{port}/v1",
                   launch_cmd=cmd, log_path=log_dir / f"{label}.log")
     log(f"launching {label}: {shlex.join(cmd)}")
     t.proc = subprocess.Popen(cmd, stdout=open(t.log_path, "w"), stderr=subprocess.STDOUT,
-                              env=child_env(), start_new_session=True)
+                              env={**child_env(), **(env or {})}, start_new_session=True)
     # run_h200.sh ends this process group if this script itself gets killed.
     pid_file.write_text(str(t.proc.pid))
     return t
@@ -338,6 +339,7 @@ CLIENT_PROCS = 1  # set from --client-procs
 async def measure(t: sb.Target, prompts: list, c: int, n: int, out_tokens: int,
                   left: float) -> dict:
     cpu0 = time.process_time()
+    window0 = time.monotonic()
     server = sb.ServerMetricsSampler(t)
     with sb.GpuMemorySampler() as gpu:
         try:
@@ -349,6 +351,7 @@ async def measure(t: sb.Target, prompts: list, c: int, n: int, out_tokens: int,
                      "errors": [f"level cut off by the time budget after {left:.0f}s"],
                      "timed_out": True}
     level["peak_gpu_mem_gib"] = gpu.peak_gib
+    level["window_monotonic"] = [round(window0, 6), round(time.monotonic(), 6)]
     level.update(server.result)  # the server's own TTFT, queue time, running/waiting
     # CPU seconds of the client per second of the level, over all its processes; near
     # 1.0 per process means the client may be the limit.
@@ -356,6 +359,34 @@ async def measure(t: sb.Target, prompts: list, c: int, n: int, out_tokens: int,
         cpu = level.get("client_cpu_s", time.process_time() - cpu0)
         level["client_cpu_share"] = round(cpu / level["duration_s"], 2)
     return level
+
+
+def add_engine_trace(rec: Recorder, entry: dict, trace_path: Path) -> None:
+    """Each level's slice of the engine process's step trace (written when the server
+    stopped): steps by kind and their times, the loop's time between steps, and the time
+    from a request's arrival in the frontend to the engine reading it."""
+    from bench import engine_trace
+
+    if not trace_path.exists():
+        entry.setdefault("info", {})["engine_trace"] = "not written"
+        return
+    try:
+        trace = engine_trace.load(trace_path)
+    except ValueError as e:
+        entry.setdefault("info", {})["engine_trace"] = f"unreadable: {e}"
+        return
+    entry.setdefault("info", {})["engine_trace"] = trace_path.name
+    levels = entry.get("levels", []) + rec.payload.get("ramp", {}).get("levels", [])
+    for lv in levels:
+        if lv.get("window_monotonic"):
+            lv["engine"] = e = engine_trace.summarize(trace, *lv["window_monotonic"])
+            paths = ", ".join(f"{k} {v['share']:.0%} x {v['mean_ms']} ms"
+                              for k, v in e.get("by_path", {}).items())
+            log(f"engine at c={lv['concurrency']}: {e['iterations']} iterations ({paths}); "
+                f"in steps {e.get('in_step_share')}, between steps "
+                f"{e.get('between_steps_ms_mean')} ms; arrival to engine "
+                f"{e.get('add_arrival_to_engine_ms_mean')} ms")
+    rec.save()
 
 
 def fmt_level(label: str, lv: dict) -> str:
@@ -453,6 +484,7 @@ def run_http_part(args, part: str) -> int:
     rec = Recorder(out, args, part)
     entry = rec.target(label=label, kind=kind, launch_cmd=None, info={})
     t = None
+    trace_path = None
     try:
         if part == "minivllm":
             cmd = [sys.executable, "-m", "minivllm.server", "--disable-log-requests",
@@ -474,7 +506,12 @@ def run_http_part(args, part: str) -> int:
                     else ["--device", "cuda", "--dtype", "bfloat16"])
             cmd += shlex.split(args.transformers_args)
             prompts = Prompts(args, as_tokens=False)
-        t = launch(label, cmd, kind, log_dir, pid_file)
+        trace_env = {}
+        if part == "minivllm":  # the engine process's step trace, cut into levels at the end
+            trace_path = log_dir / f"engine_trace_{label}.json"
+            trace_path.unlink(missing_ok=True)
+            trace_env = {"MINIVLLM_ENGINE_TRACE": str(trace_path)}
+        t = launch(label, cmd, kind, log_dir, pid_file, trace_env)
         entry["launch_cmd"] = shlex.join(t.launch_cmd)
         entry["base_url"] = t.base_url
         wait_ready(t, max(10.0, budget.left()))
@@ -502,6 +539,8 @@ def run_http_part(args, part: str) -> int:
         if t is not None:
             stop(t)
             pid_file.unlink(missing_ok=True)
+        if trace_path is not None:
+            add_engine_trace(rec, entry, trace_path)
         if t is not None and t.log_path is not None and t.log_path.exists():
             entry["server_log_tail"] = t.log_path.read_text(errors="replace")[-2000:]
         rec.save()
@@ -616,11 +655,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default minivllm: the one the report compares with the offline "
                         "engine).")
     p.add_argument("--client-procs", type=int, default=None,
-                   help="Client processes per level (default: a quarter of the CPUs, at most "
-                        "4; 1 on a machine of 4 CPUs or fewer).")
+                   help="Client processes per level (default: 3/8 of the CPUs, at most 8: "
+                        "6 on the 16-CPU H200 host, where 4 processes were each ~75%% busy "
+                        "at c=64; 1 on a machine of 5 CPUs or fewer).")
     args = p.parse_args(argv)
     if args.client_procs is None:
-        args.client_procs = max(1, min(4, (os.cpu_count() or 1) // 4))
+        args.client_procs = max(1, min(8, (os.cpu_count() or 1) * 3 // 8))
     smoke = args.smoke
     if args.concurrency is None:
         args.concurrency = [1, 2, 4] if smoke else DEFAULT_CONCURRENCY

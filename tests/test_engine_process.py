@@ -137,3 +137,31 @@ def test_killed_engine_process_fails_requests_and_health(chat_dir):
             assert r.status_code >= 500 and "error" in r.json()
         with pytest.raises(EngineDeadError):
             s.engine.submit(engine_idle)
+
+
+def test_engine_process_step_trace(chat_dir, tmp_path, monkeypatch):
+    """MINIVLLM_ENGINE_TRACE: the engine process writes its loop's trace when it ends; the
+    benchmark's summary counts every added request and names each step's path."""
+    from bench import engine_trace
+
+    path = tmp_path / "trace.json"
+    monkeypatch.setenv("MINIVLLM_ENGINE_TRACE", str(path))
+    engine = AsyncLLMEngine(_config(chat_dir), engine_process=True)
+    try:
+        t0 = time.monotonic()
+        asyncio.run(_collect(engine))
+        t1 = time.monotonic()
+    finally:
+        engine.stop()
+    trace = engine_trace.load(path)
+    whole = engine_trace.summarize(trace)
+    assert whole["adds"] == len(REQUESTS)  # one add per request
+    assert whole["add_arrival_to_engine_ms_mean"] >= 0
+    steps = sum(v["count"] for v in whole["by_path"].values())
+    assert steps == whole["iterations"] > 0
+    # On the CPU every launched step is eager (no graphs); a token was sampled each time.
+    assert set(whole["by_path"]) <= {"eager", "no_launch"}
+    assert whole["by_path"]["eager"]["tokens_mean"] >= 1
+    window = engine_trace.summarize(trace, t0, t1)
+    assert 0 < window["iterations"] <= whole["iterations"]
+    assert engine_trace.summarize(trace, t1 + 100, t1 + 200) == {"iterations": 0}

@@ -8,10 +8,12 @@ outputs travel.
 from __future__ import annotations
 
 import logging
+import time
 
 from .engine_core import EngineCore
 from .llm_engine import LLMEngine, freeze_startup_objects
 from .output_codec import OutputEncoder, encode_events
+from .step_trace import StepTrace
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +65,13 @@ def run_engine_process(config, conns, log_level: int = logging.INFO) -> None:
     encoder = OutputEncoder()
     owner: dict[str, int] = {}  # request id -> index of the frontend that added it
     live = set(range(len(conns)))
+    trace = StepTrace.from_env()
+    runner = getattr(core.engine, "runner", None)
     try:
         while live:
             if not core.has_work():
                 wait([conns[k] for k in live])  # idle: sleep until a command arrives
+            woke = time.monotonic() if trace else 0.0
             commands, leaving = [], []
             for k in sorted(live):
                 try:
@@ -82,6 +87,8 @@ def run_engine_process(config, conns, log_level: int = logging.INFO) -> None:
                     continue
                 if command[0] == "add":
                     owner[command[1]] = k
+                    if trace:
+                        trace.add_received(command[5])
                 elif command[0] == "call":
                     command = (*command[:2], _unpickle_call(command[2]))
                 events: list = []
@@ -101,7 +108,12 @@ def run_engine_process(config, conns, log_level: int = logging.INFO) -> None:
             if not live:
                 break
             events = []
+            if trace and runner is not None:
+                read, runner.last_step = time.monotonic(), None
             outputs = core.step(events) if core.has_work() else None
+            if trace and runner is not None:
+                trace.step(woke, read, time.monotonic(), len(commands),
+                           runner.last_step if outputs is not None else None)
             _route(events, owner, None, out)
             snapshot = core.snapshot()
             busy = set(owner.values())
@@ -116,6 +128,12 @@ def run_engine_process(config, conns, log_level: int = logging.INFO) -> None:
         logger.exception("The engine process died")
         for conn in conns:
             _send_quietly(conn, ("dead", _picklable_error(e)))
+    finally:
+        if trace:
+            try:
+                trace.dump()
+            except OSError as e:
+                logger.warning("Could not write the engine trace: %r", e)
 
 
 def _route(events: list, owner: dict[str, int], default: int | None,

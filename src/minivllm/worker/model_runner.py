@@ -127,6 +127,8 @@ class ModelRunner:
         self.sampler = Sampler(model_cfg.vocab_size, device, engine_cfg.seed)
         self.graph_runner: DecodeGraphRunner | None = None
         self.mixed_runner: MixedGraphRunner | None = None
+        # (path, tokens, sequences) of the last step launched, for the engine's step trace.
+        self.last_step: tuple[str, int, int] | None = None
         # The torch reference backend reads lengths on the host: it cannot be captured.
         if device.type == "cuda" and not engine_cfg.enforce_eager and attention_backend == "triton":
             self._setup_graphs()
@@ -296,14 +298,17 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepResult:
         if (self.graph_runner is not None and batch.is_decode_only
                 and self.graph_runner.can_run(len(batch))):
+            self.last_step = ("decode_graph", len(batch), len(batch))
             return self._execute_decode_graph(batch)
         host = self.host_inputs(batch)
         if (self.mixed_runner is not None and not host.prompt_lp_spans and host.sample_indices
                 and self.mixed_runner.can_run(len(host.input_ids), len(host.seq_lens),
                                               len(host.sample_indices))):
+            self.last_step = ("mixed_graph", len(host.input_ids), len(host.seq_lens))
             logits, greedy = self.mixed_runner.run(host)
             return StepResult(host.row_seqs, self.sampler(logits, host.row_seqs, greedy),
                               [])
+        self.last_step = ("eager", len(host.input_ids), len(host.seq_lens))
         return self._execute_eager(self.prepare(batch, host))
 
     @torch.inference_mode()
@@ -327,6 +332,7 @@ class ModelRunner:
         the batch's input tokens are the ones `prev` sampled (their host copies may still
         be in flight): every sequence of the batch must have been in `prev`."""
         seqs = batch.seqs
+        self.last_step = ("decode_pipelined", len(seqs), len(seqs))
         lens = [len(s.token_ids) for s in seqs]
         tables = [s.block_table for s in seqs]
         if prev is None:
