@@ -292,13 +292,16 @@ class Report:
                 self.not_measured(names[sec], why)
                 continue
             rows = []
-            for row in r.data.get("rows", []):
+            data_rows = r.data.get("rows", [])
+            with_ref = any("reference" in row for row in data_rows)
+            for row in data_rows:
                 div = [d for d in row.get("first_divergence", []) if d is not None]
-                rows.append([row.get("model"), row.get("dtype"),
-                             f"{row.get('identical')}/{row.get('total')}",
-                             ", ".join(map(str, div)) if div else "none"])
-            self.p(table(["model config", "dtype", "identical prompts",
-                          "first divergence (token index)"], rows))
+                rows.append([row.get("model"), row.get("dtype")]
+                            + ([row.get("reference", "enforce_eager engine")] if with_ref else [])
+                            + [f"{row.get('identical')}/{row.get('total')}",
+                               ", ".join(map(str, div)) if div else "none"])
+            self.p(table(["model config", "dtype"] + (["compared with"] if with_ref else [])
+                         + ["identical prompts", "first divergence (token index)"], rows))
             self.p(f"\n{r.data.get('new_tokens', '?')} new tokens per prompt. "
                    f"{provenance(r.env, 'dummy weights', self.src(r))}")
 
