@@ -681,8 +681,15 @@ class Report:
                    f"{lv['concurrency']}: {fmt(lv.get('output_tok_per_s'))} tok/s, "
                    f"{lv.get('failures')} failed" for lv in ramp.get("levels", []))
                + f". Server flags: `{ramp.get('server_args', '')}`.")
-        if "W3" in self.headline:
-            self.headline["W3"]["max_concurrency"] = mx
+        if "W3" in self.headline and mx is not None:
+            # Runs come newest first: the headline keeps the newest run's ramp, and the
+            # largest concurrency any run held, with where it was measured.
+            h = self.headline["W3"]
+            if "max_concurrency" not in h:
+                h["max_concurrency"], h["max_concurrency_how"] = mx, tail
+            best = h.get("max_concurrency_any")
+            if best is None or mx > best[0]:
+                h["max_concurrency_any"] = (mx, rel(rs[0].path.parent, self.base))
 
     # -- W4 --
 
@@ -751,8 +758,12 @@ class Report:
                                                    f"commit {e.get('git_commit', '?')}"
                                                    for e in envs})))
         if w3 and w3.get("max_concurrency") is not None:
+            any_run = w3.get("max_concurrency_any")
+            more = (f"; {any_run[0]} in `{any_run[1]}`" if any_run
+                    and any_run[0] > w3["max_concurrency"] else "")
             lines.append(f"\nW3: largest concurrency with no failed request: "
-                         f"{w3['max_concurrency']}; best server throughput "
+                         f"{w3['max_concurrency']} in the newest run ({w3['max_concurrency_how']})"
+                         f"{more}; best server throughput "
                          f"{fmt(w3['best_server'])} tok/s at c={w3['best_server_c']}.")
         return lines
 
