@@ -640,11 +640,14 @@ class Report:
                               "the run lacks one of the two")
         if env.get("gpu") and "W3" not in self.headline:
             self.headline["W3"] = head
-        elif env.get("gpu") and not self.headline["W3"]["peers"] and head["peers"]:
-            # The newest run had no HF peers: take them (with that run's own minivllm
-            # numbers, so each ratio stays within one run) from the newest run that has.
-            self.headline["W3"]["peers"] = head["peers"]
-            self.headline["W3"]["peers_commit"] = env.get("git_commit", "?")
+        elif env.get("gpu"):
+            # A peer the newest run lacks comes from the newest run that has it, with that
+            # run's own minivllm number, so each ratio stays within one run.
+            for k, v in head["peers"].items():
+                if k not in self.headline["W3"]["peers"]:
+                    self.headline["W3"]["peers"][k] = v
+                    self.headline["W3"].setdefault("peers_commit", {})[k] = (
+                        env.get("git_commit", "?"))
 
     def w3_api_servers_vs_offline(self, by: dict) -> None:
         """The server with several HTTP processes (--api-servers N, label minivllm-apiN)
@@ -746,9 +749,9 @@ class Report:
                     continue
                 at, pv, sv = w3["peers"][peer]
                 where = "" if at == c else f" (at c={at}, where both were measured)"
-                if w3.get("peers_commit"):
-                    where += (f" (ratio to that run's server, commit {w3['peers_commit']}: "
-                              f"{fmt(sv)} tok/s)")
+                if peer in w3.get("peers_commit", {}):
+                    where += (f" (another run: ratio to that run's server, commit "
+                              f"{w3['peers_commit'][peer]}: {fmt(sv)} tok/s)")
                 rows.append([name, title + where, fmt(pv), ratio(sv, pv)])
         rows.append(["W3", "vLLM", NOT_MEASURED + " (cannot be installed on our H200)", "-"])
         lines = [table(["workload", "engine", "value", "minivllm ÷ engine"], rows)]
