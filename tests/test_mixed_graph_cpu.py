@@ -24,7 +24,7 @@ def _attach(llm, max_tokens):
     runner.mixed_runner.capture()
     calls = []
     orig = runner.mixed_runner.run
-    runner.mixed_runner.run = lambda host: calls.append(len(host.input_ids)) or orig(host)
+    runner.mixed_runner.run = lambda host, *a: calls.append(len(host.input_ids)) or orig(host, *a)
     return calls
 
 

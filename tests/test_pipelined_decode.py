@@ -107,3 +107,75 @@ def test_pipelined_streaming_text_and_stop_strings(tiny_text_model_dir, monkeypa
     for a, b in zip(seen, seen[1:]):
         assert b.startswith(a)
     assert any(launches)
+
+
+def _with_mixed_runner(llm, max_tokens=32):
+    from minivllm.worker.mixed_graph_runner import MixedGraphRunner
+
+    runner, cfg = llm.engine.runner, llm.engine.config
+    runner.mixed_runner = MixedGraphRunner(
+        runner.model, runner.kv_cache.layers, max_tokens=max_tokens, max_seqs=cfg.max_num_seqs,
+        max_blocks=cfg.max_blocks_per_seq(), max_model_len=cfg.max_model_len,
+        device=torch.device("cpu"), use_graphs=False)
+    mixed_ahead = []
+    orig = runner._launch_mixed
+    runner._launch_mixed = lambda batch, prev: mixed_ahead.append(prev is not None) or orig(
+        batch, prev)
+    return mixed_ahead
+
+
+def _staggered(eng, arrivals, steps_between=3):
+    """Add each group of (request id, prompt, params) a few steps after the previous one,
+    then run to the end; returns the final outputs by request id."""
+    final = {}
+    for group in arrivals:
+        for rid, prompt, params in group:
+            eng.add_request(prompt, params, request_id=rid)
+        for _ in range(steps_between):
+            for o in eng.step():
+                if o.finished:
+                    final[o.request_id] = o
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                final[o.request_id] = o
+    assert not eng.step()  # reads back a step still pending for finished sequences
+    return final
+
+
+def test_new_requests_join_pending_decodes_in_a_mixed_step(tiny_model_dirs, monkeypatch):
+    """Requests arriving while decode steps are in flight join them in a mixed step that is
+    launched ahead too (its decode rows read their tokens on the device): the outputs equal
+    step-by-step decoding's, with stops, seeded sampling, a prompt longer than the largest
+    bucket (that step reads the pending step first) and a request that is not pipelinable."""
+    prompts = random_prompts(9, 256, 3, 14, seed=41)
+    long_prompt = random_prompts(1, 256, 40, 40, seed=42)[0]  # > 32 tokens: no mixed graph
+    free = _llm(tiny_model_dirs["llama"], monkeypatch, False)[0].generate(
+        prompts[:2], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        use_tqdm=False)
+    stop_id = free[1].outputs[0].token_ids[5]
+    greedy = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    arrivals = [
+        [("a0", prompts[0], greedy), ("a1", prompts[1], SamplingParams(
+            temperature=0.0, max_tokens=14, stop_token_ids=[stop_id]))],
+        [("b0", prompts[2], greedy),
+         ("b1", prompts[3], SamplingParams(temperature=0.9, seed=5, max_tokens=10,
+                                           ignore_eos=True))],
+        [("c0", prompts[4], greedy), ("c1", long_prompt, greedy)],
+        [("d0", prompts[5], SamplingParams(temperature=0.0, max_tokens=8, logprobs=1,
+                                           ignore_eos=True)), ("d1", prompts[6], greedy)],
+        [("e0", prompts[7], greedy), ("e1", prompts[8], greedy)],
+    ]
+    results = {}
+    for pipelined in (False, True):
+        llm, _ = _llm(tiny_model_dirs["llama"], monkeypatch, pipelined)
+        mixed_ahead = _with_mixed_runner(llm)
+        results[pipelined] = _staggered(llm.engine, arrivals)
+        assert llm.engine.scheduler.pool.all_free() and llm.engine._pending is None
+    for rid, want in results[False].items():
+        got = results[True][rid]
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids, rid
+        assert got.outputs[0].finish_reason == want.outputs[0].finish_reason, rid
+        assert PLACEHOLDER_TOKEN not in got.outputs[0].token_ids
+    assert len(results[True]) == 10
+    assert any(mixed_ahead)  # some mixed steps were launched with decodes still in flight

@@ -208,8 +208,9 @@ class LLMEngine:
             return self._step_pipelined(batch)
         touched = []
         if self._pending is not None:
-            # Not expected (checked before scheduling), but safe: read the pending step,
-            # then drop the sequences that it finished from this batch.
+            # A batch that cannot be launched ahead (e.g. a mixed step past the largest
+            # graph bucket): read the pending step, then drop the sequences that it
+            # finished from this batch.
             touched = self._resolve_pending()
             keep = [i for i, s in enumerate(batch.seqs) if not s.is_finished]
             batch.seqs = [batch.seqs[i] for i in keep]
@@ -259,18 +260,30 @@ class LLMEngine:
         return all(self._seq_can_pipeline(s) for s in batch.seqs)
 
     def _pipeline_can_continue(self) -> bool:
-        """Whether the next batch will be a decode of sequences from the pending step
-        (checked before scheduling, since scheduling over placeholders commits to it)."""
+        """Whether the next batch can be launched before the pending step is read: every
+        running sequence was in that step and can pipeline, and any request that may be
+        admitted now can join them in a mixed step launched ahead (a fresh one that can
+        pipeline; a preempted one still waits for its in-flight token). Checked before
+        scheduling, since scheduling over placeholders commits to it; a batch that then
+        cannot be launched ahead reads the pending step first (step's fallback)."""
         sched = self.scheduler
-        return not sched.waiting and all(s.seq_id in self._pending.rows
-                                         and self._seq_can_pipeline(s) for s in sched.running)
+        if not all(s.seq_id in self._pending.rows and self._seq_can_pipeline(s)
+                   for s in sched.running):
+            return False
+        if not sched.waiting:
+            return True
+        if self.runner.mixed_runner is None:
+            return False
+        room = max(0, self.config.max_num_seqs - len(sched.running))
+        return all(self._seq_can_pipeline(s) and s.token_ids[-1] != PLACEHOLDER_TOKEN
+                   for s in itertools.islice(sched.waiting, room))
 
     def _step_pipelined(self, batch: ScheduledBatch) -> list[RequestOutput]:
         pending = self.runner.launch_decode(batch, self._pending)
         touched = self._resolve_pending() if self._pending is not None else []
         outputs = self._outputs(touched)  # before the placeholders go in
         self.scheduler.advance(batch)
-        for seq in batch.seqs:
+        for seq in pending.seqs:  # the rows it samples (not a prompt's unfinished chunk)
             if not seq.is_finished:
                 seq.token_ids.append(PLACEHOLDER_TOKEN)
         self._pending = pending

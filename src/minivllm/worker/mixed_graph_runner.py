@@ -2,10 +2,16 @@
 
 A step of T tokens over S sequences is padded to the smallest token bucket >= T and to
 max_num_seqs sequences. Padding tokens have slot -1 (nothing stored); padding sequences
-own no query tokens and have length 0. The attention kernel is launched with
-max_query_len = the bucket, so its grid depends only on the bucket and the graph stays
-valid for any split of those tokens among sequences: programs past a sequence's tokens
-exit at once. Only the logits rows that are sampled are computed.
+own no query tokens and have length 0. The attention kernel's grid is the bucket's row
+tiles plus one per sequence (csrc_triton.paged_attention), so it depends only on the
+bucket and max_num_seqs and the graph stays valid for any split of those tokens among
+sequences: tiles that find no rows exit at once. Only the logits rows that are sampled
+are computed.
+
+With pipelined decoding a mixed step can be launched before the previous step's tokens
+reach the host: the decode rows' input tokens are then gathered on the device from that
+step's sampled tokens (`device_tokens`), and the host staging alternates between two sets
+so that filling one step's inputs never overwrites a set whose copies may not have run.
 
 Small steps dominate serving (a few new prompts joining a batch of decodes): these run as
 one replay instead of hundreds of eager launches. Larger steps (long prompts) run eagerly,
@@ -34,6 +40,33 @@ def mixed_buckets(max_tokens: int) -> list[int]:
     return sizes + [max_tokens]
 
 
+class _MixedStaging:
+    """One set of host staging arrays, and an event after the copies that read them."""
+
+    def __init__(self, t: int, s: int, max_blocks: int, pin: bool) -> None:
+        self.ids = torch.zeros(t, dtype=torch.long, pin_memory=pin)
+        self.pos = torch.zeros(t, dtype=torch.long, pin_memory=pin)
+        self.slots = torch.full((t,), -1, dtype=torch.long, pin_memory=pin)
+        self.qsl = torch.zeros(s + 1, dtype=torch.int32, pin_memory=pin)
+        self.lens = torch.zeros(s, dtype=torch.int32, pin_memory=pin)
+        self.tables = torch.zeros(s, max_blocks, dtype=torch.int32, pin_memory=pin)
+        self.rows = torch.zeros(s, dtype=torch.long, pin_memory=pin)
+        self.fix_pos = torch.zeros(s, dtype=torch.long, pin_memory=pin)
+        self.fix_rows = torch.zeros(s, dtype=torch.long, pin_memory=pin)
+        self.event = torch.cuda.Event() if pin else None
+        self._recorded = False
+
+    def wait(self) -> None:
+        """Before refilling: the copies that read this set the last time have run."""
+        if self._recorded:
+            self.event.synchronize()
+
+    def copied(self) -> None:
+        if self.event is not None:
+            self.event.record()
+            self._recorded = True
+
+
 class MixedGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_layers, *, max_tokens: int, max_seqs: int,
                  max_blocks: int, max_model_len: int, device: torch.device,
@@ -48,14 +81,12 @@ class MixedGraphRunner:
         self.use_graphs = use_graphs and device.type == "cuda"
         t, s = self.max_tokens, max_seqs
         pin = device.type == "cuda"
-        # Host staging (pinned on a GPU) and device buffers the graphs read.
-        self.h_ids = torch.zeros(t, dtype=torch.long, pin_memory=pin)
-        self.h_pos = torch.zeros(t, dtype=torch.long, pin_memory=pin)
-        self.h_slots = torch.full((t,), -1, dtype=torch.long, pin_memory=pin)
-        self.h_qsl = torch.zeros(s + 1, dtype=torch.int32, pin_memory=pin)
-        self.h_lens = torch.zeros(s, dtype=torch.int32, pin_memory=pin)
-        self.h_tables = torch.zeros(s, max_blocks, dtype=torch.int32, pin_memory=pin)
-        self.h_rows = torch.zeros(s, dtype=torch.long, pin_memory=pin)
+        # Two sets of host staging (pinned on a GPU), alternating; device buffers the graphs
+        # read.
+        self._staging = [_MixedStaging(t, s, max_blocks, pin) for _ in range(2)]
+        self._turn = 0
+        self.fix_pos = torch.zeros(s, dtype=torch.long, device=device)
+        self.fix_rows = torch.zeros(s, dtype=torch.long, device=device)
         self.ids = torch.zeros(t, dtype=torch.long, device=device)
         self.pos = torch.zeros(t, dtype=torch.long, device=device)
         self.slots = torch.full((t,), -1, dtype=torch.long, device=device)
@@ -113,31 +144,47 @@ class MixedGraphRunner:
         return secs
 
     @torch.inference_mode()
-    def run(self, host) -> tuple[torch.Tensor, torch.Tensor]:
-        """host: the step's HostInputs. Returns (logits, argmax) of its sample rows."""
+    def run(self, host, device_tokens: tuple[torch.Tensor, list[int], list[int]] | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """host: the step's HostInputs. Returns (logits, argmax) of its sample rows.
+        device_tokens = (tokens, positions, rows): input token positions[i] of this step is
+        tokens[rows[i]], a token of the previous step still on the device (the host list
+        holds a placeholder there)."""
         n_tok, n_seq, n_rows = len(host.input_ids), len(host.seq_lens), len(host.sample_indices)
         t = bucket_for(n_tok, self.buckets)
-        self.h_ids[:n_tok] = torch.tensor(host.input_ids, dtype=torch.long)
-        self.h_pos[:n_tok] = torch.tensor(host.positions, dtype=torch.long)
-        self.h_slots[:n_tok] = torch.tensor(host.slots, dtype=torch.long)
-        self.h_slots[n_tok:t] = -1
-        self.h_ids[n_tok:t] = 0
-        self.h_pos[n_tok:t] = 0
-        self.h_qsl[:n_seq + 1] = torch.tensor(host.query_start_loc, dtype=torch.int32)
-        self.h_qsl[n_seq + 1:] = n_tok  # padding sequences own no tokens
-        self.h_lens[:n_seq] = torch.tensor(host.seq_lens, dtype=torch.int32)
-        self.h_lens[n_seq:] = 0
+        st = self._staging[self._turn]
+        self._turn ^= 1
+        st.wait()
+        st.ids[:n_tok] = torch.tensor(host.input_ids, dtype=torch.long)
+        st.pos[:n_tok] = torch.tensor(host.positions, dtype=torch.long)
+        st.slots[:n_tok] = torch.tensor(host.slots, dtype=torch.long)
+        st.slots[n_tok:t] = -1
+        st.ids[n_tok:t] = 0
+        st.pos[n_tok:t] = 0
+        st.qsl[:n_seq + 1] = torch.tensor(host.query_start_loc, dtype=torch.int32)
+        st.qsl[n_seq + 1:] = n_tok  # padding sequences own no tokens
+        st.lens[:n_seq] = torch.tensor(host.seq_lens, dtype=torch.int32)
+        st.lens[n_seq:] = 0
         width = 1
         for i, table in enumerate(host.block_tables):
-            self.h_tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+            st.tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
             width = max(width, len(table))
-        self.h_rows[:n_rows] = torch.tensor(host.sample_indices, dtype=torch.long)
-        self.h_rows[n_rows:] = 0
-        for dst, src, k in ((self.ids, self.h_ids, t), (self.pos, self.h_pos, t),
-                            (self.slots, self.h_slots, t), (self.qsl, self.h_qsl, None),
-                            (self.lens, self.h_lens, None), (self.rows, self.h_rows, None)):
+        st.rows[:n_rows] = torch.tensor(host.sample_indices, dtype=torch.long)
+        st.rows[n_rows:] = 0
+        for dst, src, k in ((self.ids, st.ids, t), (self.pos, st.pos, t),
+                            (self.slots, st.slots, t), (self.qsl, st.qsl, None),
+                            (self.lens, st.lens, None), (self.rows, st.rows, None)):
             dst[:k].copy_(src[:k], non_blocking=True)
-        self.tables[:n_seq, :width].copy_(self.h_tables[:n_seq, :width], non_blocking=True)
+        self.tables[:n_seq, :width].copy_(st.tables[:n_seq, :width], non_blocking=True)
+        if device_tokens is not None:
+            prev, positions, rows = device_tokens
+            k = len(positions)
+            st.fix_pos[:k] = torch.tensor(positions, dtype=torch.long)
+            st.fix_rows[:k] = torch.tensor(rows, dtype=torch.long)
+            self.fix_pos[:k].copy_(st.fix_pos[:k], non_blocking=True)
+            self.fix_rows[:k].copy_(st.fix_rows[:k], non_blocking=True)
+            self.ids.index_copy_(0, self.fix_pos[:k], prev.index_select(0, self.fix_rows[:k]))
+        st.copied()
         if t in self.graphs:
             self.graphs[t].replay()
         else:

@@ -175,8 +175,8 @@ class ModelRunner:
         logger.info("Small-batch projections (<= 8 tokens) use the Triton kernel: %s.", mode)
         return mode
 
-    def _init_async_buffers(self) -> None:
-        n = self.graph_runner.max_batch if self.graph_runner is not None else 1
+    def _init_async_buffers(self, at_least: int = 1) -> None:
+        n = max(at_least, self.graph_runner.max_batch if self.graph_runner is not None else 1)
         pin = self.device.type == "cuda"
         self._host_tokens = [torch.zeros(n, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._host_token_flip = 0
@@ -323,14 +323,27 @@ class ModelRunner:
                           prompt_lps)
 
     def can_launch_async(self, batch: ScheduledBatch) -> bool:
-        return (self.graph_runner is not None and batch.is_decode_only
-                and self.graph_runner.can_run(len(batch)))
+        """Whether launch_decode can queue this batch without waiting: a decode batch the
+        decode graphs take, or a mixed batch the mixed-step graphs take whose sequences
+        sample at most one row each and want no prompt logprobs, with at least one row."""
+        if batch.is_decode_only:
+            return self.graph_runner is not None and self.graph_runner.can_run(len(batch))
+        if self.mixed_runner is None or not self.mixed_runner.can_run(
+                batch.num_tokens, len(batch), len(batch)):
+            return False
+        if any(s.forks_pending or s.request.wants_prompt_logprobs for s in batch.seqs):
+            return False
+        return any(batch.samples(i) for i in range(len(batch)))
 
     @torch.inference_mode()
     def launch_decode(self, batch: ScheduledBatch, prev: PendingDecode | None) -> PendingDecode:
         """Queue a decode step and its sampling without waiting for them. With `prev`,
         the batch's input tokens are the ones `prev` sampled (their host copies may still
-        be in flight): every sequence of the batch must have been in `prev`."""
+        be in flight): every sequence of the batch must have been in `prev`. A mixed batch
+        (see can_launch_async) goes to the mixed-step graphs; its sequences that carry a
+        token of `prev` take it from the device."""
+        if not batch.is_decode_only:
+            return self._launch_mixed(batch, prev)
         seqs = batch.seqs
         self.last_step = ("decode_pipelined", len(seqs), len(seqs))
         lens = [len(s.token_ids) for s in seqs]
@@ -346,11 +359,40 @@ class ModelRunner:
             tokens = greedy  # skip building sampler rows: the common, hottest case
         else:
             tokens = self.sampler.sample_on_device(logits, seqs, greedy)
+        return self._pending(seqs, tokens)
+
+    def _pending(self, seqs: list[Sequence], tokens: torch.Tensor) -> PendingDecode:
         # Two host buffers alternate: the previous step's copy may still be landing.
-        if self._host_tokens[0].numel() < self.graph_runner.max_batch:
-            self._init_async_buffers()
+        if self._host_tokens[0].numel() < len(seqs):
+            self._init_async_buffers(len(seqs))
         self._host_token_flip ^= 1
         return PendingDecode(seqs, tokens, self._host_tokens[self._host_token_flip])
+
+    @torch.inference_mode()
+    def _launch_mixed(self, batch: ScheduledBatch, prev: PendingDecode | None) -> PendingDecode:
+        """A mixed step (new prompts joining decodes) launched like a pipelined decode step:
+        the decode rows whose last token is still a placeholder (a negative id: the
+        pending step's token) read it from prev's device tokens."""
+        host = self.host_inputs(batch)
+        fix = None
+        if prev is not None:
+            positions, rows = [], []
+            for i, seq in enumerate(batch.seqs):
+                if seq.token_ids[-1] < 0:
+                    # The placeholder is the sequence's last token, and the last of its
+                    # chunk (a running sequence's one new token).
+                    positions.append(host.query_start_loc[i + 1] - 1)
+                    rows.append(prev.rows[seq.seq_id])
+            if positions:
+                fix = (prev.device_tokens, positions, rows)
+        self.last_step = ("mixed_pipelined", len(host.input_ids), len(host.seq_lens))
+        logits, greedy = self.mixed_runner.run(host, fix)
+        seqs = host.row_seqs
+        if all(s.plain_greedy for s in seqs):
+            tokens = greedy
+        else:
+            tokens = self.sampler.sample_on_device(logits, seqs, greedy)
+        return self._pending(seqs, tokens)
 
     @torch.inference_mode()
     def _execute_decode_graph(self, batch: ScheduledBatch) -> StepResult:
