@@ -71,3 +71,31 @@ def test_preemption_on_the_gpu(config_path, monkeypatch):
                                                                   use_tqdm=False)]
     assert llm.engine.scheduler.num_preemptions > 0
     assert got == want
+
+
+def test_arrivals_join_pipelined_decodes_on_the_gpu(config_path, monkeypatch):
+    """Requests added while decode steps are in flight join them in mixed-step graphs
+    launched ahead (their decode rows read the pending tokens on the device): the same
+    tokens as step-by-step decoding with the same graphs, fp32."""
+    prompts = random_prompts(10, 4096, 3, 60, seed=43)
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=25, ignore_eos=True)] * 5
+    results = {}
+    for pipelined in ("0", "1"):
+        monkeypatch.setenv("MINIVLLM_PIPELINE", pipelined)
+        llm = LLM(str(config_path), load_format="dummy", dtype="float32", device="cuda",
+                  skip_tokenizer_init=True, max_model_len=512, max_num_seqs=16,
+                  num_kv_blocks=512)
+        eng, final = llm.engine, {}
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            eng.add_request(p, sp, request_id=f"r{i}")
+            for _ in range(2 + i % 3):  # arrivals every few steps, decodes in flight
+                final.update({o.request_id: o.outputs[0].token_ids for o in eng.step()
+                              if o.finished})
+        while eng.has_unfinished_requests():
+            final.update({o.request_id: o.outputs[0].token_ids for o in eng.step()
+                          if o.finished})
+        eng.step()
+        assert eng.scheduler.pool.all_free()
+        results[pipelined] = final
+    assert results["1"] == results["0"] and len(results["1"]) == 10
