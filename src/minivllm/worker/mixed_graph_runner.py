@@ -40,19 +40,25 @@ def mixed_buckets(max_tokens: int) -> list[int]:
     return sizes + [max_tokens]
 
 
+def _step_arrays(t: int, s: int, max_blocks: int, **where) -> dict[str, torch.Tensor]:
+    """The arrays of a mixed step's inputs for t tokens and s sequences, made with `where`
+    (device=... for the graphs' buffers, pin_memory=... for host staging): token ids,
+    positions, slots, query offsets, lengths, block tables, sampled rows, and the
+    positions / previous-step rows of tokens taken from the device."""
+    long, i32 = dict(dtype=torch.long, **where), dict(dtype=torch.int32, **where)
+    return {"ids": torch.zeros(t, **long), "pos": torch.zeros(t, **long),
+            "slots": torch.full((t,), -1, **long), "qsl": torch.zeros(s + 1, **i32),
+            "lens": torch.zeros(s, **i32), "tables": torch.zeros(s, max_blocks, **i32),
+            "rows": torch.zeros(s, **long), "fix_pos": torch.zeros(s, **long),
+            "fix_rows": torch.zeros(s, **long)}
+
+
 class _MixedStaging:
-    """One set of host staging arrays, and an event after the copies that read them."""
+    """One set of host staging arrays (attributes named as in _step_arrays), and an event
+    after the copies that read them."""
 
     def __init__(self, t: int, s: int, max_blocks: int, pin: bool) -> None:
-        self.ids = torch.zeros(t, dtype=torch.long, pin_memory=pin)
-        self.pos = torch.zeros(t, dtype=torch.long, pin_memory=pin)
-        self.slots = torch.full((t,), -1, dtype=torch.long, pin_memory=pin)
-        self.qsl = torch.zeros(s + 1, dtype=torch.int32, pin_memory=pin)
-        self.lens = torch.zeros(s, dtype=torch.int32, pin_memory=pin)
-        self.tables = torch.zeros(s, max_blocks, dtype=torch.int32, pin_memory=pin)
-        self.rows = torch.zeros(s, dtype=torch.long, pin_memory=pin)
-        self.fix_pos = torch.zeros(s, dtype=torch.long, pin_memory=pin)
-        self.fix_rows = torch.zeros(s, dtype=torch.long, pin_memory=pin)
+        vars(self).update(_step_arrays(t, s, max_blocks, pin_memory=pin))
         self.event = torch.cuda.Event() if pin else None
         self._recorded = False
 
@@ -85,15 +91,8 @@ class MixedGraphRunner:
         # read.
         self._staging = [_MixedStaging(t, s, max_blocks, pin) for _ in range(2)]
         self._turn = 0
-        self.fix_pos = torch.zeros(s, dtype=torch.long, device=device)
-        self.fix_rows = torch.zeros(s, dtype=torch.long, device=device)
-        self.ids = torch.zeros(t, dtype=torch.long, device=device)
-        self.pos = torch.zeros(t, dtype=torch.long, device=device)
-        self.slots = torch.full((t,), -1, dtype=torch.long, device=device)
-        self.qsl = torch.zeros(s + 1, dtype=torch.int32, device=device)
-        self.lens = torch.zeros(s, dtype=torch.int32, device=device)
-        self.tables = torch.zeros(s, max_blocks, dtype=torch.int32, device=device)
-        self.rows = torch.zeros(s, dtype=torch.long, device=device)
+        # self.ids, .pos, .slots, .qsl, .lens, .tables, .rows, .fix_pos, .fix_rows
+        vars(self).update(_step_arrays(t, s, max_blocks, device=device))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # Shared by every bucket's graph (kept out of the graphs' pool; see
         # DecodeGraphRunner).
