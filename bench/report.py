@@ -138,6 +138,17 @@ def fmt(v, digits: int = 1) -> str:
     return str(v)
 
 
+def is_server_variant(label: str) -> bool:
+    """minivllm's server run another way (label minivllm-*), not a peer."""
+    return label.startswith("minivllm-") and label != "minivllm-offline"
+
+
+def variant_title(label: str) -> str:
+    if label.startswith("minivllm-api") and label[len("minivllm-api"):].isdigit():
+        return f"--api-servers {label[len('minivllm-api'):]}"
+    return label
+
+
 def ratio(a, b) -> str:
     if not a or not b:
         return "-"
@@ -594,11 +605,11 @@ class Report:
     def w3_ratios(self, targets: list, env: dict) -> None:
         by = {t["label"]: {lv["concurrency"]: lv for lv in t.get("levels", [])
                            if lv.get("output_tok_per_s")} for t, _ in targets}
-        self.w3_api_servers_vs_offline(by)
+        self.w3_variants_vs_offline(by)
         server = by.get("minivllm")
         if not server:
             return
-        variants = sorted(k for k in by if k.startswith("minivllm-api"))  # --api-servers N
+        variants = sorted(k for k in by if is_server_variant(k))
         peers = [k for k in by if k != "minivllm" and k not in variants]
         cs = sorted(server)
         rows = []
@@ -649,17 +660,17 @@ class Report:
                     self.headline["W3"].setdefault("peers_commit", {})[k] = (
                         env.get("git_commit", "?"))
 
-    def w3_api_servers_vs_offline(self, by: dict) -> None:
-        """The server with several HTTP processes (--api-servers N, label minivllm-apiN)
-        against the offline engine of the same run, at the target concurrency."""
+    def w3_variants_vs_offline(self, by: dict) -> None:
+        """Variants of minivllm's server in the run (several HTTP processes, label
+        minivllm-apiN; other labels minivllm-*, e.g. an engine switch) against the offline
+        engine of the same run, at the target concurrency."""
         c = W3_TARGET_CONCURRENCY
         offline = by.get("minivllm-offline", {}).get(c, {}).get("output_tok_per_s")
-        for k in sorted(x for x in by if x.startswith("minivllm-api")):
+        for k in sorted(x for x in by if is_server_variant(x)):
             got = by[k].get(c, {}).get("output_tok_per_s")
             if got and offline:
-                self.p(f"\n`{k}` (`--api-servers {k[len('minivllm-api'):]}`) vs offline "
-                       f"engine at concurrency {c}: {fmt(got)} vs {fmt(offline)} tok/s = "
-                       f"{100 * got / offline:.0f}%.")
+                self.p(f"\n`{k}` ({variant_title(k)}) vs offline engine at concurrency {c}: "
+                       f"{fmt(got)} vs {fmt(offline)} tok/s = {100 * got / offline:.0f}%.")
 
     def w3_ramp(self, rs: list[Result], targets: list) -> None:
         ramp = next((r.data["ramp"] for r in rs if r.data.get("ramp")), None)
@@ -738,7 +749,7 @@ class Report:
                          ratio(w3["server"], off) + (" (server ÷ offline; target >= 0.80x)"
                                                      if off else "")])
             for k, v in w3.get("variants", {}).items():
-                rows.append([name, f"minivllm server --api-servers {k[len('minivllm-api'):]}",
+                rows.append([name, f"minivllm server ({variant_title(k)})",
                              fmt(v), ratio(v, off) + " (÷ offline)" if off else "-"])
             for peer in ["transformers-cb", "transformers"] + [
                     k for k in w3["peers"] if k not in ("transformers-cb", "transformers")]:

@@ -37,6 +37,13 @@ def pipelining_enabled() -> bool:
     return _env_flag("MINIVLLM_PIPELINE", True)
 
 
+def mixed_pipelining_enabled() -> bool:
+    """MINIVLLM_PIPELINE_MIXED=1: requests arriving while a decode step is in flight join
+    it in a mixed step launched ahead too, instead of the pending step being read back
+    first. Off by default until its GPU test and a W3 run have shown it (session 3)."""
+    return _env_flag("MINIVLLM_PIPELINE_MIXED", False)
+
+
 def attention_backend(device: torch.device) -> str:
     """MINIVLLM_ATTENTION_BACKEND=torch|triton; default: triton on CUDA, torch elsewhere.
     (triton on a CPU runs the kernels in Triton's interpreter: for tests only.)"""
