@@ -205,7 +205,7 @@ class LLMEngine:
             return self._outputs(touched)
         self._mark_scheduled(batch)
         # With a step pending, _pipeline_can_continue() already vetted every running
-        # sequence, and the batch is a subset of them.
+        # sequence and every request this schedule could admit; the batch holds only those.
         if self._pipelined and (batch.is_decode_only or self._pipeline_mixed) and \
                 self.runner.can_launch_async(batch) and (
                 self._pending is not None or self._batch_can_pipeline(batch)):

@@ -359,9 +359,9 @@ class ModelRunner:
             tokens = greedy  # skip building sampler rows: the common, hottest case
         else:
             tokens = self.sampler.sample_on_device(logits, seqs, greedy)
-        return self._pending(seqs, tokens)
+        return self._new_pending(seqs, tokens)
 
-    def _pending(self, seqs: list[Sequence], tokens: torch.Tensor) -> PendingDecode:
+    def _new_pending(self, seqs: list[Sequence], tokens: torch.Tensor) -> PendingDecode:
         # Two host buffers alternate: the previous step's copy may still be landing.
         if self._host_tokens[0].numel() < len(seqs):
             self._init_async_buffers(len(seqs))
@@ -392,7 +392,7 @@ class ModelRunner:
             tokens = greedy
         else:
             tokens = self.sampler.sample_on_device(logits, seqs, greedy)
-        return self._pending(seqs, tokens)
+        return self._new_pending(seqs, tokens)
 
     @torch.inference_mode()
     def _execute_decode_graph(self, batch: ScheduledBatch) -> StepResult:
