@@ -540,6 +540,7 @@ class Report:
                "Server TTFT (mean) and running (mean number of requests the engine ran) "
                "come from the server's own /metrics during the level: a server TTFT far "
                "below the client's puts the difference in HTTP and the client.")
+        self.w3_engine_trace(targets)
         series = {t["label"]: [lv for lv in t.get("levels", []) if lv.get("output_tok_per_s")]
                   for t, _ in targets}
         series = {k: sorted(v, key=lambda lv: lv["concurrency"]) for k, v in series.items() if v}
@@ -547,6 +548,32 @@ class Report:
             self.w3_plots(run, series, cap)
         self.w3_ratios(targets, env)
         self.w3_ramp(rs, targets)
+
+    def w3_engine_trace(self, targets: list) -> None:
+        """Each server level's slice of the engine process's step trace, where the run has
+        one (MINIVLLM_ENGINE_TRACE, bench/engine_trace.py)."""
+        rows = []
+        for t, _ in targets:
+            for lv in sorted(t.get("levels", []), key=lambda lv: lv["concurrency"]):
+                e = lv.get("engine")
+                if not e or not e.get("iterations"):
+                    continue
+                kinds = "; ".join(f"{k} {v['share']:.0%} x {v['mean_ms']} ms "
+                                  f"({v['tokens_mean']} tok)"
+                                  for k, v in e.get("by_path", {}).items())
+                rows.append([t["label"], lv["concurrency"], e["iterations"], kinds,
+                             e.get("in_step_share"), e.get("between_steps_ms_mean"),
+                             e.get("add_arrival_to_engine_ms_mean", "-"),
+                             e.get("add_arrival_to_engine_ms_p90", "-")])
+        if not rows:
+            return
+        self.p("\nThe engine process's steps during each level (its step trace): the kinds of "
+               "step with their share of the iterations, mean time and mean tokens; the share "
+               "of the level spent inside steps; the mean time between steps (sending "
+               "outputs, reading commands, idling); and the time from a request's arrival "
+               "in the HTTP process to the engine reading it.\n")
+        self.p(table(["engine", "c", "iterations", "steps: share x mean (tokens)",
+                      "in steps", "between ms", "arrival to engine ms", "p90"], rows))
 
     def w3_plots(self, run: Path, series: dict, cap: str) -> None:
         plt = self.plot.plt

@@ -133,6 +133,35 @@ def test_w3_gpu_run_headline_ratios_and_ramp(tmp_path):
     assert "NVIDIA H200" in md and "commit abc1234" in md and "qwen2.5-0.5b-instruct" in md
 
 
+def test_w3_server_variants_and_engine_trace(tmp_path):
+    """A minivllm-* label is a variant of the server (beside it, against the offline
+    engine), not a peer; levels carrying the engine's step trace get its table."""
+    run = tmp_path / "results" / "h200"
+    run.mkdir(parents=True)
+    traced = _level(64, 5000.0)
+    traced["engine"] = {"iterations": 900, "in_step_share": 0.8,
+                        "between_steps_ms_mean": 0.4, "add_arrival_to_engine_ms_mean": 1.5,
+                        "add_arrival_to_engine_ms_p90": 3.0,
+                        "by_path": {"mixed_graph": {"share": 0.25, "mean_ms": 3.2,
+                                                    "tokens_mean": 170.0},
+                                    "decode_pipelined": {"share": 0.75, "mean_ms": 1.3,
+                                                         "tokens_mean": 40.0}}}
+    _w3_file(run / "w3_minivllm.json", "minivllm", "minivllm", [traced])
+    _w3_file(run / "w3_minivllm-api2.json", "minivllm-api2", "minivllm", [_level(64, 6000.0)])
+    _w3_file(run / "w3_minivllm-mixedpipe.json", "minivllm-mixedpipe", "minivllm",
+             [_level(64, 7000.0)])
+    _w3_file(run / "w3_minivllm-offline.json", "minivllm-offline", "offline",
+             [_level(64, 8000.0)])
+    md = report.render([tmp_path / "results"], tmp_path / "out", base=tmp_path).read_text()
+    assert "| minivllm server (--api-servers 2) | 6,000 | 0.75x (÷ offline) |" in md
+    assert "| minivllm server (minivllm-mixedpipe) | 7,000 | 0.88x (÷ offline) |" in md
+    assert "÷ minivllm-api2" not in md and "÷ minivllm-mixedpipe" not in md  # not peers
+    assert "`minivllm-mixedpipe` (minivllm-mixedpipe) vs offline engine at concurrency 64: " \
+           "7,000 vs 8,000 tok/s = 88%." in md
+    assert "| minivllm | 64 | 900 | mixed_graph 25% x 3.2 ms (170.0 tok); decode_pipelined 75% " \
+           "x 1.3 ms (40.0 tok) | 0.8 | 0.4 | 1.5 | 3.0 |" in md
+
+
 def test_python_m_bench_report_entry_point(tmp_path):
     from bench.__main__ import main
 
