@@ -64,6 +64,11 @@ def summarize(trace: dict, t0: float | None = None, t1: float | None = None) -> 
         # After a step: sending the outputs, then (if idle) waiting for a command.
         "between_steps_ms_mean": _ms(sum(between) / len(between)) if between else None,
         "between_steps_ms_p90": _ms(_pct(between, 90)),
+        "between_steps_ms_max": _ms(max(between)) if between else None,
+        # The longest loop iteration, wake to wake: a stall of any kind (a slow step, a
+        # blocked send to a frontend) delays every request that arrives during it.
+        "longest_iteration_ms": _ms(max((b[f["woke"]] - a[f["woke"]]
+                                         for a, b in zip(steps, steps[1:])), default=None)),
         "commands_per_iteration": round(sum(s[f["commands"]] for s in steps) / len(steps), 2),
     })
     a = {name: i for i, name in enumerate(trace.get("add_fields", ()))}

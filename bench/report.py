@@ -563,6 +563,7 @@ class Report:
                                   for k, v in e.get("by_path", {}).items())
                 rows.append([t["label"], lv["concurrency"], e["iterations"], kinds,
                              e.get("in_step_share"), e.get("between_steps_ms_mean"),
+                             e.get("longest_iteration_ms", "-"),
                              e.get("add_arrival_to_engine_ms_mean", "-"),
                              e.get("add_arrival_to_engine_ms_p90", "-")])
         if not rows:
@@ -570,10 +571,12 @@ class Report:
         self.p("\nThe engine process's steps during each level (its step trace): the kinds of "
                "step with their share of the iterations, mean time and mean tokens; the share "
                "of the level spent inside steps; the mean time between steps (sending "
-               "outputs, reading commands, idling); and the time from a request's arrival "
-               "in the HTTP process to the engine reading it.\n")
+               "outputs, reading commands, idling); the longest loop iteration (a stall "
+               "delays every request arriving during it); and the time from a request's "
+               "arrival in the HTTP process to the engine reading it.\n")
         self.p(table(["engine", "c", "iterations", "steps: share x mean (tokens)",
-                      "in steps", "between ms", "arrival to engine ms", "p90"], rows))
+                      "in steps", "between ms", "longest ms", "arrival to engine ms", "p90"],
+                     rows))
 
     def w3_plots(self, run: Path, series: dict, cap: str) -> None:
         plt = self.plot.plt

@@ -140,7 +140,8 @@ def test_w3_server_variants_and_engine_trace(tmp_path):
     run.mkdir(parents=True)
     traced = _level(64, 5000.0)
     traced["engine"] = {"iterations": 900, "in_step_share": 0.8,
-                        "between_steps_ms_mean": 0.4, "add_arrival_to_engine_ms_mean": 1.5,
+                        "between_steps_ms_mean": 0.4, "longest_iteration_ms": 42.0,
+                        "add_arrival_to_engine_ms_mean": 1.5,
                         "add_arrival_to_engine_ms_p90": 3.0,
                         "by_path": {"mixed_graph": {"share": 0.25, "mean_ms": 3.2,
                                                     "tokens_mean": 170.0},
@@ -159,7 +160,7 @@ def test_w3_server_variants_and_engine_trace(tmp_path):
     assert "`minivllm-mixedpipe` (minivllm-mixedpipe) vs offline engine at concurrency 64: " \
            "7,000 vs 8,000 tok/s = 88%." in md
     assert "| minivllm | 64 | 900 | mixed_graph 25% x 3.2 ms (170.0 tok); decode_pipelined 75% " \
-           "x 1.3 ms (40.0 tok) | 0.8 | 0.4 | 1.5 | 3.0 |" in md
+           "x 1.3 ms (40.0 tok) | 0.8 | 0.4 | 42.0 | 1.5 | 3.0 |" in md
 
 
 def test_python_m_bench_report_entry_point(tmp_path):
