@@ -384,7 +384,8 @@ def add_engine_trace(rec: Recorder, entry: dict, trace_path: Path) -> None:
                               for k, v in e.get("by_path", {}).items())
             log(f"engine at c={lv['concurrency']}: {e['iterations']} iterations ({paths}); "
                 f"in steps {e.get('in_step_share')}, between steps "
-                f"{e.get('between_steps_ms_mean')} ms; arrival to engine "
+                f"{e.get('between_steps_ms_mean')} ms, longest iteration "
+                f"{e.get('longest_iteration_ms')} ms; arrival to engine "
                 f"{e.get('add_arrival_to_engine_ms_mean')} ms")
     rec.save()
 
