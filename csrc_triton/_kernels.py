@@ -135,7 +135,10 @@ def _tile_owner(query_start_loc_ptr, tile, num_seqs, GQA: tl.constexpr, BLOCK_M:
     return lo
 
 
-@triton.jit
+# num_seqs and the block tables' row stride (the batch's widest table in an eager step)
+# vary from step to step under serving: no specialization on their values (== 1,
+# divisible by 16), which would compile new variants mid-serving; both only offset scalars.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bts"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -220,7 +223,7 @@ def _prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bts"])  # see _prefill_kernel
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     block_tables_ptr, seq_lens_ptr,
