@@ -249,12 +249,6 @@ def section_w2(ctx):
     all_variants = {
         "compile": ("minivllm (compile + CUDA graphs)", {}, {"MINIVLLM_COMPILE": "1"}),
         "graphs": ("minivllm (CUDA graphs, no compile)", {}, {}),
-        "graphs-mlp": ("minivllm (CUDA graphs, small-batch Triton down projection)", {},
-                       {"MINIVLLM_SMALL_M_GEMV": "mlp"}),
-        "graphs-all": ("minivllm (CUDA graphs, small-batch Triton projections)", {},
-                       {"MINIVLLM_SMALL_M_GEMV": "all"}),
-        "graphs-norm": ("minivllm (CUDA graphs, small-batch Triton projections, norms "
-                        "fused in)", {}, {"MINIVLLM_SMALL_M_GEMV": "all-norm"}),
         "not-pipelined": ("minivllm (CUDA graphs, no compile, not pipelined)", {},
                           {"MINIVLLM_PIPELINE": "0"}),
         "eager": ("minivllm eager", {"enforce_eager": True}, {}),
@@ -263,7 +257,7 @@ def section_w2(ctx):
     variants = variants.split(",")
     if os.environ.get("GPU_CHECK_SKIP_COMPILE") and "compile" in variants:
         variants.remove("compile")
-    flags = {"MINIVLLM_COMPILE": "0", "MINIVLLM_PIPELINE": "1", "MINIVLLM_SMALL_M_GEMV": "0"}
+    flags = {"MINIVLLM_COMPILE": "0", "MINIVLLM_PIPELINE": "1"}
     for variant in variants:
         label, kw, env = all_variants[variant]
         for flag, default in flags.items():
@@ -287,7 +281,6 @@ def section_w2(ctx):
         rows.append({"engine": label, "seconds": total, "tok_per_s": n_out / total,
                      "ms_per_token": 1000 * (total - ttft) / (n_out - 1),
                      "ttft_ms": 1000 * ttft, "env": env,
-                     "small_m_mode": getattr(llm.engine.runner, "small_m_mode", ""),
                      "device_timeline": timeline,
                      "host_profile": host})
         log(f"W2 {label}: {n_out / total:.0f} tok/s, {rows[-1]['ms_per_token']:.3f} ms/token")
@@ -584,38 +577,6 @@ def section_profile(ctx):
                          "note": "eager decode steps, enforce_eager=True, context ~512"})
 
 
-def section_small_m(ctx):
-    """bf16 greedy tokens with the small-batch projection kernel (MINIVLLM_SMALL_M_GEMV)
-    against cuBLAS, and CUDA-graph decode against eager decode with the kernel on (both
-    take it for steps of <= 8 tokens, so they must agree exactly)."""
-    name = "qwen2.5-0.5b-instruct"
-    prompts = random_prompts(3 if ctx.smoke else 8, 8, 12 if ctx.smoke else 200, 10000,
-                             seed=11)
-    n_new = 4 if ctx.smoke else 48
-    runs = {}
-    for label, mode, kw in (("cublas graphs", "0", {}), ("mlp graphs", "mlp", {}),
-                            ("all graphs", "all", {}),
-                            ("all eager", "all", {"enforce_eager": True}),
-                            ("all-norm graphs", "all-norm", {}),
-                            ("all-norm eager", "all-norm", {"enforce_eager": True})):
-        os.environ["MINIVLLM_SMALL_M_GEMV"] = mode
-        llm = make_llm(ctx, name, "bfloat16", max_num_seqs=8, num_kv_blocks=1024, **kw)
-        runs[label] = {"mode": llm.engine.runner.small_m_mode,
-                       "tokens": mini_greedy(llm, prompts, n_new)}
-        del llm
-        free_memory()
-    os.environ.pop("MINIVLLM_SMALL_M_GEMV", None)
-    rows = [{"compare": f"{a} vs {b}", "modes": [runs[a]["mode"], runs[b]["mode"]],
-             **compare(runs[a]["tokens"], runs[b]["tokens"])}
-            for a, b in (("mlp graphs", "cublas graphs"), ("all graphs", "cublas graphs"),
-                         ("all graphs", "all eager"), ("all-norm graphs", "cublas graphs"),
-                         ("all-norm graphs", "all-norm eager"))]
-    for r in rows:
-        log(f"small-m {r['compare']}: {r['identical']}/{r['total']} identical; "
-            f"{r['first_divergence']}")
-    ctx.save("small_m", {"dtype": "bfloat16", "new_tokens": n_new, "rows": rows})
-
-
 # Engine configurations probed one per process (a CUDA fault in one cannot hide the
 # others), each compared with the plain eager engine on the same fp32 greedy workload.
 FEATURES = {
@@ -673,7 +634,7 @@ def section_features_compare(ctx):
 SECTIONS = {"parity": section_parity, "graphs": section_graphs, "bf16": section_bf16,
             "w2": section_w2, "sweep": section_sweep, "w1": section_w1, "hf": section_hf,
             "feature": section_feature, "features_compare": section_features_compare,
-            "profile": section_profile, "small_m": section_small_m}
+            "profile": section_profile}
 
 
 def main():

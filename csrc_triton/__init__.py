@@ -352,8 +352,6 @@ _FUSED_EXPORTS = (
     "rms_norm_heads",
     "rotary_embedding",
     "silu_and_mul",
-    "small_m_linear",
-    "small_m_norm_linear",
 )
 __all__ += list(_FUSED_EXPORTS)
 

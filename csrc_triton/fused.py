@@ -9,8 +9,6 @@ rotary_embedding(positions, q, k, cos_table, sin_table, q_out=None, k_out=None,
                  q_norm_weight=None, k_norm_weight=None, eps=1e-6,
                  v=None, k_cache=None, v_cache=None, slot_mapping=None) -> (q_out, k_out)
 silu_and_mul(x, out=None) -> out
-small_m_linear(x, weight, bias=None, silu_mul_input=False, out=None) -> out
-small_m_norm_linear(x, residual, norm_weight, eps, weight, bias=None) -> (out, residual_out)
 
 They replace the chains of small PyTorch kernels in ``minivllm.model.layers``
 (RMSNorm, RotaryEmbedding, the SwiGLU product, residual adds) with one launch
@@ -55,8 +53,6 @@ __all__ = [
     "rms_norm_heads",
     "rotary_embedding",
     "silu_and_mul",
-    "small_m_linear",
-    "small_m_norm_linear",
 ]
 
 # dtype codes passed to the kernels as constexprs
@@ -281,106 +277,6 @@ def _silu_and_mul_kernel(
     s = _round(s, DT, INTERPRETED)
     y = _round(s * u, DT, INTERPRETED)
     tl.store(out_ptr + t * so_t + offs * so_d, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _small_m_linear_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
-    sx_m, sx_k, sw_n, sw_k, so_m, so_n,
-    DT: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INTERPRETED: tl.constexpr,
-):
-    """out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for a handful of rows m: a decode
-    step's projections at batch <= 8, where a GEMM library's tiles are mostly padding and
-    the weights' bandwidth is all that matters. One program owns BLOCK_N output columns
-    for every row and streams their weight rows once. SILU_MUL: x is [M, 2K] = [gate | up]
-    and the input is silu(gate) * up, rounded as silu_and_mul rounds it (the SwiGLU
-    product never goes to memory)."""
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * sw_n + offs_k[None, :] * sw_k,
-                    mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        x_mask = m_mask[:, None] & k_mask[None, :]
-        x_row = x_ptr + offs_m[:, None] * sx_m
-        if SILU_MUL:
-            g = tl.load(x_row + offs_k[None, :] * sx_k, mask=x_mask, other=0.0).to(tl.float32)
-            u = tl.load(x_row + (offs_k[None, :] + K) * sx_k, mask=x_mask,
-                        other=0.0).to(tl.float32)
-            if INTERPRETED:
-                sg = g / (1.0 + tl.exp(-g))
-            else:
-                sg = tl.math.div_rn(g, 1.0 + libdevice.exp(-g))
-            x = _round(_round(sg, DT, INTERPRETED) * u, DT, INTERPRETED)
-        else:
-            x = tl.load(x_row + offs_k[None, :] * sx_k, mask=x_mask, other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * so_m + offs_n[None, :] * so_n,
-             _round(acc, DT, INTERPRETED).to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _small_m_norm_linear_kernel(
-    x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, M, N, K,
-    eps, inv_d, d_f, sx_m, sr_m, sro_m, sw_n, so_m,
-    DT: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KF: tl.constexpr,
-    BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
-):
-    """small_m_linear of an RMSNorm's output, the norm (and the residual add before it)
-    done in the projection: out = norm(x + residual) @ W.T. Every program computes the
-    rows' statistics from the whole rows (as _rms_norm_kernel does), then streams its
-    weight rows with the input normalized chunk by chunk; program 0 also writes the new
-    residual. Saves the norm's launch and its round trip through memory at batch <= 8."""
-    pid = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    offs_f = tl.arange(0, BLOCK_KF)
-    row_mask = m_mask[:, None] & (offs_f[None, :] < K)
-    h = tl.load(x_ptr + offs_m[:, None] * sx_m + offs_f[None, :], mask=row_mask,
-                other=0.0).to(tl.float32)
-    if HAS_RES:
-        r = tl.load(res_ptr + offs_m[:, None] * sr_m + offs_f[None, :], mask=row_mask,
-                    other=0.0).to(tl.float32)
-        h = _round(r + h, DT, INTERPRETED)  # PyTorch's `residual + x` in dtype
-        if pid == 0:
-            tl.store(res_out_ptr + offs_m[:, None] * sro_m + offs_f[None, :],
-                     h.to(res_out_ptr.dtype.element_ty), mask=row_mask)
-    rstd = _inv_rms(_row_sum(h * h, INTERPRETED), eps, inv_d, d_f, INTERPRETED)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        xm = m_mask[:, None] & k_mask[None, :]
-        hk = tl.load(x_ptr + offs_m[:, None] * sx_m + offs_k[None, :], mask=xm,
-                     other=0.0).to(tl.float32)
-        if HAS_RES:
-            rk = tl.load(res_ptr + offs_m[:, None] * sr_m + offs_k[None, :], mask=xm,
-                         other=0.0).to(tl.float32)
-            hk = _round(rk + hk, DT, INTERPRETED)
-        nk = _round(hk * rstd[:, None], DT, INTERPRETED)  # x32.to(in_dtype)
-        nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        xin = _round(nw[None, :] * nk, DT, INTERPRETED)    # weight * n
-        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * sw_n + offs_k[None, :],
-                    mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(xin[:, None, :] * w[None, :, :], axis=2)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * so_m + offs_n[None, :],
-             _round(acc, DT, INTERPRETED).to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
 
 
 # ============================================================================
@@ -701,83 +597,3 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         **_launch_opts(interp, _warps(block)),
     )
     return out
-
-
-def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   silu_mul_input: bool = False, out: torch.Tensor | None = None,
-                   ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for ``x`` of a few rows (``[M, K]``, M <= 8 is what it
-    is tuned for), or with ``silu_mul_input`` ``F.linear(silu_and_mul(x), weight)`` for
-    ``x = [gate | up]`` of shape ``[M, 2K]``. ``weight`` is ``[N, K]``. fp32 accumulation
-    in another order than cuBLAS: not bit-exact with F.linear (bf16 outputs differ by an
-    ulp now and then), so the engine uses it only for 16-bit dtypes."""
-    if x.dim() != 2 or weight.dim() != 2:
-        raise ValueError("x and weight must be 2-D")
-    M = x.shape[0]
-    N, K = weight.shape
-    if x.shape[1] != (2 * K if silu_mul_input else K):
-        raise ValueError(f"x has {x.shape[1]} columns, weight {K} "
-                         f"(silu_mul_input={silu_mul_input})")
-    if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M == 0 or N == 0:
-        return out
-    mod, interp = _kernels_for(x.device)
-    block_m = max(2, _next_pow2(M))
-    block_n = 8
-    block_k = 256 if block_m <= 2 else (128 if block_m <= 4 else 64)
-    if interp:
-        block_k = min(block_k, max(16, _next_pow2(K)))
-    mod._small_m_linear_kernel[(triton.cdiv(N, block_n),)](
-        x, weight, bias if bias is not None else weight, out, M, N, K,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        out.stride(0), out.stride(1),
-        DT=_dt(x.dtype, "x"), SILU_MUL=silu_mul_input, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, INTERPRETED=interp,
-        **({} if interp else {"num_warps": 4, "num_stages": 3}),
-    )
-    return out
-
-
-def small_m_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
-                        norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                        bias: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``F.linear(rms_norm(x + residual), weight, bias)`` for a few rows, the add and the
-    norm done inside the projection (rounded where fused_add_rms_norm rounds). ``x`` and
-    ``residual`` are ``[M, K]`` with contiguous rows; ``residual`` None means the first
-    layer (no add: the new residual is ``x``). Returns ``(out [M, N], new_residual)``;
-    the new residual is a fresh tensor (the inputs are read by every program while one
-    of them writes it)."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit")
-    M, K = x.shape
-    N = weight.shape[0]
-    if residual is not None and residual.shape != x.shape:
-        raise ValueError("residual must match x")
-    if norm_weight.shape != (K,):
-        raise ValueError(f"norm_weight must be [{K}]")
-    for t in (x, residual, weight):
-        if t is not None and t.stride(-1) != 1:
-            raise ValueError("rows must be contiguous")
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    res_out = torch.empty_like(x) if residual is not None else x
-    if M == 0 or N == 0:
-        return out, res_out
-    mod, interp = _kernels_for(x.device)
-    block_m = max(2, _next_pow2(M))
-    block_k = 256 if block_m <= 2 else (128 if block_m <= 4 else 64)
-    if interp:
-        block_k = min(block_k, max(16, _next_pow2(K)))
-    inv_d, d_f = _norm_consts(K)
-    r = residual if residual is not None else x
-    mod._small_m_norm_linear_kernel[(triton.cdiv(N, 8),)](
-        x, r, norm_weight, weight, bias if bias is not None else weight, out, res_out,
-        M, N, K, float(eps), inv_d, d_f,
-        x.stride(0), r.stride(0), res_out.stride(0), weight.stride(0), out.stride(0),
-        DT=_dt(x.dtype, "x"), HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=8, BLOCK_KF=_next_pow2(K), BLOCK_K=block_k,
-        INTERPRETED=interp,
-        **({} if interp else {"num_warps": 4, "num_stages": 2}),
-    )
-    return out, res_out

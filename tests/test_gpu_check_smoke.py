@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = "parity,graphs,bf16,w2,sweep,w1,small_m,profile,hf"
+SECTIONS = "parity,graphs,bf16,w2,sweep,w1,profile,hf"
 
 
 def test_every_section_runs_in_smoke_mode(tmp_path):
-    env = {**os.environ, "GPU_CHECK_W2_VARIANTS": "graphs,graphs-mlp,graphs-all,graphs-norm,eager",
+    env = {**os.environ, "GPU_CHECK_W2_VARIANTS": "graphs,not-pipelined,eager",
            "GPU_CHECK_HF_PEERS": "eager", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'src'}"}
     r = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--smoke", "--sections",
                         SECTIONS, "--out-dir", str(tmp_path / "out"), "--tmp-dir",
@@ -23,6 +23,8 @@ def test_every_section_runs_in_smoke_mode(tmp_path):
         data = json.loads((tmp_path / "out" / f"{name}.json").read_text())
         assert data["section"] == name and data["environment"]["git_commit"]
     w2 = json.loads((tmp_path / "out" / "w2.json").read_text())
-    assert [row["env"].get("MINIVLLM_SMALL_M_GEMV", "0") for row in w2["rows"]] == \
-        ["0", "mlp", "all", "all-norm", "0"]
+    assert [row["env"].get("MINIVLLM_PIPELINE", "1") for row in w2["rows"]] == ["1", "0", "1"]
+    assert [row["engine"] for row in w2["rows"]] == [
+        "minivllm (CUDA graphs, no compile)", "minivllm (CUDA graphs, no compile, not pipelined)",
+        "minivllm eager"]
     assert all(row["tok_per_s"] > 0 for row in w2["rows"])

@@ -66,22 +66,6 @@ def fused_ops_enabled(backend: str) -> bool:
     return backend == "triton" and not compile_enabled()
 
 
-def small_m_gemv_mode() -> str:
-    """MINIVLLM_SMALL_M_GEMV: where the small-batch Triton projection (csrc_triton's
-    small_m_linear) replaces cuBLAS for steps of at most 8 tokens in 16-bit dtypes:
-    "mlp" (the down projection, with SiLU*up fused into it), "all" (also q/k/v, o and
-    gate/up), "all-norm" (that, with the residual adds and RMSNorms fused into the q/k/v
-    and gate/up projections), "0"/"" (nowhere, the default until the H200 says it pays)."""
-    value = os.environ.get("MINIVLLM_SMALL_M_GEMV", "").strip().lower()
-    if value in ("", "0", "off", "false", "no"):
-        return ""
-    if value in ("mlp", "all", "all-norm"):
-        return value
-    if value in ("1", "on", "true", "yes"):
-        return "all"
-    raise ValueError(f"MINIVLLM_SMALL_M_GEMV must be 0, mlp, all or all-norm, got {value!r}.")
-
-
 def cpu_kv_cache_bytes() -> int:
     """Upper bound on the KV pool on a CPU (MINIVLLM_CPU_KVCACHE_GB, default 1 GiB)."""
     return int(float(os.environ.get("MINIVLLM_CPU_KVCACHE_GB", "1")) * (1 << 30))

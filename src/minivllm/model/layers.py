@@ -86,22 +86,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
-# Steps of at most this many tokens may use csrc_triton.small_m_linear for projections
-# (`small_m` below: "" off, "mlp" the down projection with SwiGLU fused in, "all" every
-# projection of a decoder layer, "all-norm" that plus the RMSNorms (and residual adds)
-# fused into the q/k/v and gate/up projections). Decided once per engine
-# (config.small_m_gemv_mode).
-SMALL_M_MAX = 8
-ALL_PROJECTIONS = ("all", "all-norm")
-
-
-def project(layer: nn.Linear, x: torch.Tensor, small_m: bool) -> torch.Tensor:
-    """layer(x), through the small-batch Triton kernel when asked and x has few rows."""
-    if small_m and x.shape[0] <= SMALL_M_MAX:
-        return csrc_triton.small_m_linear(x, layer.weight, layer.bias)
-    return layer(x)
-
-
 class GatedMLP(nn.Module):
     """SwiGLU MLP with the gate and up projections fused into one matmul."""
 
@@ -110,16 +94,9 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.fused_ops = fused_ops
-        self.small_m = ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(project(self.gate_up_proj, x, self.small_m in ALL_PROJECTIONS))
-
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """SiLU(gate) * up, then the down projection."""
-        if self.small_m and gate_up.shape[0] <= SMALL_M_MAX:
-            return csrc_triton.small_m_linear(gate_up, self.down_proj.weight,
-                                              silu_mul_input=True)
+        gate_up = self.gate_up_proj(x)
         if self.fused_ops:
             return self.down_proj(csrc_triton.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)

@@ -19,7 +19,7 @@ import csrc_triton
 
 from ..config import ModelConfig
 from .attention import AttentionMetadata, PagedAttention
-from .layers import ALL_PROJECTIONS, SMALL_M_MAX, GatedMLP, RMSNorm, RotaryEmbedding, project
+from .layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -44,15 +44,10 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.rotary = rotary
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, backend)
-        self.small_m = ""  # see layers.SMALL_M_MAX
 
-    def forward(self, x: torch.Tensor | None, positions: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata, qkv: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention of the normalized hidden states x, or of their q/k/v projection when
-        the caller computed it (qkv; x is then None)."""
-        small = self.small_m in ALL_PROJECTIONS
-        if qkv is None:
-            qkv = project(self.qkv_proj, x, small)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -71,7 +66,7 @@ class DecoderAttention(nn.Module):
                 k = self.k_norm(k)
             q, k = self.rotary(positions, q, k)
             out = self.attn(q, k, v, kv_cache, meta)
-        return project(self.o_proj, out.reshape(-1, self.q_size), small)
+        return self.o_proj(out.reshape(-1, self.q_size))
 
 
 def add_and_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
@@ -94,7 +89,6 @@ class DecoderLayer(nn.Module):
                  fused_ops: bool) -> None:
         super().__init__()
         self.fused_ops = fused_ops
-        self.small_m = ""  # see layers.SMALL_M_MAX
         self.self_attn = DecoderAttention(cfg, rotary, backend, fused_ops)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, fused_ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -103,24 +97,10 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.small_m == "all-norm" and x.shape[0] <= SMALL_M_MAX:
-            return self._forward_norms_in_projections(x, residual, positions, kv_cache, meta)
         h, residual = add_and_norm(x, residual, self.input_layernorm, self.fused_ops)
         h = self.self_attn(h, positions, kv_cache, meta)
         h, residual = add_and_norm(h, residual, self.post_attention_layernorm, self.fused_ops)
         return self.mlp(h), residual
-
-    def _forward_norms_in_projections(self, x, residual, positions, kv_cache, meta):
-        """The same layer for a few tokens, each residual add + RMSNorm done inside the
-        projection that reads it (csrc_triton.small_m_norm_linear)."""
-        attn, mlp = self.self_attn, self.mlp
-        n1, n2 = self.input_layernorm, self.post_attention_layernorm
-        qkv, residual = csrc_triton.small_m_norm_linear(
-            x, residual, n1.weight, n1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
-        h = attn(None, positions, kv_cache, meta, qkv=qkv)
-        gate_up, residual = csrc_triton.small_m_norm_linear(
-            h, residual, n2.weight, n2.eps, mlp.gate_up_proj.weight)
-        return mlp.down(gate_up), residual
 
 
 class DecoderModel(nn.Module):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import (EngineConfig, ModelConfig, compile_enabled, cuda_graphs_enabled,
-                      fused_ops_enabled, small_m_gemv_mode)
+                      fused_ops_enabled)
 from ..engine.scheduler import ScheduledBatch
 from ..engine.sequence import Sequence
 from ..model.attention import AttentionMetadata
@@ -118,10 +118,6 @@ class ModelRunner:
             for module in self.model.modules():
                 if hasattr(module, "fused_ops"):
                     module.fused_ops = False
-        self.small_m_mode = self._choose_small_m_mode(attention_backend)
-        for module in self.model.modules():
-            if hasattr(module, "small_m"):
-                module.small_m = self.small_m_mode
         self.num_blocks = self._decide_num_blocks()
         self.kv_cache = KVCache(model_cfg, self.num_blocks, self.block_size, dtype, device)
         self.sampler = Sampler(model_cfg.vocab_size, device, engine_cfg.seed)
@@ -155,25 +151,6 @@ class ModelRunner:
                 max_seqs=cfg.max_num_seqs, max_blocks=cfg.max_blocks_per_seq(),
                 max_model_len=cfg.max_model_len, device=self.device, use_graphs=True)
             self.mixed_runner.capture()
-
-    def _choose_small_m_mode(self, attention_backend: str) -> str:
-        """The small-batch projection kernel: only where asked (MINIVLLM_SMALL_M_GEMV), on
-        a GPU, in 16-bit dtypes (fp32 keeps cuBLAS, the bit-for-bit parity reference) and
-        after a self-check."""
-        mode = small_m_gemv_mode()
-        if not mode:
-            return ""
-        if (self.device.type != "cuda" or self.dtype == torch.float32
-                or attention_backend != "triton"):
-            logger.info("MINIVLLM_SMALL_M_GEMV=%s ignored: it needs a GPU, a 16-bit dtype and "
-                        "the Triton backend.", mode)
-            return ""
-        if not small_m_linear_works(self.device, self.dtype, norm=mode == "all-norm"):
-            logger.warning("The small-batch projection kernel failed its self-check; "
-                           "using cuBLAS for every projection.")
-            return ""
-        logger.info("Small-batch projections (<= 8 tokens) use the Triton kernel: %s.", mode)
-        return mode
 
     def _init_async_buffers(self, at_least: int = 1) -> None:
         n = max(at_least, self.graph_runner.max_batch if self.graph_runner is not None else 1)
@@ -425,50 +402,6 @@ class ModelRunner:
         return chunks
 
 
-def _passes_self_check(what: str, device: torch.device, check) -> bool:
-    """Run check(generator) (assertions against PyTorch); any failure, compile errors
-    included, means: don't use the kernels it checks."""
-    try:
-        check(torch.Generator(device=device).manual_seed(0))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return True
-    except Exception:  # noqa: BLE001
-        logger.exception("%s self-check failed", what)
-        return False
-
-
-def small_m_linear_works(device: torch.device, dtype: torch.dtype, norm: bool = False) -> bool:
-    """csrc_triton.small_m_linear against F.linear (with and without the SwiGLU input),
-    and with norm=True small_m_norm_linear against RMSNorm + F.linear."""
-    import csrc_triton
-
-    from ..model.layers import RMSNorm
-
-    linear = torch.nn.functional.linear
-
-    def check(g):
-        tol = dict(rtol=3e-2, atol=3e-2)
-        for m in (1, 3, 8):
-            x = torch.randn(m, 96, device=device, generator=g).to(dtype)
-            w = (torch.randn(40, 96, device=device, generator=g) * 0.1).to(dtype)
-            b = torch.randn(40, device=device, generator=g).to(dtype)
-            torch.testing.assert_close(csrc_triton.small_m_linear(x, w, b), linear(x, w, b),
-                                       **tol)
-            gu = torch.randn(m, 192, device=device, generator=g).to(dtype)
-            act = torch.nn.functional.silu(gu[:, :96]) * gu[:, 96:]
-            torch.testing.assert_close(csrc_triton.small_m_linear(gu, w, silu_mul_input=True),
-                                       linear(act, w), **tol)
-            if norm:
-                rms = RMSNorm(96, 1e-6).to(device=device, dtype=dtype)
-                res = torch.randn(m, 96, device=device, generator=g).to(dtype)
-                out, new_res = csrc_triton.small_m_norm_linear(x, res, rms.weight, 1e-6, w, b)
-                torch.testing.assert_close(new_res, res + x, **tol)
-                torch.testing.assert_close(out, linear(rms(res + x), w, b), **tol)
-
-    return _passes_self_check("small_m_linear", device, check)
-
-
 def fused_ops_work(device: torch.device, dtype: torch.dtype) -> bool:
     """Run each fused kernel once on small inputs against the PyTorch ops it replaces. A
     kernel that fails to compile or disagrees on this device turns fusion off instead of
@@ -477,7 +410,8 @@ def fused_ops_work(device: torch.device, dtype: torch.dtype) -> bool:
 
     from ..model.layers import RMSNorm, RotaryEmbedding
 
-    def check(g):
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(5, 64, device=device, generator=g).to(dtype)
         res = torch.randn(5, 64, device=device, generator=g).to(dtype)
         norm = RMSNorm(64, 1e-6).to(device=device, dtype=dtype)
@@ -499,7 +433,11 @@ def fused_ops_work(device: torch.device, dtype: torch.dtype) -> bool:
         q_ref, k_ref = rope(pos, q, k)
         torch.testing.assert_close(q2, q_ref, **tol)
         torch.testing.assert_close(k2, k_ref, **tol)
-
-    return _passes_self_check("fused kernel", device, check)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return True
+    except Exception:  # noqa: BLE001 - any failure means: don't use them
+        logger.exception("fused kernel self-check failed")
+        return False
 
 
