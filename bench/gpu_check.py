@@ -586,6 +586,8 @@ FEATURES = {
                       {"MINIVLLM_FUSED_OPS": "1", "MINIVLLM_PIPELINE": "0"}),
     "mixed-graphs": ({}, {"MINIVLLM_FUSED_OPS": "1", "MINIVLLM_PIPELINE": "0"}),
     "pipelined": ({}, {"MINIVLLM_FUSED_OPS": "1", "MINIVLLM_PIPELINE": "1"}),
+    "mixed-pipelined": ({}, {"MINIVLLM_FUSED_OPS": "1", "MINIVLLM_PIPELINE": "1",
+                             "MINIVLLM_PIPELINE_MIXED": "1"}),
     "compiled": ({}, {"MINIVLLM_COMPILE": "1", "MINIVLLM_PIPELINE": "1"}),
 }
 
