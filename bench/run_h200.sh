@@ -13,8 +13,9 @@
 #   hf-cb     transformers serve --continuous-batching, same requests        (limit T_HF_CB)
 #   minivllm-apiN  the same server with --api-servers N (N HTTP processes, one engine), e.g.
 #             minivllm-api2; no ramp                 (limit T_MINIVLLM_API, else T_MINIVLLM_API2)
-#   minivllm-mixedpipe  the server with MINIVLLM_PIPELINE_MIXED=1 (arrivals join in-flight
-#             decodes in mixed steps launched ahead); no ramp          (limit as minivllm-apiN)
+#   minivllm-nomixedpipe  the server with MINIVLLM_PIPELINE_MIXED=0 (arrivals wait for the
+#             in-flight decode step; minivllm-mixedpipe: =1, the default); no ramp
+#                                                                      (limit as minivllm-apiN)
 #   hf-plain  transformers serve without continuous batching (one request at a time), c=1
 #             and 8, one round each                                          (limit T_HF_PLAIN)
 #   gpu       bench.gpu_check w2,sweep,w1 then hf (W1, W2, decode sweep, HF generate peers);
@@ -142,8 +143,10 @@ run_gpu_check() {
 for part in "${PARTS[@]}"; do
   case $part in
     minivllm) run_part minivllm "${T_MINIVLLM:-170}" "${W3[@]}" minivllm "${COMMON[@]}" "${MV[@]}" "${EXTRA[@]}" ;;
-    minivllm-mixedpipe)  # the server with mixed steps launched ahead (MINIVLLM_PIPELINE_MIXED=1)
-      run_part "$part" "${T_MINIVLLM_API:-${T_MINIVLLM_API2:-150}}" env MINIVLLM_PIPELINE_MIXED=1 "${W3[@]}" minivllm --label "$part" --ramp "${COMMON[@]}" "${MV[@]}" "${EXTRA[@]}" ;;
+    minivllm-mixedpipe|minivllm-nomixedpipe)  # mixed steps launched ahead, or not (the default
+      # since session 4 is on; -mixedpipe was the label of the switched-on server in session 4)
+      [ "$part" = minivllm-mixedpipe ] && mp=1 || mp=0
+      run_part "$part" "${T_MINIVLLM_API:-${T_MINIVLLM_API2:-150}}" env MINIVLLM_PIPELINE_MIXED=$mp "${W3[@]}" minivllm --label "$part" --ramp "${COMMON[@]}" "${MV[@]}" "${EXTRA[@]}" ;;
     minivllm-api[0-9]*)
       n=${part#minivllm-api}
       run_part "$part" "${T_MINIVLLM_API:-${T_MINIVLLM_API2:-150}}" "${W3[@]}" minivllm --label "$part" --ramp "${COMMON[@]}" "--minivllm-args=--api-servers $n ${MINIVLLM_ARGS:-}" "${EXTRA[@]}" ;;

@@ -251,12 +251,17 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
             if r.status_code != 200:
                 text = (await r.aread()).decode("utf-8", "replace")
                 raise RuntimeError(f"HTTP {r.status_code}: {text[:300]}")
+            done = False
             async for line in r.aiter_lines():
-                if not line.startswith("data:"):
+                # After [DONE], read on to the end of the body: leaving it unread would
+                # make httpx close the connection, and every request would then pay a new
+                # TCP connection (the openai client drains the stream the same way).
+                if done or not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
-                    break
+                    done = True
+                    continue
                 obj = json.loads(data)
                 if "error" in obj:
                     raise RuntimeError(f"stream error: {obj['error']}")

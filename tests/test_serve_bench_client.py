@@ -56,3 +56,26 @@ def test_server_metrics_sampler_reads_the_servers_view(server):
     other = sb.ServerMetricsSampler(sb.Target(label="x", kind="transformers",
                                               base_url=server.url + "/v1"))
     assert asyncio.run(other.run(asyncio.sleep(0, result=7))) == 7 and other.result == {}
+
+
+def test_streams_are_read_to_the_end_so_connections_are_reused(server):
+    """A client that stops reading at [DONE] makes httpx drop the connection, and every
+    request then pays for a new one; real clients (openai) drain the stream."""
+    import httpx
+
+    t = sb.Target(label="minivllm", kind="minivllm", base_url=server.url + "/v1",
+                  model="tiny")
+    body = sb.request_body(t, "hello there", 4)
+
+    async def two_requests():
+        async with httpx.AsyncClient(timeout=60) as client:
+            pool = client._transport._pool
+            first = await sb.one_request(client, t.base_url + "/completions", body)
+            conns = list(pool.connections)
+            second = await sb.one_request(client, t.base_url + "/completions", body)
+            return first, second, conns, list(pool.connections)
+
+    first, second, after_first, after_second = asyncio.run(two_requests())
+    assert first["ok"] and second["ok"], (first["error"], second["error"])
+    assert first["usage_tokens"] == 4  # the usage chunk before [DONE] is still read
+    assert len(after_first) == 1 and after_second == after_first

@@ -38,10 +38,11 @@ def pipelining_enabled() -> bool:
 
 
 def mixed_pipelining_enabled() -> bool:
-    """MINIVLLM_PIPELINE_MIXED=1: requests arriving while a decode step is in flight join
-    it in a mixed step launched ahead too, instead of the pending step being read back
-    first. Off by default until its GPU test and a W3 run have shown it (session 3)."""
-    return _env_flag("MINIVLLM_PIPELINE_MIXED", False)
+    """MINIVLLM_PIPELINE_MIXED=0: requests arriving while a decode step is in flight wait
+    for it to be read back, and their mixed step runs synchronously (the session-2 path).
+    On by default: requests join the decodes in a mixed step launched ahead too (GPU test
+    and W3 on the H200, session 4)."""
+    return _env_flag("MINIVLLM_PIPELINE_MIXED", True)
 
 
 def attention_backend(device: torch.device) -> str:
