@@ -7,6 +7,7 @@
 #   features  each engine feature in its own process (eager, fused kernels, decode graphs,
 #           mixed-step graphs, pipelining, torch.compile), tokens compared with eager
 #   perf    W2, decode sweep, W1 (CUDA graphs, no torch.compile)
+#   w2-compile  W2 with CUDA graphs, then with the decode step torch.compile'd too
 #   graphs  CUDA-graph decode vs eager decode, fp32 and bf16 (GPU_CHECK_GRAPHS_COMPILE=1: compiled)
 #   parity  fp32 greedy vs HF transformers (three dummy-weight configs)
 #   bf16    bf16 vs HF bf16 divergence
@@ -59,6 +60,7 @@ print(' '.join(f'{k}={v}' for k, v in FEATURES['$f'][1].items()))")
       done
       run 30 features_compare ;;
     perf) run "${T_PERF:-200}" w2,sweep,w1 MINIVLLM_COMPILE=0 GPU_CHECK_SKIP_COMPILE=1 ;;
+    w2-compile) run "${T_W2_COMPILE:-280}" w2 GPU_CHECK_W2_VARIANTS=graphs,compile ;;
     graphs) run "${T_GRAPHS:-200}" graphs ;;
     parity) run "${T_PARITY:-120}" parity ;;
     bf16) run "${T_BF16:-120}" bf16 ;;

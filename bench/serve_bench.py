@@ -478,7 +478,9 @@ async def run_level(t: Target, prompts: list, concurrency: int, num_requests: in
 
 METRIC_PREFIX = {"minivllm": "minivllm:", "vllm": "vllm:"}
 _HISTOGRAMS = {"ttft": "time_to_first_token_seconds", "queue": "request_queue_time_seconds",
-               "e2e": "e2e_request_latency_seconds", "itl": "inter_token_latency_seconds"}
+               "e2e": "e2e_request_latency_seconds", "itl": "inter_token_latency_seconds",
+               # minivllm only: HTTP request in the app -> submitted to the engine
+               "intake": "request_intake_seconds"}
 _GAUGES = {"running": "num_requests_running", "waiting": "num_requests_waiting"}
 
 

@@ -40,6 +40,7 @@ import time
 import traceback
 from pathlib import Path
 
+from bench import proc_cpu
 from bench import serve_bench as sb
 
 REPO = Path(__file__).resolve().parent.parent
@@ -339,6 +340,8 @@ CLIENT_PROCS = 1  # set from --client-procs
 async def measure(t: sb.Target, prompts: list, c: int, n: int, out_tokens: int,
                   left: float) -> dict:
     cpu0 = time.process_time()
+    server_pid = t.proc.pid if t.proc is not None and Path("/proc").is_dir() else None
+    procs0 = proc_cpu.snapshot(server_pid) if server_pid else None
     window0 = time.monotonic()
     server = sb.ServerMetricsSampler(t)
     with sb.GpuMemorySampler() as gpu:
@@ -351,7 +354,11 @@ async def measure(t: sb.Target, prompts: list, c: int, n: int, out_tokens: int,
                      "errors": [f"level cut off by the time budget after {left:.0f}s"],
                      "timed_out": True}
     level["peak_gpu_mem_gib"] = gpu.peak_gib
-    level["window_monotonic"] = [round(window0, 6), round(time.monotonic(), 6)]
+    window1 = time.monotonic()
+    level["window_monotonic"] = [round(window0, 6), round(window1, 6)]
+    if procs0 is not None:  # which server process (or thread) was busy, share of a core
+        level["server_cpu"] = proc_cpu.shares(procs0, proc_cpu.snapshot(server_pid),
+                                              window1 - window0, server_pid)
     level.update(server.result)  # the server's own TTFT, queue time, running/waiting
     # CPU seconds of the client per second of the level, over all its processes; near
     # 1.0 per process means the client may be the limit.
@@ -395,9 +402,23 @@ def fmt_level(label: str, lv: dict) -> str:
             f"{lv.get('output_tok_per_s')!s:>10} tok/s  TTFT p50 {lv.get('ttft_ms_p50')} ms  "
             f"ITL p50 {lv.get('itl_ms_p50')} ms  failures {lv.get('failures')}  "
             f"GPU {lv.get('peak_gpu_mem_gib')} GiB"
-            + (f"  [server: TTFT {lv['server_ttft_ms_mean']} ms mean, running "
+            + (f"  [server: TTFT {lv['server_ttft_ms_mean']} ms mean, intake "
+               f"{lv.get('server_intake_ms_mean')} ms, running "
                f"{lv.get('server_running_mean')}, waiting {lv.get('server_waiting_mean')}]"
-               if "server_ttft_ms_mean" in lv else ""))
+               if "server_ttft_ms_mean" in lv else "")
+            + (f"  [CPU: {fmt_cpu(lv['server_cpu'])}]" if lv.get("server_cpu") else ""))
+
+
+def fmt_cpu(rows: list[dict]) -> str:
+    """'root:python3 0.93 (python3 0.71, mv-receiver 0.22), minivllm-engine 1.0'"""
+    parts = []
+    for r in rows:
+        if r["share"] < 0.05:
+            continue
+        inner = ", ".join(f"{t['name']} {t['share']}" for t in r["threads"])
+        parts.append(f"{r['name']} {r['share']}" + (f" ({inner})" if len(r["threads"]) > 1
+                                                      else ""))
+    return ", ".join(parts)
 
 
 def estimated_rate(c: int, measured: dict[int, float]) -> float | None:

@@ -51,6 +51,7 @@ def test_server_metrics_sampler_reads_the_servers_view(server):
     # Server-side TTFT is measured from the handler's arrival, inside the client's TTFT.
     assert 0 < got["server_ttft_ms_mean"] <= level["ttft_ms_p99"] + 1
     assert got["server_e2e_ms_mean"] > 0 and got["server_queue_ms_mean"] >= 0
+    assert 0 < got["server_intake_ms_mean"] < got["server_e2e_ms_mean"]
     assert 0 <= got["server_running_mean"] <= 4
     # A target without Prometheus metrics is left alone.
     other = sb.ServerMetricsSampler(sb.Target(label="x", kind="transformers",

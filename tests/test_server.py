@@ -511,7 +511,8 @@ def test_metrics_move_as_requests_complete(http, client, server):
     assert before.headers["content-type"].startswith("text/plain")
     b = before.text
     for name in ("minivllm:time_to_first_token_seconds", "minivllm:inter_token_latency_seconds",
-                 "minivllm:e2e_request_latency_seconds", "minivllm:request_queue_time_seconds"):
+                 "minivllm:e2e_request_latency_seconds", "minivllm:request_queue_time_seconds",
+                 "minivllm:request_intake_seconds"):
         assert f"# TYPE {name} histogram" in b
     for name in ("minivllm:num_requests_running", "minivllm:num_requests_waiting",
                  "minivllm:kv_cache_usage_perc"):
@@ -532,6 +533,9 @@ def test_metrics_move_as_requests_complete(http, client, server):
     assert delta("minivllm:e2e_request_latency_seconds_count") == 2
     assert delta("minivllm:request_queue_time_seconds_count") == 2
     assert delta("minivllm:inter_token_latency_seconds_count") >= 6
+    # Intake (app -> engine) happens before the engine's arrival stamp: short, not zero.
+    assert delta("minivllm:request_intake_seconds_count") == 2
+    assert 0 < delta("minivllm:request_intake_seconds_sum") < 2 * 1.0
     assert _metric(a, "minivllm:time_to_first_token_seconds_bucket", le="+Inf") == \
         _metric(a, "minivllm:time_to_first_token_seconds_count")
     assert _metric(a, "minivllm:kv_cache_usage_perc") == 0.0

@@ -48,6 +48,7 @@ from typing import Any, Protocol
 from ..config import EngineConfig
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
+from ..thread_names import set_os_thread_name
 from .engine_core import EngineCore, EngineStepError
 from .engine_process import engine_facts, engine_process_main
 from .output_codec import OutputDecoder, decode_events
@@ -616,6 +617,7 @@ class AsyncLLMEngine:
         self._thread.start()
 
     def _receive_main(self) -> None:
+        set_os_thread_name("mv-receiver")
         conn = self._conn
         try:
             first = conn.recv()

@@ -169,6 +169,9 @@ def engine_process_main(config, conns, log_level: int = logging.INFO) -> None:
     import os
     import sys
 
+    from ..thread_names import set_os_thread_name
+
+    set_os_thread_name("minivllm-engine")
     code = 0
     try:
         run_engine_process(config, conns, log_level)

@@ -28,7 +28,7 @@ from .protocol import (ChatCompletionRequest, ChatCompletionResponse, Completion
                        CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
                        ModelList, RequestError, TokenizeRequest, TokenizeResponse,
                        VersionResponse)
-from .serving import OpenAIServing, OrjsonResponse, error_response
+from .serving import RECEIVED_AT, OpenAIServing, OrjsonResponse, error_response
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,19 @@ _SSE = {"text/event-stream": {"schema": {"type": "string"},
 # Paths that work without the API key.
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/docs", "/redoc",
                         "/openapi.json", "/docs/oauth2-redirect"})
+
+
+class ReceivedAtMiddleware:
+    """Pure ASGI middleware: stamps when the app first sees each HTTP request, so the
+    intake histogram covers parsing, validation and tokenization up to the engine."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            scope[RECEIVED_AT] = time.monotonic()
+        return await self.app(scope, receive, send)
 
 
 class ApiKeyMiddleware:
@@ -107,9 +120,10 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     if max_num_seqs is None:
         eng = engine.engine
         max_num_seqs = eng.config.max_num_seqs if eng is not None else 256
-    serving = OpenAIServing(engine, served_model_names, max_num_seqs)
     if metrics is None:
         metrics = EngineMetrics(served_model_names[0])
+    serving = OpenAIServing(engine, served_model_names, max_num_seqs,
+                            on_intake=metrics.observe_intake)
     engine.stat_loggers.append(metrics)
     started = int(time.time())
 
@@ -130,6 +144,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     app.state.metrics = metrics
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(ReceivedAtMiddleware)  # added last: the outermost, runs first
 
     # ---- errors -------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing
 import sys
 
 DEFAULT_HOST = "127.0.0.1"
@@ -138,7 +139,9 @@ def _api_server_process(args: argparse.Namespace, connection, sock) -> None:
     """Main of an extra API server process: a frontend attached to the engine process."""
     from ..engine.async_llm_engine import AsyncLLMEngine
     from ..engine.llm_engine import freeze_startup_objects
+    from ..thread_names import set_os_thread_name
 
+    set_os_thread_name(multiprocessing.current_process().name)  # minivllm-api-N
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     engine = AsyncLLMEngine.attach(connection,
@@ -176,8 +179,6 @@ def run_server(args: argparse.Namespace) -> None:
              args.host, args.port)
     sockets, workers = None, []
     if args.api_servers > 1:
-        import multiprocessing
-
         sockets = [_listening_socket(args.host, args.port)]
         ctx = multiprocessing.get_context("spawn")
         for k, conn in enumerate(engine.frontend_connections):

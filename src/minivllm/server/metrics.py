@@ -98,6 +98,12 @@ class EngineMetrics:
         self.queue = Histogram("minivllm:request_queue_time_seconds",
                                "Histogram of time spent waiting in the queue in seconds.",
                                LATENCY_BUCKETS)
+        # Before the engine's arrival stamp: the HTTP request's parsing and validation,
+        # tokenization, and any wait for the frontend's event loop (TTFT starts after it).
+        self.intake = Histogram("minivllm:request_intake_seconds",
+                                "Histogram of time from the HTTP request reaching the "
+                                "server's app to its submission to the engine in seconds.",
+                                TTFT_BUCKETS)
         self.success = {r: 0 for r in self.FINISH_REASONS}
         # request id -> (tokens seen in sample 0, time of the last new token)
         self._progress: dict[str, tuple[int, float]] = {}
@@ -137,6 +143,11 @@ class EngineMetrics:
             for o in out.outputs:
                 reason = o.finish_reason or "abort"
                 self.success[reason] = self.success.get(reason, 0) + 1
+
+    def observe_intake(self, seconds: float) -> None:
+        """On the event loop, per submitted request."""
+        with self._lock:
+            self.intake.observe(seconds)
 
     def on_abort(self, request_id: str) -> None:
         with self._lock:
@@ -181,6 +192,6 @@ class EngineMetrics:
             lines += _scalar("counter", "minivllm:request_aborted_total",
                              "Count of requests aborted (client gone, shutdown, engine "
                              "failure) before they finished.", [(lbl, aborted)])
-            for h in (self.ttft, self.itl, self.tpot, self.e2e, self.queue):
+            for h in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.intake):
                 lines += h.render(lbl)
         return "\n".join(lines) + "\n"

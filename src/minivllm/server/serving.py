@@ -31,6 +31,9 @@ from .protocol import ChatCompletionRequest, CompletionRequest, RequestError
 
 logger = logging.getLogger(__name__)
 
+# The ASGI scope key under which the app stamps (time.monotonic) a request's first sight.
+RECEIVED_AT = "minivllm.received_at"
+
 
 class OrjsonResponse(Response):
     media_type = "application/json"
@@ -149,8 +152,10 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str],
-                 max_num_seqs: int) -> None:
+                 max_num_seqs: int,
+                 on_intake: Callable[[float], None] | None = None) -> None:
         self.engine = engine
+        self.on_intake = on_intake  # seconds from the app's first sight of a request to submission
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
         self.tokenizer = engine.tokenizer  # the frontend's own copy (see AsyncLLMEngine)
@@ -214,6 +219,9 @@ class OpenAIServing:
         watcher = DisconnectWatcher(raw_request, lambda: self.engine.abort(ids))
         specs = [dict(request_id=rid, prompt={"prompt": p.text, "prompt_token_ids": p.token_ids},
                       params=job.params) for rid, p in zip(ids, job.prompts)]
+        received = raw_request.scope.get(RECEIVED_AT)
+        if self.on_intake is not None and received is not None:
+            self.on_intake(time.monotonic() - received)
         try:
             job.streams = await self.engine.add_requests(specs)
         except BaseException as e:
