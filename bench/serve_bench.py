@@ -569,10 +569,13 @@ class ServerMetricsSampler:
 # ---- GPU memory ------------------------------------------------------------------------------
 
 class GpuMemorySampler:
-    """Peak used memory of GPU 0 (all processes) while running, via nvidia-ml-py."""
+    """Peak used memory of GPU 0 (all processes) while running, and the mean of NVML's
+    utilization (the share of time a kernel was running, over NVML's own sample period),
+    via nvidia-ml-py."""
 
     def __init__(self) -> None:
         self.peak_bytes: int | None = None
+        self._utils: list[int] = []
         self._stop = threading.Event()
         self._thread = None
         try:
@@ -595,6 +598,8 @@ class GpuMemorySampler:
             try:
                 used = self._pynvml.nvmlDeviceGetMemoryInfo(self._handle).used
                 self.peak_bytes = max(self.peak_bytes or 0, used)
+                self._utils.append(self._pynvml.nvmlDeviceGetUtilizationRates(
+                    self._handle).gpu)
             except Exception:  # noqa: BLE001
                 return
             self._stop.wait(0.1)
@@ -603,6 +608,11 @@ class GpuMemorySampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(2)
+
+    @property
+    def util_mean(self) -> float | None:
+        """Percent; None without samples."""
+        return round(sum(self._utils) / len(self._utils), 1) if self._utils else None
 
     @property
     def peak_gib(self) -> float | None:
