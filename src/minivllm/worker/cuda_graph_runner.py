@@ -38,14 +38,36 @@ def bucket_for(n: int, buckets: list[int]) -> int | None:
     return None
 
 
-class _Staging:
-    """One set of host-side staging arrays (pinned on a GPU, for async copies)."""
+class _DecodeArrays:
+    """A decode step's inputs packed in two flat buffers, so that a step uploads them in
+    two copies (each copy costs the host a few microseconds, and under serving load the
+    host limits the step):
+
+        int64: ids[b] index[b]          int32: lens[b] tables[b, max_blocks]
+
+    input token ids, and the previous step's rows to take them from on the device;
+    sequence lengths and block tables. The named attributes are views of the buffers."""
+
+    def __init__(self, max_batch: int, max_blocks: int, **where) -> None:
+        b = max_batch
+        self.int64 = torch.zeros(2 * b, dtype=torch.long, **where)
+        self.int32 = torch.zeros(b + b * max_blocks, dtype=torch.int32, **where)
+        self.ids, self.index = self.int64[:b], self.int64[b:]
+        self.lens = self.int32[:b]
+        self.tables = self.int32[b:].view(b, max_blocks)
+        self.max_batch, self.max_blocks = b, max_blocks
+
+    def int32_prefix(self, rows: int) -> int:
+        """Elements of the int32 buffer that a step of `rows` (padded) rows reads."""
+        return self.max_batch + rows * self.max_blocks
+
+
+class _Staging(_DecodeArrays):
+    """One set of host-side staging arrays (pinned on a GPU, for async copies), with
+    numpy views for cheap fills."""
 
     def __init__(self, max_batch: int, max_blocks: int, pin: bool) -> None:
-        self.ids = torch.zeros(max_batch, dtype=torch.long, pin_memory=pin)
-        self.lens = torch.zeros(max_batch, dtype=torch.int32, pin_memory=pin)
-        self.tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=pin)
-        self.index = torch.zeros(max_batch, dtype=torch.long, pin_memory=pin)
+        super().__init__(max_batch, max_blocks, pin_memory=pin)
         self.ids_np, self.lens_np = self.ids.numpy(), self.lens.numpy()
         self.tables_np, self.index_np = self.tables.numpy(), self.index.numpy()
 
@@ -62,10 +84,10 @@ class DecodeInputs:
         pin = device.type == "cuda"
         self._staging = [_Staging(max_batch, max_blocks, pin) for _ in range(2)]
         self._turn = 0
-        self.index = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
+        # The static buffers the graphs read are views of one device-side set.
+        self.buf = _DecodeArrays(max_batch, max_blocks, device=device)
+        self.index, self.input_ids = self.buf.index, self.buf.ids
+        self.seq_lens, self.block_tables = self.buf.lens, self.buf.tables
         self.max_blocks = max_blocks
 
     def fill(self, token_ids: list[int] | None, seq_lens: list[int], tables: list[list[int]],
@@ -80,23 +102,22 @@ class DecodeInputs:
         n = len(seq_lens)
         if device_tokens is None:
             st.ids_np[:n] = token_ids
-            st.ids_np[n:padded] = 0
-            self.input_ids[:padded].copy_(st.ids[:padded], non_blocking=True)
         else:
             prev, rows = device_tokens
             st.index_np[:n] = rows
-            self.index[:n].copy_(st.index[:n], non_blocking=True)
-            torch.index_select(prev, 0, self.index[:n], out=self.input_ids[:n])
-            self.input_ids[n:padded].zero_()
+        st.ids_np[n:padded] = 0  # padding rows' tokens (the gather below writes only :n)
         st.lens_np[:n] = seq_lens
         st.lens_np[n:padded] = 0
-        width = 1
+        table_rows = st.tables_np
         for i, t in enumerate(tables):
-            st.tables_np[i, :len(t)] = t
-            width = max(width, len(t))
-        # Only columns below `width` are read by real rows; padding rows read none.
-        self.seq_lens[:padded].copy_(st.lens[:padded], non_blocking=True)
-        self.block_tables[:padded, :width].copy_(st.tables[:padded, :width], non_blocking=True)
+            table_rows[i, :len(t)] = t
+        # Two copies: the int64 buffer (ids and gather rows), and lengths plus the table
+        # rows up to `padded` (padding rows have length 0: their tables are never read).
+        self.buf.int64.copy_(st.int64, non_blocking=True)
+        m = st.int32_prefix(padded)
+        self.buf.int32[:m].copy_(st.int32[:m], non_blocking=True)
+        if device_tokens is not None:
+            torch.index_select(prev, 0, self.index[:n], out=self.input_ids[:n])
 
 
 class DecodeGraphRunner:

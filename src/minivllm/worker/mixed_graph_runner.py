@@ -40,25 +40,49 @@ def mixed_buckets(max_tokens: int) -> list[int]:
     return sizes + [max_tokens]
 
 
-def _step_arrays(t: int, s: int, max_blocks: int, **where) -> dict[str, torch.Tensor]:
-    """The arrays of a mixed step's inputs for t tokens and s sequences, made with `where`
-    (device=... for the graphs' buffers, pin_memory=... for host staging): token ids,
-    positions, slots, query offsets, lengths, block tables, sampled rows, and the
-    positions / previous-step rows of tokens taken from the device."""
-    long, i32 = dict(dtype=torch.long, **where), dict(dtype=torch.int32, **where)
-    return {"ids": torch.zeros(t, **long), "pos": torch.zeros(t, **long),
-            "slots": torch.full((t,), -1, **long), "qsl": torch.zeros(s + 1, **i32),
-            "lens": torch.zeros(s, **i32), "tables": torch.zeros(s, max_blocks, **i32),
-            "rows": torch.zeros(s, **long), "fix_pos": torch.zeros(s, **long),
-            "fix_rows": torch.zeros(s, **long)}
+class _StepArrays:
+    """A mixed step's inputs for up to t tokens and s sequences, packed in two flat
+    buffers so that a step uploads them in two copies, not nine (each copy is a few
+    microseconds of host time, and the host is what limits a serving step):
+
+        int64: ids[t] pos[t] slots[t] rows[s] fix_pos[s] fix_rows[s]
+        int32: qsl[s+1] lens[s] tables[s, max_blocks]
+
+    token ids, positions, KV slots, sampled rows, and the positions / previous-step rows
+    of tokens taken from the device; query offsets, lengths, block tables. The named
+    attributes are views of the buffers (and `*_np` numpy views of them on the host)."""
+
+    def __init__(self, t: int, s: int, max_blocks: int, **where) -> None:
+        self.int64 = torch.zeros(3 * t + 3 * s, dtype=torch.long, **where)
+        self.int32 = torch.zeros(2 * s + 1 + s * max_blocks, dtype=torch.int32, **where)
+        self.table_start = 2 * s + 1  # where the int32 buffer's tables begin
+        self.max_blocks = max_blocks
+        views = {}
+        for buf, fields in ((self.int64, (("ids", t), ("pos", t), ("slots", t), ("rows", s),
+                                           ("fix_pos", s), ("fix_rows", s))),
+                            (self.int32, (("qsl", s + 1), ("lens", s)))):
+            at = 0
+            for name, size in fields:
+                views[name] = buf[at:at + size]
+                at += size
+        views["tables"] = self.int32[self.table_start:].view(s, max_blocks)
+        vars(self).update(views)
+        self.slots.fill_(-1)
+        if self.int64.device.type == "cpu":  # host staging: numpy views for cheap fills
+            for name, v in views.items():
+                setattr(self, name + "_np", v.numpy())
+
+    def int32_prefix(self, num_seqs: int) -> int:
+        """Elements of the int32 buffer that a step of num_seqs sequences reads: padding
+        sequences own no tokens and have length 0, so their table rows are never read."""
+        return self.table_start + num_seqs * self.max_blocks
 
 
-class _MixedStaging:
-    """One set of host staging arrays (attributes named as in _step_arrays), and an event
-    after the copies that read them."""
+class _MixedStaging(_StepArrays):
+    """One set of host staging arrays, and an event after the copies that read them."""
 
     def __init__(self, t: int, s: int, max_blocks: int, pin: bool) -> None:
-        vars(self).update(_step_arrays(t, s, max_blocks, pin_memory=pin))
+        super().__init__(t, s, max_blocks, pin_memory=pin)
         self.event = torch.cuda.Event() if pin else None
         self._recorded = False
 
@@ -91,8 +115,11 @@ class MixedGraphRunner:
         # read.
         self._staging = [_MixedStaging(t, s, max_blocks, pin) for _ in range(2)]
         self._turn = 0
-        # self.ids, .pos, .slots, .qsl, .lens, .tables, .rows, .fix_pos, .fix_rows
-        vars(self).update(_step_arrays(t, s, max_blocks, device=device))
+        # The device buffers the graphs read; self.ids, .pos, ... are views of them.
+        self.buf = _StepArrays(t, s, max_blocks, device=device)
+        for name in ("ids", "pos", "slots", "qsl", "lens", "tables", "rows", "fix_pos",
+                     "fix_rows"):
+            setattr(self, name, getattr(self.buf, name))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # Shared by every bucket's graph (kept out of the graphs' pool; see
         # DecodeGraphRunner).
@@ -154,34 +181,32 @@ class MixedGraphRunner:
         st = self._staging[self._turn]
         self._turn ^= 1
         st.wait()
-        st.ids[:n_tok] = torch.tensor(host.input_ids, dtype=torch.long)
-        st.pos[:n_tok] = torch.tensor(host.positions, dtype=torch.long)
-        st.slots[:n_tok] = torch.tensor(host.slots, dtype=torch.long)
-        st.slots[n_tok:t] = -1
-        st.ids[n_tok:t] = 0
-        st.pos[n_tok:t] = 0
-        st.qsl[:n_seq + 1] = torch.tensor(host.query_start_loc, dtype=torch.int32)
-        st.qsl[n_seq + 1:] = n_tok  # padding sequences own no tokens
-        st.lens[:n_seq] = torch.tensor(host.seq_lens, dtype=torch.int32)
-        st.lens[n_seq:] = 0
-        width = 1
+        st.ids_np[:n_tok] = host.input_ids
+        st.pos_np[:n_tok] = host.positions
+        st.slots_np[:n_tok] = host.slots
+        st.slots_np[n_tok:t] = -1
+        st.ids_np[n_tok:t] = 0
+        st.pos_np[n_tok:t] = 0
+        st.qsl_np[:n_seq + 1] = host.query_start_loc
+        st.qsl_np[n_seq + 1:] = n_tok  # padding sequences own no tokens
+        st.lens_np[:n_seq] = host.seq_lens
+        st.lens_np[n_seq:] = 0
+        tables = st.tables_np
         for i, table in enumerate(host.block_tables):
-            st.tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
-            width = max(width, len(table))
-        st.rows[:n_rows] = torch.tensor(host.sample_indices, dtype=torch.long)
-        st.rows[n_rows:] = 0
-        for dst, src, k in ((self.ids, st.ids, t), (self.pos, st.pos, t),
-                            (self.slots, st.slots, t), (self.qsl, st.qsl, None),
-                            (self.lens, st.lens, None), (self.rows, st.rows, None)):
-            dst[:k].copy_(src[:k], non_blocking=True)
-        self.tables[:n_seq, :width].copy_(st.tables[:n_seq, :width], non_blocking=True)
+            tables[i, :len(table)] = table
+        st.rows_np[:n_rows] = host.sample_indices
+        st.rows_np[n_rows:] = 0
         if device_tokens is not None:
             prev, positions, rows = device_tokens
             k = len(positions)
-            st.fix_pos[:k] = torch.tensor(positions, dtype=torch.long)
-            st.fix_rows[:k] = torch.tensor(rows, dtype=torch.long)
-            self.fix_pos[:k].copy_(st.fix_pos[:k], non_blocking=True)
-            self.fix_rows[:k].copy_(st.fix_rows[:k], non_blocking=True)
+            st.fix_pos_np[:k] = positions
+            st.fix_rows_np[:k] = rows
+        # Two copies: all of the int64 buffer (a few KB), the int32 one up to the last real
+        # sequence's table row.
+        self.buf.int64.copy_(st.int64, non_blocking=True)
+        m = st.int32_prefix(n_seq)
+        self.buf.int32[:m].copy_(st.int32[:m], non_blocking=True)
+        if device_tokens is not None:
             self.ids.index_copy_(0, self.fix_pos[:k], prev.index_select(0, self.fix_rows[:k]))
         st.copied()
         if t in self.graphs:
