@@ -541,6 +541,7 @@ class Report:
                "come from the server's own /metrics during the level: a server TTFT far "
                "below the client's puts the difference in HTTP and the client.")
         self.w3_engine_trace(targets)
+        self.w3_server_processes(targets)
         series = {t["label"]: [lv for lv in t.get("levels", []) if lv.get("output_tok_per_s")]
                   for t, _ in targets}
         series = {k: sorted(v, key=lambda lv: lv["concurrency"]) for k, v in series.items() if v}
@@ -576,6 +577,33 @@ class Report:
                "arrival in the HTTP process to the engine reading it.\n")
         self.p(table(["engine", "c", "iterations", "steps: share x mean (tokens)",
                       "in steps", "between ms", "longest ms", "arrival to engine ms", "p90"],
+                     rows))
+
+    def w3_server_processes(self, targets: list) -> None:
+        """Per server level: the intake histogram's mean, the GPU's busy share (NVML), and
+        each server process's CPU (bench/proc_cpu.py), where the run recorded them."""
+        rows = []
+        for t, _ in targets:
+            for lv in sorted(t.get("levels", []), key=lambda lv: lv["concurrency"]):
+                if not lv.get("server_cpu"):
+                    continue
+                procs = "; ".join(
+                    f"{r['name']} {r['share']}" + (" (" + ", ".join(
+                        f"{x['name']} {x['share']}" for x in r["threads"]) + ")"
+                        if len(r["threads"]) > 1 else "")
+                    for r in lv["server_cpu"] if r["share"] >= 0.05)
+                rows.append([t["label"], lv["concurrency"], lv.get("server_intake_ms_mean", "-"),
+                             lv.get("gpu_util_mean", "-"), procs])
+        if not rows:
+            return
+        self.p("\nThe server's processes during each level: intake (from the HTTP request "
+               "reaching the app to its submission to the engine: parsing, validation, "
+               "tokenization), the GPU's busy share as NVML reports it, and each process's "
+               "CPU as a share of one core, with its threads (`root:` is the process the "
+               "benchmark started, the first HTTP frontend; `mv-receiver` its thread that "
+               "reads the engine's outputs; `minivllm-engine` the engine process). A share "
+               "near 1.0 marks the part that limits the server.\n")
+        self.p(table(["engine", "c", "intake ms", "GPU busy %", "CPU per process (threads)"],
                      rows))
 
     def w3_plots(self, run: Path, series: dict, cap: str) -> None:
@@ -806,7 +834,8 @@ class Report:
             more = (f"; {any_run[0]} in `{any_run[1]}`" if any_run
                     and any_run[0] > w3["max_concurrency"] else "")
             lines.append(f"\nW3: largest concurrency with no failed request: "
-                         f"{w3['max_concurrency']} in the newest run ({w3['max_concurrency_how']})"
+                         f"{w3['max_concurrency']} in the newest run with a ramp "
+                         f"({w3['max_concurrency_how']})"
                          f"{more}; best server throughput "
                          f"{fmt(w3['best_server'])} tok/s at c={w3['best_server_c']}.")
         return lines

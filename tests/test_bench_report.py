@@ -147,6 +147,12 @@ def test_w3_server_variants_and_engine_trace(tmp_path):
                                                     "tokens_mean": 170.0},
                                     "decode_pipelined": {"share": 0.75, "mean_ms": 1.3,
                                                          "tokens_mean": 40.0}}}
+    traced.update(server_intake_ms_mean=0.9, gpu_util_mean=71.5, server_cpu=[
+        {"name": "minivllm-engine", "pid": 2, "share": 0.93,
+         "threads": [{"name": "minivllm-engine", "share": 0.93}]},
+        {"name": "root:python3", "pid": 1, "share": 0.9,
+         "threads": [{"name": "python3", "share": 0.6}, {"name": "mv-receiver", "share": 0.3}]},
+        {"name": "python3", "pid": 3, "share": 0.0, "threads": []}])
     _w3_file(run / "w3_minivllm.json", "minivllm", "minivllm", [traced])
     _w3_file(run / "w3_minivllm-api2.json", "minivllm-api2", "minivllm", [_level(64, 6000.0)])
     _w3_file(run / "w3_minivllm-mixedpipe.json", "minivllm-mixedpipe", "minivllm",
@@ -161,6 +167,8 @@ def test_w3_server_variants_and_engine_trace(tmp_path):
            "7,000 vs 8,000 tok/s = 88%." in md
     assert "| minivllm | 64 | 900 | mixed_graph 25% x 3.2 ms (170.0 tok); decode_pipelined 75% " \
            "x 1.3 ms (40.0 tok) | 0.8 | 0.4 | 42.0 | 1.5 | 3.0 |" in md
+    assert "| minivllm | 64 | 0.9 | 71.5 | minivllm-engine 0.93; root:python3 0.9 (python3 0.6, " \
+           "mv-receiver 0.3) |" in md  # idle processes left out
 
 
 def test_python_m_bench_report_entry_point(tmp_path):
