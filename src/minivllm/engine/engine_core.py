@@ -5,7 +5,9 @@ the commands that arrived (add, abort, call), runs one step if there is work, an
 what happened as a list of plain events keyed by request id:
 
     ("added", rid, error | None)            the add was accepted (None) or refused
-    ("output", RequestOutput)               a live request's new cumulative output
+    ("output", RequestOutput)               a live request's new cumulative output (with
+                                            report_requests: its Request itself, to be
+                                            encoded before the next step)
     ("aborted", rid, final | None, live)    final: its last output with finish_reason
                                             "abort"; live: the engine still had it
     ("failed", rid, error)                  a step failed while the request was in it
@@ -38,9 +40,14 @@ class EngineStepError(RuntimeError):
 
 
 class EngineCore:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, report_requests: bool = False) -> None:
+        """report_requests: "output" events carry the Request, not a RequestOutput (the
+        engine process encodes only what changed straight from it: no cumulative output
+        is built per request per step)."""
         self.engine = engine
-        # Live requests added through this core -> their last output (None before one).
+        self.report_requests = report_requests
+        # Live requests added through this core -> their last output (None before one,
+        # and always None with report_requests: an abort builds the final one then).
         self.last: dict[str, RequestOutput | None] = {}
 
     def has_work(self) -> bool:
@@ -95,12 +102,12 @@ class EngineCore:
 
     # ---- stepping -----------------------------------------------------------------------
 
-    def step(self, events: list) -> list[RequestOutput]:
-        """One engine step; returns all its outputs (for stat loggers), and reports those
-        of live requests as events."""
+    def step(self, events: list) -> list:
+        """One engine step; returns all its outputs (for stat loggers; Requests with
+        report_requests), and reports those of live requests as events."""
         eng = self.engine
         try:
-            outputs = eng.step()
+            outputs = eng.step_requests() if self.report_requests else eng.step()
         except Exception as e:  # noqa: BLE001 - fail the affected requests, keep serving
             logger.exception("Engine step failed")
             self._fail_step(e, events)
@@ -115,7 +122,7 @@ class EngineCore:
                 continue
             if out.finished:
                 del self.last[rid]
-            else:
+            elif not self.report_requests:
                 self.last[rid] = out
             events.append(("output", out))
         return outputs

@@ -51,7 +51,7 @@ def run_engine_process(config, conns, log_level: int = logging.INFO) -> None:
     logging.basicConfig(level=log_level,
                         format="%(levelname)s %(asctime)s %(name)s [engine]: %(message)s")
     try:
-        core = EngineCore(LLMEngine(config))
+        core = EngineCore(LLMEngine(config), report_requests=True)
         ready = ("ready", {**engine_facts(core.engine), "snapshot": core.snapshot()})
         freeze_startup_objects()  # this process lives exactly as long as its engine
     except BaseException as e:  # noqa: BLE001 - reported to the frontends

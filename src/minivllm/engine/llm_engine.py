@@ -10,6 +10,7 @@ import gc
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 
 import torch
@@ -193,23 +194,36 @@ class LLMEngine:
         """One scheduler step. Runs of greedy decode steps are pipelined: step N+1 is
         launched on the device before step N's tokens are read back, so the host's
         bookkeeping overlaps the device's work (see `_step_pipelined`)."""
+        return self._step(self._outputs)
+
+    def step_requests(self) -> list[Request]:
+        """One step like `step`, returning the requests it would report (each once)
+        instead of their RequestOutputs: for an owner that sends only what changed
+        (the engine process, output_codec.OutputEncoder), building a cumulative output
+        per request per step is wasted host time. Read them before the next step."""
+        seen: dict[str, Request] = {}
+        for req in self._step(self._reportable):
+            seen.setdefault(req.request_id, req)
+        return list(seen.values())
+
+    def _step(self, report: Callable[[list[Request]], list]) -> list:
         if self._pending is not None and not self._pipeline_can_continue():
             touched = self._resolve_pending()
-            return self._outputs(touched) + self._outputs(self._step_sync())
+            return report(touched) + report(self._step_sync())
         batch = self.scheduler.schedule()
         if not batch.seqs:
             touched = self._resolve_pending() if self._pending is not None else []
             if not touched and self.scheduler.has_work():
                 raise RuntimeError("The scheduler could not schedule any work; the KV cache "
                                    "is too small for the waiting requests.")
-            return self._outputs(touched)
+            return report(touched)
         self._mark_scheduled(batch)
         # With a step pending, _pipeline_can_continue() already vetted every running
         # sequence and every request this schedule could admit; the batch holds only those.
         if self._pipelined and (batch.is_decode_only or self._pipeline_mixed) and \
                 self.runner.can_launch_async(batch) and (
                 self._pending is not None or self._batch_can_pipeline(batch)):
-            return self._step_pipelined(batch)
+            return self._step_pipelined(batch, report)
         touched = []
         if self._pending is not None:
             # A batch that cannot be launched ahead (e.g. a mixed step past the largest
@@ -220,12 +234,14 @@ class LLMEngine:
             batch.seqs = [batch.seqs[i] for i in keep]
             batch.num_new_tokens = [batch.num_new_tokens[i] for i in keep]
             if not batch.seqs:
-                return self._outputs(touched)
-        return self._outputs(touched) + self._outputs(self._run_sync(batch))
+                return report(touched)
+        return report(touched) + report(self._run_sync(batch))
+
+    def _reportable(self, touched: list[Request]) -> list[Request]:
+        return [req for req in touched if req.stream or req.finished_time is not None]
 
     def _outputs(self, touched: list[Request]) -> list[RequestOutput]:
-        return [self.make_output(req) for req in touched
-                if req.stream or req.finished_time is not None]
+        return [self.make_output(req) for req in self._reportable(touched)]
 
     def _mark_scheduled(self, batch: ScheduledBatch) -> None:
         now = time.monotonic()
@@ -282,10 +298,10 @@ class LLMEngine:
         return all(self._seq_can_pipeline(s) and s.token_ids[-1] != PLACEHOLDER_TOKEN
                    for s in itertools.islice(sched.waiting, room))
 
-    def _step_pipelined(self, batch: ScheduledBatch) -> list[RequestOutput]:
+    def _step_pipelined(self, batch: ScheduledBatch, report: Callable) -> list:
         pending = self.runner.launch_decode(batch, self._pending)
         touched = self._resolve_pending() if self._pending is not None else []
-        outputs = self._outputs(touched)  # before the placeholders go in
+        outputs = report(touched)  # before the placeholders go in
         self.scheduler.advance(batch)
         for seq in pending.seqs:  # the rows it samples (not a prompt's unfinished chunk)
             if not seq.is_finished:

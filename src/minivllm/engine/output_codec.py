@@ -5,11 +5,17 @@ whole token list each step would cost O(length) per token. OutputEncoder (engine
 sends what changed since the request's last output, OutputDecoder (frontend side) rebuilds
 the cumulative outputs. Only tuples, strings, numbers and lists travel: pickling a
 dataclass goes through Python-level __reduce_ex__ (it cost 4 ms per step at batch 256).
+The engine process hands the encoder its Requests themselves (EngineCore with
+report_requests), so no cumulative output is built there at all; a RequestOutput (an
+abort's final output) is encoded the same way.
 """
 
 from __future__ import annotations
 
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .detokenizer import visible_text
+from .llm_engine import PLACEHOLDER_TOKEN
+from .sequence import Request
 
 
 class OutputEncoder:
@@ -19,7 +25,9 @@ class OutputEncoder:
     def __init__(self) -> None:
         self._sent: dict[str, dict] = {}  # rid -> {"samples": {index: (t, n, l)}, "plp": n}
 
-    def encode(self, out: RequestOutput) -> tuple:
+    def encode(self, out: RequestOutput | Request) -> tuple:
+        if isinstance(out, Request):
+            return self._encode_request(out)
         rid = out.request_id
         state = self._sent.get(rid)
         first = state is None
@@ -53,6 +61,47 @@ class OutputEncoder:
                                            m.first_token_time, m.finished_time)
         return (rid, prompt, plp is not None, new_plp, metrics, out.num_cached_tokens,
                 out.extra or None, out.finished, samples)
+
+    def _encode_request(self, req: Request) -> tuple:
+        """The same message as encode(engine.make_output(req)), read straight from the
+        request's sequences: only the new tokens are sliced out, nothing cumulative is
+        copied or built."""
+        rid = req.request_id
+        state = self._sent.get(rid)
+        first = state is None
+        if first:
+            state = self._sent[rid] = {"samples": {}, "plp": 0}
+        sent = state["samples"]
+        samples = []
+        for seq in req.seqs:
+            text = visible_text(seq)
+            ids, start = seq.token_ids, seq.num_prompt_tokens
+            end = len(ids)
+            if end > start and ids[-1] == PLACEHOLDER_TOKEN:
+                end -= 1  # a pipelined step's token, not read back yet
+            lps = seq.logprobs
+            t, n, lp = sent.get(seq.index, (0, 0, 0))
+            reset = len(text) < t or end - start < n
+            if reset:
+                t = n = lp = 0
+            samples.append((seq.index, reset, text[t:], ids[start + n:end],
+                            lps[lp:] if lps is not None else None,
+                            seq.cumulative_logprob if lps is not None else None,
+                            seq.finish_reason, seq.stop_reason))
+            sent[seq.index] = (len(text), end - start, len(lps) if lps is not None else 0)
+        plp = req.prompt_logprobs
+        new_plp = None
+        if plp is not None and len(plp) != state["plp"]:
+            new_plp = plp[state["plp"]:]
+            state["plp"] = len(plp)
+        prompt = (req.prompt, req.prompt_token_ids) if first else None
+        finished = req.finished
+        if finished:
+            del self._sent[rid]
+        metrics = (req.arrival_time, req.first_scheduled_time, req.first_token_time,
+                   req.finished_time)
+        return (rid, prompt, plp is not None, new_plp, metrics,
+                req.seqs[0].num_cached_tokens or 0, None, finished, samples)
 
     def forget(self, rid: str) -> None:
         self._sent.pop(rid, None)
