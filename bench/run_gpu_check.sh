@@ -16,6 +16,7 @@
 #   kernels bench/kernel_check.py: the attention kernels vs the reference, bandwidth
 #   mixed-attn  bench/mixed_attention_timing.py: attention on a padded mixed-step graph's
 #           shape vs unpadded vs decode rows alone (CUDA-graph replays)
+#   gemv    bench/gemv_timing.py: the projections at batch 1, cuBLAS GEMM vs GEMV (graph replays)
 #   s:A,B   the named bench.gpu_check sections (no torch.compile), e.g. s:w2
 # Usage (on the GPU machine, from the repo root): bash bench/run_gpu_check.sh [GROUP ...]
 set -u
@@ -70,6 +71,10 @@ print(' '.join(f'{k}={v}' for k, v in FEATURES['$f'][1].items()))")
       timeout "$(budget "${T_KERNELS:-200}")" python3 bench/kernel_check.py --out "$RES/kernel_check.json" \
         >"$RES/kernel_check.log" 2>&1
       echo "[kernels] exit $?" | tee -a "$RES/gpu_check.log"; tail -5 "$RES/kernel_check.log" ;;
+    gemv)
+      timeout "$(budget "${T_GEMV:-60}")" python3 -m bench.gemv_timing \
+        --out "$RES/gemv_timing.json" >"$RES/gemv_timing.log" 2>&1
+      echo "[gemv] exit $?" | tee -a "$RES/gpu_check.log"; tail -7 "$RES/gemv_timing.log" ;;
     mixed-attn)
       timeout "$(budget "${T_MIXED_ATTN:-60}")" python3 -m bench.mixed_attention_timing \
         --out "$RES/mixed_attention_timing.json" >"$RES/mixed_attention_timing.log" 2>&1
