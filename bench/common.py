@@ -69,3 +69,33 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:,.2f}"
     return str(v)
+
+
+def graph_replay_us(fn, n: int = 200, warm: int = 10) -> float:
+    """Microseconds of device time per replay of a CUDA graph of fn (run once first, so
+    Triton compiles outside the capture). Replays, not an eager loop: an eager loop of
+    small kernels measures Python's launch overhead, not the GPU."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(warm):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1000 * start.elapsed_time(end) / n
+
+
+def save_json(payload: dict, out: str | None) -> None:
+    """Write payload to the path `out`, if one was given (the GPU scripts' --out)."""
+    if out:
+        with open(out, "w") as f:
+            json.dump(payload, f, indent=1)

@@ -16,10 +16,11 @@ L2), captured in one CUDA graph and replayed. Times are per call, device time.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
+
+from bench.common import graph_replay_us, save_json
 
 # (name, in features, out features) of Qwen2.5-0.5B's projections, and its LM head
 SHAPES = [("qkv", 896, 1152), ("o", 896, 896), ("gate_up", 896, 9728), ("down", 4864, 896),
@@ -27,23 +28,8 @@ SHAPES = [("qkv", 896, 1152), ("o", 896, 896), ("gate_up", 896, 9728), ("down", 
 LAYERS = 24
 
 
-def timed(fn, n: int = 50) -> float:
-    """Microseconds per replay of a CUDA graph of fn."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(end) / n
+def timed(fn) -> float:
+    return graph_replay_us(fn, n=50, warm=5)
 
 
 def main(argv=None) -> int:
@@ -81,16 +67,14 @@ def main(argv=None) -> int:
                      "hbm_floor_us": round(floor, 2), "max_abs_diff_linear_vs_mv": diff})
         print(f"{name:8s} {k:5d}->{n:6d}  linear {us['linear']:6.2f} us  matmul(out=) "
               f"{us['matmul_out']:6.2f} us  mv {us['mv']:6.2f} us  (floor {floor:.2f} us)")
-        del ws
+        ws.clear()  # free this shape's weights before the next
         torch.cuda.empty_cache()
     per_layer = {a: round(sum(r["us"][a] for r in rows if r["name"] != "lm_head"), 2)
                  for a in ("linear", "matmul_out", "mv")}
     print(f"per layer (4 projections): {per_layer}")
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "dtype": "bfloat16", "rows": rows, "per_layer_us": per_layer}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    save_json(res, args.out)
     return 0
 
 

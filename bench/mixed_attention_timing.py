@@ -16,6 +16,8 @@ import json
 
 import torch
 
+from bench.common import graph_replay_us, save_json
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
@@ -38,22 +40,7 @@ def main(argv=None) -> int:
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), device=dev, dtype=torch.int32)
     sl = torch.tensor(seq_lens, device=dev, dtype=torch.int32)
 
-    def timed(fn, n=200) -> float:
-        fn()  # compile
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        for _ in range(10):
-            graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(n):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return 1000 * start.elapsed_time(end) / n  # us
+    timed = graph_replay_us
 
     real = decodes + 1
     n_tok = decodes + prompt
@@ -70,9 +57,7 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
     }
     print(json.dumps(res, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    save_json(res, args.out)
     return 0
 
 

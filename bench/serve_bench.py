@@ -31,7 +31,6 @@ import os
 import platform
 import random
 import shlex
-import shutil
 import signal
 import socket
 import subprocess

@@ -1,7 +1,6 @@
 """The CUDA-graph decode path's bucketing, padding and static buffers, run without a GPU,
 and the Triton attention backend end to end under TRITON_INTERPRET=1."""
 
-import os
 
 import pytest
 import torch

@@ -2,7 +2,6 @@
 exactly the output of plain step-by-step decoding, whatever stops, aborts or preemptions
 happen in between. Run here through the decode-graph runner in eager mode on the CPU."""
 
-import pytest
 import torch
 
 from minivllm import LLM, SamplingParams

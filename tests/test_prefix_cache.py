@@ -3,7 +3,6 @@ changes because of it."""
 
 import random
 
-import pytest
 
 from minivllm import LLM, SamplingParams
 from minivllm.engine.block_pool import BlockPool, block_hash

@@ -29,10 +29,7 @@ class OutputEncoder:
         if isinstance(out, Request):
             return self._encode_request(out)
         rid = out.request_id
-        state = self._sent.get(rid)
-        first = state is None
-        if first:
-            state = self._sent[rid] = {"samples": {}, "plp": 0}
+        state, first = self._state(rid)
         samples = []
         for o in out.outputs:
             t, n, lp = state["samples"].get(o.index, (0, 0, 0))
@@ -47,10 +44,7 @@ class OutputEncoder:
             state["samples"][o.index] = (len(o.text), len(o.token_ids),
                                          len(o.logprobs) if o.logprobs is not None else 0)
         plp = out.prompt_logprobs
-        new_plp = None
-        if plp is not None and len(plp) != state["plp"]:
-            new_plp = plp[state["plp"]:]
-            state["plp"] = len(plp)
+        new_plp = self._new_prompt_logprobs(state, plp)
         prompt = (out.prompt, out.prompt_token_ids) if first else None
         if out.finished:
             del self._sent[rid]
@@ -67,10 +61,7 @@ class OutputEncoder:
         request's sequences: only the new tokens are sliced out, nothing cumulative is
         copied or built."""
         rid = req.request_id
-        state = self._sent.get(rid)
-        first = state is None
-        if first:
-            state = self._sent[rid] = {"samples": {}, "plp": 0}
+        state, first = self._state(rid)
         sent = state["samples"]
         samples = []
         for seq in req.seqs:
@@ -90,10 +81,7 @@ class OutputEncoder:
                             seq.finish_reason, seq.stop_reason))
             sent[seq.index] = (len(text), end - start, len(lps) if lps is not None else 0)
         plp = req.prompt_logprobs
-        new_plp = None
-        if plp is not None and len(plp) != state["plp"]:
-            new_plp = plp[state["plp"]:]
-            state["plp"] = len(plp)
+        new_plp = self._new_prompt_logprobs(state, plp)
         prompt = (req.prompt, req.prompt_token_ids) if first else None
         finished = req.finished
         if finished:
@@ -102,6 +90,22 @@ class OutputEncoder:
                    req.finished_time)
         return (rid, prompt, plp is not None, new_plp, metrics,
                 req.seqs[0].num_cached_tokens or 0, None, finished, samples)
+
+    def _state(self, rid: str) -> tuple[dict, bool]:
+        """What was sent for rid so far, and whether nothing was (its first message)."""
+        state = self._sent.get(rid)
+        if state is None:
+            state = self._sent[rid] = {"samples": {}, "plp": 0}
+            return state, True
+        return state, False
+
+    @staticmethod
+    def _new_prompt_logprobs(state: dict, plp: list | None) -> list | None:
+        if plp is None or len(plp) == state["plp"]:
+            return None
+        new = plp[state["plp"]:]
+        state["plp"] = len(plp)
+        return new
 
     def forget(self, rid: str) -> None:
         self._sent.pop(rid, None)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import torch
 
 from ..model.attention import AttentionMetadata
