@@ -252,12 +252,15 @@ def section_w2(ctx):
         "not-pipelined": ("minivllm (CUDA graphs, no compile, not pipelined)", {},
                           {"MINIVLLM_PIPELINE": "0"}),
         "eager": ("minivllm eager", {"enforce_eager": True}, {}),
+        "fused-reduce": ("minivllm (CUDA graphs, decode attention's splits combined in "
+                         "its own kernel)", {}, {"MINIVLLM_DECODE_FUSED_REDUCE": "1"}),
     }
     variants = os.environ.get("GPU_CHECK_W2_VARIANTS", "compile,graphs,not-pipelined,eager")
     variants = variants.split(",")
     if os.environ.get("GPU_CHECK_SKIP_COMPILE") and "compile" in variants:
         variants.remove("compile")
-    flags = {"MINIVLLM_COMPILE": "0", "MINIVLLM_PIPELINE": "1"}
+    flags = {"MINIVLLM_COMPILE": "0", "MINIVLLM_PIPELINE": "1",
+             "MINIVLLM_DECODE_FUSED_REDUCE": "0"}
     for variant in variants:
         label, kw, env = all_variants[variant]
         for flag, default in flags.items():
@@ -590,6 +593,8 @@ FEATURES = {
     "mixed-pipelined": ({}, {"MINIVLLM_FUSED_OPS": "1", "MINIVLLM_PIPELINE": "1",
                              "MINIVLLM_PIPELINE_MIXED": "1"}),
     "compiled": ({}, {"MINIVLLM_COMPILE": "1", "MINIVLLM_PIPELINE": "1"}),
+    "fused-reduce": ({}, {"MINIVLLM_FUSED_OPS": "1", "MINIVLLM_PIPELINE": "1",
+                          "MINIVLLM_DECODE_FUSED_REDUCE": "1"}),
 }
 
 

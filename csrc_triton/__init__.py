@@ -213,13 +213,18 @@ def _decode_config(head_dim: int, dtype: torch.dtype, interpreted: bool):
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            max_seq_len: int, out: torch.Tensor | None = None,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None,
+                           counters: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention: one query token per sequence, ``q`` is ``[B, Hq, D]``.
 
     Sequence ``b`` attends to kv positions ``0 .. seq_lens[b]-1``.  Rows with
     ``seq_lens[b] == 0`` (CUDA-graph padding) produce zeros.  The grid is
     ``(B, Hkv, num_splits)``; ``num_splits`` defaults to
     ``decode_num_splits(B, Hkv, max_seq_len)`` (Python ints only).
+
+    ``counters``: an int32 workspace of at least ``B * Hkv`` zeros (the caller keeps
+    it; the kernel leaves it zeroed). With it, the splits are combined by the last
+    split program of each (sequence, kv head) instead of a second kernel.
     """
     B, Hq, D, bs, Hkv = _check_attention_shapes(q, k_cache, v_cache)
     if seq_lens.shape[0] != B:
@@ -243,16 +248,21 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_o = out
         part_lse = out
+    fused = counters is not None and num_splits > 1
+    if fused and (counters.dtype != torch.int32 or counters.numel() < B * Hkv):
+        raise ValueError(f"counters must be int32 with >= {B * Hkv} elements")
     kern._decode_split_kernel[(B, Hkv, num_splits)](
-        q, k_cache, v_cache, out, part_o, part_lse, block_tables, seq_lens,
+        q, k_cache, v_cache, out, part_o, part_lse, counters if fused else part_lse,
+        block_tables, seq_lens,
         float(scale) * _LOG2E,
         *_attention_strides(q, out, k_cache, v_cache, block_tables),
         NUM_Q_HEADS=Hq, GQA=gqa, HEAD_DIM=D, BLOCK_SIZE=bs,
         BLOCK_G=block_g, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
         NUM_SPLITS=num_splits, DOT_FP32=_dot_fp32(k_cache.dtype, interpreted),
+        FUSED_REDUCE=fused,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused:
         kern._decode_reduce_kernel[(B, Hq)](
             part_o, part_lse, out, seq_lens,
             out.stride(0), out.stride(1), out.stride(2),
@@ -290,7 +300,8 @@ def _prefill_config(rows: int, head_dim: int, dtype: torch.dtype, interpreted: b
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                    max_seq_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                    max_seq_len: int, out: torch.Tensor | None = None,
+                    decode_counters: torch.Tensor | None = None) -> torch.Tensor:
     """Ragged causal attention over the paged KV cache (prefill, chunked
     prefill, decode, or a mix of them).
 
@@ -301,7 +312,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``max_seq_len`` are Python-int upper bounds.  Returns ``[T, Hq, D]`` in
     q's dtype.  Rows of ``out`` that belong to no sequence are not written.
     Dispatches to :func:`paged_attention_decode` when ``max_query_len == 1``
-    and there is one query row per sequence.
+    and there is one query row per sequence (``decode_counters`` goes with it, as
+    its ``counters``).
     """
     T, Hq, D, bs, Hkv = _check_attention_shapes(q, k_cache, v_cache)
     num_seqs = seq_lens.shape[0]
@@ -313,7 +325,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     if max_query_len == 1 and T == num_seqs:
         return paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                      max_seq_len, out=out)
+                                      max_seq_len, out=out, counters=decode_counters)
     gqa = Hq // Hkv
     interpreted = _uses_interpreter(q.device)
     kern = _kernels_for(q.device)

@@ -225,7 +225,7 @@ def _prefill_kernel(
 
 @triton.jit(do_not_specialize=["stride_bts"])  # see _prefill_kernel
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
     block_tables_ptr, seq_lens_ptr,
     qk_scale,
     stride_qt, stride_qh, stride_qd,
@@ -235,7 +235,7 @@ def _decode_split_kernel(
     stride_bts, stride_btn,
     NUM_Q_HEADS: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, FUSED_REDUCE: tl.constexpr,
 ):
     """Flash-decoding, one query token per sequence.
 
@@ -247,6 +247,12 @@ def _decode_split_kernel(
     output is written directly; otherwise the partial output (normalised) and
     its log2-sum-exp go to part_o [S, Hq, NUM_SPLITS, D] / part_lse
     [S, Hq, NUM_SPLITS] for _decode_reduce_kernel.
+
+    FUSED_REDUCE: no second kernel. Each program counts itself done on an int32
+    counter per (sequence, kv head) (counters_ptr, zero before the launch); the one
+    that completes the count reads every split's partials and writes the output,
+    then sets the counter back to zero for the next launch. At batch 1 a decode
+    step is a chain of latency-bound launches, and this removes one per layer.
     """
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -292,6 +298,50 @@ def _decode_split_kernel(
         prow = (seq64 * NUM_Q_HEADS + head) * NUM_SPLITS + split
         tl.store(part_o_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], o, mask=qo_mask)
         tl.store(part_lse_ptr + prow, lse, mask=g_valid)
+        if FUSED_REDUCE:
+            # Every thread's stores are issued before one thread's release-acquire
+            # increment, so the program that sees the final count also sees them.
+            tl.debug_barrier()
+            counter = counters_ptr + seq64 * tl.num_programs(1) + kvh
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if done == NUM_SPLITS - 1:
+                _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, seq64, head, offs_d,
+                                g_valid, qo_mask, chunk, seq_len, stride_ot, stride_oh,
+                                stride_od, NUM_Q_HEADS, HEAD_DIM, BLOCK_G, BLOCK_D,
+                                NUM_SPLITS)
+                tl.store(counter, 0)
+
+
+@triton.jit
+def _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, seq64, head, offs_d, g_valid, qo_mask,
+                    chunk, seq_len, stride_ot, stride_oh, stride_od,
+                    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+                    BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """The fused reduce: weight each used split's output by its share of the total
+    sum-exp, for the GQA group's query heads (the arithmetic of _decode_reduce_kernel,
+    a split at a time). Loads go to L2 (.cg): other programs wrote the partials."""
+    n_used = tl.cdiv(seq_len, tl.maximum(chunk, 1))
+    base = (seq64 * NUM_Q_HEADS + head) * NUM_SPLITS
+    lse_max = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    for s in range(0, n_used):
+        lse_s = tl.load(part_lse_ptr + base + s, mask=g_valid, other=float("-inf"),
+                        cache_modifier=".cg")
+        lse_max = tl.maximum(lse_max, lse_s)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    denom = tl.zeros([BLOCK_G], dtype=tl.float32)
+    for s in range(0, n_used):
+        lse_s = tl.load(part_lse_ptr + base + s, mask=g_valid, other=float("-inf"),
+                        cache_modifier=".cg")
+        w = tl.exp2(lse_s - lse_max)
+        o_s = tl.load(part_o_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=qo_mask, other=0.0, cache_modifier=".cg")
+        acc += o_s * w[:, None]
+        denom += w
+    denom = tl.where(denom > 0.0, denom, 1.0)
+    res = acc / denom[:, None]
+    tl.store(out_ptr + seq64 * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+             res.to(out_ptr.dtype.element_ty), mask=qo_mask)
 
 
 @triton.jit

@@ -155,3 +155,36 @@ def test_broken_fused_kernels_fall_back_to_torch_ops(tiny_model_dirs, monkeypatc
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_decode_fused_reduce_in_the_graph_runner(tiny_model_dirs, monkeypatch):
+    """MINIVLLM_DECODE_FUSED_REDUCE=1: the decode graph runner hands the attention kernels
+    its counters (the split-KV decode combines its splits in place); the tokens are the
+    torch path's, and the counters are zero again after every step."""
+    pytest.importorskip("triton")
+    import csrc_triton
+
+    prompts = random_prompts(2, 256, 130, 140, seed=13)  # long enough for two splits
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    kw = dict(skip_tokenizer_init=True, max_model_len=256, block_size=16, max_num_seqs=2)
+    want = LLM(str(tiny_model_dirs["qwen2"]), **kw).generate(prompts, params, use_tqdm=False)
+    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "triton")
+    monkeypatch.setenv("MINIVLLM_DECODE_FUSED_REDUCE", "1")
+    llm = LLM(str(tiny_model_dirs["qwen2"]), **kw)
+    graphs = _attach_graph_runner(llm)
+    assert graphs.decode_counters is not None
+    splits, fused = [], []
+    orig = csrc_triton.paged_attention_decode
+
+    def spy(*a, **k):
+        splits.append(k.get("num_splits") or csrc_triton.decode_num_splits(
+            a[0].shape[0], a[1].shape[2], a[6], a[0].device))
+        fused.append(k.get("counters") is graphs.decode_counters)
+        out = orig(*a, **k)
+        assert not graphs.decode_counters.any()
+        return out
+
+    monkeypatch.setattr(csrc_triton, "paged_attention_decode", spy)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert fused and all(fused) and max(splits) > 1

@@ -45,6 +45,14 @@ def mixed_pipelining_enabled() -> bool:
     return _env_flag("MINIVLLM_PIPELINE_MIXED", True)
 
 
+def decode_fused_reduce_enabled() -> bool:
+    """MINIVLLM_DECODE_FUSED_REDUCE=1: the graphed decode step's attention combines its KV
+    splits inside the split kernel (the last program of each sequence and kv head does
+    it), one kernel launch fewer per layer. Off until the GPU tests and W2 have run it
+    (session 4 built it, CPU-tested under the Triton interpreter only)."""
+    return _env_flag("MINIVLLM_DECODE_FUSED_REDUCE", False)
+
+
 def attention_backend(device: torch.device) -> str:
     """MINIVLLM_ATTENTION_BACKEND=torch|triton; default: triton on CUDA, torch elsewhere.
     (triton on a CPU runs the kernels in Triton's interpreter: for tests only.)"""

@@ -36,10 +36,22 @@ class AttentionMetadata:
     # Host-side copies so the reference backend never waits on the device.
     query_start_loc_host: list[int] | None = None
     seq_lens_host: list[int] | None = None
+    # int32 zeros, >= num_seqs x num_kv_heads: the Triton decode kernel then combines its
+    # KV splits itself instead of in a second kernel (csrc_triton.paged_attention_decode).
+    decode_counters: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+
+def _triton_attention(triton_ops, q, k_cache, v_cache, meta: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+    args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            scale, meta.max_query_len, meta.max_seq_len)
+    if meta.decode_counters is not None:
+        return triton_ops.paged_attention_counted(*args, meta.decode_counters)
+    return triton_ops.paged_attention(*args)
 
 
 def store_kv_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -131,9 +143,7 @@ class PagedAttention(nn.Module):
         if self.backend == "triton":
             from . import triton_ops
             triton_ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            return triton_ops.paged_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                self.scale, meta.max_query_len, meta.max_seq_len)
+            return _triton_attention(triton_ops, q, k_cache, v_cache, meta, self.scale)
         store_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention_reference(q, k_cache, v_cache, meta, self.scale)
 
@@ -144,7 +154,5 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = kv_cache
         if self.backend == "triton":
             from . import triton_ops
-            return triton_ops.paged_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                self.scale, meta.max_query_len, meta.max_seq_len)
+            return _triton_attention(triton_ops, q, k_cache, v_cache, meta, self.scale)
         return paged_attention_reference(q, k_cache, v_cache, meta, self.scale)

@@ -41,3 +41,23 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
       max_seq_len):
     return q.new_empty(q.shape)
+
+
+# The same with the decode kernel's split counters (MINIVLLM_DECODE_FUSED_REDUCE): a
+# separate op, since Inductor's functionalization does not take an optional mutated
+# argument, and the counters are mutated (they end zeroed, but are written on the way).
+@torch.library.custom_op("minivllm::paged_attention_counted", mutates_args=("decode_counters",))
+def paged_attention_counted(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                            query_start_loc: torch.Tensor, scale: float, max_query_len: int,
+                            max_seq_len: int, decode_counters: torch.Tensor) -> torch.Tensor:
+    out = q.new_zeros(q.shape) if max_query_len > 1 else q.new_empty(q.shape)
+    return csrc_triton.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                       query_start_loc, scale, max_query_len, max_seq_len,
+                                       out=out, decode_counters=decode_counters)
+
+
+@paged_attention_counted.register_fake
+def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
+      max_seq_len, decode_counters):
+    return q.new_empty(q.shape)

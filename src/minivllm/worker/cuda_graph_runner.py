@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from ..config import decode_fused_reduce_enabled
 from ..model.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,11 @@ class DecodeGraphRunner:
         # Every bucket writes its logits and argmax here, outside the graphs' memory pool:
         # per-graph outputs would stay allocated, one [bucket, vocab] block per bucket.
         vocab = model.config.vocab_size
+        # MINIVLLM_DECODE_FUSED_REDUCE: the attention kernels' per-(sequence, kv head)
+        # counters, zero between steps (see csrc_triton.paged_attention_decode).
+        self.decode_counters = torch.zeros(
+            self.max_batch * model.config.num_kv_heads, dtype=torch.int32,
+            device=device) if decode_fused_reduce_enabled() else None
         self.logits_out = torch.empty(self.max_batch, vocab, dtype=torch.float32, device=device)
         self.greedy_out = torch.empty(self.max_batch, dtype=torch.long, device=device)
 
@@ -160,7 +166,8 @@ class DecodeGraphRunner:
             slot_mapping=slots,
             query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=input_ids.device),
             seq_lens=seq_lens, block_tables=block_tables,
-            max_query_len=1, max_seq_len=self.max_model_len)
+            max_query_len=1, max_seq_len=self.max_model_len,
+            decode_counters=self.decode_counters)
         hidden = self.model(input_ids, positions, self.kv_layers, meta)
         logits = self.model.compute_logits(hidden)
         self.logits_out[:batch].copy_(logits)
