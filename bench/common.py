@@ -92,10 +92,3 @@ def graph_replay_us(fn, n: int = 200, warm: int = 10) -> float:
     end.record()
     torch.cuda.synchronize()
     return 1000 * start.elapsed_time(end) / n
-
-
-def save_json(payload: dict, out: str | None) -> None:
-    """Write payload to the path `out`, if one was given (the GPU scripts' --out)."""
-    if out:
-        with open(out, "w") as f:
-            json.dump(payload, f, indent=1)

@@ -20,7 +20,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from bench.common import graph_replay_us, save_json
+from bench.common import graph_replay_us, write_result
 
 # (name, in features, out features) of Qwen2.5-0.5B's projections, and its LM head
 SHAPES = [("qkv", 896, 1152), ("o", 896, 896), ("gate_up", 896, 9728), ("down", 4864, 896),
@@ -74,7 +74,8 @@ def main(argv=None) -> int:
     print(f"per layer (4 projections): {per_layer}")
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "dtype": "bfloat16", "rows": rows, "per_layer_us": per_layer}
-    save_json(res, args.out)
+    if args.out:
+        write_result("gemv_timing", res, args.out)
     return 0
 
 

@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from bench.common import graph_replay_us, save_json
+from bench.common import graph_replay_us, write_result
 
 
 def main(argv=None) -> int:
@@ -57,7 +57,8 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
     }
     print(json.dumps(res, indent=1))
-    save_json(res, args.out)
+    if args.out:
+        write_result("mixed_attention_timing", res, args.out)
     return 0
 
 

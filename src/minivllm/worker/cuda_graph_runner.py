@@ -38,38 +38,47 @@ def bucket_for(n: int, buckets: list[int]) -> int | None:
     return None
 
 
-class _DecodeArrays:
-    """A decode step's inputs packed in two flat buffers, so that a step uploads them in
-    two copies (each copy costs the host a few microseconds, and under serving load the
-    host limits the step):
+class PackedArrays:
+    """A step's inputs packed in two flat buffers, so that a step uploads them in two
+    copies, however many arrays it has (each copy costs the host a few microseconds, and
+    under serving load the host limits the step). `int64` and `int32` name the arrays of
+    each buffer with their lengths; the int32 buffer ends with the block tables
+    [table_rows, max_blocks]. The named arrays are attributes (views of the buffers); on
+    the host, `NAME_np` are numpy views of them, for cheap fills from Python lists."""
 
-        int64: ids[b] index[b]          int32: lens[b] tables[b, max_blocks]
+    def __init__(self, int64: dict[str, int], int32: dict[str, int], table_rows: int,
+                 max_blocks: int, **where) -> None:
+        self.int64 = torch.zeros(sum(int64.values()), dtype=torch.long, **where)
+        self.table_start = sum(int32.values())
+        self.max_blocks = max_blocks
+        self.int32 = torch.zeros(self.table_start + table_rows * max_blocks,
+                                 dtype=torch.int32, **where)
+        views = {}
+        for buf, fields in ((self.int64, int64), (self.int32, int32)):
+            at = 0
+            for name, size in fields.items():
+                views[name] = buf[at:at + size]
+                at += size
+        views["tables"] = self.int32[self.table_start:].view(table_rows, max_blocks)
+        vars(self).update(views)
+        if self.int64.device.type == "cpu":
+            for name, v in views.items():
+                setattr(self, name + "_np", v.numpy())
 
-    input token ids, and the previous step's rows to take them from on the device;
-    sequence lengths and block tables. The named attributes are views of the buffers."""
-
-    def __init__(self, max_batch: int, max_blocks: int, **where) -> None:
-        b = max_batch
-        self.int64 = torch.zeros(2 * b, dtype=torch.long, **where)
-        self.int32 = torch.zeros(b + b * max_blocks, dtype=torch.int32, **where)
-        self.ids, self.index = self.int64[:b], self.int64[b:]
-        self.lens = self.int32[:b]
-        self.tables = self.int32[b:].view(b, max_blocks)
-        self.max_batch, self.max_blocks = b, max_blocks
-
-    def int32_prefix(self, rows: int) -> int:
-        """Elements of the int32 buffer that a step of `rows` (padded) rows reads."""
-        return self.max_batch + rows * self.max_blocks
+    def copy_to(self, dst: "PackedArrays", table_rows: int) -> None:
+        """Queue the two copies into dst (same layout): all of the int64 buffer, the int32
+        one up to table row `table_rows` (the rows past it belong to padding sequences,
+        which have length 0 and read no table)."""
+        dst.int64.copy_(self.int64, non_blocking=True)
+        m = self.table_start + table_rows * self.max_blocks
+        dst.int32[:m].copy_(self.int32[:m], non_blocking=True)
 
 
-class _Staging(_DecodeArrays):
-    """One set of host-side staging arrays (pinned on a GPU, for async copies), with
-    numpy views for cheap fills."""
-
-    def __init__(self, max_batch: int, max_blocks: int, pin: bool) -> None:
-        super().__init__(max_batch, max_blocks, pin_memory=pin)
-        self.ids_np, self.lens_np = self.ids.numpy(), self.lens.numpy()
-        self.tables_np, self.index_np = self.tables.numpy(), self.index.numpy()
+def decode_arrays(max_batch: int, max_blocks: int, **where) -> PackedArrays:
+    """A decode step's inputs: token ids and the previous step's rows to take them from on
+    the device (int64); sequence lengths and block tables (int32)."""
+    return PackedArrays({"ids": max_batch, "index": max_batch}, {"lens": max_batch},
+                        max_batch, max_blocks, **where)
 
 
 class DecodeInputs:
@@ -82,10 +91,11 @@ class DecodeInputs:
 
     def __init__(self, max_batch: int, max_blocks: int, device: torch.device) -> None:
         pin = device.type == "cuda"
-        self._staging = [_Staging(max_batch, max_blocks, pin) for _ in range(2)]
+        self._staging = [decode_arrays(max_batch, max_blocks, pin_memory=pin)
+                         for _ in range(2)]
         self._turn = 0
         # The static buffers the graphs read are views of one device-side set.
-        self.buf = _DecodeArrays(max_batch, max_blocks, device=device)
+        self.buf = decode_arrays(max_batch, max_blocks, device=device)
         self.index, self.input_ids = self.buf.index, self.buf.ids
         self.seq_lens, self.block_tables = self.buf.lens, self.buf.tables
         self.max_blocks = max_blocks
@@ -111,11 +121,7 @@ class DecodeInputs:
         table_rows = st.tables_np
         for i, t in enumerate(tables):
             table_rows[i, :len(t)] = t
-        # Two copies: the int64 buffer (ids and gather rows), and lengths plus the table
-        # rows up to `padded` (padding rows have length 0: their tables are never read).
-        self.buf.int64.copy_(st.int64, non_blocking=True)
-        m = st.int32_prefix(padded)
-        self.buf.int32[:m].copy_(st.int32[:m], non_blocking=True)
+        st.copy_to(self.buf, padded)
         if device_tokens is not None:
             torch.index_select(prev, 0, self.index[:n], out=self.input_ids[:n])
 

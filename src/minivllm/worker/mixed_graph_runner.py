@@ -26,7 +26,7 @@ import time
 import torch
 
 from ..model.attention import AttentionMetadata
-from .cuda_graph_runner import bucket_for
+from .cuda_graph_runner import PackedArrays, bucket_for
 
 logger = logging.getLogger(__name__)
 
@@ -40,49 +40,22 @@ def mixed_buckets(max_tokens: int) -> list[int]:
     return sizes + [max_tokens]
 
 
-class _StepArrays:
-    """A mixed step's inputs for up to t tokens and s sequences, packed in two flat
-    buffers so that a step uploads them in two copies, not nine (each copy is a few
-    microseconds of host time, and the host is what limits a serving step):
-
-        int64: ids[t] pos[t] slots[t] rows[s] fix_pos[s] fix_rows[s]
-        int32: qsl[s+1] lens[s] tables[s, max_blocks]
-
-    token ids, positions, KV slots, sampled rows, and the positions / previous-step rows
-    of tokens taken from the device; query offsets, lengths, block tables. The named
-    attributes are views of the buffers (and `*_np` numpy views of them on the host)."""
-
-    def __init__(self, t: int, s: int, max_blocks: int, **where) -> None:
-        self.int64 = torch.zeros(3 * t + 3 * s, dtype=torch.long, **where)
-        self.int32 = torch.zeros(2 * s + 1 + s * max_blocks, dtype=torch.int32, **where)
-        self.table_start = 2 * s + 1  # where the int32 buffer's tables begin
-        self.max_blocks = max_blocks
-        views = {}
-        for buf, fields in ((self.int64, (("ids", t), ("pos", t), ("slots", t), ("rows", s),
-                                           ("fix_pos", s), ("fix_rows", s))),
-                            (self.int32, (("qsl", s + 1), ("lens", s)))):
-            at = 0
-            for name, size in fields:
-                views[name] = buf[at:at + size]
-                at += size
-        views["tables"] = self.int32[self.table_start:].view(s, max_blocks)
-        vars(self).update(views)
-        self.slots.fill_(-1)
-        if self.int64.device.type == "cpu":  # host staging: numpy views for cheap fills
-            for name, v in views.items():
-                setattr(self, name + "_np", v.numpy())
-
-    def int32_prefix(self, num_seqs: int) -> int:
-        """Elements of the int32 buffer that a step of num_seqs sequences reads: padding
-        sequences own no tokens and have length 0, so their table rows are never read."""
-        return self.table_start + num_seqs * self.max_blocks
+def _step_arrays(t: int, s: int, max_blocks: int, **where) -> PackedArrays:
+    """A mixed step's inputs for up to t tokens and s sequences: token ids, positions, KV
+    slots, sampled rows, and the positions / previous-step rows of tokens taken from the
+    device (int64); query offsets, lengths and block tables (int32)."""
+    arrays = PackedArrays({"ids": t, "pos": t, "slots": t, "rows": s, "fix_pos": s,
+                           "fix_rows": s}, {"qsl": s + 1, "lens": s}, s, max_blocks, **where)
+    arrays.slots.fill_(-1)
+    return arrays
 
 
-class _MixedStaging(_StepArrays):
-    """One set of host staging arrays, and an event after the copies that read them."""
+class _MixedStaging:
+    """One set of host staging arrays (`arrays`), and an event after the copies that read
+    them."""
 
     def __init__(self, t: int, s: int, max_blocks: int, pin: bool) -> None:
-        super().__init__(t, s, max_blocks, pin_memory=pin)
+        self.arrays = _step_arrays(t, s, max_blocks, pin_memory=pin)
         self.event = torch.cuda.Event() if pin else None
         self._recorded = False
 
@@ -116,7 +89,7 @@ class MixedGraphRunner:
         self._staging = [_MixedStaging(t, s, max_blocks, pin) for _ in range(2)]
         self._turn = 0
         # The device buffers the graphs read; self.ids, .pos, ... are views of them.
-        self.buf = _StepArrays(t, s, max_blocks, device=device)
+        self.buf = _step_arrays(t, s, max_blocks, device=device)
         for name in ("ids", "pos", "slots", "qsl", "lens", "tables", "rows", "fix_pos",
                      "fix_rows"):
             setattr(self, name, getattr(self.buf, name))
@@ -178,9 +151,10 @@ class MixedGraphRunner:
         holds a placeholder there)."""
         n_tok, n_seq, n_rows = len(host.input_ids), len(host.seq_lens), len(host.sample_indices)
         t = bucket_for(n_tok, self.buckets)
-        st = self._staging[self._turn]
+        staging = self._staging[self._turn]
         self._turn ^= 1
-        st.wait()
+        staging.wait()
+        st = staging.arrays
         st.ids_np[:n_tok] = host.input_ids
         st.pos_np[:n_tok] = host.positions
         st.slots_np[:n_tok] = host.slots
@@ -201,14 +175,10 @@ class MixedGraphRunner:
             k = len(positions)
             st.fix_pos_np[:k] = positions
             st.fix_rows_np[:k] = rows
-        # Two copies: all of the int64 buffer (a few KB), the int32 one up to the last real
-        # sequence's table row.
-        self.buf.int64.copy_(st.int64, non_blocking=True)
-        m = st.int32_prefix(n_seq)
-        self.buf.int32[:m].copy_(st.int32[:m], non_blocking=True)
+        st.copy_to(self.buf, n_seq)
         if device_tokens is not None:
             self.ids.index_copy_(0, self.fix_pos[:k], prev.index_select(0, self.fix_rows[:k]))
-        st.copied()
+        staging.copied()
         if t in self.graphs:
             self.graphs[t].replay()
         else:
