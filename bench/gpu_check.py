@@ -249,6 +249,8 @@ def section_w2(ctx):
     all_variants = {
         "compile": ("minivllm (compile + CUDA graphs)", {}, {"MINIVLLM_COMPILE": "1"}),
         "graphs": ("minivllm (CUDA graphs, no compile)", {}, {}),
+        "two-kernel-reduce": ("minivllm (CUDA graphs, decode attention's splits combined "
+                              "by a second kernel)", {}, {"MINIVLLM_DECODE_FUSED_REDUCE": "0"}),
         "not-pipelined": ("minivllm (CUDA graphs, no compile, not pipelined)", {},
                           {"MINIVLLM_PIPELINE": "0"}),
         "eager": ("minivllm eager", {"enforce_eager": True}, {}),
@@ -260,7 +262,7 @@ def section_w2(ctx):
     if os.environ.get("GPU_CHECK_SKIP_COMPILE") and "compile" in variants:
         variants.remove("compile")
     flags = {"MINIVLLM_COMPILE": "0", "MINIVLLM_PIPELINE": "1",
-             "MINIVLLM_DECODE_FUSED_REDUCE": "0"}
+             "MINIVLLM_DECODE_FUSED_REDUCE": "1"}
     for variant in variants:
         label, kw, env = all_variants[variant]
         for flag, default in flags.items():

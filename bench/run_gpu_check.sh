@@ -17,6 +17,7 @@
 #   mixed-attn  bench/mixed_attention_timing.py: attention on a padded mixed-step graph's
 #           shape vs unpadded vs decode rows alone (CUDA-graph replays)
 #   gemv    bench/gemv_timing.py: the projections at batch 1, cuBLAS GEMM vs GEMV (graph replays)
+#   w2-gap  bench/w2_gap.py: a batch-1 step per context, replay vs run() vs the host's part
 #   s:A,B   the named bench.gpu_check sections (no torch.compile), e.g. s:w2
 # Usage (on the GPU machine, from the repo root): bash bench/run_gpu_check.sh [GROUP ...]
 set -u
@@ -75,6 +76,10 @@ print(' '.join(f'{k}={v}' for k, v in FEATURES['$f'][1].items()))")
       timeout "$(budget "${T_GEMV:-60}")" python3 -m bench.gemv_timing \
         --out "$RES/gemv_timing.json" >"$RES/gemv_timing.log" 2>&1
       echo "[gemv] exit $?" | tee -a "$RES/gpu_check.log"; tail -7 "$RES/gemv_timing.log" ;;
+    w2-gap)
+      timeout "$(budget "${T_W2_GAP:-90}")" python3 -m bench.w2_gap \
+        --out "$RES/w2_gap.json" >"$RES/w2_gap.log" 2>&1
+      echo "[w2-gap] exit $?" | tee -a "$RES/gpu_check.log"; tail -8 "$RES/w2_gap.log" ;;
     mixed-attn)
       timeout "$(budget "${T_MIXED_ATTN:-60}")" python3 -m bench.mixed_attention_timing \
         --out "$RES/mixed_attention_timing.json" >"$RES/mixed_attention_timing.log" 2>&1

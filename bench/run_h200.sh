@@ -16,6 +16,9 @@
 #   minivllm-nomixedpipe  the server with MINIVLLM_PIPELINE_MIXED=0 (arrivals wait for the
 #             in-flight decode step; minivllm-mixedpipe: =1, the default); no ramp
 #                                                                      (limit as minivllm-apiN)
+#   env:LABEL:K=V[,K=V]  the server with those environment variables set, under the label
+#             LABEL (an A/B of a switch in one run), e.g. env:minivllm-si5:MINIVLLM_SWITCH_INTERVAL_MS=5;
+#             the ramp only if W3_ARGS asks for it                  (limit as minivllm-apiN)
 #   hf-plain  transformers serve without continuous batching (one request at a time), c=1
 #             and 8, one round each                                          (limit T_HF_PLAIN)
 #   gpu       bench.gpu_check w2,sweep,w1 then hf (W1, W2, decode sweep, HF generate peers);
@@ -150,6 +153,9 @@ for part in "${PARTS[@]}"; do
     minivllm-api[0-9]*)
       n=${part#minivllm-api}
       run_part "$part" "${T_MINIVLLM_API:-${T_MINIVLLM_API2:-150}}" "${W3[@]}" minivllm --label "$part" --ramp "${COMMON[@]}" "--minivllm-args=--api-servers $n ${MINIVLLM_ARGS:-}" "${EXTRA[@]}" ;;
+    env:*)  # env:LABEL:K=V[,K=V...]: the server under those environment variables; no ramp
+      spec=${part#env:}; label=${spec%%:*}; kv=${spec#*:}
+      run_part "$label" "${T_MINIVLLM_API:-${T_MINIVLLM_API2:-150}}" env ${kv//,/ } "${W3[@]}" minivllm --label "$label" "${COMMON[@]}" "${MV[@]}" "${EXTRA[@]}" ;;
     offline)  run_part offline "${T_OFFLINE:-100}" "${W3[@]}" offline "${COMMON[@]}" "${MV[@]}" "${EXTRA[@]}" ;;
     hf-cb)    run_part hf-cb "${T_HF_CB:-160}" "${W3[@]}" transformers "${COMMON[@]}" "${TF[@]}" "${EXTRA[@]}" ;;
     hf-plain) run_part hf-plain "${T_HF_PLAIN:-90}" "${W3[@]}" transformers --plain --rounds 1 --min-requests 2 "${COMMON[@]}" "${TF[@]}" "${EXTRA[@]}" ;;

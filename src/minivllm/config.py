@@ -46,11 +46,11 @@ def mixed_pipelining_enabled() -> bool:
 
 
 def decode_fused_reduce_enabled() -> bool:
-    """MINIVLLM_DECODE_FUSED_REDUCE=1: the graphed decode step's attention combines its KV
-    splits inside the split kernel (the last program of each sequence and kv head does
-    it), one kernel launch fewer per layer. Off until the GPU tests and W2 have run it
-    (session 4 built it, CPU-tested under the Triton interpreter only)."""
-    return _env_flag("MINIVLLM_DECODE_FUSED_REDUCE", False)
+    """MINIVLLM_DECODE_FUSED_REDUCE=0: the graphed decode step's attention combines its KV
+    splits in a second kernel, instead of inside the split kernel (where the last program
+    of each sequence and kv head does it, one launch fewer per layer). On by default since
+    session 5: GPU tests, 24/24 tokens identical to eager, W2 934 vs 926 tok/s (s5 runA)."""
+    return _env_flag("MINIVLLM_DECODE_FUSED_REDUCE", True)
 
 
 def attention_backend(device: torch.device) -> str:
@@ -73,6 +73,20 @@ def fused_ops_enabled(backend: str) -> bool:
     if value:
         return _env_flag("MINIVLLM_FUSED_OPS", False)
     return backend == "triton" and not compile_enabled()
+
+
+def gil_switch_interval_s() -> float:
+    """The GIL switch interval of a process whose threads share the GIL in the serving
+    path (MINIVLLM_SWITCH_INTERVAL_MS, default 0.5 ms; Python's own default is 5 ms). A
+    thread that releases the GIL for I/O (a socket write, a pipe read, a tokenizer's
+    Rust call) waits up to a whole interval to get it back while another thread computes,
+    so the default interval puts milliseconds into every streamed token (docs/decisions.md,
+    "The frontend's GIL")."""
+    value = os.environ.get("MINIVLLM_SWITCH_INTERVAL_MS", "").strip()
+    ms = float(value) if value else 0.5
+    if not ms > 0:
+        raise ValueError(f"MINIVLLM_SWITCH_INTERVAL_MS must be positive, got {value!r}.")
+    return ms / 1000
 
 
 def cpu_kv_cache_bytes() -> int:

@@ -45,7 +45,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from ..config import EngineConfig
+from ..config import EngineConfig, gil_switch_interval_s
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..thread_names import set_os_thread_name
@@ -58,8 +58,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncLLMEngine", "RequestStream", "EngineDeadError", "EngineStepError",
            "RequestAbortedError", "QueueFullError", "EngineShuttingDownError", "StatLogger"]
-
-SWITCH_INTERVAL_S = 0.0005  # the engine thread and the event loop share the GIL (thread owner)
 
 
 class EngineDeadError(RuntimeError):
@@ -202,7 +200,7 @@ class AsyncLLMEngine:
             else:
                 # The engine thread and the event loop share the GIL; at the default 5 ms
                 # switch interval a decode step can wait a whole interval for it.
-                sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+                sys.setswitchinterval(gil_switch_interval_s())
                 self._thread = threading.Thread(target=self._thread_main,
                                                 name="minivllm-engine", daemon=True)
                 self._thread.start()
@@ -612,6 +610,10 @@ class AsyncLLMEngine:
         self._start_receiver()
 
     def _start_receiver(self) -> None:
+        # The receiver thread and the event loop share the GIL: at Python's default 5 ms
+        # switch interval, each socket write of the loop (which releases the GIL) could
+        # wait up to 5 ms to get it back while the receiver decodes a step's outputs.
+        sys.setswitchinterval(gil_switch_interval_s())
         self._thread = threading.Thread(target=self._receive_main, name="minivllm-receiver",
                                         daemon=True)
         self._thread.start()

@@ -1,0 +1,89 @@
+"""Where a batch-1 decode step's wall time goes beyond its kernels (GPU only).
+
+The decode sweep has shown, in every H200 run since session 2, batch 1 slower at context
+256 (1.07 ms/step) than at 1024 (0.96-0.98 ms), while the kernels of one replay add up to
+the same ~0.94 ms at both. W2 (contexts 128-384) sits at the slow end. This splits one
+step of the graph runner, per context, into:
+  - replay_us: graph replays back to back, inputs staged once (device time, CUDA events):
+    the kernels plus the gaps inside and between graphs;
+  - run_us: the graph runner's run() back to back (staging + copies + replay), wall time
+    per step with the host free to run ahead (what the sweep measures);
+  - host_run_us: the host's own time per run() (measured before the final synchronize;
+    if it is near run_us the host is the limit);
+  - fill_us: the host's staging alone (DecodeInputs.fill, copies queued).
+
+    python -m bench.w2_gap [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench.common import write_result
+
+CONTEXTS = [128, 256, 384, 512, 768, 1024, 1536]
+ITERS = 200
+
+
+def per_step_us(fn, iters: int) -> tuple[float, float]:
+    """(host us per call before synchronizing, wall us per call after it)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    return 1e6 * host / iters, 1e6 * wall / iters
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, iters: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1000 * start.elapsed_time(end) / iters
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--model-config", default="bench/model_configs/qwen2.5-0.5b-instruct.json")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("w2_gap: no CUDA device")
+        return 1
+    from minivllm import LLM
+
+    llm = LLM(args.model_config, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+              device="cuda", seed=0, max_model_len=2048, max_num_seqs=8)
+    gr = llm.engine.runner.graph_runner
+    bs = llm.engine.config.block_size
+    graph = gr.graphs[1]
+    rows = []
+    for ctx in CONTEXTS:
+        table = [list(range(-(-ctx // bs)))]
+        call = (lambda: gr.run([7], [ctx], table))
+        for _ in range(20):
+            call()
+        host_run, run = per_step_us(call, ITERS)
+        fill_host, _ = per_step_us(lambda: gr.inputs.fill([7], [ctx], table, 1), ITERS)
+        gr.inputs.fill([7], [ctx], table, 1)
+        replay = replay_us(graph, ITERS)
+        rows.append({"context": ctx, "replay_us": round(replay, 1), "run_us": round(run, 1),
+                     "host_run_us": round(host_run, 1), "fill_us": round(fill_host, 1)})
+        print(f"context {ctx:5d}: replay {replay:7.1f} us  run {run:7.1f} us  host per run "
+              f"{host_run:6.1f} us  fill {fill_host:5.1f} us", flush=True)
+    write_result("w2_gap", {"model_config": args.model_config, "dtype": "bfloat16",
+                            "batch": 1, "rows": rows}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
