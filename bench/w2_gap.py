@@ -10,7 +10,9 @@ step of the graph runner, per context, into:
     per step with the host free to run ahead (what the sweep measures);
   - host_run_us: the host's own time per run() (measured before the final synchronize;
     if it is near run_us the host is the limit);
-  - fill_us: the host's staging alone (DecodeInputs.fill, copies queued).
+  - fill_us: the host's staging alone (DecodeInputs.fill, copies queued);
+then W2's pattern (context 128 -> 384) without and with the engine's pipelining, and the
+engine's W2 itself, per step.
 
     python -m bench.w2_gap [--out FILE]
 """
@@ -80,8 +82,56 @@ def main(argv=None) -> int:
                      "host_run_us": round(host_run, 1), "fill_us": round(fill_host, 1)})
         print(f"context {ctx:5d}: replay {replay:7.1f} us  run {run:7.1f} us  host per run "
               f"{host_run:6.1f} us  fill {fill_host:5.1f} us", flush=True)
+    # W2's own pattern: context growing 128 -> 384 (a new slot each step), then the same
+    # with the engine's pipelining (input token from the previous step on the device, the
+    # sampled token copied to pinned memory behind an event, the host waiting one step
+    # behind), then the engine's W2 itself.
+    steps = 256
+    tables = [list(range(-(-(128 + steps) // bs)))]
+
+    def advancing() -> None:
+        for i in range(steps):
+            gr.run([7], [128 + i], tables)
+
+    def pipelined() -> None:
+        host = [torch.empty(1, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        prev = None
+        _, greedy = gr.run([7], [128], tables)
+        for i in range(1, steps):
+            _, greedy = gr.run(None, [128 + i], tables, (greedy, [0]))
+            h = host[i % 2]
+            h.copy_(greedy, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            if prev is not None:
+                prev.synchronize()
+                h.tolist()
+            prev = ev
+        prev.synchronize()
+
+    loops = {}
+    for name, fn in (("advancing", advancing), ("pipelined", pipelined)):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        loops[name] = round(1e6 * (time.perf_counter() - t0) / steps, 1)
+        print(f"{name}: {loops[name]} us/step over contexts 128-{128 + steps}", flush=True)
+    from minivllm import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    prompt = list(range(100, 228))
+    llm.generate([prompt], params, use_tqdm=False)
+    t0 = time.perf_counter()
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    total = time.perf_counter() - t0
+    m = out.metrics
+    loops["engine_w2"] = round(1e6 * (total - (m.first_token_time - m.arrival_time))
+                               / (steps - 1), 1)
+    print(f"engine W2: {loops['engine_w2']} us/token", flush=True)
     write_result("w2_gap", {"model_config": args.model_config, "dtype": "bfloat16",
-                            "batch": 1, "rows": rows}, args.out)
+                            "batch": 1, "rows": rows, "loops": loops},
+                 args.out)
     return 0
 
 

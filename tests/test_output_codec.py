@@ -1,6 +1,7 @@
 """The engine process's outputs: OutputEncoder reading a Request's sequences directly
 (LLMEngine.step_requests) gives the frontend, after OutputDecoder, exactly the cumulative
-output LLMEngine.make_output would have built at the same moment."""
+output LLMEngine.make_output would have built at the same moment, also when the frontend
+builds it (DecodedOutput.materialize) only after later steps' deltas have arrived."""
 
 import pytest
 
@@ -49,7 +50,7 @@ def test_encoding_requests_equals_encoding_their_outputs(tiny_text_model_dir, mo
                                                     ignore_eos=True)),
     ]
     encoder, decoder = OutputEncoder(), OutputDecoder()
-    checked, finished = 0, set()
+    kept, finished = [], set()
     for step in range(200):
         if step < len(arrivals) * 2 and step % 2 == 0:  # staggered arrivals
             rid, prompt, params = arrivals[step // 2]
@@ -59,10 +60,15 @@ def test_encoding_requests_equals_encoding_their_outputs(tiny_text_model_dir, mo
         reqs = eng.step_requests()
         assert len({r.request_id for r in reqs}) == len(reqs)  # each once
         for req in reqs:
-            _same(decoder.decode(encoder.encode(req)), eng.make_output(req))
-            checked += 1
+            decoded, want = decoder.decode(encoder.encode(req)), eng.make_output(req)
+            assert decoded.num_tokens == len(want.outputs[0].token_ids)
+            assert decoded.metrics == want.metrics
+            _same(decoded.materialize(), want)
+            kept.append((decoded, want))
             if req.finished:
                 finished.add(req.request_id)
-    assert finished == {rid for rid, _, _ in arrivals} and checked > 40
+    assert finished == {rid for rid, _, _ in arrivals} and len(kept) > 40
+    for decoded, want in kept:  # built late: later deltas must not leak into older outputs
+        _same(decoded.materialize(), want)
     assert not encoder._sent and not decoder._state  # finished requests are forgotten
     assert any(launches) == pipelined

@@ -51,7 +51,7 @@ from ..sampling_params import SamplingParams
 from ..thread_names import set_os_thread_name
 from .engine_core import EngineCore, EngineStepError
 from .engine_process import engine_facts, engine_process_main
-from .output_codec import OutputDecoder, decode_events
+from .output_codec import DecodedOutput, OutputDecoder, decode_events, materialize
 from .llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,10 @@ class StatLogger(Protocol):
     """Hooks called after each engine iteration, on the thread that delivers outputs (the
     engine thread, or the receiver thread of an engine process)."""
 
-    def on_step(self, now: float, outputs: list[RequestOutput]) -> None: ...
+    def on_step(self, now: float, outputs: list[RequestOutput | DecodedOutput]) -> None:
+        """The step's outputs: RequestOutputs with the engine thread, DecodedOutputs with
+        an engine process (request_id, finished, num_tokens and metrics are cheap there;
+        `outputs` builds the whole output)."""
 
     def on_abort(self, request_id: str) -> None:
         """A live request was aborted (or failed) before it finished."""
@@ -92,18 +95,20 @@ class RequestStream:
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        # RequestOutputs (engine thread), DecodedOutputs (engine process) or an error.
+        self.queue: asyncio.Queue[RequestOutput | DecodedOutput | BaseException] = \
+            asyncio.Queue()
         self.finished = False  # the last item was taken (a finished output or an error)
         self._holds_reservation = False  # counts in the engine's waiting/in-flight numbers
         self.started = False   # the first output was delivered
 
-    def _take(self, item: RequestOutput | BaseException) -> RequestOutput:
+    def _take(self, item: RequestOutput | DecodedOutput | BaseException) -> RequestOutput:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
         if item.finished:
             self.finished = True
-        return item
+        return materialize(item)
 
     async def get(self) -> RequestOutput:
         """The next output (raises the request's error, if it failed)."""
@@ -113,11 +118,15 @@ class RequestStream:
 
     async def get_latest(self) -> RequestOutput:
         """Wait for an output, then skip to the newest one already queued. Outputs are
-        cumulative (full text, all tokens and logprobs so far), so nothing is lost."""
-        out = await self.get()
-        while not self.finished and not self.queue.empty():
-            out = self._take(self.queue.get_nowait())
-        return out
+        cumulative (full text, all tokens and logprobs so far), so nothing is lost, and
+        only the newest is built (see DecodedOutput)."""
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        while not self.queue.empty() and not isinstance(item, BaseException) \
+                and not item.finished:
+            item = self.queue.get_nowait()
+        return self._take(item)
 
     def __aiter__(self) -> "RequestStream":
         return self

@@ -111,46 +111,95 @@ class OutputEncoder:
         self._sent.pop(rid, None)
 
 
+class DecodedOutput:
+    """One request's output of one step, as the frontend's receiver decoded it: the
+    request's cumulative state (text, token ids and logprobs only ever grow) and how far
+    each sample had grown at that step. `materialize()` builds the RequestOutput. A
+    stream's consumer that skips to the newest output (a server stream that fell behind)
+    builds only that one, on its own event loop, instead of the receiver building one per
+    step: the receiver shares the frontend's GIL with the loop."""
+
+    __slots__ = ("request_id", "finished", "num_tokens", "_prompt", "_plp", "_num_plp",
+                 "_metrics", "_num_cached", "_extra", "_samples")
+
+    def __init__(self, request_id: str, finished: bool, num_tokens: int, prompt: tuple,
+                 plp: list | None, metrics: tuple | None, num_cached: int, extra,
+                 samples: list) -> None:
+        self.request_id = request_id
+        self.finished = finished
+        self.num_tokens = num_tokens  # generated tokens of the first sample so far
+        self._prompt = prompt
+        self._plp = plp
+        self._num_plp = len(plp) if plp is not None else 0
+        self._metrics = metrics
+        self._num_cached = num_cached
+        self._extra = extra
+        self._samples = samples
+
+    @property
+    def metrics(self) -> RequestMetrics | None:
+        return RequestMetrics(*self._metrics) if self._metrics is not None else None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        return self.materialize().outputs
+
+    def materialize(self) -> RequestOutput:
+        outputs = [CompletionOutput(index=index, text=text, token_ids=ids[:n],
+                                    cumulative_logprob=cum_lp,
+                                    logprobs=lps[:n_lps] if lps is not None else None,
+                                    finish_reason=finish, stop_reason=stop)
+                   for index, text, ids, n, lps, n_lps, cum_lp, finish, stop in self._samples]
+        plp = self._plp[:self._num_plp] if self._plp is not None else None
+        return RequestOutput(self.request_id, self._prompt[0], self._prompt[1], outputs,
+                             self.finished, plp, self.metrics, self._num_cached,
+                             self._extra or {})
+
+
+def materialize(item):
+    """A stream item as its consumer sees it: a DecodedOutput is built into its
+    RequestOutput; RequestOutputs and errors pass as they are."""
+    return item.materialize() if type(item) is DecodedOutput else item
+
+
 class OutputDecoder:
-    """Frontend side: rebuilds the cumulative RequestOutputs from OutputEncoder's deltas."""
+    """Frontend side: accumulates OutputEncoder's deltas per request and hands out a
+    DecodedOutput per message (the cumulative RequestOutput, built on demand)."""
 
     def __init__(self) -> None:
         self._state: dict[str, dict] = {}
 
-    def decode(self, msg: tuple) -> RequestOutput:
+    def decode(self, msg: tuple) -> DecodedOutput:
         (rid, prompt, has_plp, new_plp, metrics, num_cached, extra, finished, samples) = msg
-        metrics = RequestMetrics(*metrics) if metrics is not None else None
         state = self._state.get(rid)
         if state is None:
-            state = self._state[rid] = {"prompt": None, "prompt_token_ids": [],
-                                        "plp": [] if has_plp else None, "samples": {}}
+            state = self._state[rid] = {"prompt": (None, []), "plp": [] if has_plp else None,
+                                        "samples": {}}
         if prompt is not None:
-            state["prompt"], state["prompt_token_ids"] = prompt
+            state["prompt"] = prompt
         if new_plp:
             if state["plp"] is None:
                 state["plp"] = []
             state["plp"].extend(new_plp)
-        outputs = []
+        views = []
         for index, reset, text, token_ids, logprobs, cum_lp, finish, stop in samples:
             s = state["samples"].get(index)
-            if s is None or reset:
+            if s is None or reset:  # a fresh state: earlier DecodedOutputs keep the old one
                 s = state["samples"][index] = {"text": "", "ids": [], "lps": None}
             s["text"] += text
-            s["ids"].extend(token_ids)
+            ids = s["ids"]
+            ids.extend(token_ids)
+            lps = s["lps"]
             if logprobs is not None:
-                if s["lps"] is None:
-                    s["lps"] = []
-                s["lps"].extend(logprobs)
-            outputs.append(CompletionOutput(
-                index=index, text=s["text"], token_ids=list(s["ids"]),
-                cumulative_logprob=cum_lp,
-                logprobs=list(s["lps"]) if s["lps"] is not None else None,
-                finish_reason=finish, stop_reason=stop))
+                if lps is None:
+                    lps = s["lps"] = []
+                lps.extend(logprobs)
+            views.append((index, s["text"], ids, len(ids), lps,
+                          len(lps) if lps is not None else 0, cum_lp, finish, stop))
         if finished:
             del self._state[rid]
-        plp = list(state["plp"]) if state["plp"] is not None else None
-        return RequestOutput(rid, state["prompt"], state["prompt_token_ids"], outputs,
-                             finished, plp, metrics, num_cached, extra or {})
+        return DecodedOutput(rid, finished, views[0][3] if views else 0, state["prompt"],
+                             state["plp"], metrics, num_cached, extra, views)
 
     def forget(self, rid: str) -> None:
         self._state.pop(rid, None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import threading
 
+from ..engine.output_codec import DecodedOutput
 from ..outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -117,7 +118,10 @@ class EngineMetrics:
 
     def _observe(self, now: float, out: RequestOutput) -> None:
         rid = out.request_id
-        ntok = len(out.outputs[0].token_ids) if out.outputs else 0
+        if type(out) is DecodedOutput:  # from an engine process: don't build the output
+            ntok = out.num_tokens
+        else:
+            ntok = len(out.outputs[0].token_ids) if out.outputs else 0
         m = out.metrics
         prev = self._progress.get(rid)
         if prev is None:
