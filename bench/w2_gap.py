@@ -93,24 +93,43 @@ def main(argv=None) -> int:
         for i in range(steps):
             gr.run([7], [128 + i], tables)
 
-    def pipelined() -> None:
-        host = [torch.empty(1, dtype=torch.long, pin_memory=True) for _ in range(2)]
-        prev = None
+    def pipelined(device_ids: bool = True, readback: bool = True, behind: int = 1,
+                  spin: bool = False) -> None:
+        """The engine's loop: step i's input token read on the device from step i-1's
+        output (device_ids), its token copied to pinned memory behind an event
+        (readback), the host waiting for the step `behind` steps back before going on
+        (spin: polling its event instead of synchronizing on it)."""
+        host = [torch.empty(1, dtype=torch.long, pin_memory=True) for _ in range(behind + 1)]
+        events = []
         _, greedy = gr.run([7], [128], tables)
         for i in range(1, steps):
-            _, greedy = gr.run(None, [128 + i], tables, (greedy, [0]))
-            h = host[i % 2]
+            if device_ids:
+                _, greedy = gr.run(None, [128 + i], tables, (greedy, [0]))
+            else:
+                _, greedy = gr.run([7], [128 + i], tables)
+            if not readback:
+                continue
+            h = host[i % (behind + 1)]
             h.copy_(greedy, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
-            if prev is not None:
-                prev.synchronize()
-                h.tolist()
-            prev = ev
-        prev.synchronize()
+            events.append((ev, h))
+            if len(events) > behind:
+                old, oh = events.pop(0)
+                if spin:
+                    while not old.query():
+                        pass
+                else:
+                    old.synchronize()
+                oh.tolist()
+        torch.cuda.synchronize()
 
     loops = {}
-    for name, fn in (("advancing", advancing), ("pipelined", pipelined)):
+    for name, fn in (("advancing", advancing), ("pipelined", pipelined),
+                     ("pipelined_host_ids", lambda: pipelined(device_ids=False)),
+                     ("device_ids_no_readback", lambda: pipelined(readback=False)),
+                     ("pipelined_two_behind", lambda: pipelined(behind=2)),
+                     ("pipelined_spin", lambda: pipelined(spin=True))):
         fn()
         torch.cuda.synchronize()
         t0 = time.perf_counter()

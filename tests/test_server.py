@@ -852,6 +852,37 @@ def test_return_token_ids(http, client):
     assert chat["token_ids"] and chat["prompt_token_ids"]
 
 
+def test_prompts_tokenized_off_the_loop_match_the_tokenizer(server, http):
+    """Text prompts are tokenized on the serving's tokenizer thread (its own tokenizer):
+    concurrent requests, several prompts in one request, with and without special tokens,
+    and a chat prompt all get the ids of the frontend's tokenizer and of /tokenize."""
+    tok = server.engine.tokenizer
+    texts = [f"Prompt {i}: {'word ' * (i % 7)}and <|im_start|> inside" for i in range(24)]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
+            async def one(i):
+                body = {"prompt": [texts[i], texts[-1 - i]], "max_tokens": 1,
+                        "return_token_ids": True, "add_special_tokens": i % 2 == 0}
+                r = await ac.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return i, r.json()["choices"]
+            return await asyncio.gather(*(one(i) for i in range(len(texts))))
+
+    for i, choices in asyncio.run(main()):
+        got = {c["index"]: c["prompt_token_ids"] for c in choices}
+        for k, text in enumerate([texts[i], texts[-1 - i]]):
+            assert got[k] == tok.encode(text, add_special_tokens=i % 2 == 0)
+    t = http.post("/tokenize", json={"prompt": texts[3]}).json()
+    assert t["tokens"] == tok.encode(texts[3])
+    chat = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": texts[5]}], "max_tokens": 1,
+        "return_token_ids": True}).json()["choices"][0]
+    rendered = http.post("/tokenize", json={
+        "messages": [{"role": "user", "content": texts[5]}]}).json()["tokens"]
+    assert chat["prompt_token_ids"] == rendered
+
+
 def test_prefix_cache_metrics_count_a_repeated_prompt(http, client, server):
     assert wait_idle(server)
     prompt = "A long shared preamble that several requests repeat word for word. " * 4

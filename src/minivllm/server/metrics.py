@@ -116,14 +116,16 @@ class EngineMetrics:
             for out in outputs:
                 self._observe(now, out)
 
-    def _observe(self, now: float, out: RequestOutput) -> None:
+    def _observe(self, now: float, out: RequestOutput | DecodedOutput) -> None:
         rid = out.request_id
         if type(out) is DecodedOutput:  # from an engine process: don't build the output
             ntok = out.num_tokens
         else:
             ntok = len(out.outputs[0].token_ids) if out.outputs else 0
-        m = out.metrics
         prev = self._progress.get(rid)
+        # Metrics only at a request's first token and at its end (a DecodedOutput builds
+        # them on access).
+        m = out.metrics if prev is None or out.finished else None
         if prev is None:
             if ntok == 0:
                 return  # prompt chunk: nothing generated yet
