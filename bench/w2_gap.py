@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -124,8 +125,25 @@ def main(argv=None) -> int:
                 oh.tolist()
         torch.cuda.synchronize()
 
+    scratch = torch.zeros(1, dtype=torch.long, device="cuda")
+    pinned = torch.zeros(1, dtype=torch.long, pin_memory=True)
+
+    def advancing_with(extra) -> Callable[[], None]:
+        """advancing, plus one small operation queued after each replay."""
+        def loop() -> None:
+            for i in range(steps):
+                gr.run([7], [128 + i], tables)
+                extra()
+        return loop
+
     loops = {}
-    for name, fn in (("advancing", advancing), ("pipelined", pipelined),
+    for name, fn in (("advancing", advancing),
+                     ("advancing_plus_kernel", advancing_with(lambda: scratch.add_(1))),
+                     ("advancing_plus_d2h", advancing_with(
+                         lambda: pinned.copy_(scratch, non_blocking=True))),
+                     ("advancing_plus_event", advancing_with(
+                         lambda: torch.cuda.Event().record())),
+                     ("pipelined", pipelined),
                      ("pipelined_host_ids", lambda: pipelined(device_ids=False)),
                      ("device_ids_no_readback", lambda: pipelined(readback=False)),
                      ("pipelined_two_behind", lambda: pipelined(behind=2)),

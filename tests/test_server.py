@@ -852,10 +852,10 @@ def test_return_token_ids(http, client):
     assert chat["token_ids"] and chat["prompt_token_ids"]
 
 
-def test_prompts_tokenized_off_the_loop_match_the_tokenizer(server, http):
-    """Text prompts are tokenized on the serving's tokenizer thread (its own tokenizer):
-    concurrent requests, several prompts in one request, with and without special tokens,
-    and a chat prompt all get the ids of the frontend's tokenizer and of /tokenize."""
+def test_text_prompts_get_the_tokenizers_ids(server, http):
+    """Concurrent requests, several prompts in one request, with and without special
+    tokens, and a chat prompt all get the ids of the frontend's tokenizer and of
+    /tokenize."""
     tok = server.engine.tokenizer
     texts = [f"Prompt {i}: {'word ' * (i % 7)}and <|im_start|> inside" for i in range(24)]
 

@@ -131,7 +131,6 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     async def lifespan(app: FastAPI):
         yield
         await engine.shutdown(drain_timeout)
-        serving.close()
 
     app_kwargs = dict(title="minivllm OpenAI-compatible server", version=__version__,
                       lifespan=lifespan)

@@ -11,8 +11,6 @@ tail that could start one).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import copy
 import logging
 import time
 import uuid
@@ -161,17 +159,6 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
         self.tokenizer = engine.tokenizer  # the frontend's own copy (see AsyncLLMEngine)
-        # Prompts are tokenized on a thread of their own, with a tokenizer of its own: the
-        # Rust encoder releases the GIL, so the event loop serves other requests meanwhile
-        # (a burst of arrivals was tokenized one after another on the loop, ~0.2 ms each).
-        # One thread, one copy: an HF tokenizer used from two threads at once can fail
-        # with "Already borrowed" (encoding mutates its settings).
-        self._tokenize_pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._worker_tokenizer = None
-        if self.tokenizer is not None:
-            self._worker_tokenizer = copy.deepcopy(self.tokenizer)
-            self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="minivllm-tokenizer")
         # Without a tokenizer there is no text: stream a chunk per step of new tokens anyway.
         self.has_text = self.tokenizer is not None
         self.max_n = max_num_seqs
@@ -187,27 +174,10 @@ class OpenAIServing:
                                code="model_not_found", err_type="invalid_request_error")
 
     def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
-        """On the event loop (its own tokenizer)."""
         if self.tokenizer is None:
             raise RequestError("This server has no tokenizer (skip_tokenizer_init): send "
                                "prompts as token ids.")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    async def tokenize_off_loop(self, texts: list[str], add_special_tokens: bool
-                                ) -> list[list[int]]:
-        """The same as tokenize, for each text, on the tokenizer thread."""
-        if self._tokenize_pool is None:
-            return [self.tokenize(t, add_special_tokens) for t in texts]
-        tok = self._worker_tokenizer
-
-        def encode() -> list[list[int]]:
-            return [tok.encode(t, add_special_tokens=add_special_tokens) for t in texts]
-
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, encode)
-
-    def close(self) -> None:
-        if self._tokenize_pool is not None:
-            self._tokenize_pool.shutdown(wait=False)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         if self.tokenizer is None:
@@ -268,7 +238,7 @@ class OpenAIServing:
 
     # ---- completions --------------------------------------------------------------------
 
-    async def completion_prompts(self, req: CompletionRequest) -> list[_Prompt]:
+    def completion_prompts(self, req: CompletionRequest) -> list[_Prompt]:
         p = req.prompt
         if isinstance(p, str):
             items: list = [p]
@@ -278,21 +248,20 @@ class OpenAIServing:
             items = [p]
         else:
             items = list(p)
-        texts = [item for item in items if isinstance(item, str)]
-        if texts and self.tokenizer is None:
-            self.tokenize(texts[0], req.add_special_tokens)  # raises the RequestError
+        prompts = []
         for item in items:
-            if not isinstance(item, str) and len(item) == 0:
-                raise RequestError("A token-id prompt must not be empty.", param="prompt")
-        encoded = iter(await self.tokenize_off_loop(texts, req.add_special_tokens)
-                       if texts else [])
-        return [_Prompt(item, next(encoded)) if isinstance(item, str)
-                else _Prompt(None, list(item)) for item in items]
+            if isinstance(item, str):
+                prompts.append(_Prompt(item, self.tokenize(item, req.add_special_tokens)))
+            else:
+                if len(item) == 0:
+                    raise RequestError("A token-id prompt must not be empty.", param="prompt")
+                prompts.append(_Prompt(None, list(item)))
+        return prompts
 
     async def create_completion(self, req: CompletionRequest, raw_request: Request) -> Response:
         self.check_model(req.model)
         params = req.to_sampling_params(self.max_n)
-        prompts = await self.completion_prompts(req)
+        prompts = self.completion_prompts(req)
         job = _Job(_new_id("cmpl", req.request_id), self.model_name, int(time.time()),
                    prompts, params)
         watcher = await self.start(job, raw_request)
@@ -444,8 +413,7 @@ class OpenAIServing:
         self.check_model(req.model)
         params = req.to_sampling_params(self.max_n)
         text = self.render_chat(req)
-        [ids] = await self.tokenize_off_loop([text], req.add_special_tokens)
-        prompt = _Prompt(text, ids)
+        prompt = _Prompt(text, self.tokenize(text, req.add_special_tokens))
         job = _Job(_new_id("chatcmpl", req.request_id), self.model_name, int(time.time()),
                    [prompt], params)
         echo_text = ""
