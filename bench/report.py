@@ -138,6 +138,23 @@ def fmt(v, digits: int = 1) -> str:
     return str(v)
 
 
+# The engine flags every W3 run passes (bench/w3_gpu.py); any other flag on the minivllm
+# server's command line makes the run an experiment with a non-default engine.
+W3_STANDARD_FLAGS = {"--disable-log-requests", "--log-level", "--model", "--load-format",
+                     "--seed", "--dtype", "--max-model-len", "--max-num-seqs",
+                     "--gpu-memory-utilization", "--host", "--port", "--skip-tokenizer-init",
+                     "--device", "--api-servers"}
+
+
+def extra_engine_flags(targets: list) -> list[str]:
+    """Flags beyond W3's standard ones on the run's minivllm server command line."""
+    for t, _ in targets:
+        if t.get("label") == "minivllm" and t.get("launch_cmd"):
+            return [a for a in t["launch_cmd"].split()
+                    if a.startswith("--") and a.split("=")[0] not in W3_STANDARD_FLAGS]
+    return []
+
+
 def is_server_variant(label: str) -> bool:
     """minivllm's server run another way (label minivllm-*), not a peer."""
     return label.startswith("minivllm-") and label != "minivllm-offline"
@@ -707,7 +724,11 @@ class Report:
         elif env.get("gpu"):
             self.not_measured(f"server vs offline engine at concurrency {c}",
                               "the run lacks one of the two")
-        if env.get("gpu") and "W3" not in self.headline:
+        extra = extra_engine_flags(targets)
+        if extra:
+            self.p(f"\nThis run's engine had non-default flags ({' '.join(extra)}): it is not "
+                   "used for the headline.")
+        elif env.get("gpu") and "W3" not in self.headline:
             self.headline["W3"] = head
         elif env.get("gpu"):
             # A peer the newest run lacks comes from the newest run that has it, with that

@@ -86,15 +86,17 @@ def _level(c, tok_s, failures=0, mem=None):
             "peak_gpu_mem_gib": mem}
 
 
-def _w3_file(path: Path, label: str, kind: str, levels: list, ramp=None) -> None:
-    env = {"date": "2030-01-01 00:00:00 UTC", "git_commit": "abc1234",
+def _w3_file(path: Path, label: str, kind: str, levels: list, ramp=None,
+             launch_cmd: str | None = None, date: str = "2030-01-01 00:00:00 UTC") -> None:
+    env = {"date": date, "git_commit": "abc1234",
            "gpu": "NVIDIA H200, 143771 MiB, 570.00", "torch": "2.11.0+cu130",
            "triton": "3.6.0", "transformers": "5.17.0", "python": "3.12.3"}
     payload = {"benchmark": "w3_serve", "environment": env,
                "workload": {"prompt_tokens": 128, "output_tokens": 128, "rounds": 2.0,
                             "min_requests": 4, "model": "qwen2.5-0.5b-instruct",
                             "dtype": "bfloat16", "weights": "dummy (random)"},
-               "targets": [{"label": label, "kind": kind, "levels": levels}]}
+               "targets": [{"label": label, "kind": kind, "levels": levels,
+                            "launch_cmd": launch_cmd}]}
     if ramp:
         payload["ramp"] = ramp
     path.write_text(json.dumps(payload))
@@ -131,6 +133,25 @@ def test_w3_gpu_run_headline_ratios_and_ramp(tmp_path):
     for kind in ("throughput", "ttft", "itl", "gpu_mem"):
         assert (out / f"w3_results-h200_{kind}.png").exists(), kind
     assert "NVIDIA H200" in md and "commit abc1234" in md and "qwen2.5-0.5b-instruct" in md
+
+
+def test_w3_headline_skips_a_run_with_non_default_engine_flags(tmp_path):
+    """A newer run whose server had extra engine flags (an experiment) is reported, but the
+    headline keeps the newest run with the default engine."""
+    std = "python -m minivllm.server --model m --load-format dummy --max-num-seqs 256"
+    for name, flags, rate, date in (("old", "", 100.0, "2030-01-01 00:00:00 UTC"),
+                                    ("new", " --max-num-batched-tokens 1024", 300.0,
+                                     "2030-01-02 00:00:00 UTC")):
+        run = tmp_path / "results" / name
+        run.mkdir(parents=True)
+        _w3_file(run / "w3_minivllm.json", "minivllm", "minivllm", [_level(64, rate * 64)],
+                 launch_cmd=std + flags, date=date)
+        _w3_file(run / "w3_minivllm-offline.json", "minivllm-offline", "offline",
+                 [_level(64, 110.0 * 64)], date=date)
+    md = report.render([tmp_path / "results"], tmp_path / "out", base=tmp_path).read_text()
+    assert "| W3 serving (GPU), out tok/s at c=64 | minivllm server | 6,400 | - |" in md
+    assert "non-default flags (--max-num-batched-tokens): it is not used for the headline" in md
+    assert "19,200" in md  # the experiment's own section still shows it
 
 
 def test_w3_server_variants_and_engine_trace(tmp_path):
