@@ -1,9 +1,8 @@
 """Where a batch-1 decode step's wall time goes beyond its kernels (GPU only).
 
-The decode sweep has shown, in every H200 run since session 2, batch 1 slower at context
-256 (1.07 ms/step) than at 1024 (0.96-0.98 ms), while the kernels of one replay add up to
-the same ~0.94 ms at both. W2 (contexts 128-384) sits at the slow end. This splits one
-step of the graph runner, per context, into:
+The engine's W2 step takes ~1.07 ms on the H200 while one graph replay alone takes ~0.96
+ms at the same context (session 5); the ~0.1 ms between them is the 7% W2 misses its
+target by. This splits one step of the graph runner, per context, into:
   - replay_us: graph replays back to back, inputs staged once (device time, CUDA events):
     the kernels plus the gaps inside and between graphs;
   - run_us: the graph runner's run() back to back (staging + copies + replay), wall time
@@ -11,8 +10,9 @@ step of the graph runner, per context, into:
   - host_run_us: the host's own time per run() (measured before the final synchronize;
     if it is near run_us the host is the limit);
   - fill_us: the host's staging alone (DecodeInputs.fill, copies queued);
-then W2's pattern (context 128 -> 384) without and with the engine's pipelining, and the
-engine's W2 itself, per step.
+then W2's pattern (context 128 -> 384) without and with the engine's pipelining and each
+of its parts, and the engine's W2 itself, per step, each with the GPU's SM clock meanwhile
+(NVML); last, the device time of each batch-1 replay inside the engine's own W2 loop.
 
     python -m bench.w2_gap [--out FILE]
 """
@@ -20,6 +20,7 @@ engine's W2 itself, per step.
 from __future__ import annotations
 
 import argparse
+import threading
 import time
 from collections.abc import Callable
 
@@ -52,6 +53,63 @@ def replay_us(graph: torch.cuda.CUDAGraph, iters: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return 1000 * start.elapsed_time(end) / iters
+
+
+class ClockSampler:
+    """The GPU's SM clock (MHz, NVML) sampled every few ms while a loop runs: a step that
+    takes 10% longer in one loop than in another may simply run at a lower clock."""
+
+    def __init__(self) -> None:
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        except Exception:  # noqa: BLE001 - no NVML: no clocks, the timings still count
+            self._nvml = None
+        self._samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> "ClockSampler":
+        self._samples, self._stop = [], threading.Event()
+        if self._nvml is not None:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self._samples.append(self._nvml.nvmlDeviceGetClockInfo(
+                self._handle, self._nvml.NVML_CLOCK_SM))
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def summary(self) -> dict | None:
+        if not self._samples:
+            return None
+        return {"sm_mhz_mean": round(sum(self._samples) / len(self._samples)),
+                "sm_mhz_min": min(self._samples), "sm_mhz_max": max(self._samples)}
+
+
+def timed_replays(graph: torch.cuda.CUDAGraph) -> list:
+    """Wrap graph.replay so each replay records CUDA events around itself; returns the list
+    the (start, end) pairs go to (device time of each replay inside someone else's loop)."""
+    pairs: list = []
+    replay = graph.replay
+
+    def timed() -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replay()
+        end.record()
+        pairs.append((start, end))
+
+    graph.replay = timed
+    return pairs
 
 
 def main(argv=None) -> int:
@@ -136,7 +194,8 @@ def main(argv=None) -> int:
                 extra()
         return loop
 
-    loops = {}
+    loops, loop_clocks = {}, {}
+    clocks = ClockSampler()
     for name, fn in (("advancing", advancing),
                      ("advancing_plus_kernel", advancing_with(lambda: scratch.add_(1))),
                      ("advancing_plus_d2h", advancing_with(
@@ -150,24 +209,40 @@ def main(argv=None) -> int:
                      ("pipelined_spin", lambda: pipelined(spin=True))):
         fn()
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
+        with clocks:
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
         loops[name] = round(1e6 * (time.perf_counter() - t0) / steps, 1)
-        print(f"{name}: {loops[name]} us/step over contexts 128-{128 + steps}", flush=True)
+        loop_clocks[name] = clocks.summary()
+        print(f"{name}: {loops[name]} us/step over contexts 128-{128 + steps}; clock "
+              f"{loop_clocks[name]}", flush=True)
     from minivllm import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     prompt = list(range(100, 228))
     llm.generate([prompt], params, use_tqdm=False)
-    t0 = time.perf_counter()
-    out = llm.generate([prompt], params, use_tqdm=False)[0]
-    total = time.perf_counter() - t0
+    with clocks:
+        t0 = time.perf_counter()
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        total = time.perf_counter() - t0
     m = out.metrics
     loops["engine_w2"] = round(1e6 * (total - (m.first_token_time - m.arrival_time))
                                / (steps - 1), 1)
-    print(f"engine W2: {loops['engine_w2']} us/token", flush=True)
+    loop_clocks["engine_w2"] = clocks.summary()
+    # The same again with each batch-1 replay timed on the device: the replay's own time
+    # inside the engine's loop, against the wall time per token.
+    pairs = timed_replays(graph)
+    llm.generate([prompt], params, use_tqdm=False)
+    torch.cuda.synchronize()
+    del graph.replay  # the class's replay again
+    times = sorted(1000 * a.elapsed_time(b) for a, b in pairs)
+    loops["engine_w2_replay_median"] = round(times[len(times) // 2], 1) if times else None
+    print(f"engine W2: {loops['engine_w2']} us/token (clock {loop_clocks['engine_w2']}); "
+          f"its replays {loops['engine_w2_replay_median']} us (median of {len(times)})",
+          flush=True)
     write_result("w2_gap", {"model_config": args.model_config, "dtype": "bfloat16",
-                            "batch": 1, "rows": rows, "loops": loops},
+                            "batch": 1, "rows": rows, "loops": loops,
+                            "loop_sm_clocks": loop_clocks},
                  args.out)
     return 0
 

@@ -81,7 +81,7 @@ def gil_switch_interval_s() -> float:
     thread that releases the GIL for I/O (a socket write, a pipe read, a tokenizer's
     Rust call) waits up to a whole interval to get it back while another thread computes,
     so the default interval puts milliseconds into every streamed token (docs/decisions.md,
-    "The frontend's GIL")."""
+    "W3 in session 5")."""
     value = os.environ.get("MINIVLLM_SWITCH_INTERVAL_MS", "").strip()
     ms = float(value) if value else 0.5
     if not ms > 0:
