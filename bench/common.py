@@ -84,6 +84,13 @@ def graph_replay_us(fn, n: int = 200, warm: int = 10) -> float:
         fn()
     for _ in range(warm):
         graph.replay()
+    return replays_us(graph, n)
+
+
+def replays_us(graph, n: int) -> float:
+    """Microseconds of device time per replay of `graph`, n replays back to back."""
+    import torch
+
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench.common import write_result
+from bench.common import replays_us, write_result
 
 CONTEXTS = [128, 256, 384, 512, 768, 1024, 1536]
 ITERS = 200
@@ -42,17 +42,6 @@ def per_step_us(fn, iters: int) -> tuple[float, float]:
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     return 1e6 * host / iters, 1e6 * wall / iters
-
-
-def replay_us(graph: torch.cuda.CUDAGraph, iters: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(end) / iters
 
 
 class ClockSampler:
@@ -136,7 +125,7 @@ def main(argv=None) -> int:
         host_run, run = per_step_us(call, ITERS)
         fill_host, _ = per_step_us(lambda: gr.inputs.fill([7], [ctx], table, 1), ITERS)
         gr.inputs.fill([7], [ctx], table, 1)
-        replay = replay_us(graph, ITERS)
+        replay = replays_us(graph, ITERS)
         rows.append({"context": ctx, "replay_us": round(replay, 1), "run_us": round(run, 1),
                      "host_run_us": round(host_run, 1), "fill_us": round(fill_host, 1)})
         print(f"context {ctx:5d}: replay {replay:7.1f} us  run {run:7.1f} us  host per run "
