@@ -419,6 +419,9 @@ def test_completion_errors(http, body, status, needle):
     assert needle in err["message"] or needle == err["param"], err
 
 
+_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
 BAD_CHATS = [
     ({"messages": []}, 400, "messages"),
     ({"messages": "hello"}, 400, "messages"),
@@ -438,7 +441,22 @@ BAD_CHATS = [
      "The model `other` does not exist."),
     ({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ raise_exception('no') }}"},
      400, "chat template"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL]}, 400,
+     "does not support tool calling"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL],
+      "tool_choice": "required"}, 400, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, 400,
+     "only allowed when tools are specified"),
 ]
+
+
+def test_tool_choice_none_answers_in_plain_text(http):
+    """With tool_choice "none" a request that lists tools is served (as text)."""
+    for extra in ({"tools": [_TOOL], "tool_choice": "none"}, {"tool_choice": "none"}):
+        r = http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **extra})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] is not None
 
 
 @pytest.mark.parametrize("body,status,needle", BAD_CHATS,

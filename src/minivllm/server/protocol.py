@@ -213,6 +213,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    # Accepted so that a request with tools gets a clear answer instead of silently
+    # plain text: this server renders no tool definitions and parses no tool calls.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     # vLLM extensions.
     echo: bool = False
     add_generation_prompt: bool = True
@@ -225,6 +229,7 @@ class ChatCompletionRequest(_SamplingFields):
         if self.response_format is not None and self.response_format.type != "text":
             raise RequestError(f"response_format {self.response_format.type!r} is not "
                                "supported.", param="response_format")
+        self._check_tools()
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs requires logprobs to be true.",
                                param="top_logprobs")
@@ -239,6 +244,20 @@ class ChatCompletionRequest(_SamplingFields):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens=max_tokens, logprobs=logprobs,
                                      prompt_logprobs=self.prompt_logprobs, max_n=max_n)
+
+
+    def _check_tools(self) -> None:
+        """As OpenAI: tool_choice (other than "none") needs tools. As vLLM without a
+        tool-call parser: tools are refused unless tool_choice is "none" (then the model
+        answers in plain text and the tool definitions are not shown to it)."""
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise RequestError("tool_choice is only allowed when tools are specified.",
+                               param="tool_choice")
+        if self.tools and self.tool_choice != "none":
+            raise RequestError(
+                "This server does not support tool calling: it parses no tool calls from "
+                "the model's output. Send tool_choice \"none\" to get a plain answer.",
+                param="tool_choice" if self.tool_choice is not None else "tools")
 
 
 class ChatTopLogprob(OpenAIBaseModel):
