@@ -245,7 +245,6 @@ class ChatCompletionRequest(_SamplingFields):
         return self._sampling_params(max_tokens=max_tokens, logprobs=logprobs,
                                      prompt_logprobs=self.prompt_logprobs, max_n=max_n)
 
-
     def _check_tools(self) -> None:
         """As OpenAI: tool_choice (other than "none") needs tools. As vLLM without a
         tool-call parser: tools are refused unless tool_choice is "none" (then the model

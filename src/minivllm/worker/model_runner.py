@@ -332,13 +332,15 @@ class ModelRunner:
             rows = [prev.rows[s.seq_id] for s in seqs]
             logits, greedy = self.graph_runner.run(None, lens, tables,
                                                    (prev.device_tokens, rows))
+        return self._new_pending(seqs, logits, greedy)
+
+    def _new_pending(self, seqs: list[Sequence], logits: torch.Tensor,
+                     greedy: torch.Tensor) -> PendingDecode:
+        """The launched step's tokens (sampled on the device), copied back behind it."""
         if all(s.plain_greedy for s in seqs):
             tokens = greedy  # skip building sampler rows: the common, hottest case
         else:
             tokens = self.sampler.sample_on_device(logits, seqs, greedy)
-        return self._new_pending(seqs, tokens)
-
-    def _new_pending(self, seqs: list[Sequence], tokens: torch.Tensor) -> PendingDecode:
         # Two host buffers alternate: the previous step's copy may still be landing.
         if self._host_tokens[0].numel() < len(seqs):
             self._init_async_buffers(len(seqs))
@@ -364,12 +366,7 @@ class ModelRunner:
                 fix = (prev.device_tokens, positions, rows)
         self.last_step = ("mixed_pipelined", len(host.input_ids), len(host.seq_lens))
         logits, greedy = self.mixed_runner.run(host, fix)
-        seqs = host.row_seqs
-        if all(s.plain_greedy for s in seqs):
-            tokens = greedy
-        else:
-            tokens = self.sampler.sample_on_device(logits, seqs, greedy)
-        return self._new_pending(seqs, tokens)
+        return self._new_pending(host.row_seqs, logits, greedy)
 
     @torch.inference_mode()
     def _execute_decode_graph(self, batch: ScheduledBatch) -> StepResult:
