@@ -254,6 +254,8 @@ def section_w2(ctx):
         "not-pipelined": ("minivllm (CUDA graphs, no compile, not pipelined)", {},
                           {"MINIVLLM_PIPELINE": "0"}),
         "eager": ("minivllm eager", {"enforce_eager": True}, {}),
+        "prelude-none": ("minivllm (CUDA graphs, no split-K GEMM before each decode "
+                         "replay)", {}, {"MINIVLLM_DECODE_PRELUDE": "none"}),
         "fused-reduce": ("minivllm (CUDA graphs, decode attention's splits combined in "
                          "its own kernel)", {}, {"MINIVLLM_DECODE_FUSED_REDUCE": "1"}),
     }
@@ -262,7 +264,7 @@ def section_w2(ctx):
     if os.environ.get("GPU_CHECK_SKIP_COMPILE") and "compile" in variants:
         variants.remove("compile")
     flags = {"MINIVLLM_COMPILE": "0", "MINIVLLM_PIPELINE": "1",
-             "MINIVLLM_DECODE_FUSED_REDUCE": "1"}
+             "MINIVLLM_DECODE_FUSED_REDUCE": "1", "MINIVLLM_DECODE_PRELUDE": "down"}
     for variant in variants:
         label, kw, env = all_variants[variant]
         for flag, default in flags.items():

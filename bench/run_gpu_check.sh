@@ -18,6 +18,8 @@
 #           shape vs unpadded vs decode rows alone (CUDA-graph replays)
 #   gemv    bench/gemv_timing.py: the projections at batch 1, cuBLAS GEMM vs GEMV (graph replays)
 #   w2-gap  bench/w2_gap.py: a batch-1 step per context, replay vs run() vs the host's part
+#   replay-state  bench/replay_state.py: which event makes the batch-1 graph replay slower
+#   launch-state  bench/graph_launch_state.py: the same, standalone (a graph of 200 tiny kernels)
 #   s:A,B   the named bench.gpu_check sections (no torch.compile), e.g. s:w2
 # Usage (on the GPU machine, from the repo root): bash bench/run_gpu_check.sh [GROUP ...]
 set -u
@@ -80,6 +82,19 @@ print(' '.join(f'{k}={v}' for k, v in FEATURES['$f'][1].items()))")
       timeout "$(budget "${T_W2_GAP:-90}")" python3 -m bench.w2_gap \
         --out "$RES/w2_gap.json" >"$RES/w2_gap.log" 2>&1
       echo "[w2-gap] exit $?" | tee -a "$RES/gpu_check.log"; tail -8 "$RES/w2_gap.log" ;;
+    replay-state)  # each sequence of actions in its own process (see bench/replay_state.py)
+      i=0
+      for seq in ${REPLAY_STATE_SEQS:-base,base,sleep,new_kernel,dev_small,dev_segment,pinned,empty_cache,recapture,w2,recapture base,pinned,recapture,w2 base,dev_segment,recapture,pinned base,w2,recapture,w2}; do
+        i=$((i + 1))
+        timeout "$(budget "${T_REPLAY_STATE:-90}")" python3 -m bench.replay_state --actions "$seq" \
+          --label "seq$i" --out "$RES/replay_state_$i.json" >>"$RES/replay_state.log" 2>&1
+        echo "[replay-state $seq] exit $?" | tee -a "$RES/gpu_check.log"
+      done
+      grep "after" "$RES/replay_state.log" ;;
+    launch-state)
+      timeout "$(budget 60)" python3 -m bench.graph_launch_state --out "$RES/graph_launch_state.json" \
+        >"$RES/graph_launch_state.log" 2>&1
+      echo "[launch-state] exit $?" | tee -a "$RES/gpu_check.log"; cat "$RES/graph_launch_state.log" ;;
     mixed-attn)
       timeout "$(budget "${T_MIXED_ATTN:-60}")" python3 -m bench.mixed_attention_timing \
         --out "$RES/mixed_attention_timing.json" >"$RES/mixed_attention_timing.log" 2>&1

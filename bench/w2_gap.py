@@ -20,6 +20,7 @@ of its parts, and the engine's W2 itself, per step, each with the GPU's SM clock
 from __future__ import annotations
 
 import argparse
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -54,17 +55,27 @@ class ClockSampler:
             pynvml.nvmlInit()
             self._nvml = pynvml
             self._handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        except Exception:  # noqa: BLE001 - no NVML: no clocks, the timings still count
+        except Exception:  # noqa: BLE001 - no NVML bindings: nvidia-smi's loop instead
             self._nvml = None
+        self._smi: subprocess.Popen | None = None
         self._samples: list[int] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> "ClockSampler":
+    def __enter__(self) -> ClockSampler:
         self._samples, self._stop = [], threading.Event()
-        if self._nvml is not None:
-            self._thread = threading.Thread(target=self._run, daemon=True)
-            self._thread.start()
+        target = self._run
+        if self._nvml is None:
+            try:  # nvidia-smi prints the clock every 10 ms until killed
+                self._smi = subprocess.Popen(
+                    ["nvidia-smi", f"--id={torch.cuda.current_device()}",
+                     "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "-lms", "10"],
+                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                target = self._read_smi
+            except OSError:
+                return self
+        self._thread = threading.Thread(target=target, daemon=True)
+        self._thread.start()
         return self
 
     def _run(self) -> None:
@@ -72,8 +83,17 @@ class ClockSampler:
             self._samples.append(self._nvml.nvmlDeviceGetClockInfo(
                 self._handle, self._nvml.NVML_CLOCK_SM))
 
+    def _read_smi(self) -> None:
+        for line in self._smi.stdout:
+            if line.strip().isdigit():
+                self._samples.append(int(line))
+
     def __exit__(self, *exc) -> None:
         self._stop.set()
+        if self._smi is not None:
+            self._smi.terminate()
+            self._smi.wait()
+            self._smi = None
         if self._thread is not None:
             self._thread.join()
 
@@ -119,11 +139,12 @@ def main(argv=None) -> int:
     rows = []
     for ctx in CONTEXTS:
         table = [list(range(-(-ctx // bs)))]
-        call = (lambda: gr.run([7], [ctx], table))
+        call = (lambda ctx=ctx, table=table: gr.run([7], [ctx], table))
         for _ in range(20):
             call()
         host_run, run = per_step_us(call, ITERS)
-        fill_host, _ = per_step_us(lambda: gr.inputs.fill([7], [ctx], table, 1), ITERS)
+        fill_host, _ = per_step_us(
+            lambda ctx=ctx, table=table: gr.inputs.fill([7], [ctx], table, 1), ITERS)
         gr.inputs.fill([7], [ctx], table, 1)
         replay = replays_us(graph, ITERS)
         rows.append({"context": ctx, "replay_us": round(replay, 1), "run_us": round(run, 1),
@@ -233,9 +254,17 @@ def main(argv=None) -> int:
     del graph.replay  # the class's replay again
     times = sorted(1000 * a.elapsed_time(b) for a, b in pairs)
     loops["engine_w2_replay_median"] = round(times[len(times) // 2], 1) if times else None
+    loops["engine_w2_replay_mean"] = round(sum(times) / len(times), 1) if times else None
     print(f"engine W2: {loops['engine_w2']} us/token (clock {loop_clocks['engine_w2']}); "
-          f"its replays {loops['engine_w2_replay_median']} us (median of {len(times)})",
-          flush=True)
+          f"its replays {loops['engine_w2_replay_median']} us (median of {len(times)}, "
+          f"mean {loops['engine_w2_replay_mean']})", flush=True)
+    # The lone replay once more, after everything: has the GPU's state changed?
+    gr.inputs.fill([7], [256], [list(range(-(-256 // bs)))], 1)
+    with clocks:
+        loops["replay_256_at_end"] = round(replays_us(graph, ITERS), 1)
+    loop_clocks["replay_256_at_end"] = clocks.summary()
+    print(f"replay at context 256, at the end: {loops['replay_256_at_end']} us "
+          f"(clock {loop_clocks['replay_256_at_end']})", flush=True)
     write_result("w2_gap", {"model_config": args.model_config, "dtype": "bfloat16",
                             "batch": 1, "rows": rows, "loops": loops,
                             "loop_sm_clocks": loop_clocks},

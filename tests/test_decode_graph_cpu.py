@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
+from minivllm.config import decode_prelude
 from minivllm.worker.cuda_graph_runner import (DecodeGraphRunner, DecodeInputs, bucket_for,
-                                               decode_buckets)
+                                               decode_buckets, make_prelude)
 from conftest import random_prompts
 
 
@@ -188,3 +189,24 @@ def test_decode_fused_reduce_in_the_graph_runner(tiny_model_dirs, monkeypatch):
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert fused and all(fused) and max(splits) > 1
+
+
+def test_decode_prelude_switch_and_gemm(tiny_model_dirs, monkeypatch):
+    """The GEMM launched before each decode replay (CUDA graphs only) is the first layer's
+    down projection of a zero row: it reads the model and changes nothing."""
+    assert decode_prelude() == "down"
+    monkeypatch.setenv("MINIVLLM_DECODE_PRELUDE", "none")
+    assert decode_prelude() == "none"
+    monkeypatch.setenv("MINIVLLM_DECODE_PRELUDE", "memset")
+    with pytest.raises(ValueError, match="MINIVLLM_DECODE_PRELUDE"):
+        decode_prelude()
+    monkeypatch.delenv("MINIVLLM_DECODE_PRELUDE")
+    llm = LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, max_model_len=64)
+    runner = llm.engine.runner
+    assert runner.graph_runner is None or runner.graph_runner.prelude is None  # CPU: no graphs
+    model = runner.model
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert make_prelude("none", model, torch.device("cpu")) is None
+    out = make_prelude("down", model, torch.device("cpu"))()
+    assert out.shape == (1, model.config.hidden_size) and not out.any()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -53,6 +53,18 @@ def decode_fused_reduce_enabled() -> bool:
     return _env_flag("MINIVLLM_DECODE_FUSED_REDUCE", True)
 
 
+def decode_prelude() -> str:
+    """MINIVLLM_DECODE_PRELUDE=down (default) | none: a cuBLAS split-K GEMM launched
+    before each decode graph replay (see DecodeGraphRunner and docs/decisions.md, "W2 in
+    session 6"). On the H200 a graph's kernels start ~0.35 us later each once ~7 regular
+    kernels have run since the last split-K GEMM; at batch 1 that is ~90 us of a ~1 ms
+    step, and the GEMM costs ~7 us."""
+    value = os.environ.get("MINIVLLM_DECODE_PRELUDE", "down").strip().lower()
+    if value not in ("down", "none"):
+        raise ValueError(f"MINIVLLM_DECODE_PRELUDE must be 'down' or 'none', not {value!r}")
+    return value
+
+
 def attention_backend(device: torch.device) -> str:
     """MINIVLLM_ATTENTION_BACKEND=torch|triton; default: triton on CUDA, torch elsewhere.
     (triton on a CPU runs the kernels in Triton's interpreter: for tests only.)"""

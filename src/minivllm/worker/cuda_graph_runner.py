@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from ..config import decode_fused_reduce_enabled
+from ..config import decode_fused_reduce_enabled, decode_prelude
 from ..model.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -126,6 +126,25 @@ class DecodeInputs:
             torch.index_select(prev, 0, self.index[:n], out=self.input_ids[:n])
 
 
+def make_prelude(kind: str, model: torch.nn.Module, device: torch.device):
+    """What DecodeGraphRunner.run launches before each graph replay (None: nothing).
+
+    "down": the first layer's down projection on a zero row, output discarded. Measured
+    on the H200 (bench/replay_state.py, session 6): a captured graph's kernels follow
+    each other ~0.1 us apart while fewer than ~7 regular (non-graph) kernels have been
+    launched since the last cuBLAS split-K GEMM, and ~0.45 us apart after that, whatever
+    those kernels are. The engine launches a few between replays (token gather, sampling,
+    prefill), so replays ran in the slow state: ~90 us more per batch-1 step of 261
+    kernels. A memset, fill, elementwise, Triton or non-split GEMM launch does not
+    restore it; this GEMM (the shape the model's own split-K kernel has) does, for ~7 us
+    of device time. Why the hardware behaves so is not known to us."""
+    if kind == "none":
+        return None
+    down = model.model.layers[0].mlp.down_proj
+    x = torch.zeros(1, down.in_features, dtype=down.weight.dtype, device=device)
+    return lambda: down(x)
+
+
 class DecodeGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_layers, *, max_batch: int, max_blocks: int,
                  block_size: int, max_model_len: int, device: torch.device,
@@ -158,6 +177,7 @@ class DecodeGraphRunner:
             device=device) if decode_fused_reduce_enabled() else None
         self.logits_out = torch.empty(self.max_batch, vocab, dtype=torch.float32, device=device)
         self.greedy_out = torch.empty(self.max_batch, dtype=torch.long, device=device)
+        self.prelude = make_prelude(decode_prelude(), model, device) if self.use_graphs else None
 
     def _decode_step(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
                      block_tables: torch.Tensor) -> None:
@@ -230,6 +250,8 @@ class DecodeGraphRunner:
         b = bucket_for(n, self.buckets)
         self.inputs.fill(token_ids, seq_lens, tables, b, device_tokens)
         if b in self.graphs:
+            if self.prelude is not None:
+                self.prelude()
             self.graphs[b].replay()
         else:
             inp = self.inputs
