@@ -99,3 +99,38 @@ def replays_us(graph, n: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return 1000 * start.elapsed_time(end) / n
+
+
+W2_MODEL_CONFIG = "bench/model_configs/qwen2.5-0.5b-instruct.json"
+
+
+def probe_llm(model_config: str = W2_MODEL_CONFIG):
+    """The engine the W2 probes (w2_gap, replay_state) take apart: the Qwen2.5-0.5B config
+    with dummy bf16 weights on the GPU, decode graphs for batches up to 8. Returns
+    (llm, its decode graph runner, its block size)."""
+    from minivllm import LLM
+
+    llm = LLM(model_config, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+              device="cuda", seed=0, max_model_len=2048, max_num_seqs=8)
+    return llm, llm.engine.runner.graph_runner, llm.engine.config.block_size
+
+
+def gpu_probe_parser(doc: str, model_config: bool = False):
+    """The command line every GPU probe shares: --out FILE (and --model-config)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    if model_config:
+        ap.add_argument("--model-config", default=W2_MODEL_CONFIG)
+    return ap
+
+
+def has_cuda(probe: str) -> bool:
+    """False (and says so) on a machine without a CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"{probe}: no CUDA device")
+        return False
+    return True

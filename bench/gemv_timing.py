@@ -15,12 +15,10 @@ L2), captured in one CUDA graph and replayed. Times are per call, device time.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.nn.functional as F
 
-from bench.common import graph_replay_us, write_result
+from bench.common import gpu_probe_parser, graph_replay_us, has_cuda, write_result
 
 # (name, in features, out features) of Qwen2.5-0.5B's projections, and its LM head
 SHAPES = [("qkv", 896, 1152), ("o", 896, 896), ("gate_up", 896, 9728), ("down", 4864, 896),
@@ -33,11 +31,9 @@ def timed(fn) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None)
+    ap = gpu_probe_parser(__doc__)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("gemv_timing: no CUDA device")
+    if not has_cuda("gemv_timing"):
         return 1
     dev, dt = torch.device("cuda"), torch.bfloat16
     rows = []

@@ -11,21 +11,17 @@ The graph is 200 kernels on one small tensor, alternating two elementwise functi
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from bench.common import replays_us, write_result
+from bench.common import gpu_probe_parser, has_cuda, replays_us, write_result
 
 KERNELS = 200
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None)
+    ap = gpu_probe_parser(__doc__)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("graph_launch_state: no CUDA device")
+    if not has_cuda("graph_launch_state"):
         return 1
     x = torch.zeros(4096, device="cuda")
     other = torch.zeros(4096, device="cuda")

@@ -11,18 +11,17 @@ device time, not Python launch overhead (an eager loop measured the host).
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
 
-from bench.common import graph_replay_us, write_result
+from bench.common import gpu_probe_parser, graph_replay_us, has_cuda, write_result
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
+    args = gpu_probe_parser(__doc__).parse_args(argv)
+    if not has_cuda("mixed_attention_timing"):
+        return 1
     from csrc_triton import paged_attention, paged_attention_decode
 
     dev, dt = torch.device("cuda"), torch.bfloat16

@@ -12,7 +12,6 @@ kernel loaded for the first time, ...) and a remedy (re-capturing) can be told a
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import time
 
@@ -21,7 +20,7 @@ import triton
 import triton.language as tl
 
 import csrc_triton
-from bench.common import replays_us, write_result
+from bench.common import gpu_probe_parser, has_cuda, probe_llm, replays_us, write_result
 from minivllm.model.attention import AttentionMetadata
 
 ITERS = 300
@@ -91,21 +90,15 @@ def replay_profile(graph, replays: int = 20) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = gpu_probe_parser(__doc__, model_config=True)
     ap.add_argument("--actions", required=True)
     ap.add_argument("--label", default="")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--model-config", default="bench/model_configs/qwen2.5-0.5b-instruct.json")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("replay_state: no CUDA device")
+    if not has_cuda("replay_state"):
         return 1
-    from minivllm import LLM, SamplingParams
+    from minivllm import SamplingParams
 
-    llm = LLM(args.model_config, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-              device="cuda", seed=0, max_model_len=2048, max_num_seqs=8)
-    gr = llm.engine.runner.graph_runner
-    bs = llm.engine.config.block_size
+    llm, gr, bs = probe_llm(args.model_config)
     table = [list(range(-(-256 // bs)))]
     keep: list = []  # everything an action allocates stays alive
     existing = gr.inputs.buf.int64  # a device buffer the step already has

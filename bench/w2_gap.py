@@ -19,7 +19,6 @@ of its parts, and the engine's W2 itself, per step, each with the GPU's SM clock
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import threading
 import time
@@ -27,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench.common import replays_us, write_result
+from bench.common import gpu_probe_parser, has_cuda, probe_llm, replays_us, write_result
 
 CONTEXTS = [128, 256, 384, 512, 768, 1024, 1536]
 ITERS = 200
@@ -122,19 +121,11 @@ def timed_replays(graph: torch.cuda.CUDAGraph) -> list:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--model-config", default="bench/model_configs/qwen2.5-0.5b-instruct.json")
+    ap = gpu_probe_parser(__doc__, model_config=True)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("w2_gap: no CUDA device")
+    if not has_cuda("w2_gap"):
         return 1
-    from minivllm import LLM
-
-    llm = LLM(args.model_config, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-              device="cuda", seed=0, max_model_len=2048, max_num_seqs=8)
-    gr = llm.engine.runner.graph_runner
-    bs = llm.engine.config.block_size
+    llm, gr, bs = probe_llm(args.model_config)
     graph = gr.graphs[1]
     rows = []
     for ctx in CONTEXTS:

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 SECTIONS = "parity,graphs,bf16,w2,sweep,w1,profile,hf"
 
@@ -28,3 +30,17 @@ def test_every_section_runs_in_smoke_mode(tmp_path):
         "minivllm (CUDA graphs, no compile)", "minivllm (CUDA graphs, no compile, not pipelined)",
         "minivllm eager"]
     assert all(row["tok_per_s"] > 0 for row in w2["rows"])
+
+
+@pytest.mark.parametrize("probe", ["w2_gap", "replay_state", "graph_launch_state",
+                                   "gemv_timing", "mixed_attention_timing"])
+def test_gpu_probes_import_and_refuse_a_cpu(probe):
+    """The GPU-only probes (bench/*.py) import, parse their arguments and exit with a clear
+    message on a machine without CUDA, instead of failing in a device call."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'src'}",
+           "CUDA_VISIBLE_DEVICES": ""}
+    args = ["--actions", "base"] if probe == "replay_state" else []
+    r = subprocess.run([sys.executable, "-m", f"bench.{probe}", *args], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "no CUDA device" in r.stdout
