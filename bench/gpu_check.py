@@ -419,47 +419,66 @@ def w1_requests(smoke):
     return prompts, outs
 
 
+W1_VARIANTS = {"default": {}, "prelude-none": {"MINIVLLM_DECODE_PRELUDE": "none"}}
+
+
 def section_w1(ctx):
+    """W1, once per engine variant in GPU_CHECK_W1_VARIANTS (default: "default"; e.g.
+    "default,prelude-none,default" for an A/B in one call). Each variant: two full runs and
+    the slice HF generate_batch gets. Rows of a non-default variant carry its env."""
     from minivllm import SamplingParams
 
     name = "qwen2.5-0.5b-instruct"
     prompts, outs = w1_requests(ctx.smoke)
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outs]
-    llm = make_llm(ctx, name, "bfloat16", max_num_seqs=256, max_num_batched_tokens=16384,
-                   gpu_memory_utilization=0.5)
-    llm.generate(prompts[:4], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     rows = []
-    for rep in range(2):
+    num_blocks = None
+    for variant in os.environ.get("GPU_CHECK_W1_VARIANTS", "default").split(","):
+        env = W1_VARIANTS[variant]
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        engine = "minivllm" + (f" ({variant})" if env else "")
+        llm = make_llm(ctx, name, "bfloat16", max_num_seqs=256, max_num_batched_tokens=16384,
+                       gpu_memory_utilization=0.5)
+        num_blocks = llm.engine.runner.num_blocks
+        llm.generate(prompts[:4], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+        for rep in range(2):
+            sync()
+            t0 = time.perf_counter()
+            res = llm.generate(prompts, params, use_tqdm=False)
+            sync()
+            secs = time.perf_counter() - t0
+            n_out = sum(len(r.outputs[0].token_ids) for r in res)
+            assert n_out == sum(outs)
+            rows.append({"engine": engine, "run": rep, "seconds": secs, "output_tokens": n_out,
+                         "output_tok_per_s": n_out / secs, "env": env,
+                         "preemptions": llm.engine.scheduler.num_preemptions})
+            log(f"W1 {engine} run {rep}: {n_out / secs:,.0f} output tok/s ({secs:.2f} s)")
+        # The slice HF generate_batch gets in the `hf` section (its first 64 prompts, 128
+        # new tokens each), so the two engines are also compared on the very same work.
+        k = 8 if ctx.smoke else 64
         sync()
         t0 = time.perf_counter()
-        res = llm.generate(prompts, params, use_tqdm=False)
+        res = llm.generate(prompts[:k], SamplingParams(temperature=0.0, max_tokens=128,
+                                                       ignore_eos=True), use_tqdm=False)
         sync()
         secs = time.perf_counter() - t0
         n_out = sum(len(r.outputs[0].token_ids) for r in res)
-        assert n_out == sum(outs)
-        rows.append({"engine": "minivllm", "run": rep, "seconds": secs, "output_tokens": n_out,
-                     "output_tok_per_s": n_out / secs,
-                     "preemptions": llm.engine.scheduler.num_preemptions})
-        log(f"W1 run {rep}: {n_out / secs:,.0f} output tok/s ({secs:.2f} s)")
-    # The slice HF generate_batch gets in the `hf` section (its first 64 prompts, 128 new
-    # tokens each), so the two engines are also compared on the very same work.
-    k = 8 if ctx.smoke else 64
-    sync()
-    t0 = time.perf_counter()
-    res = llm.generate(prompts[:k], SamplingParams(temperature=0.0, max_tokens=128,
-                                                   ignore_eos=True), use_tqdm=False)
-    sync()
-    secs = time.perf_counter() - t0
-    n_out = sum(len(r.outputs[0].token_ids) for r in res)
-    rows.append({"engine": "minivllm", "workload": f"W1 first {k} requests, max_tokens=128",
-                 "seconds": secs, "output_tokens": n_out, "output_tok_per_s": n_out / secs})
-    log(f"W1 slice ({k} x 128): {n_out / secs:,.0f} output tok/s")
+        rows.append({"engine": engine, "workload": f"W1 first {k} requests, max_tokens=128",
+                     "seconds": secs, "output_tokens": n_out, "output_tok_per_s": n_out / secs,
+                     "env": env})
+        log(f"W1 {engine} slice ({k} x 128): {n_out / secs:,.0f} output tok/s")
+        del llm
+        free_memory()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     ctx.save("w1", {"workload": {"requests": len(prompts), "model": name, "dtype": "bfloat16",
                                  "total_output_tokens": sum(outs),
                                  "total_prompt_tokens": sum(map(len, prompts))},
-                    "num_kv_blocks": llm.engine.runner.num_blocks, "rows": rows})
-    del llm
-    free_memory()
+                    "num_kv_blocks": num_blocks, "rows": rows})
 
 
 def section_hf(ctx):

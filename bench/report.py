@@ -397,13 +397,15 @@ class Report:
         if r is not None:
             runs = [x for x in r.data.get("rows", []) if x.get("output_tok_per_s")]
             full = [x for x in runs if not x.get("workload")]
-            best = max((x["output_tok_per_s"] for x in full), default=None)
+            # a variant with engine flags (an A/B) is listed, not taken as our best
+            best = max((x["output_tok_per_s"] for x in full if not x.get("env")), default=None)
             for x in full:
                 rows.append([f"{x['engine']} (run {x.get('run')})", x["output_tok_per_s"],
                              x.get("seconds"), x.get("preemptions"), "-", "full W1"])
             for x in runs:
                 if x.get("workload"):
-                    our_slice = x
+                    if not x.get("env"):
+                        our_slice = x
                     rows.append([x["engine"], x["output_tok_per_s"], x.get("seconds"),
                                  x.get("preemptions", "-"), "-", x["workload"]])
         peer = next((x for x in (hf.data.get("rows", []) if hf else [])
@@ -447,7 +449,8 @@ class Report:
         newest = self.res.newest(section)
         if shown is None or newest is None or newest.path == shown.path:
             return
-        best = max((x.get(key) or 0 for x in newest.data.get("rows", [])), default=0)
+        best = max((x.get(key) or 0 for x in newest.data.get("rows", []) if not x.get("env")),
+                   default=0)
         self.p(f"Shown: the newest run with its HF peers (`{rel(shown.run, self.base)}`). A "
                f"newer run without peers (`{rel(newest.run, self.base)}`, commit "
                f"{newest.env.get('git_commit', '?')}) measured {fmt(best)} at best.\n")

@@ -21,6 +21,8 @@
 #   replay-state  bench/replay_state.py: which event makes the batch-1 graph replay slower
 #   launch-state  bench/graph_launch_state.py: the same, standalone (a graph of 200 tiny kernels)
 #   s:A,B   the named bench.gpu_check sections (no torch.compile), e.g. s:w2
+# Same-call A/Bs: GPU_CHECK_W2_VARIANTS=graphs,prelude-none,graphs (bench.gpu_check's W2
+# variants), GPU_CHECK_W1_VARIANTS=default,prelude-none,default (W1's).
 # Usage (on the GPU machine, from the repo root): bash bench/run_gpu_check.sh [GROUP ...]
 set -u
 START=$(date +%s)

@@ -15,7 +15,7 @@ SECTIONS = "parity,graphs,bf16,w2,sweep,w1,profile,hf"
 
 def test_every_section_runs_in_smoke_mode(tmp_path):
     env = {**os.environ, "GPU_CHECK_W2_VARIANTS": "graphs,not-pipelined,eager",
-           "GPU_CHECK_HF_PEERS": "eager", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'src'}"}
+           "GPU_CHECK_W1_VARIANTS": "default,prelude-none", "GPU_CHECK_HF_PEERS": "eager", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'src'}"}
     r = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--smoke", "--sections",
                         SECTIONS, "--out-dir", str(tmp_path / "out"), "--tmp-dir",
                         str(tmp_path / "tmp")], cwd=REPO, env=env, capture_output=True,
@@ -30,6 +30,10 @@ def test_every_section_runs_in_smoke_mode(tmp_path):
         "minivllm (CUDA graphs, no compile)", "minivllm (CUDA graphs, no compile, not pipelined)",
         "minivllm eager"]
     assert all(row["tok_per_s"] > 0 for row in w2["rows"])
+    w1 = json.loads((tmp_path / "out" / "w1.json").read_text())
+    assert [(row["engine"], row["env"]) for row in w1["rows"]] == (
+        [("minivllm", {})] * 3 + [("minivllm (prelude-none)",
+                                   {"MINIVLLM_DECODE_PRELUDE": "none"})] * 3)
 
 
 @pytest.mark.parametrize("probe", ["w2_gap", "replay_state", "graph_launch_state",
