@@ -419,7 +419,8 @@ def w1_requests(smoke):
     return prompts, outs
 
 
-W1_VARIANTS = {"default": {}, "prelude-none": {"MINIVLLM_DECODE_PRELUDE": "none"}}
+W1_VARIANTS = {"default": {}, "prelude-none": {"MINIVLLM_DECODE_PRELUDE": "none"},
+               "mixed-prelude": {"MINIVLLM_MIXED_PRELUDE": "down"}}
 
 
 def section_w1(ctx):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.config import decode_prelude
+from minivllm.config import decode_prelude, mixed_prelude
 from minivllm.worker.cuda_graph_runner import (DecodeGraphRunner, DecodeInputs, bucket_for,
                                                decode_buckets, make_prelude)
 from conftest import random_prompts
@@ -201,6 +201,9 @@ def test_decode_prelude_switch_and_gemm(tiny_model_dirs, monkeypatch):
     with pytest.raises(ValueError, match="MINIVLLM_DECODE_PRELUDE"):
         decode_prelude()
     monkeypatch.delenv("MINIVLLM_DECODE_PRELUDE")
+    assert mixed_prelude() == "none"  # off until measured
+    monkeypatch.setenv("MINIVLLM_MIXED_PRELUDE", "down")
+    assert mixed_prelude() == "down"
     llm = LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, max_model_len=64)
     runner = llm.engine.runner
     assert runner.graph_runner is None or runner.graph_runner.prelude is None  # CPU: no graphs

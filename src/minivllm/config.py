@@ -53,16 +53,26 @@ def decode_fused_reduce_enabled() -> bool:
     return _env_flag("MINIVLLM_DECODE_FUSED_REDUCE", True)
 
 
+def _prelude(flag: str, default: str) -> str:
+    value = os.environ.get(flag, default).strip().lower()
+    if value not in ("down", "none"):
+        raise ValueError(f"{flag} must be 'down' or 'none', not {value!r}")
+    return value
+
+
 def decode_prelude() -> str:
     """MINIVLLM_DECODE_PRELUDE=down (default) | none: a cuBLAS split-K GEMM launched
-    before each decode graph replay (see DecodeGraphRunner and docs/decisions.md, "W2 in
-    session 6"). On the H200 a graph's kernels start ~0.35 us later each once ~7 regular
-    kernels have run since the last split-K GEMM; at batch 1 that is ~90 us of a ~1 ms
-    step, and the GEMM costs ~7 us."""
-    value = os.environ.get("MINIVLLM_DECODE_PRELUDE", "down").strip().lower()
-    if value not in ("down", "none"):
-        raise ValueError(f"MINIVLLM_DECODE_PRELUDE must be 'down' or 'none', not {value!r}")
-    return value
+    before each decode graph replay (see cuda_graph_runner.make_prelude and
+    docs/decisions.md, "W2 in session 6"). On the H200 a graph's kernels start ~0.35 us
+    later each once ~7 regular kernels have run since the last split-K GEMM; at batch 1
+    that is ~90 us of a ~1 ms step, and the GEMM costs ~7 us."""
+    return _prelude("MINIVLLM_DECODE_PRELUDE", "down")
+
+
+def mixed_prelude() -> str:
+    """MINIVLLM_MIXED_PRELUDE=down | none (default): the same GEMM before each mixed-step
+    graph replay. Off until W1 and W3 are measured both ways in one call."""
+    return _prelude("MINIVLLM_MIXED_PRELUDE", "none")
 
 
 def attention_backend(device: torch.device) -> str:
