@@ -18,6 +18,7 @@ Sections (each writes its own JSON under --out-dir, so a partial run still repor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -238,6 +239,22 @@ def section_bf16(ctx):
     _compare_with_hf(ctx, "bf16", "bfloat16", seed=3)
 
 
+@contextlib.contextmanager
+def scoped_env(overrides: dict[str, str]):
+    """Set these environment variables (engine switches, read when an engine is built)
+    for the block, then put back what was there."""
+    saved = {k: os.environ.get(k) for k in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def section_w2(ctx):
     from minivllm import SamplingParams
 
@@ -267,34 +284,31 @@ def section_w2(ctx):
              "MINIVLLM_DECODE_FUSED_REDUCE": "1", "MINIVLLM_DECODE_PRELUDE": "down"}
     for variant in variants:
         label, kw, env = all_variants[variant]
-        for flag, default in flags.items():
-            os.environ[flag] = env.get(flag, default)
-        llm = make_llm(ctx, name, "bfloat16", max_num_seqs=8, num_kv_blocks=1024, **kw)
-        params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
-        llm.generate([prompt], params, use_tqdm=False)  # warm-up
-        times = []
-        for _ in range(3):
-            sync()
-            t0 = time.perf_counter()
-            out = llm.generate([prompt], params, use_tqdm=False)[0]
-            sync()
-            times.append(time.perf_counter() - t0)
-        m = out.metrics
-        ttft = m.first_token_time - m.arrival_time
-        total = min(times)
-        main = label == "minivllm (CUDA graphs, no compile)"
-        host = _host_profile(llm, prompt, params) if main else None
-        timeline = _device_timeline(llm, prompt, params) if main and not ctx.smoke else None
-        rows.append({"engine": label, "seconds": total, "tok_per_s": n_out / total,
-                     "ms_per_token": 1000 * (total - ttft) / (n_out - 1),
-                     "ttft_ms": 1000 * ttft, "env": env,
-                     "device_timeline": timeline,
-                     "host_profile": host})
-        log(f"W2 {label}: {n_out / total:.0f} tok/s, {rows[-1]['ms_per_token']:.3f} ms/token")
-        del llm
-        free_memory()
-    for flag in flags:
-        os.environ.pop(flag, None)
+        with scoped_env({**flags, **env}):
+            llm = make_llm(ctx, name, "bfloat16", max_num_seqs=8, num_kv_blocks=1024, **kw)
+            params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
+            llm.generate([prompt], params, use_tqdm=False)  # warm-up
+            times = []
+            for _ in range(3):
+                sync()
+                t0 = time.perf_counter()
+                out = llm.generate([prompt], params, use_tqdm=False)[0]
+                sync()
+                times.append(time.perf_counter() - t0)
+            m = out.metrics
+            ttft = m.first_token_time - m.arrival_time
+            total = min(times)
+            main = label == "minivllm (CUDA graphs, no compile)"
+            host = _host_profile(llm, prompt, params) if main else None
+            timeline = _device_timeline(llm, prompt, params) if main and not ctx.smoke else None
+            rows.append({"engine": label, "seconds": total, "tok_per_s": n_out / total,
+                         "ms_per_token": 1000 * (total - ttft) / (n_out - 1),
+                         "ttft_ms": 1000 * ttft, "env": env,
+                         "device_timeline": timeline,
+                         "host_profile": host})
+            log(f"W2 {label}: {n_out / total:.0f} tok/s, {rows[-1]['ms_per_token']:.3f} ms/token")
+            del llm
+            free_memory()
     ctx.save("w2", {"workload": {"prompt": 128, "output": n_out, "batch": 1,
                                  "model": name, "dtype": "bfloat16"}, "rows": rows})
 
@@ -436,46 +450,40 @@ def section_w1(ctx):
     num_blocks = None
     for variant in os.environ.get("GPU_CHECK_W1_VARIANTS", "default").split(","):
         env = W1_VARIANTS[variant]
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        engine = "minivllm" + (f" ({variant})" if env else "")
-        llm = make_llm(ctx, name, "bfloat16", max_num_seqs=256, max_num_batched_tokens=16384,
-                       gpu_memory_utilization=0.5)
-        num_blocks = llm.engine.runner.num_blocks
-        llm.generate(prompts[:4], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-        for rep in range(2):
+        with scoped_env(env):
+            engine = "minivllm" + (f" ({variant})" if env else "")
+            llm = make_llm(ctx, name, "bfloat16", max_num_seqs=256, max_num_batched_tokens=16384,
+                           gpu_memory_utilization=0.5)
+            num_blocks = llm.engine.runner.num_blocks
+            llm.generate(prompts[:4], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+            for rep in range(2):
+                sync()
+                t0 = time.perf_counter()
+                res = llm.generate(prompts, params, use_tqdm=False)
+                sync()
+                secs = time.perf_counter() - t0
+                n_out = sum(len(r.outputs[0].token_ids) for r in res)
+                assert n_out == sum(outs)
+                rows.append({"engine": engine, "run": rep, "seconds": secs, "output_tokens": n_out,
+                             "output_tok_per_s": n_out / secs, "env": env,
+                             "preemptions": llm.engine.scheduler.num_preemptions})
+                log(f"W1 {engine} run {rep}: {n_out / secs:,.0f} output tok/s ({secs:.2f} s)")
+            # The slice HF generate_batch gets in the `hf` section (its first 64 prompts, 128
+            # new tokens each), so the two engines are also compared on the very same work.
+            k = 8 if ctx.smoke else 64
             sync()
             t0 = time.perf_counter()
-            res = llm.generate(prompts, params, use_tqdm=False)
+            res = llm.generate(prompts[:k], SamplingParams(temperature=0.0, max_tokens=128,
+                                                           ignore_eos=True), use_tqdm=False)
             sync()
             secs = time.perf_counter() - t0
             n_out = sum(len(r.outputs[0].token_ids) for r in res)
-            assert n_out == sum(outs)
-            rows.append({"engine": engine, "run": rep, "seconds": secs, "output_tokens": n_out,
-                         "output_tok_per_s": n_out / secs, "env": env,
-                         "preemptions": llm.engine.scheduler.num_preemptions})
-            log(f"W1 {engine} run {rep}: {n_out / secs:,.0f} output tok/s ({secs:.2f} s)")
-        # The slice HF generate_batch gets in the `hf` section (its first 64 prompts, 128
-        # new tokens each), so the two engines are also compared on the very same work.
-        k = 8 if ctx.smoke else 64
-        sync()
-        t0 = time.perf_counter()
-        res = llm.generate(prompts[:k], SamplingParams(temperature=0.0, max_tokens=128,
-                                                       ignore_eos=True), use_tqdm=False)
-        sync()
-        secs = time.perf_counter() - t0
-        n_out = sum(len(r.outputs[0].token_ids) for r in res)
-        rows.append({"engine": engine, "workload": f"W1 first {k} requests, max_tokens=128",
-                     "seconds": secs, "output_tokens": n_out, "output_tok_per_s": n_out / secs,
-                     "env": env})
-        log(f"W1 {engine} slice ({k} x 128): {n_out / secs:,.0f} output tok/s")
-        del llm
-        free_memory()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+            rows.append({"engine": engine, "workload": f"W1 first {k} requests, max_tokens=128",
+                         "seconds": secs, "output_tokens": n_out, "output_tok_per_s": n_out / secs,
+                         "env": env})
+            log(f"W1 {engine} slice ({k} x 128): {n_out / secs:,.0f} output tok/s")
+            del llm
+            free_memory()
     ctx.save("w1", {"workload": {"requests": len(prompts), "model": name, "dtype": "bfloat16",
                                  "total_output_tokens": sum(outs),
                                  "total_prompt_tokens": sum(map(len, prompts))},

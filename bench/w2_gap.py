@@ -19,7 +19,6 @@ of its parts, and the engine's W2 itself, per step, each with the GPU's SM clock
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -54,27 +53,17 @@ class ClockSampler:
             pynvml.nvmlInit()
             self._nvml = pynvml
             self._handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        except Exception:  # noqa: BLE001 - no NVML bindings: nvidia-smi's loop instead
+        except Exception:  # noqa: BLE001 - no NVML: no clocks, the timings still count
             self._nvml = None
-        self._smi: subprocess.Popen | None = None
         self._samples: list[int] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> ClockSampler:
         self._samples, self._stop = [], threading.Event()
-        target = self._run
-        if self._nvml is None:
-            try:  # nvidia-smi prints the clock every 10 ms until killed
-                self._smi = subprocess.Popen(
-                    ["nvidia-smi", f"--id={torch.cuda.current_device()}",
-                     "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "-lms", "10"],
-                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-                target = self._read_smi
-            except OSError:
-                return self
-        self._thread = threading.Thread(target=target, daemon=True)
-        self._thread.start()
+        if self._nvml is not None:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
         return self
 
     def _run(self) -> None:
@@ -82,17 +71,8 @@ class ClockSampler:
             self._samples.append(self._nvml.nvmlDeviceGetClockInfo(
                 self._handle, self._nvml.NVML_CLOCK_SM))
 
-    def _read_smi(self) -> None:
-        for line in self._smi.stdout:
-            if line.strip().isdigit():
-                self._samples.append(int(line))
-
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        if self._smi is not None:
-            self._smi.terminate()
-            self._smi.wait()
-            self._smi = None
         if self._thread is not None:
             self._thread.join()
 
