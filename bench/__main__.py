@@ -8,13 +8,13 @@ Commands (each a thin wrapper; `python -m bench COMMAND --help` shows its flags)
   w3-gpu        budgeted W3 parts for the H200 (minivllm, offline, HF serve)     bench.w3_gpu
   w4            W4 on the CPU: SmolLM2-135M, minivllm vs HF generate             bench.w4_cpu
   kernels       Triton kernels vs the torch reference, speed (CUDA)       bench/kernel_check.py
-  h200          issue 5's whole run on the H200 (H200_SMOKE=1: on a CPU)    bench/run_h200.sh
+  w3-gpu-run    W3 on a GPU in one call (W3_SMOKE=1: on a CPU)          bench/run_w3_gpu.sh
 
 Examples:
   python -m bench report
   python -m bench serve --base-url http://127.0.0.1:8000/v1 --kind vllm --label vllm
   python -m bench gpu-check --sections w2,sweep --out-dir /tmp/gpu
-  python -m bench h200 minivllm offline
+  python -m bench w3-gpu-run minivllm offline
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ COMMANDS = {
     "gpu-check": ("bench.gpu_check", "sys.argv"),
     "w4": ("bench.w4_cpu", "sys.argv"),
     "kernels": (str(BENCH_DIR / "kernel_check.py"), "script"),
-    "h200": (str(BENCH_DIR / "run_h200.sh"), "bash"),
+    "w3-gpu-run": (str(BENCH_DIR / "run_w3_gpu.sh"), "bash"),
 }
 
 

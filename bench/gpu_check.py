@@ -266,22 +266,17 @@ def section_w2(ctx):
     all_variants = {
         "compile": ("minivllm (compile + CUDA graphs)", {}, {"MINIVLLM_COMPILE": "1"}),
         "graphs": ("minivllm (CUDA graphs, no compile)", {}, {}),
-        "two-kernel-reduce": ("minivllm (CUDA graphs, decode attention's splits combined "
-                              "by a second kernel)", {}, {"MINIVLLM_DECODE_FUSED_REDUCE": "0"}),
         "not-pipelined": ("minivllm (CUDA graphs, no compile, not pipelined)", {},
                           {"MINIVLLM_PIPELINE": "0"}),
         "eager": ("minivllm eager", {"enforce_eager": True}, {}),
-        "prelude-none": ("minivllm (CUDA graphs, no split-K GEMM before each decode "
-                         "replay)", {}, {"MINIVLLM_DECODE_PRELUDE": "none"}),
-        "fused-reduce": ("minivllm (CUDA graphs, decode attention's splits combined in "
-                         "its own kernel)", {}, {"MINIVLLM_DECODE_FUSED_REDUCE": "1"}),
+        "no-prelude": ("minivllm (CUDA graphs, no split-K GEMM before each decode "
+                       "replay)", {}, {"MINIVLLM_DECODE_PRELUDE": "0"}),
     }
     variants = os.environ.get("GPU_CHECK_W2_VARIANTS", "compile,graphs,not-pipelined,eager")
     variants = variants.split(",")
     if os.environ.get("GPU_CHECK_SKIP_COMPILE") and "compile" in variants:
         variants.remove("compile")
-    flags = {"MINIVLLM_COMPILE": "0", "MINIVLLM_PIPELINE": "1",
-             "MINIVLLM_DECODE_FUSED_REDUCE": "1", "MINIVLLM_DECODE_PRELUDE": "down"}
+    flags = {"MINIVLLM_COMPILE": "0", "MINIVLLM_PIPELINE": "1", "MINIVLLM_DECODE_PRELUDE": "1"}
     for variant in variants:
         label, kw, env = all_variants[variant]
         with scoped_env({**flags, **env}):
@@ -433,13 +428,12 @@ def w1_requests(smoke):
     return prompts, outs
 
 
-W1_VARIANTS = {"default": {}, "prelude-none": {"MINIVLLM_DECODE_PRELUDE": "none"},
-               "mixed-prelude": {"MINIVLLM_MIXED_PRELUDE": "down"}}
+W1_VARIANTS = {"default": {}, "no-prelude": {"MINIVLLM_DECODE_PRELUDE": "0"}}
 
 
 def section_w1(ctx):
     """W1, once per engine variant in GPU_CHECK_W1_VARIANTS (default: "default"; e.g.
-    "default,prelude-none,default" for an A/B in one call). Each variant: two full runs and
+    "default,no-prelude,default" for an A/B in one call). Each variant: two full runs and
     the slice HF generate_batch gets. Rows of a non-default variant carry its env."""
     from minivllm import SamplingParams
 
@@ -620,13 +614,8 @@ FEATURES = {
     "decode-graphs": ({"max_graph_tokens": 0},
                       {"MINIVLLM_FUSED_OPS": "1", "MINIVLLM_PIPELINE": "0"}),
     "mixed-graphs": ({}, {"MINIVLLM_FUSED_OPS": "1", "MINIVLLM_PIPELINE": "0"}),
-    "pipelined": ({}, {"MINIVLLM_FUSED_OPS": "1", "MINIVLLM_PIPELINE": "1",
-                       "MINIVLLM_PIPELINE_MIXED": "0"}),
-    "mixed-pipelined": ({}, {"MINIVLLM_FUSED_OPS": "1", "MINIVLLM_PIPELINE": "1",
-                             "MINIVLLM_PIPELINE_MIXED": "1"}),
+    "pipelined": ({}, {"MINIVLLM_FUSED_OPS": "1", "MINIVLLM_PIPELINE": "1"}),
     "compiled": ({}, {"MINIVLLM_COMPILE": "1", "MINIVLLM_PIPELINE": "1"}),
-    "fused-reduce": ({}, {"MINIVLLM_FUSED_OPS": "1", "MINIVLLM_PIPELINE": "1",
-                          "MINIVLLM_DECODE_FUSED_REDUCE": "1"}),
 }
 
 

@@ -14,15 +14,11 @@
 #   hf      HF peers: generate eager, generate_batch, static cache + compile
 #   profile top kernels of eager decode steps (torch.profiler), batch 1 and 64
 #   kernels bench/kernel_check.py: the attention kernels vs the reference, bandwidth
-#   mixed-attn  bench/mixed_attention_timing.py: attention on a padded mixed-step graph's
-#           shape vs unpadded vs decode rows alone (CUDA-graph replays)
-#   gemv    bench/gemv_timing.py: the projections at batch 1, cuBLAS GEMM vs GEMV (graph replays)
-#   w2-gap  bench/w2_gap.py: a batch-1 step per context, replay vs run() vs the host's part
-#   replay-state  bench/replay_state.py: which event makes the batch-1 graph replay slower
-#   launch-state  bench/graph_launch_state.py: the same, standalone (a graph of 200 tiny kernels)
+#   replay-state  bench/diagnostics/replay_state.py, each sequence of actions in
+#           REPLAY_STATE_SEQS (space-separated) in its own process
 #   s:A,B   the named bench.gpu_check sections (no torch.compile), e.g. s:w2
-# Same-call A/Bs: GPU_CHECK_W2_VARIANTS=graphs,prelude-none,graphs (bench.gpu_check's W2
-# variants), GPU_CHECK_W1_VARIANTS=default,prelude-none,default (W1's).
+# Same-call A/Bs: GPU_CHECK_W2_VARIANTS=graphs,no-prelude,graphs (bench.gpu_check's W2
+# variants), GPU_CHECK_W1_VARIANTS=default,no-prelude,default (W1's).
 # Usage (on the GPU machine, from the repo root): bash bench/run_gpu_check.sh [GROUP ...]
 set -u
 START=$(date +%s)
@@ -76,31 +72,15 @@ print(' '.join(f'{k}={v}' for k, v in FEATURES['$f'][1].items()))")
       timeout "$(budget "${T_KERNELS:-200}")" python3 bench/kernel_check.py --out "$RES/kernel_check.json" \
         >"$RES/kernel_check.log" 2>&1
       echo "[kernels] exit $?" | tee -a "$RES/gpu_check.log"; tail -5 "$RES/kernel_check.log" ;;
-    gemv)
-      timeout "$(budget "${T_GEMV:-60}")" python3 -m bench.gemv_timing \
-        --out "$RES/gemv_timing.json" >"$RES/gemv_timing.log" 2>&1
-      echo "[gemv] exit $?" | tee -a "$RES/gpu_check.log"; tail -7 "$RES/gemv_timing.log" ;;
-    w2-gap)
-      timeout "$(budget "${T_W2_GAP:-90}")" python3 -m bench.w2_gap \
-        --out "$RES/w2_gap.json" >"$RES/w2_gap.log" 2>&1
-      echo "[w2-gap] exit $?" | tee -a "$RES/gpu_check.log"; tail -8 "$RES/w2_gap.log" ;;
-    replay-state)  # each sequence of actions in its own process (see bench/replay_state.py)
+    replay-state)
       i=0
-      for seq in ${REPLAY_STATE_SEQS:-base,base,sleep,new_kernel,dev_small,dev_segment,pinned,empty_cache,recapture,w2,recapture base,pinned,recapture,w2 base,dev_segment,recapture,pinned base,w2,recapture,w2}; do
+      for seq in ${REPLAY_STATE_SEQS:-base,kernel,kernel,down1,kernel,kernel,eager_step}; do
         i=$((i + 1))
-        timeout "$(budget "${T_REPLAY_STATE:-90}")" python3 -m bench.replay_state --actions "$seq" \
-          --label "seq$i" --out "$RES/replay_state_$i.json" >>"$RES/replay_state.log" 2>&1
+        timeout "$(budget "${T_REPLAY_STATE:-90}")" python3 -m bench.diagnostics.replay_state \
+          --actions "$seq" --label "seq$i" --out "$RES/replay_state_$i.json" >>"$RES/replay_state.log" 2>&1
         echo "[replay-state $seq] exit $?" | tee -a "$RES/gpu_check.log"
       done
       grep "after" "$RES/replay_state.log" ;;
-    launch-state)
-      timeout "$(budget 60)" python3 -m bench.graph_launch_state --out "$RES/graph_launch_state.json" \
-        >"$RES/graph_launch_state.log" 2>&1
-      echo "[launch-state] exit $?" | tee -a "$RES/gpu_check.log"; cat "$RES/graph_launch_state.log" ;;
-    mixed-attn)
-      timeout "$(budget "${T_MIXED_ATTN:-60}")" python3 -m bench.mixed_attention_timing \
-        --out "$RES/mixed_attention_timing.json" >"$RES/mixed_attention_timing.log" 2>&1
-      echo "[mixed-attn] exit $?" | tee -a "$RES/gpu_check.log"; tail -12 "$RES/mixed_attention_timing.log" ;;
     s:*) run "${T_SECTIONS:-120}" "${g#s:}" MINIVLLM_COMPILE=0 GPU_CHECK_SKIP_COMPILE=1 ;;
     *) echo "unknown group $g" ;;
   esac

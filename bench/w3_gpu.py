@@ -33,7 +33,6 @@ import json
 import os
 import random
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -289,7 +288,7 @@ def launch(label: str, cmd: list[str], kind: str, log_dir: Path, pid_file: Path,
     log(f"launching {label}: {shlex.join(cmd)}")
     t.proc = subprocess.Popen(cmd, stdout=open(t.log_path, "w"), stderr=subprocess.STDOUT,
                               env={**child_env(), **(env or {})}, start_new_session=True)
-    # run_h200.sh ends this process group if this script itself gets killed.
+    # run_w3_gpu.sh ends this process group if this script itself gets killed.
     pid_file.write_text(str(t.proc.pid))
     return t
 
@@ -336,37 +335,6 @@ async def warm_up(t: sb.Target, prompts: Prompts, burst: int) -> list[str]:
 
 
 CLIENT_PROCS = 1  # set from --client-procs
-PYSPY_LEVELS: set[int] = set()  # set from --pyspy-levels
-
-
-def start_pyspy(t: sb.Target, c: int, pids: list[int]) -> list[subprocess.Popen]:
-    """py-spy (sampling, non-blocking: the processes are not paused) on each server process
-    for one level; raw folded stacks, one file per process, next to the server's log."""
-    exe = shutil.which("py-spy") or next(
-        (str(p) for p in (Path(x) / "bin" / "py-spy" for x in sys.path if x)
-         if p.is_file()), None)
-    if exe is None:
-        log("py-spy not found: no profile")
-        return []
-    procs = []
-    for pid in pids:
-        out = t.log_path.parent / f"pyspy_{t.label}_c{c}_{pid}.txt"
-        procs.append(subprocess.Popen(
-            [exe, "record", "--pid", str(pid), "--rate", "250", "--nonblocking",
-             "--threads", "--format", "raw", "--output", str(out)],
-            stdout=subprocess.DEVNULL, stderr=open(str(out) + ".log", "w")))
-    time.sleep(0.5)  # attached before the level starts
-    return procs
-
-
-def stop_pyspy(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        p.send_signal(signal.SIGINT)  # py-spy writes its output on Ctrl-C
-    for p in procs:
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            p.kill()
 
 
 async def measure(t: sb.Target, prompts: list, c: int, n: int, out_tokens: int,
@@ -374,7 +342,6 @@ async def measure(t: sb.Target, prompts: list, c: int, n: int, out_tokens: int,
     cpu0 = time.process_time()
     server_pid = t.proc.pid if t.proc is not None and Path("/proc").is_dir() else None
     procs0 = proc_cpu.snapshot(server_pid) if server_pid else None
-    spies = start_pyspy(t, c, list(procs0)) if procs0 and c in PYSPY_LEVELS else []
     window0 = time.monotonic()
     server = sb.ServerMetricsSampler(t)
     with sb.GpuMemorySampler() as gpu:
@@ -389,7 +356,6 @@ async def measure(t: sb.Target, prompts: list, c: int, n: int, out_tokens: int,
     level["peak_gpu_mem_gib"] = gpu.peak_gib
     level["gpu_util_mean"] = gpu.util_mean
     window1 = time.monotonic()
-    stop_pyspy(spies)
     level["window_monotonic"] = [round(window0, 6), round(window1, 6)]
     if procs0 is not None:  # which server process (or thread) was busy, share of a core
         level["server_cpu"] = proc_cpu.shares(procs0, proc_cpu.snapshot(server_pid),
@@ -715,9 +681,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="Client processes per level (default: 3/8 of the CPUs, at most 8: "
                         "6 on the 16-CPU H200 host, where 4 processes were each ~75%% busy "
                         "at c=64; 1 on a machine of 5 CPUs or fewer).")
-    p.add_argument("--pyspy-levels", type=int, nargs="*", default=[],
-                   help="Concurrency levels at which py-spy samples every server process "
-                        "(needs py-spy; raw stacks in the log folder).")
     args = p.parse_args(argv)
     if args.client_procs is None:
         args.client_procs = max(1, min(8, (os.cpu_count() or 1) * 3 // 8))
@@ -736,10 +699,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    global CLIENT_PROCS, PYSPY_LEVELS
+    global CLIENT_PROCS
     args = parse_args(argv)
     CLIENT_PROCS = args.client_procs
-    PYSPY_LEVELS = set(args.pyspy_levels)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.part == "prepare":
         log(f"model folder: {prepare(args, args.hf_weights)}")

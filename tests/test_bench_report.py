@@ -280,14 +280,14 @@ def test_w1_best_skips_rows_run_with_engine_flags(tmp_path):
     env = json.loads((RESULTS / "gpu-2026-11-29" / "sweep.json").read_text())["environment"]
     rows = [{"engine": "minivllm", "run": 0, "seconds": 3.0, "output_tokens": 150000,
              "output_tok_per_s": 50000.0, "env": {}, "preemptions": 0},
-            {"engine": "minivllm (prelude-none)", "run": 0, "seconds": 1.5,
+            {"engine": "minivllm (no-prelude)", "run": 0, "seconds": 1.5,
              "output_tokens": 150000, "output_tok_per_s": 100000.0,
-             "env": {"MINIVLLM_DECODE_PRELUDE": "none"}, "preemptions": 0}]
+             "env": {"MINIVLLM_DECODE_PRELUDE": "0"}, "preemptions": 0}]
     (src / "w1.json").write_text(json.dumps({"section": "w1", "environment": env,
                                              "workload": {"requests": 256}, "rows": rows}))
     (src / "hf.json").write_text(json.dumps({"section": "hf", "environment": env, "rows": [
         {"engine": "HF generate_batch", "output_tok_per_s": 500.0, "seconds": 30.0}]}))
     md = report.render([tmp_path / "results"], tmp_path / "out", base=tmp_path).read_text()
     assert "| W1 offline, output tok/s | minivllm | 50,000 |" in md
-    assert "minivllm (prelude-none) (run 0) | 100,000" in md
+    assert "minivllm (no-prelude) (run 0) | 100,000" in md
     assert "| HF generate_batch | 500.0 | 30.0 | - | 100.00x |" in md  # from 50,000, not 100,000

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.config import decode_prelude, mixed_prelude
+from minivllm.config import decode_prelude_enabled
 from minivllm.worker.cuda_graph_runner import (DecodeGraphRunner, DecodeInputs, bucket_for,
                                                decode_buckets, make_prelude)
 from conftest import random_prompts
@@ -159,7 +159,7 @@ def test_broken_fused_kernels_fall_back_to_torch_ops(tiny_model_dirs, monkeypatc
 
 
 def test_decode_fused_reduce_in_the_graph_runner(tiny_model_dirs, monkeypatch):
-    """MINIVLLM_DECODE_FUSED_REDUCE=1: the decode graph runner hands the attention kernels
+    """The decode graph runner hands the attention kernels
     its counters (the split-KV decode combines its splits in place); the tokens are the
     torch path's, and the counters are zero again after every step."""
     pytest.importorskip("triton")
@@ -170,10 +170,8 @@ def test_decode_fused_reduce_in_the_graph_runner(tiny_model_dirs, monkeypatch):
     kw = dict(skip_tokenizer_init=True, max_model_len=256, block_size=16, max_num_seqs=2)
     want = LLM(str(tiny_model_dirs["qwen2"]), **kw).generate(prompts, params, use_tqdm=False)
     monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "triton")
-    monkeypatch.setenv("MINIVLLM_DECODE_FUSED_REDUCE", "1")
     llm = LLM(str(tiny_model_dirs["qwen2"]), **kw)
     graphs = _attach_graph_runner(llm)
-    assert graphs.decode_counters is not None
     splits, fused = [], []
     orig = csrc_triton.paged_attention_decode
 
@@ -193,23 +191,17 @@ def test_decode_fused_reduce_in_the_graph_runner(tiny_model_dirs, monkeypatch):
 
 def test_decode_prelude_switch_and_gemm(tiny_model_dirs, monkeypatch):
     """The GEMM launched before each decode replay (CUDA graphs only) is the first layer's
-    down projection of a zero row: it reads the model and changes nothing."""
-    assert decode_prelude() == "down"
-    monkeypatch.setenv("MINIVLLM_DECODE_PRELUDE", "none")
-    assert decode_prelude() == "none"
-    monkeypatch.setenv("MINIVLLM_DECODE_PRELUDE", "memset")
-    with pytest.raises(ValueError, match="MINIVLLM_DECODE_PRELUDE"):
-        decode_prelude()
+    down projection of a zero row: it reads the model and changes nothing.
+    MINIVLLM_DECODE_PRELUDE=0 turns it off."""
+    assert decode_prelude_enabled()
+    monkeypatch.setenv("MINIVLLM_DECODE_PRELUDE", "0")
+    assert not decode_prelude_enabled()
     monkeypatch.delenv("MINIVLLM_DECODE_PRELUDE")
-    assert mixed_prelude() == "none"  # off until measured
-    monkeypatch.setenv("MINIVLLM_MIXED_PRELUDE", "down")
-    assert mixed_prelude() == "down"
     llm = LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, max_model_len=64)
     runner = llm.engine.runner
     assert runner.graph_runner is None or runner.graph_runner.prelude is None  # CPU: no graphs
     model = runner.model
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    assert make_prelude("none", model, torch.device("cpu")) is None
-    out = make_prelude("down", model, torch.device("cpu"))()
+    out = make_prelude(model, torch.device("cpu"))()
     assert out.shape == (1, model.config.hidden_size) and not out.any()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

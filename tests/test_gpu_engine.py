@@ -80,7 +80,6 @@ def test_arrivals_join_pipelined_decodes_on_the_gpu(config_path, monkeypatch):
     prompts = random_prompts(10, 4096, 3, 60, seed=43)
     params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=7, max_tokens=25, ignore_eos=True)] * 5
-    monkeypatch.setenv("MINIVLLM_PIPELINE_MIXED", "1")
     results = {}
     for pipelined in ("0", "1"):
         monkeypatch.setenv("MINIVLLM_PIPELINE", pipelined)

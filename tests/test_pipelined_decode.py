@@ -165,7 +165,6 @@ def test_new_requests_join_pending_decodes_in_a_mixed_step(tiny_model_dirs, monk
                                            ignore_eos=True)), ("d1", prompts[6], greedy)],
         [("e0", prompts[7], greedy), ("e1", prompts[8], greedy)],
     ]
-    monkeypatch.delenv("MINIVLLM_PIPELINE_MIXED", raising=False)  # on by default
     results = {}
     for pipelined in (False, True):
         llm, _ = _llm(tiny_model_dirs["llama"], monkeypatch, pipelined)
@@ -179,17 +178,3 @@ def test_new_requests_join_pending_decodes_in_a_mixed_step(tiny_model_dirs, monk
         assert PLACEHOLDER_TOKEN not in got.outputs[0].token_ids
     assert len(results[True]) == 10
     assert any(mixed_ahead)  # some mixed steps were launched with decodes still in flight
-
-
-def test_mixed_steps_wait_for_the_pending_step_when_switched_off(tiny_model_dirs,
-                                                                 monkeypatch):
-    """With MINIVLLM_PIPELINE_MIXED=0 an arrival reads the pending decode step back and
-    its mixed step runs synchronously (the session-2 behaviour)."""
-    monkeypatch.setenv("MINIVLLM_PIPELINE_MIXED", "0")
-    llm, launches = _llm(tiny_model_dirs["llama"], monkeypatch, True)
-    mixed_ahead = _with_mixed_runner(llm)
-    prompts = random_prompts(4, 256, 3, 14, seed=44)
-    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    final = _staggered(llm.engine, [[(f"r{i}", p, greedy)] for i, p in enumerate(prompts)])
-    assert len(final) == 4 and any(launches)  # decode steps still pipelined
-    assert not any(mixed_ahead)

@@ -21,8 +21,9 @@ def _env_flag(name: str, default: bool) -> bool:
 
 def compile_enabled() -> bool:
     """MINIVLLM_COMPILE=1 compiles the decode step with torch.compile, =0 does not (CUDA
-    graphs are captured either way). Off by default until the compiled step has passed
-    the GPU check (docs/decisions.md, "torch.compile of the decode step")."""
+    graphs are captured either way). Off by default: on the H200 the compiled step was
+    slower than the hand-fused Triton kernels (W2 878 vs 915 tok/s,
+    bench/results/2026-11-29-h200-w2-compile/)."""
     return _env_flag("MINIVLLM_COMPILE", False)
 
 
@@ -32,47 +33,17 @@ def cuda_graphs_enabled() -> bool:
 
 
 def pipelining_enabled() -> bool:
-    """MINIVLLM_PIPELINE=0 turns off pipelined greedy decoding (launching step N+1 before
-    step N's tokens are read back)."""
+    """MINIVLLM_PIPELINE=0 runs the engine step by step: no step is launched before the
+    previous step's tokens are read back (slower; for profiling and bisecting)."""
     return _env_flag("MINIVLLM_PIPELINE", True)
 
 
-def mixed_pipelining_enabled() -> bool:
-    """MINIVLLM_PIPELINE_MIXED=0: requests arriving while a decode step is in flight wait
-    for it to be read back, and their mixed step runs synchronously (the session-2 path).
-    On by default: requests join the decodes in a mixed step launched ahead too (GPU test
-    and W3 on the H200, session 4)."""
-    return _env_flag("MINIVLLM_PIPELINE_MIXED", True)
-
-
-def decode_fused_reduce_enabled() -> bool:
-    """MINIVLLM_DECODE_FUSED_REDUCE=0: the graphed decode step's attention combines its KV
-    splits in a second kernel, instead of inside the split kernel (where the last program
-    of each sequence and kv head does it, one launch fewer per layer). On by default since
-    session 5: GPU tests, 24/24 tokens identical to eager, W2 934 vs 926 tok/s (s5 runA)."""
-    return _env_flag("MINIVLLM_DECODE_FUSED_REDUCE", True)
-
-
-def _prelude(flag: str, default: str) -> str:
-    value = os.environ.get(flag, default).strip().lower()
-    if value not in ("down", "none"):
-        raise ValueError(f"{flag} must be 'down' or 'none', not {value!r}")
-    return value
-
-
-def decode_prelude() -> str:
-    """MINIVLLM_DECODE_PRELUDE=down (default) | none: a cuBLAS split-K GEMM launched
-    before each decode graph replay (see cuda_graph_runner.make_prelude and
-    docs/decisions.md, "W2 in session 6"). On the H200 a graph's kernels start ~0.35 us
-    later each once ~7 regular kernels have run since the last split-K GEMM; at batch 1
-    that is ~90 us of a ~1 ms step, and the GEMM costs ~7 us."""
-    return _prelude("MINIVLLM_DECODE_PRELUDE", "down")
-
-
-def mixed_prelude() -> str:
-    """MINIVLLM_MIXED_PRELUDE=down | none (default): the same GEMM before each mixed-step
-    graph replay. Off until W1 and W3 are measured both ways in one call."""
-    return _prelude("MINIVLLM_MIXED_PRELUDE", "none")
+def decode_prelude_enabled() -> bool:
+    """MINIVLLM_DECODE_PRELUDE=0: no split-K GEMM before each decode graph replay (see
+    cuda_graph_runner.make_prelude). It kept the H200's graph kernels close together, W2
+    1,009 vs 932 tok/s (bench/results/2026-11-29-h200-w2-sweep-split-k-prelude/); on a GPU
+    without that behaviour it costs ~7 us a step."""
+    return _env_flag("MINIVLLM_DECODE_PRELUDE", True)
 
 
 def attention_backend(device: torch.device) -> str:
@@ -95,20 +66,6 @@ def fused_ops_enabled(backend: str) -> bool:
     if value:
         return _env_flag("MINIVLLM_FUSED_OPS", False)
     return backend == "triton" and not compile_enabled()
-
-
-def gil_switch_interval_s() -> float:
-    """The GIL switch interval of a process whose threads share the GIL in the serving
-    path (MINIVLLM_SWITCH_INTERVAL_MS, default 0.5 ms; Python's own default is 5 ms). A
-    thread that releases the GIL for I/O (a socket write, a pipe read, a tokenizer's
-    Rust call) waits up to a whole interval to get it back while another thread computes,
-    so the default interval puts milliseconds into every streamed token (docs/decisions.md,
-    "W3 in session 5")."""
-    value = os.environ.get("MINIVLLM_SWITCH_INTERVAL_MS", "").strip()
-    ms = float(value) if value else 0.5
-    if not ms > 0:
-        raise ValueError(f"MINIVLLM_SWITCH_INTERVAL_MS must be positive, got {value!r}.")
-    return ms / 1000
 
 
 def cpu_kv_cache_bytes() -> int:

@@ -45,7 +45,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from ..config import EngineConfig, gil_switch_interval_s
+from ..config import EngineConfig
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..thread_names import set_os_thread_name
@@ -53,6 +53,13 @@ from .engine_core import EngineCore, EngineStepError
 from .engine_process import engine_facts, engine_process_main
 from .output_codec import DecodedOutput, OutputDecoder, decode_events, materialize
 from .llm_engine import LLMEngine
+
+# The GIL switch interval of a process whose threads share the GIL in the serving path
+# (Python's default is 5 ms). A thread that releases the GIL for I/O (a socket write, a
+# pipe read, a tokenizer's Rust call) waits up to a whole interval to get it back while
+# another thread computes: at 5 ms the server made 27,979 tok/s at c=64 on the H200, at
+# 0.5 ms 32,911 (bench/results/2026-11-29-h200-w3-gil-switch-interval/).
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +216,7 @@ class AsyncLLMEngine:
             else:
                 # The engine thread and the event loop share the GIL; at the default 5 ms
                 # switch interval a decode step can wait a whole interval for it.
-                sys.setswitchinterval(gil_switch_interval_s())
+                sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
                 self._thread = threading.Thread(target=self._thread_main,
                                                 name="minivllm-engine", daemon=True)
                 self._thread.start()
@@ -622,7 +629,7 @@ class AsyncLLMEngine:
         # The receiver thread and the event loop share the GIL: at Python's default 5 ms
         # switch interval, each socket write of the loop (which releases the GIL) could
         # wait up to 5 ms to get it back while the receiver decodes a step's outputs.
-        sys.setswitchinterval(gil_switch_interval_s())
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._receive_main, name="minivllm-receiver",
                                         daemon=True)
         self._thread.start()

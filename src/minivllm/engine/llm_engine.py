@@ -16,8 +16,7 @@ from collections.abc import Sequence as SequenceABC
 import torch
 
 from ..config import (EngineConfig, ModelConfig, attention_backend, load_config_json,
-                      mixed_pipelining_enabled, pipelining_enabled, resolve_device,
-                      resolve_dtype, resolve_model_path)
+                      pipelining_enabled, resolve_device, resolve_dtype, resolve_model_path)
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import load_tokenizer
@@ -75,9 +74,9 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             enable_prefix_caching=config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
+        # Steps launched before the previous one is read back (decode steps, and mixed
+        # steps of new requests joining in-flight decodes).
         self._pipelined = pipelining_enabled()
-        # Mixed steps launched ahead too (new requests joining in-flight decodes).
-        self._pipeline_mixed = self._pipelined and mixed_pipelining_enabled()
         self._pending: PendingDecode | None = None
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -220,8 +219,7 @@ class LLMEngine:
         self._mark_scheduled(batch)
         # With a step pending, _pipeline_can_continue() already vetted every running
         # sequence and every request this schedule could admit; the batch holds only those.
-        if self._pipelined and (batch.is_decode_only or self._pipeline_mixed) and \
-                self.runner.can_launch_async(batch) and (
+        if self._pipelined and self.runner.can_launch_async(batch) and (
                 self._pending is not None or self._batch_can_pipeline(batch)):
             return self._step_pipelined(batch, report)
         touched = []
@@ -292,7 +290,7 @@ class LLMEngine:
             return False
         if not sched.waiting:
             return True
-        if not self._pipeline_mixed or self.runner.mixed_runner is None:
+        if self.runner.mixed_runner is None:
             return False
         room = max(0, self.config.max_num_seqs - len(sched.running))
         return all(self._seq_can_pipeline(s) and s.token_ids[-1] != PLACEHOLDER_TOKEN

@@ -43,7 +43,7 @@ def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_q
     return q.new_empty(q.shape)
 
 
-# The same with the decode kernel's split counters (MINIVLLM_DECODE_FUSED_REDUCE): a
+# The same with the decode kernel's split counters (the graphed decode step's): a
 # separate op, since Inductor's functionalization does not take an optional mutated
 # argument, and the counters are mutated (they end zeroed, but are written on the way).
 @torch.library.custom_op("minivllm::paged_attention_counted", mutates_args=("decode_counters",))

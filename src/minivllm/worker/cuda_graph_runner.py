@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from ..config import decode_fused_reduce_enabled, decode_prelude
+from ..config import decode_prelude_enabled
 from ..model.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -126,20 +126,19 @@ class DecodeInputs:
             torch.index_select(prev, 0, self.index[:n], out=self.input_ids[:n])
 
 
-def make_prelude(kind: str, model: torch.nn.Module, device: torch.device):
-    """What DecodeGraphRunner.run launches before each graph replay (None: nothing).
+def make_prelude(model: torch.nn.Module, device: torch.device):
+    """What DecodeGraphRunner.run launches before each graph replay: the first layer's
+    down projection on a zero row, output discarded.
 
-    "down": the first layer's down projection on a zero row, output discarded. Measured
-    on the H200 (bench/replay_state.py, session 6): a captured graph's kernels follow
-    each other ~0.1 us apart while fewer than ~7 regular (non-graph) kernels have been
-    launched since the last cuBLAS split-K GEMM, and ~0.45 us apart after that, whatever
-    those kernels are. The engine launches a few between replays (token gather, sampling,
-    prefill), so replays ran in the slow state: ~90 us more per batch-1 step of 261
-    kernels. A memset, fill, elementwise, Triton or non-split GEMM launch does not
-    restore it; this GEMM (the shape the model's own split-K kernel has) does, for ~7 us
-    of device time. Why the hardware behaves so is not known to us."""
-    if kind == "none":
-        return None
+    On the H200 a captured graph's kernels follow each other ~0.1 us apart while fewer
+    than ~7 regular (non-graph) kernels have been launched since the last cuBLAS split-K
+    GEMM, and ~0.45 us apart after that, whatever those kernels are. The engine launches a
+    few between replays (token gather, sampling, prefill), so without this its replays ran
+    in the slow state: ~90 us more per batch-1 step of 261 kernels. A memset, fill,
+    elementwise, Triton or non-split GEMM launch does not restore it; this GEMM (the
+    shape of the model's own split-K kernel) does, for ~7 us of device time. Why the
+    hardware behaves so is not known (docs/performance.md, "Graph replays slow down after
+    regular launches")."""
     weight = model.model.layers[0].mlp.down_proj.weight  # no bias
     x = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=device)
     linear = torch.nn.functional.linear  # the module's own call, without its hook checks
@@ -171,14 +170,15 @@ class DecodeGraphRunner:
         # Every bucket writes its logits and argmax here, outside the graphs' memory pool:
         # per-graph outputs would stay allocated, one [bucket, vocab] block per bucket.
         vocab = model.config.vocab_size
-        # MINIVLLM_DECODE_FUSED_REDUCE: the attention kernels' per-(sequence, kv head)
-        # counters, zero between steps (see csrc_triton.paged_attention_decode).
+        # The split-KV decode attention's per-(sequence, kv head) counters, zero between
+        # steps: the last split program of each combines the splits (one launch fewer per
+        # layer; see csrc_triton.paged_attention_decode).
         self.decode_counters = torch.zeros(
-            self.max_batch * model.config.num_kv_heads, dtype=torch.int32,
-            device=device) if decode_fused_reduce_enabled() else None
+            self.max_batch * model.config.num_kv_heads, dtype=torch.int32, device=device)
         self.logits_out = torch.empty(self.max_batch, vocab, dtype=torch.float32, device=device)
         self.greedy_out = torch.empty(self.max_batch, dtype=torch.long, device=device)
-        self.prelude = make_prelude(decode_prelude(), model, device) if self.use_graphs else None
+        self.prelude = (make_prelude(model, device)
+                        if self.use_graphs and decode_prelude_enabled() else None)
 
     def _decode_step(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
                      block_tables: torch.Tensor) -> None:

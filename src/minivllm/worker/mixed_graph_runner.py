@@ -25,9 +25,8 @@ import time
 
 import torch
 
-from ..config import mixed_prelude
 from ..model.attention import AttentionMetadata
-from .cuda_graph_runner import PackedArrays, bucket_for, make_prelude
+from .cuda_graph_runner import PackedArrays, bucket_for
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +94,6 @@ class MixedGraphRunner:
                      "fix_rows"):
             setattr(self, name, getattr(self.buf, name))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # MINIVLLM_MIXED_PRELUDE=down: a split-K GEMM before each replay (see make_prelude)
-        self.prelude = make_prelude(mixed_prelude(), model, device) if self.use_graphs else None
         # Shared by every bucket's graph (kept out of the graphs' pool; see
         # DecodeGraphRunner).
         vocab = model.config.vocab_size
@@ -183,8 +180,6 @@ class MixedGraphRunner:
             self.ids.index_copy_(0, self.fix_pos[:k], prev.index_select(0, self.fix_rows[:k]))
         staging.copied()
         if t in self.graphs:
-            if self.prelude is not None:
-                self.prelude()
             self.graphs[t].replay()
         else:
             self._step(t)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Issue 5 on the H200 in one device call (under 10 minutes): W3 serving with the Qwen2.5-0.5B
-# config and dummy bf16 weights, minivllm against transformers serve, through one HTTP client.
+# W3 serving on a GPU in one device call (under 10 minutes): the Qwen2.5-0.5B config with
+# dummy bf16 weights, minivllm's server against its offline engine and transformers serve,
+# through one HTTP client (bench/w3_gpu.py).
 #
-#   bash bench/run_h200.sh [PART ...]        # on the GPU machine, from the repo root, .whl carried
+#   bash bench/run_w3_gpu.sh [PART ...]      # on the GPU machine, from the repo root, .whl carried
 #
 # Parts, in the order given (default: minivllm offline hf-cb hf-plain):
 #   minivllm  minivllm's server: concurrency 1 8 32 64 128 256 (2 rounds each), then a ramp
@@ -12,12 +13,9 @@
 #                                                                             (limit T_OFFLINE)
 #   hf-cb     transformers serve --continuous-batching, same requests        (limit T_HF_CB)
 #   minivllm-apiN  the same server with --api-servers N (N HTTP processes, one engine), e.g.
-#             minivllm-api2; no ramp                 (limit T_MINIVLLM_API, else T_MINIVLLM_API2)
-#   minivllm-nomixedpipe  the server with MINIVLLM_PIPELINE_MIXED=0 (arrivals wait for the
-#             in-flight decode step; minivllm-mixedpipe: =1, the default); no ramp
-#                                                                      (limit as minivllm-apiN)
+#             minivllm-api2; no ramp                                     (limit T_MINIVLLM_API)
 #   env:LABEL:K=V[,K=V]  the server with those environment variables set, under the label
-#             LABEL (an A/B of a switch in one run), e.g. env:minivllm-si5:MINIVLLM_SWITCH_INTERVAL_MS=5;
+#             LABEL (an A/B of a switch in one run), e.g. env:minivllm-noprelude:MINIVLLM_DECODE_PRELUDE=0;
 #             the ramp only if W3_ARGS asks for it                  (limit as minivllm-apiN)
 #   hf-plain  transformers serve without continuous batching (one request at a time), c=1
 #             and 8, one round each                                          (limit T_HF_PLAIN)
@@ -27,11 +25,11 @@
 # (default 560 s): a part gets min(its limit, what is left). Results: one JSON per part
 # (rewritten after every level), server logs, this script's log, and a report rendered from
 # them (bench/report.py), tarred into $OUT/results.tgz after every part; the log is also
-# copied to $OUT/run_h200.log.
+# copied to $OUT/run_w3_gpu.log.
 #
 # Knobs: W3_ARGS (extra flags for every bench.w3_gpu part, e.g. "--rounds 1"), MINIVLLM_ARGS
 # (extra engine flags), TRANSFORMERS_ARGS, PYTHON (default python3), RES, WORK, OUT.
-# H200_SMOKE=1: the same plumbing with a tiny model on the CPU and tiny sizes (no GPU needed).
+# W3_SMOKE=1: the same plumbing with a tiny model on the CPU and tiny sizes (no GPU needed).
 # The commit: $MINIVLLM_GIT_COMMIT, else bench/.commit (write it before the device call:
 # git rev-parse --short HEAD > bench/.commit, and carry it: the device's .git is not ours).
 set -u
@@ -43,16 +41,16 @@ RES=${RES:-/tmp/minivllm-h200}
 WORK=${WORK:-/tmp/minivllm-w3}
 TOTAL_S=${TOTAL_S:-560}
 SMOKE=()
-if [ "${H200_SMOKE:-0}" != "0" ]; then SMOKE=(--smoke); fi
+if [ "${W3_SMOKE:-0}" != "0" ]; then SMOKE=(--smoke); fi
 PARTS=("$@")
 [ ${#PARTS[@]} -eq 0 ] && PARTS=(minivllm offline hf-cb hf-plain)
 mkdir -p "$OUT" "$RES" "$WORK"
-LOG="$RES/run_h200.log"
+LOG="$RES/run_w3_gpu.log"
 
-say() { echo "[run_h200 +$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
+say() { echo "[run_w3_gpu +$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
 pack() {
   tar czf "$OUT/results.tgz.tmp" -C "$RES" . 2>/dev/null && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"
-  cp "$LOG" "$OUT/run_h200.log" 2>/dev/null
+  cp "$LOG" "$OUT/run_w3_gpu.log" 2>/dev/null
 }
 left() { echo $(( TOTAL_S - ($(date +%s) - START) )); }
 
@@ -63,7 +61,7 @@ if [ -z "${MINIVLLM_GIT_COMMIT:-}" ]; then
   MINIVLLM_GIT_COMMIT=$(cat bench/.commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 fi
 export MINIVLLM_GIT_COMMIT
-say "parts: ${PARTS[*]}; budget ${TOTAL_S}s; commit $MINIVLLM_GIT_COMMIT; smoke ${H200_SMOKE:-0}"
+say "parts: ${PARTS[*]}; budget ${TOTAL_S}s; commit $MINIVLLM_GIT_COMMIT; smoke ${W3_SMOKE:-0}"
 
 if ! "$PY" -c "import fastapi, uvicorn, pydantic, orjson" 2>/dev/null; then
   if ls .whl/*.whl >/dev/null 2>&1; then
@@ -146,23 +144,19 @@ run_gpu_check() {
 for part in "${PARTS[@]}"; do
   case $part in
     minivllm) run_part minivllm "${T_MINIVLLM:-170}" "${W3[@]}" minivllm "${COMMON[@]}" "${MV[@]}" "${EXTRA[@]}" ;;
-    minivllm-mixedpipe|minivllm-nomixedpipe)  # mixed steps launched ahead, or not (the default
-      # since session 4 is on; -mixedpipe was the label of the switched-on server in session 4)
-      [ "$part" = minivllm-mixedpipe ] && mp=1 || mp=0
-      run_part "$part" "${T_MINIVLLM_API:-${T_MINIVLLM_API2:-150}}" env MINIVLLM_PIPELINE_MIXED=$mp "${W3[@]}" minivllm --label "$part" --ramp "${COMMON[@]}" "${MV[@]}" "${EXTRA[@]}" ;;
     minivllm-api[0-9]*)
       n=${part#minivllm-api}
-      run_part "$part" "${T_MINIVLLM_API:-${T_MINIVLLM_API2:-150}}" "${W3[@]}" minivllm --label "$part" --ramp "${COMMON[@]}" "--minivllm-args=--api-servers $n ${MINIVLLM_ARGS:-}" "${EXTRA[@]}" ;;
+      run_part "$part" "${T_MINIVLLM_API:-150}" "${W3[@]}" minivllm --label "$part" --ramp "${COMMON[@]}" "--minivllm-args=--api-servers $n ${MINIVLLM_ARGS:-}" "${EXTRA[@]}" ;;
     env:*)  # env:LABEL:K=V[,K=V...]: the server under those environment variables; no ramp
       spec=${part#env:}; label=${spec%%:*}; kv=${spec#*:}
-      run_part "$label" "${T_MINIVLLM_API:-${T_MINIVLLM_API2:-150}}" env ${kv//,/ } "${W3[@]}" minivllm --label "$label" "${COMMON[@]}" "${MV[@]}" "${EXTRA[@]}" ;;
+      run_part "$label" "${T_MINIVLLM_API:-150}" env ${kv//,/ } "${W3[@]}" minivllm --label "$label" "${COMMON[@]}" "${MV[@]}" "${EXTRA[@]}" ;;
     offline)  run_part offline "${T_OFFLINE:-100}" "${W3[@]}" offline "${COMMON[@]}" "${MV[@]}" "${EXTRA[@]}" ;;
     hf-cb)    run_part hf-cb "${T_HF_CB:-160}" "${W3[@]}" transformers "${COMMON[@]}" "${TF[@]}" "${EXTRA[@]}" ;;
     hf-plain) run_part hf-plain "${T_HF_PLAIN:-90}" "${W3[@]}" transformers --plain --rounds 1 --min-requests 2 "${COMMON[@]}" "${TF[@]}" "${EXTRA[@]}" ;;
     gpu)
       run_gpu_check "${GPU_PERF_SECTIONS:-w2,sweep,w1}" "${T_GPU_PERF:-220}" MINIVLLM_COMPILE=0 GPU_CHECK_SKIP_COMPILE=1
       run_gpu_check "${GPU_HF_SECTIONS:-hf}" "${T_GPU_HF:-150}" ;;
-    *) say "unknown part $part (minivllm minivllm-apiN minivllm-mixedpipe offline hf-cb hf-plain gpu)" ;;
+    *) say "unknown part $part (minivllm minivllm-apiN env:LABEL:K=V offline hf-cb hf-plain gpu)" ;;
   esac
 done
 

@@ -1,17 +1,20 @@
-"""Which event makes a captured decode graph replay slower (GPU only).
+"""Which actions make a captured decode graph replay slower, and which make it fast again
+(GPU only).
 
-Session 6's w2_gap run: the batch-1 graph replayed at 962 us (context 256) until two tiny
-tensors were allocated (one on the device, one in pinned host memory); from then on every
-replay took ~1,050 us, at the same SM clock, and the engine's W2 always runs in that
-slower state. This runs a sequence of actions in one process and times the lone replay
-after each, so the triggering event (a new device segment, a pinned host allocation, a
-kernel loaded for the first time, ...) and a remedy (re-capturing) can be told apart.
+On the H200 the batch-1 decode graph of Qwen2.5-0.5B replays ~10% slower (its kernels
+further apart) once a few regular kernels have run since the last cuBLAS split-K GEMM;
+the engine launches one such GEMM before each decode replay for that reason
+(cuda_graph_runner.make_prelude; docs/performance.md). This runs a sequence of actions in
+one process (a kernel launch, a GEMM, an eager step, a recapture, an allocation, ...) and
+times the lone replay after each. Run it on a new GPU or driver to see whether the
+behaviour, and so the prelude, still matters there.
 
-    python -m bench.replay_state --actions base,pinned,recapture [--out FILE]
+    python -m bench.diagnostics.replay_state --actions base,kernel,kernel,down1,kernel [--out FILE]
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import time
 
@@ -20,8 +23,52 @@ import triton
 import triton.language as tl
 
 import csrc_triton
-from bench.common import gpu_probe_parser, has_cuda, probe_llm, replays_us, write_result
+from bench.common import write_result
 from minivllm.model.attention import AttentionMetadata
+
+
+def replays_us(graph, n: int) -> float:
+    """Microseconds of device time per replay of `graph`, n replays back to back."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1000 * start.elapsed_time(end) / n
+
+
+W2_MODEL_CONFIG = "bench/model_configs/qwen2.5-0.5b-instruct.json"
+
+
+def probe_llm(model_config: str = W2_MODEL_CONFIG):
+    """The engine this probe takes apart: the Qwen2.5-0.5B config with dummy bf16 weights
+    on the GPU, decode graphs for batches up to 8. Returns (llm, its decode graph runner,
+    its block size)."""
+    from minivllm import LLM
+
+    llm = LLM(model_config, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+              device="cuda", seed=0, max_model_len=2048, max_num_seqs=8)
+    return llm, llm.engine.runner.graph_runner, llm.engine.config.block_size
+
+
+def gpu_probe_parser(doc: str, model_config: bool = False):
+    """--out FILE (and --model-config)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    if model_config:
+        ap.add_argument("--model-config", default=W2_MODEL_CONFIG)
+    return ap
+
+
+def has_cuda(probe: str) -> bool:
+    """False (and says so) on a machine without a CUDA device."""
+    if not torch.cuda.is_available():
+        print(f"{probe}: no CUDA device")
+        return False
+    return True
+
 
 ITERS = 300
 
