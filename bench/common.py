@@ -50,10 +50,26 @@ def environment() -> dict:
     return env
 
 
+def machine_tag(gpu: str | None) -> str:
+    """"h200" for "NVIDIA H200" (the GPU's model, short, lower-case), "cpu" without one."""
+    if not gpu:
+        return "cpu"
+    words = str(gpu).split(",")[0].lower().replace("nvidia", "").split()
+    return next((w for w in words if any(ch.isdigit() for ch in w)), words[0] if words
+                else "gpu")
+
+
+def default_result_path(name: str, gpu: str | None) -> Path:
+    """bench/results/<date>-<machine>-<name>/<name>.json: result folders are named by date
+    and by what they hold."""
+    return RESULTS_DIR / f"{time.strftime('%Y-%m-%d')}-{machine_tag(gpu)}-{name}" / f"{name}.json"
+
+
 def write_result(name: str, payload: dict, out: str | None = None) -> Path:
-    path = Path(out) if out else RESULTS_DIR / f"{name}.json"
+    env = environment()
+    path = Path(out) if out else default_result_path(name, env.get("gpu"))
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"benchmark": name, "environment": environment(), **payload}
+    payload = {"benchmark": name, "environment": env, **payload}
     path.write_text(json.dumps(payload, indent=2))
     return path
 

@@ -29,13 +29,12 @@ GPU_SECTIONS = ("parity", "graphs", "bf16", "w2", "sweep", "w1", "hf")
 NOT_MEASURED = "not measured"
 W3_TARGET_CONCURRENCY = 64
 VLLM_HOWTO = (
-    "vLLM cannot be installed on our H200 machine, so it is not measured here. Where vLLM runs, "
-    "measure it with the same client: start `vllm serve Qwen/Qwen2.5-0.5B-Instruct "
-    "--load-format dummy --dtype bfloat16 --max-model-len 1024` (add --skip-tokenizer-init for "
-    "token-id prompts), then `python -m bench serve --base-url http://127.0.0.1:8000/v1 --kind "
-    "vllm --label vllm --prompt-mode tokens --vocab-size 32000 --concurrency 1 8 32 64 128 256 "
-    "--out DIR/w3_vllm.json`, copy the JSON next to this run's results and rerun "
-    "`python -m bench report`.")
+    "No committed result measures vLLM yet. To measure it with the same client, start it "
+    "(`vllm serve MODEL --load-format dummy --dtype bfloat16 --max-model-len 1024 "
+    "--generation-config vllm`, with --skip-tokenizer-init for token-id prompts), then "
+    "`python -m bench serve --base-url http://127.0.0.1:8000/v1 --kind vllm --label vllm "
+    "--prompt-mode tokens --vocab-size 32000 --concurrency 1 16 64 256 --out "
+    "DIR/w3_vllm.json` beside the run's other results, and rerun `python -m bench report`.")
 
 
 # ---- loading ------------------------------------------------------------------------------------
@@ -500,17 +499,27 @@ class Report:
         runs = sorted(self.res.w3.items(), key=lambda kv: max(r.date for r in kv[1]),
                       reverse=True)
         runs.sort(key=lambda kv: not any(r.env.get("gpu") for r in kv[1]))  # GPU runs first
+        # Plots for the newest default-engine run of each machine kind and for runs with
+        # another engine; the A/B runs of minivllm's own variants get tables only.
+        def default_engine(rs):
+            return not extra_engine_flags([(t, r) for r in rs for t in r.data.get("targets", [])])
+
+        plotted = {next((run for run, rs in runs if bool(rs[0].env.get("gpu")) == gpu
+                         and default_engine(rs)), None) for gpu in (True, False)}
+        plotted |= {run for run, rs in runs if any(
+            not str(t.get("label", "")).startswith("minivllm")
+            for r in rs for t in r.data.get("targets", []))}
         for run, rs in runs:
-            self.w3_run(run, rs)
+            self.w3_run(run, rs, plots=run in plotted)
         self.h(3, "vLLM")
         if any(t.get("kind") == "vllm" for rs in self.res.w3.values() for r in rs
                for t in r.data.get("targets", [])):
             self.p("vLLM results are included in the runs above (targets of kind `vllm`).")
         else:
-            self.not_measured("vLLM", VLLM_HOWTO, short="it cannot be installed on our H200 "
-                              "machine; the W3 section says how to measure it")
+            self.not_measured("vLLM", VLLM_HOWTO, short="no committed result yet; the W3 "
+                              "section says how to measure it")
 
-    def w3_run(self, run: Path, rs: list[Result]) -> None:
+    def w3_run(self, run: Path, rs: list[Result], plots: bool = True) -> None:
         rs = sorted(rs, key=lambda r: str(r.path))
         env = max(rs, key=lambda r: r.date).env
         w = rs[0].data.get("workload", {})
@@ -565,7 +574,7 @@ class Report:
         series = {t["label"]: [lv for lv in t.get("levels", []) if lv.get("output_tok_per_s")]
                   for t, _ in targets}
         series = {k: sorted(v, key=lambda lv: lv["concurrency"]) for k, v in series.items() if v}
-        if series:
+        if series and plots:
             self.w3_plots(run, series, cap)
         self.w3_ratios(targets, env)
         self.w3_ramp(rs, targets)
@@ -846,7 +855,7 @@ class Report:
                     where += (f" (another run: ratio to that run's server, commit "
                               f"{w3['peers_commit'][peer]}: {fmt(sv)} tok/s)")
                 rows.append([name, title + where, fmt(pv), ratio(sv, pv)])
-        rows.append(["W3", "vLLM", NOT_MEASURED + " (cannot be installed on our H200)", "-"])
+        rows.append(["W3", "vLLM", NOT_MEASURED + " (no committed result yet)", "-"])
         lines = [table(["workload", "engine", "value", "minivllm ÷ engine"], rows)]
         envs = [h["env"] for h in (w1, w2, w3) if h]
         if envs:

@@ -6,7 +6,7 @@ token ids where the server takes them, else a text of about N tokens), M output 
 forced where the server allows it (vLLM/minivllm: ignore_eos; transformers serve:
 generation_config min_new_tokens). Reported per level: output tokens/s, requests/s, TTFT
 and inter-token latency p50/p99, TPOT, failures, and peak GPU memory (nvidia-ml-py, if
-present). Results go to bench/results/*.json (with machine info, versions, git commit)
+present). Results go to bench/results/DATE-MACHINE-w3-NAME/ (with machine info, versions, git commit)
 and a Markdown table (bench/serve_report.py).
 
 The client needs only httpx (and transformers' tokenizer for text prompts), so it can
@@ -47,8 +47,9 @@ try:
 except ImportError:  # machines that only have the openai SDK's fork of it
     import httpx2 as httpx  # type: ignore[no-redef]
 
+from bench.common import default_result_path  # noqa: E402  (torch-free at import)
+
 BENCH_DIR = Path(__file__).resolve().parent
-RESULTS_DIR = BENCH_DIR / "results"
 KINDS = ("minivllm", "vllm", "transformers", "openai")
 
 
@@ -727,7 +728,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--client-procs", type=int, default=1,
                    help="Client processes per level (streams spread over them): more than "
                         "one keeps a single Python client from being the bottleneck.")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/serve_*.json).")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/DATE-MACHINE-w3-NAME/w3-NAME.json).")
     p.add_argument("--markdown", default=None,
                    help="Markdown table path (default: the JSON path with .md).")
     p.add_argument("--name", default=None, help="Tag for the result file name.")
@@ -779,7 +780,6 @@ def main(argv=None) -> int:
     if not args.base_url and not args.launch:
         args.launch = ["minivllm"]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="serve_bench_logs_"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"[serve_bench] server logs in {log_dir}", flush=True)
@@ -843,9 +843,9 @@ def main(argv=None) -> int:
         },
         "targets": results,
     }
-    stamp = time.strftime("%Y%m%d-%H%M%S")
     name = args.name or "-".join(r["label"] for r in results) or "none"
-    out = Path(args.out) if args.out else RESULTS_DIR / f"serve_{name}_{stamp}.json"
+    out = Path(args.out) if args.out else default_result_path(
+        f"w3-{name}", payload["environment"].get("gpu"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=2))
     from bench.serve_report import render_markdown

@@ -54,10 +54,10 @@ def test_report_regenerates_from_committed_results(tmp_path):
         for k in ("torch", "transformers"):
             if e.get(k):
                 assert f"{k} {e[k]}" in md
-    if (RESULTS / "gpu-2026-11-29" / "sweep.json").exists():
+    if (RESULTS / "2026-11-29-h200-w1-w2-hf-peers" / "sweep.json").exists():
         assert (out / "sweep_ms_per_step.png").exists()
     assert any(p.name.startswith("w3_") and p.name.endswith("_throughput.png") for p in pngs)
-    # vLLM is never measured on our machines: the report says so and how to measure it.
+    # No committed result measures vLLM yet: the report says so and how to measure it.
     assert "**vLLM: not measured.**" in md
     assert "--base-url" in md
     assert "## Headline" in md and "## Not measured" in md
@@ -66,7 +66,7 @@ def test_report_regenerates_from_committed_results(tmp_path):
 def test_missing_sections_are_reported_not_measured(tmp_path):
     src = tmp_path / "results" / "run1"
     src.mkdir(parents=True)
-    shutil.copy(RESULTS / "gpu-2026-11-29" / "sweep.json", src / "sweep.json")
+    shutil.copy(RESULTS / "2026-11-29-h200-w1-w2-hf-peers" / "sweep.json", src / "sweep.json")
     (src / "w1.error.txt").write_text("Traceback ...\nRuntimeError: boom\n")
     md = report.render([tmp_path / "results"], tmp_path / "out", base=tmp_path).read_text()
     for what in ("W1 (minivllm)", "W2 (minivllm)", "W3", "W4", "parity (fp32 vs HF)",
@@ -277,7 +277,7 @@ def test_w1_best_skips_rows_run_with_engine_flags(tmp_path):
     engine's runs, but the default engine's best is the number the report stands on."""
     src = tmp_path / "results" / "run1"
     src.mkdir(parents=True)
-    env = json.loads((RESULTS / "gpu-2026-11-29" / "sweep.json").read_text())["environment"]
+    env = json.loads((RESULTS / "2026-11-29-h200-w1-w2-hf-peers" / "sweep.json").read_text())["environment"]
     rows = [{"engine": "minivllm", "run": 0, "seconds": 3.0, "output_tokens": 150000,
              "output_tok_per_s": 50000.0, "env": {}, "preemptions": 0},
             {"engine": "minivllm (no-prelude)", "run": 0, "seconds": 1.5,
