@@ -6,9 +6,10 @@ lengths and block tables. Positions and KV slots are derived on the GPU from tho
 step uploads three small arrays and replays. Padding rows have sequence length 0: their
 slot is -1 (nothing stored) and their attention output is zero.
 
-The step function (model + logits + greedy argmax) is compiled once with torch.compile
-over a dynamic batch dimension; every bucket's graph is captured from that one compiled
-function, largest first, all sharing one memory pool.
+The step function (model + logits + greedy argmax) is captured per bucket, largest first,
+all graphs sharing one memory pool. With MINIVLLM_COMPILE=1 it is first compiled once with
+torch.compile over a dynamic batch dimension, and every bucket's graph is captured from
+that one compiled function.
 """
 
 from __future__ import annotations
