@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup serve test test-fast model clean
+.PHONY: setup serve test test-fast model lm-eval clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,14 @@ test: setup
 
 test-fast: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+
+# lm-eval's local-completions against minivllm serve (bench/lm_eval_check.py); lm-eval gets a
+# venv of its own, with torch pinned to the same CPU wheel.
+LMEVAL := $(VENV)/lm-eval
+lm-eval: model
+	test -x $(LMEVAL)/bin/lm_eval || ($(PYTHON) -m venv $(LMEVAL) && \
+	  $(LMEVAL)/bin/python -m pip install -q torch==2.13.0 "lm-eval[api]==0.4.13")
+	$(BIN)/python -m bench.lm_eval_check --lm-eval $(LMEVAL)/bin/lm_eval $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -8,6 +8,7 @@ Commands (each a thin wrapper; `python -m bench COMMAND --help` shows its flags)
   w3-gpu        budgeted W3 parts for the H200 (minivllm, offline, HF serve)     bench.w3_gpu
   w4            W4 on the CPU: SmolLM2-135M, minivllm vs HF generate             bench.w4_cpu
   kernels       Triton kernels vs the torch reference, speed (CUDA)       bench/kernel_check.py
+  lm-eval       lm-eval local-completions against minivllm serve (CPU)   bench.lm_eval_check
   w3-gpu-run    W3 on a GPU in one call (W3_SMOKE=1: on a CPU)          bench/run_w3_gpu.sh
 
 Examples:
@@ -38,6 +39,7 @@ COMMANDS = {
     "gpu-check": ("bench.gpu_check", "sys.argv"),
     "w4": ("bench.w4_cpu", "sys.argv"),
     "kernels": (str(BENCH_DIR / "kernel_check.py"), "script"),
+    "lm-eval": ("bench.lm_eval_check", "argv"),
     "w3-gpu-run": (str(BENCH_DIR / "run_w3_gpu.sh"), "bash"),
 }
 

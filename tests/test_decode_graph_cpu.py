@@ -165,7 +165,9 @@ def test_decode_fused_reduce_in_the_graph_runner(tiny_model_dirs, monkeypatch):
     pytest.importorskip("triton")
     import csrc_triton
 
-    prompts = random_prompts(2, 256, 130, 140, seed=13)  # long enough for two splits
+    # max_model_len 256 gives the graphed step two splits; each sequence of 30-40 tokens
+    # spreads over both (its chunk is cdiv(len, 2) rounded up to the kernel's 16-token tile)
+    prompts = random_prompts(2, 256, 30, 40, seed=13)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     kw = dict(skip_tokenizer_init=True, max_model_len=256, block_size=16, max_num_seqs=2)
     want = LLM(str(tiny_model_dirs["qwen2"]), **kw).generate(prompts, params, use_tqdm=False)

@@ -235,6 +235,10 @@ class EngineConfig:
     # Prefill/mixed steps of up to this many tokens replay CUDA graphs too (0: never).
     max_graph_tokens: int = 1024
     trust_remote_code: bool = False  # accepted for vLLM compatibility; nothing remote runs
+    # Sampling defaults for the fields a request leaves unset (vLLM's --generation-config):
+    # "auto": the model folder's generation_config.json; "vllm": none; or a folder.
+    # Read by LLM and the server (sampling_params.generation_config_defaults).
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence as SequenceABC
 
-from .config import EngineConfig
+from .config import EngineConfig, resolve_model_path
 from .engine.llm_engine import LLMEngine
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, generation_config_defaults
 from .tokenizer import render_chat
 
 PromptType = str | list[int] | dict
@@ -18,7 +18,10 @@ class LLM:
 
     LLM(model=None) uses the default model (SmolLM2-135M-Instruct, prepared on first use).
     `model` may be a Hugging Face folder, a config.json (with load_format="dummy") or a
-    .gguf file.
+    .gguf file. generation_config ("auto", "vllm" or a folder, as vLLM's) sets the sampling
+    defaults: with "auto" the model folder's generation_config.json (temperature, top_p,
+    top_k, min_p, repetition_penalty, max_new_tokens as max_tokens); see
+    get_default_sampling_params().
     """
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
@@ -27,22 +30,33 @@ class LLM:
                  block_size: int = 16, gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False, load_format: str = "auto", seed: int = 0,
                  device: str = "auto", skip_tokenizer_init: bool = False,
-                 **kwargs) -> None:
+                 generation_config: str = "auto", **kwargs) -> None:
         self.config = EngineConfig(
             model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager, load_format=load_format, seed=seed, device=device,
-            skip_tokenizer_init=skip_tokenizer_init, **kwargs)
+            skip_tokenizer_init=skip_tokenizer_init, generation_config=generation_config,
+            **kwargs)
+        # Read before the engine is built: a malformed file fails fast.
+        self.default_sampling_overrides = generation_config_defaults(
+            self.config.generation_config, resolve_model_path(self.config.model)[1])
         self.engine = LLMEngine(self.config)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams that generate() and chat() use when given none: the
+        generation config's defaults (see generation_config), else SamplingParams()."""
+        return SamplingParams(**self.default_sampling_overrides)
+
     def generate(self, prompts: PromptType | SequenceABC[PromptType],
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _as_params_list(sampling_params, len(prompt_list))
         # Validate everything before queueing anything: a bad prompt loses nothing.
         request_ids = []

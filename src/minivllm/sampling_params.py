@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import copy
+import json
+import logging
+import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 _MAX_LOGPROBS = 20
 
@@ -112,3 +119,75 @@ class SamplingParams:
 
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)
+
+
+# ---- generation_config.json defaults (vLLM's --generation-config) -------------------------
+
+# The generation_config.json keys taken as sampling defaults, and their SamplingParams
+# names: vLLM's list. Others (do_sample, num_beams, eos_token_id, ...) are ignored.
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                            "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                            "max_new_tokens": "max_tokens"}
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+
+def generation_config_defaults(generation_config: str | os.PathLike | None,
+                               model_path: str | os.PathLike | None) -> dict:
+    """The sampling defaults that `generation_config` gives, as SamplingParams keyword
+    arguments (max_new_tokens becomes max_tokens), for the fields a request leaves unset.
+
+    "auto" (or None): the model folder's generation_config.json (for a .gguf, the folder
+    holding it); no file, no defaults. "vllm": none (OpenAI's defaults: temperature 1.0 ...).
+    Any other value: a folder whose generation_config.json is read (it must exist).
+    Only the keys of GENERATION_CONFIG_FIELDS with non-null values count. A file that is not
+    valid JSON, or whose values SamplingParams refuses, raises ValueError (naming the file):
+    a server should not start with defaults other than the ones its model asks for."""
+    choice = "auto" if generation_config is None else str(generation_config)
+    if choice == "vllm":
+        return {}
+    if choice == "auto":
+        if model_path is None:
+            return {}
+        folder = Path(model_path)
+        if not folder.is_dir():  # a .gguf or config.json: its folder
+            folder = folder.parent
+        path = folder / GENERATION_CONFIG_FILE
+        if not path.is_file():
+            return {}
+    else:
+        folder = Path(choice).expanduser()
+        if not folder.is_dir():
+            raise ValueError(f"generation_config {choice!r} is not 'auto', 'vllm' or a "
+                             "folder holding generation_config.json.")
+        path = folder / GENERATION_CONFIG_FILE
+        if not path.is_file():
+            raise ValueError(f"There is no {GENERATION_CONFIG_FILE} in {str(folder)!r} "
+                             "(generation_config).")
+    hint = "fix it, or pass generation_config='vllm' (--generation-config vllm) to ignore it"
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not a readable JSON file ({e}): {hint}.") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object, not {type(raw).__name__}: "
+                         f"{hint}.")
+    defaults = {ours: raw[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items()
+                if raw.get(theirs) is not None}
+    for name, value in defaults.items():
+        integer = name in ("top_k", "max_tokens")
+        if isinstance(value, bool) or not isinstance(
+                value, int if integer else (int, float)) or not math.isfinite(value):
+            key = "max_new_tokens" if name == "max_tokens" else name
+            raise ValueError(f"{path}: {key} must be {'an integer' if integer else 'a number'}"
+                             f", got {value!r}: {hint}.")
+    try:
+        SamplingParams(**defaults)
+    except ValueError as e:
+        raise ValueError(f"{path} has sampling defaults SamplingParams refuses ({e}): "
+                         f"{hint}.") from None
+    if defaults:
+        logger.info("Sampling defaults from %s, for the fields a request "
+                    "leaves unset: %s (generation_config='vllm', --generation-config vllm, "
+                    "ignores them)", path, ", ".join(f"{k}={v!r}" for k, v in defaults.items()))
+    return defaults

@@ -1,7 +1,10 @@
 """The FastAPI app: OpenAI-compatible endpoints plus vLLM's extras.
 
-    GET  /health /ping /version /metrics /v1/models
+    GET  /health /ping /version /metrics /v1/models /tokenizer_info
     POST /v1/completions /v1/chat/completions /tokenize /detokenize
+
+Sampling fields a request leaves unset take the model's generation_config.json defaults
+(build_app's generation_config, vLLM's --generation-config), then OpenAI's.
 
 Every error is {"error": {"message", "type", "param", "code"}}: validation errors are 400
 (FastAPI's 422 is overridden), an unknown model 404, a full waiting queue 503, a missing or
@@ -23,11 +26,12 @@ from starlette.responses import Response
 
 from .. import __version__
 from ..engine.async_llm_engine import AsyncLLMEngine
+from ..sampling_params import generation_config_defaults
 from .metrics import CONTENT_TYPE, EngineMetrics
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                        CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
                        ModelList, RequestError, TokenizeRequest, TokenizeResponse,
-                       VersionResponse)
+                       TokenizerInfoResponse, VersionResponse)
 from .serving import RECEIVED_AT, OpenAIServing, OrjsonResponse, error_response
 
 logger = logging.getLogger(__name__)
@@ -112,9 +116,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = None,
               api_key: str | None = None, max_num_seqs: int | None = None,
-              drain_timeout: float = 5.0, metrics: EngineMetrics | None = None) -> FastAPI:
+              drain_timeout: float = 5.0, metrics: EngineMetrics | None = None,
+              generation_config: str | None = None) -> FastAPI:
     """The app around a started AsyncLLMEngine. The app's lifespan shuts the engine down
-    (drain_timeout seconds for in-flight requests, then abort)."""
+    (drain_timeout seconds for in-flight requests, then abort). generation_config: "auto",
+    "vllm" or a folder (see sampling_params.generation_config_defaults); default: the
+    engine's EngineConfig.generation_config where this process has it, else "auto"."""
     if not served_model_names:
         served_model_names = [default_model_name(engine)]
     if max_num_seqs is None:
@@ -122,8 +129,12 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         max_num_seqs = eng.config.max_num_seqs if eng is not None else 256
     if metrics is None:
         metrics = EngineMetrics(served_model_names[0])
+    if generation_config is None:
+        generation_config = _engine_generation_config(engine)
+    sampling_defaults = generation_config_defaults(generation_config, engine.model_path)
     serving = OpenAIServing(engine, served_model_names, max_num_seqs,
-                            on_intake=metrics.observe_intake)
+                            on_intake=metrics.observe_intake,
+                            sampling_defaults=sampling_defaults)
     engine.stat_loggers.append(metrics)
     started = int(time.time())
 
@@ -239,6 +250,14 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
             body["token_strs"] = serving.tokenizer.convert_ids_to_tokens(ids)
         return OrjsonResponse(body)
 
+    @app.get("/tokenizer_info", response_model=TokenizerInfoResponse,
+             responses={k: _ERRORS[k] for k in (400, 401)})
+    async def tokenizer_info():
+        """vLLM's /tokenizer_info: the tokenizer's configuration (its tokenizer_config.json,
+        JSON-safe), class, special tokens and the chat template the server renders with,
+        as lm-eval's remote tokenizer reads it. 400 without a tokenizer."""
+        return OrjsonResponse(serving.tokenizer_info())
+
     @app.post("/detokenize", response_model=DetokenizeResponse,
               responses={k: _ERRORS[k] for k in (400, 401, 404)})
     async def detokenize(request: DetokenizeRequest):
@@ -254,6 +273,15 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         return OrjsonResponse({"prompt": serving.decode(request.tokens)})
 
     return app
+
+
+def _engine_generation_config(engine: AsyncLLMEngine) -> str:
+    """The generation_config of the EngineConfig the engine was built from, where this
+    process has it (not in a frontend attached to another's engine process)."""
+    if engine.engine is not None:
+        return engine.engine.config.generation_config
+    config = getattr(engine, "_config_or_engine", None)
+    return getattr(config, "generation_config", None) or "auto"
 
 
 def default_model_name(engine: AsyncLLMEngine) -> str:

@@ -62,6 +62,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
     parser.add_argument("--skip-tokenizer-init", action="store_true",
                         help="No tokenizer: prompts must be token ids (no chat).")
+    parser.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                        help="Sampling defaults for the fields a request leaves unset "
+                             "(temperature, top_p, top_k, min_p, repetition_penalty, and "
+                             "max_new_tokens as max_tokens): 'auto' (default) reads the model "
+                             "folder's generation_config.json, 'vllm' ignores it (OpenAI's "
+                             "defaults), a FOLDER reads its generation_config.json.")
     parser.add_argument("--max-waiting-requests", type=int,
                         default=DEFAULT_MAX_WAITING_REQUESTS,
                         help="Requests accepted but not yet started before the server "
@@ -99,7 +105,8 @@ def engine_config_from_args(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
         enforce_eager=args.enforce_eager, load_format=args.load_format, seed=args.seed,
         device=args.device, skip_tokenizer_init=args.skip_tokenizer_init,
-        enable_prefix_caching=args.enable_prefix_caching)
+        enable_prefix_caching=args.enable_prefix_caching,
+        generation_config=args.generation_config)
 
 
 def build_server(args: argparse.Namespace, engine=None):
@@ -115,8 +122,14 @@ def build_server(args: argparse.Namespace, engine=None):
         engine = AsyncLLMEngine(config, max_waiting_requests=args.max_waiting_requests or None,
                                 engine_process=not args.engine_in_thread,
                                 extra_frontends=max(0, args.api_servers - 1))
-    app = build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
-                    max_num_seqs=args.max_num_seqs, drain_timeout=args.shutdown_timeout)
+    try:
+        app = build_app(engine, served_model_names=args.served_model_name,
+                        api_key=args.api_key, max_num_seqs=args.max_num_seqs,
+                        drain_timeout=args.shutdown_timeout,
+                        generation_config=args.generation_config)
+    except BaseException:  # e.g. a malformed generation_config.json: don't leave it running
+        engine.stop()
+        raise
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level,
                          access_log=not args.disable_log_requests, timeout_keep_alive=30)
     return server, engine

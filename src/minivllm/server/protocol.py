@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from ..sampling_params import SamplingParams
 
@@ -92,22 +92,46 @@ class _SamplingFields(OpenAIBaseModel):
     prompt_logprobs: int | None = None
     request_id: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_stream_options(cls, data: Any) -> Any:
+        # As vLLM, an empty stream_options ({}) counts as none (it asks for nothing).
+        if isinstance(data, dict) and data.get("stream_options") == {}:
+            data = {**data, "stream_options": None}
+        return data
+
+    def _check_stream_options(self) -> None:
+        """As OpenAI and vLLM: stream_options only with stream=true."""
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("Stream options can only be defined when `stream=True`.",
+                               param="stream_options")
+
     def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None, max_n: int) -> SamplingParams:
+                         prompt_logprobs: int | None, max_n: int,
+                         defaults: dict | None) -> SamplingParams:
+        """`defaults`: the server's sampling defaults (generation_config.json) for the
+        fields the request leaves unset; OpenAI's defaults after those."""
         if self.n > max_n:
             raise RequestError(f"n must be at most {max_n} (the server's max_num_seqs), "
                                f"got {self.n}.", param="n")
+        defaults = defaults or {}
+
+        def pick(name: str, openai_default):
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, openai_default)
+
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens")
         try:
             return SamplingParams(
                 n=self.n,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=0 if self.top_k is None else self.top_k,
-                min_p=0.0 if self.min_p is None else self.min_p,
+                temperature=pick("temperature", 1.0),
+                top_p=pick("top_p", 1.0),
+                top_k=pick("top_k", 0),
+                min_p=pick("min_p", 0.0),
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
-                repetition_penalty=(1.0 if self.repetition_penalty is None
-                                    else self.repetition_penalty),
+                repetition_penalty=pick("repetition_penalty", 1.0),
                 seed=self.seed,
                 stop=self.stop,
                 stop_token_ids=self.stop_token_ids,
@@ -142,7 +166,8 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     add_special_tokens: bool = True
 
-    def to_sampling_params(self, max_n: int) -> SamplingParams:
+    def to_sampling_params(self, max_n: int, defaults: dict | None = None) -> SamplingParams:
+        self._check_stream_options()
         if self.suffix:
             raise RequestError("suffix is not supported.", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -158,7 +183,8 @@ class CompletionRequest(_SamplingFields):
                                    param="max_tokens")
             max_tokens = 1  # one token is generated and dropped from the response
         return self._sampling_params(max_tokens=max_tokens, logprobs=self.logprobs,
-                                     prompt_logprobs=prompt_lp, max_n=max_n)
+                                     prompt_logprobs=prompt_lp, max_n=max_n,
+                                     defaults=defaults)
 
     @property
     def echo_only(self) -> bool:
@@ -225,7 +251,8 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def to_sampling_params(self, max_n: int) -> SamplingParams:
+    def to_sampling_params(self, max_n: int, defaults: dict | None = None) -> SamplingParams:
+        self._check_stream_options()
         if self.response_format is not None and self.response_format.type != "text":
             raise RequestError(f"response_format {self.response_format.type!r} is not "
                                "supported.", param="response_format")
@@ -243,7 +270,8 @@ class ChatCompletionRequest(_SamplingFields):
                       else self.max_tokens)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens=max_tokens, logprobs=logprobs,
-                                     prompt_logprobs=self.prompt_logprobs, max_n=max_n)
+                                     prompt_logprobs=self.prompt_logprobs, max_n=max_n,
+                                     defaults=defaults)
 
     def _check_tools(self) -> None:
         """As OpenAI: tool_choice (other than "none") needs tools. As vLLM without a
@@ -341,6 +369,22 @@ class DetokenizeRequest(OpenAIBaseModel):
 
 class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
+
+
+class TokenizerInfoResponse(OpenAIBaseModel):
+    """GET /tokenizer_info (vLLM's): the tokenizer's configuration, as its
+    tokenizer_config.json holds it (made JSON-serializable; more keys than these), plus the
+    chat template the server renders with. Enough for lm-eval's remote tokenizer."""
+
+    model_config = ConfigDict(extra="allow")
+
+    tokenizer_class: str
+    eos_token: str | None = None
+    bos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    chat_template: str | None = None
+    model_max_length: int | None = None
 
 
 class VersionResponse(OpenAIBaseModel):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -119,6 +120,9 @@ class _Job:
     created: int
     prompts: list[_Prompt]
     params: SamplingParams
+    # max_tokens came from the server's defaults (generation_config.json's max_new_tokens),
+    # not the request: as vLLM, it is then cut to what each prompt leaves of the context.
+    default_max_tokens: bool = False
     streams: list[RequestStream] = field(default_factory=list)
 
     @property
@@ -153,14 +157,18 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str],
                  max_num_seqs: int,
-                 on_intake: Callable[[float], None] | None = None) -> None:
+                 on_intake: Callable[[float], None] | None = None,
+                 sampling_defaults: dict | None = None) -> None:
         self.engine = engine
+        # SamplingParams defaults for the fields a request leaves unset (generation config).
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.on_intake = on_intake  # seconds from the app's first sight of a request to submission
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
         self.tokenizer = engine.tokenizer  # the frontend's own copy (see AsyncLLMEngine)
         # Without a tokenizer there is no text: stream a chunk per step of new tokens anyway.
         self.has_text = self.tokenizer is not None
+        self._tokenizer_info: dict | None = None
         self.max_n = max_num_seqs
         self.accepted_model_names = set(served_model_names)
         if engine.model_path is not None:
@@ -218,7 +226,7 @@ class OpenAIServing:
         ids = job.engine_ids
         watcher = DisconnectWatcher(raw_request, lambda: self.engine.abort(ids))
         specs = [dict(request_id=rid, prompt={"prompt": p.text, "prompt_token_ids": p.token_ids},
-                      params=job.params) for rid, p in zip(ids, job.prompts)]
+                      params=self._fit_max_tokens(job, p)) for rid, p in zip(ids, job.prompts)]
         received = raw_request.scope.get(RECEIVED_AT)
         if self.on_intake is not None and received is not None:
             self.on_intake(time.monotonic() - received)
@@ -235,6 +243,43 @@ class OpenAIServing:
                 raise RequestError(str(e), 503) from e
             raise
         return watcher
+
+    def _fit_max_tokens(self, job: _Job, prompt: _Prompt) -> SamplingParams:
+        """A default max_tokens is cut to the context the prompt leaves (vLLM's
+        get_max_tokens); one the request asked for is not (too long is a 400)."""
+        params = job.params
+        room = self.engine.max_model_len - len(prompt.token_ids)
+        if job.default_max_tokens and params.max_tokens is not None and \
+                max(1, params.min_tokens) <= room < params.max_tokens:
+            params = params.clone()
+            params.max_tokens = room
+        return params
+
+    # ---- tokenizer ----------------------------------------------------------------------
+
+    def tokenizer_info(self) -> dict:
+        """GET /tokenizer_info (vLLM's): the tokenizer's init kwargs (its
+        tokenizer_config.json) made JSON-serializable, its class, its special tokens as
+        strings and the chat template this server renders with."""
+        tok = self.tokenizer
+        if tok is None:
+            raise RequestError("This server has no tokenizer (skip_tokenizer_init), so no "
+                               "tokenizer info.")
+        if self._tokenizer_info is not None:
+            return self._tokenizer_info
+        info = _json_safe(dict(getattr(tok, "init_kwargs", None) or {}))
+        for name in ("vocab_file", "merges_file"):  # file paths of the server (vLLM drops them)
+            info.pop(name, None)
+        info["tokenizer_class"] = type(tok).__name__
+        for name in ("eos_token", "bos_token", "pad_token", "unk_token"):
+            value = getattr(tok, name, None)
+            if value is not None:
+                info[name] = str(value)
+            else:
+                info.pop(name, None)
+        info["chat_template"] = _chat_template(tok)
+        self._tokenizer_info = info  # the tokenizer does not change
+        return info
 
     # ---- completions --------------------------------------------------------------------
 
@@ -260,10 +305,10 @@ class OpenAIServing:
 
     async def create_completion(self, req: CompletionRequest, raw_request: Request) -> Response:
         self.check_model(req.model)
-        params = req.to_sampling_params(self.max_n)
+        params = req.to_sampling_params(self.max_n, self.sampling_defaults)
         prompts = self.completion_prompts(req)
         job = _Job(_new_id("cmpl", req.request_id), self.model_name, int(time.time()),
-                   prompts, params)
+                   prompts, params, default_max_tokens=req.max_tokens is None)
         watcher = await self.start(job, raw_request)
         if req.stream:
             return StreamingResponse(self._completion_stream(job, req, watcher),
@@ -411,11 +456,12 @@ class OpenAIServing:
     async def create_chat_completion(self, req: ChatCompletionRequest,
                                      raw_request: Request) -> Response:
         self.check_model(req.model)
-        params = req.to_sampling_params(self.max_n)
+        params = req.to_sampling_params(self.max_n, self.sampling_defaults)
         text = self.render_chat(req)
         prompt = _Prompt(text, self.tokenize(text, req.add_special_tokens))
         job = _Job(_new_id("chatcmpl", req.request_id), self.model_name, int(time.time()),
-                   [prompt], params)
+                   [prompt], params, default_max_tokens=req.max_tokens is None
+                   and req.max_completion_tokens is None)
         echo_text = ""
         if req.echo and req.messages and req.messages[-1].role == "assistant":
             content = req.messages[-1].content
@@ -543,6 +589,58 @@ class _CompletionLogprobs:
         return {"text_offset": self.text_offset[start:], "token_logprobs":
                 self.token_logprobs[start:], "tokens": self.tokens[start:],
                 "top_logprobs": self.top_logprobs[start:]}
+
+
+_INT64 = (-(2 ** 63), 2 ** 64 - 1)  # what JSON (orjson) carries as an integer
+_DROP = object()
+
+
+def _json_safe(value):
+    """`value` with what JSON cannot carry converted or left out: an AddedToken becomes its
+    content (as a value of its own) or its tokenizer_config.json dict (inside
+    added_tokens_decoder); dict keys become strings; tuples and sets lists; anything else
+    that is not JSON (objects, paths, integers past 64 bits, NaN) is dropped."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return value if _INT64[0] <= value <= _INT64[1] else _DROP
+    if isinstance(value, float):
+        return value if math.isfinite(value) else _DROP
+    if _is_added_token(value):
+        return str(value.content)
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if k == "added_tokens_decoder" and isinstance(v, dict):
+                v = {t: (_added_token_dict(a) if _is_added_token(a) else a) for t, a in v.items()}
+            if not isinstance(k, (str, int, float, bool)):
+                continue
+            v = _json_safe(v)
+            if v is not _DROP:
+                out[str(k)] = v
+        return out
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [v for v in map(_json_safe, value) if v is not _DROP]
+    return _DROP
+
+
+def _is_added_token(value) -> bool:
+    return type(value).__name__ == "AddedToken" and hasattr(value, "content")
+
+
+def _added_token_dict(token) -> dict:
+    """An AddedToken as tokenizer_config.json writes it in added_tokens_decoder."""
+    fields = ("content", "lstrip", "normalized", "rstrip", "single_word", "special")
+    return {f: getattr(token, f) for f in fields if hasattr(token, f)}
+
+
+def _chat_template(tokenizer) -> str | None:
+    """The template apply_chat_template(chat_template=None) renders with, or None."""
+    try:
+        return tokenizer.get_chat_template()
+    except (ValueError, AttributeError, TypeError):
+        template = getattr(tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
 
 
 def _text_delta(text: str, st: _ChoiceState) -> str:

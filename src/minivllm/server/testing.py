@@ -73,7 +73,11 @@ class ServerThread:
         self.engine = AsyncLLMEngine(EngineConfig(**self.engine_kwargs),
                                      max_waiting_requests=self.max_waiting_requests,
                                      engine_process=self.engine_process)
-        self.app = build_app(self.engine, **self.app_kwargs)
+        try:
+            self.app = build_app(self.engine, **self.app_kwargs)
+        except BaseException:
+            self.engine.stop()
+            raise
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))
