@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                         "--server-arg=--max-model-len=2048.")
     args = p.parse_args(argv)
 
+    args.lm_eval = str(Path(args.lm_eval).resolve())  # lm-eval runs in another folder
     if not Path(args.lm_eval).exists():
         print(f"lm_eval not found at {args.lm_eval} (pass --lm-eval)", file=sys.stderr)
         return 2
