@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Hugging Face models saved to disk, and HF greedy references."""
+"""Shared fixtures: tiny random Hugging Face models saved to disk, HF greedy references, and
+the clients of a test module's `server` fixture (a real server: minivllm.server.testing)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json
 
 import pytest
 import torch
@@ -119,3 +122,33 @@ def tiny_text_model_dir(tmp_path_factory, default_model_dir):
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(f, d / f.name)
     return d
+
+
+# ---- clients of a module's `server` fixture -----------------------------------------------
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The openai SDK against the module's server."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """httpx against the module's server (non-OpenAI endpoints, raw bodies)."""
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def sse_events(resp) -> list:
+    """Parse an SSE body into chunk dicts, ending with the string '[DONE]'."""
+    events = []
+    for line in resp.text.splitlines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events

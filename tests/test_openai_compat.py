@@ -22,6 +22,7 @@ import openai
 import pytest
 
 from minivllm.sampling_params import SamplingParams, generation_config_defaults
+from conftest import sse_events
 from minivllm.server.testing import ServerThread, make_tiny_chat_model
 from minivllm.tokenizer import render_chat
 
@@ -60,27 +61,6 @@ def _engine(model_dir, **kw) -> dict:
 def server(tiny_chat_dir):
     with ServerThread(_engine(tiny_chat_dir), served_model_names=[MODEL]) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=60)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
-
-
-def sse_events(resp: httpx.Response) -> list:
-    events = []
-    for line in resp.text.splitlines():
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 CHAT = [{"role": "system", "content": "You are terse."},

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from minivllm.engine.engine_core import engine_idle as engine_idle_check
+from conftest import sse_events
 from minivllm.server.testing import ServerThread, make_tiny_chat_model, wait_until_healthy
 
 MODEL = "tiny-chat"
@@ -39,18 +40,6 @@ def server(request, tiny_chat_dir):
         yield s
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=60)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
-
-
 def engine_idle(server) -> bool:
     return server.engine.submit(engine_idle_check).result(10)
 
@@ -62,16 +51,6 @@ def wait_idle(server, timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.02)
     return False
-
-
-def sse_events(resp: httpx.Response) -> list:
-    """Parse an SSE body into chunk dicts, ending with the string '[DONE]'."""
-    events = []
-    for line in resp.text.splitlines():
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 def greedy(**kw) -> dict:
