@@ -63,6 +63,7 @@ class Results:
     errors: dict[str, list[Path]] = field(default_factory=dict)       # <section>.error.txt
     w3: dict[Path, list[Result]] = field(default_factory=dict)        # run folder -> files
     w4: list[Result] = field(default_factory=list)
+    vs_vllm: list[Result] = field(default_factory=list)                # bench.vs_vllm merge
     ignored: list[Path] = field(default_factory=list)
 
     def newest(self, section: str) -> Result | None:
@@ -114,6 +115,8 @@ def load(dirs: list[Path], skip: Path | None = None) -> Results:
             res.sections.setdefault(data["section"], []).append(r)
         elif data.get("benchmark") == "w3_serve":
             res.w3.setdefault(p.parent, []).append(r)
+        elif data.get("benchmark") == "vs_vllm":
+            res.vs_vllm.append(r)
         elif data.get("benchmark") == "w4_cpu":
             res.w4.append(r)
         else:
@@ -796,6 +799,50 @@ class Report:
             if best is None or mx > best[0]:
                 h["max_concurrency_any"] = (mx, rel(rs[0].path.parent, self.base))
 
+    # -- minivllm vs vLLM --
+
+    def newest_vs_vllm(self) -> list[Result]:
+        """The newest vs_vllm run of each model (GPU runs first)."""
+        by_model: dict[str, Result] = {}
+        for r in sorted(self.res.vs_vllm, key=lambda r: (bool(r.env.get("gpu")), r.date,
+                                                         str(r.path))):
+            by_model[r.data.get("model", "?")] = r
+        return list(by_model.values())
+
+    def vs_vllm(self) -> None:
+        self.h(2, "minivllm against vLLM (both engines in one device call per model)")
+        runs = self.newest_vs_vllm()
+        if not runs:
+            self.not_measured("minivllm vs vLLM", "no bench.vs_vllm result (run "
+                              "`bash bench/run_vs_vllm.sh MODEL` on a GPU with the vLLM bundle)")
+            return
+        self.p("W1 output tok/s (256 requests, in/out uniform in [100, 1024]); W2 output tok/s "
+               "(batch 1, 128 in / 256 out); W5 prompt tok/s (32 x 4096 tokens, 1 out); W6 "
+               "output tok/s (64 x 8192 in, 256 out each); W3: the HTTP servers with the "
+               "same client, 128 in / 128 out, streamed. Ratio: minivllm ÷ vLLM for "
+               "throughput, vLLM ÷ minivllm for latency (above 1: minivllm better).\n")
+        for r in runs:
+            self.h(3, f"{r.data.get('model')}: `{rel(r.run, self.base)}`")
+            rows = [[x["workload"], x.get("label") or x["metric"], x.get("minivllm") or "-",
+                     x.get("vllm") or "-", f"{x['ratio']:.2f}x" if x.get("ratio") else "-"]
+                    for x in r.data.get("rows", [])]
+            self.p(table(["workload", "metric", "minivllm", "vLLM", "ratio"], rows))
+            off = r.data.get("offline") or {}
+            notes = []
+            for k in ("minivllm", "vllm"):
+                e = off.get(k) or {}
+                if e:
+                    notes.append(f"{k} {e.get('version', '?')}: start-up {e.get('startup_s')} s, "
+                                 f"settings {json.dumps(e.get('settings'))}"
+                                 + (f", failed: {e['errors']}" if e.get("errors") else ""))
+                else:
+                    notes.append(f"{k}: offline {NOT_MEASURED}")
+            for k, w in (r.data.get("w3") or {}).items():
+                if w.get("launch_cmd"):
+                    notes.append(f"{k} server: `{w['launch_cmd']}`")
+            self.p("\n" + "; ".join(notes) + ".")
+            self.p(f"\n{provenance(r.env, r.data.get('model'), self.src(r))}")
+
     # -- W4 --
 
     def w4(self) -> None:
@@ -855,7 +902,21 @@ class Report:
                     where += (f" (another run: ratio to that run's server, commit "
                               f"{w3['peers_commit'][peer]}: {fmt(sv)} tok/s)")
                 rows.append([name, title + where, fmt(pv), ratio(sv, pv)])
-        rows.append(["W3", "vLLM", NOT_MEASURED + " (no committed result yet)", "-"])
+        vs = self.newest_vs_vllm()
+        if not vs:
+            rows.append(["vs vLLM", "vLLM", NOT_MEASURED + " (no committed result yet)", "-"])
+        for r in vs:
+            version = ((r.data.get("offline") or {}).get("vllm") or {}).get("version")
+            for x in r.data.get("rows", []):
+                if x["metric"] not in ("output_tok_per_s", "prompt_tok_per_s"):
+                    continue
+                name = (f"{r.data.get('model')} {x['workload']}, "
+                        f"{x['metric'].replace('_per_s', '/s').replace('_', ' ')}")
+                rows.append([name, "minivllm", fmt(x.get("minivllm")) if x.get("minivllm")
+                             else NOT_MEASURED, "-"])
+                rows.append([name, f"vLLM {version or ''}".strip(),
+                             fmt(x.get("vllm")) if x.get("vllm") else NOT_MEASURED,
+                             f"{x['ratio']:.2f}x" if x.get("ratio") else "-"])
         lines = [table(["workload", "engine", "value", "minivllm ÷ engine"], rows)]
         envs = [h["env"] for h in (w1, w2, w3) if h]
         if envs:
@@ -881,6 +942,7 @@ class Report:
         self.w2()
         self.sweep()
         self.w3()
+        self.vs_vllm()
         self.w4()
         body = self.md
         head = ["# minivllm benchmark report", "",

@@ -1,6 +1,7 @@
 """W3 serving on the H200, budgeted: minivllm's server (concurrency sweep, then a ramp for the
 largest concurrency held without a failed request), the offline engine on the same requests,
-and `transformers serve` (continuous batching, and plain) through the same HTTP client.
+`transformers serve` (continuous batching, and plain) and vLLM's OpenAI server (from the
+bundle of ../shared/gpu/vllm-bundle.sh) through the same HTTP client.
 
 Each part runs in its own process, writes one JSON (serve_bench's format: bench/report.py
 and bench/serve_report.py read it) and rewrites it after every concurrency level, so a time
@@ -11,6 +12,7 @@ that would not fit is shrunk to one round, or skipped and marked so.
     python -m bench.w3_gpu minivllm     --work /tmp/w3 --out-dir DIR --budget-s 170
     python -m bench.w3_gpu offline      --work /tmp/w3 --out-dir DIR --budget-s 110
     python -m bench.w3_gpu transformers --work /tmp/w3 --out-dir DIR --budget-s 170 [--plain]
+    python -m bench.w3_gpu vllm         --work /tmp/w3 --out-dir DIR --budget-s 170  # $VLLM_SITE
     add --smoke to any of them: a tiny Qwen2 config on the CPU, tiny sizes (checks the plumbing)
 
 Requests: prompts of --prompt-tokens tokens (random, seeded; a fresh prompt for every request
@@ -267,6 +269,45 @@ def minivllm_server_args(args) -> list[str]:
     return base + shlex.split(args.minivllm_args)
 
 
+def vllm_server(args) -> tuple[list[str], dict]:
+    """vLLM's OpenAI server on the same model folder (config + byte-level tokenizer) and the
+    same flags as minivllm's, from the bundle at $VLLM_SITE (its own fastapi and pydantic:
+    nothing of this checkout's PYTHONPATH). --generation-config vllm: no sampling defaults
+    from a generation_config.json, as minivllm's server is run here (it has none)."""
+    if args.smoke:
+        raise RuntimeError("vLLM needs a GPU: no smoke run")
+    site = os.environ.get("VLLM_SITE")
+    if not site:
+        raise RuntimeError("VLLM_SITE is not set (source .vllm/install.sh first)")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(prepare(args, hf_weights=False)), "--load-format", "dummy",
+           "--seed", "0", "--dtype", "bfloat16", "--max-model-len", "1024",
+           "--max-num-seqs", "256", "--gpu-memory-utilization",
+           str(args.gpu_memory_utilization), "--generation-config", "vllm"]
+    if args.prompt_mode == "tokens":
+        cmd.append("--skip-tokenizer-init")
+    return cmd + shlex.split(args.vllm_args), {"PYTHONPATH": site}
+
+
+def wait_gpu_released(timeout: float = 90.0, below_gib: float = 2.0) -> None:
+    """After a server stops: wait until the GPU's used memory is back under `below_gib`
+    (vLLM's engine core is a child process that lets go of its memory later), so the next
+    engine starts on an empty GPU. No GPU or no nvidia-ml-py: nothing to wait for."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001
+        return
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    deadline = time.monotonic() + timeout
+    while True:
+        used = pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30
+        if used < below_gib or time.monotonic() > deadline:
+            log(f"GPU memory in use after the server stopped: {used:.1f} GiB")
+            return
+        time.sleep(1.0)
+
+
 def child_env() -> dict:
     """Children (servers, prepare) import minivllm and bench from this checkout."""
     env = dict(os.environ)
@@ -498,6 +539,8 @@ def run_http_part(args, part: str) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     if part == "minivllm":
         label, kind, levels = args.label or "minivllm", "minivllm", args.concurrency
+    elif part == "vllm":
+        label, kind, levels = args.label or "vllm", "vllm", args.concurrency
     else:
         label = "transformers" if args.plain else "transformers-cb"
         kind = "transformers"
@@ -512,6 +555,9 @@ def run_http_part(args, part: str) -> int:
         if part == "minivllm":
             cmd = [sys.executable, "-m", "minivllm.server", "--disable-log-requests",
                    "--log-level", "warning"] + minivllm_server_args(args)
+            prompts = Prompts(args, as_tokens=args.prompt_mode == "tokens")
+        elif part == "vllm":
+            cmd, server_env = vllm_server(args)
             prompts = Prompts(args, as_tokens=args.prompt_mode == "tokens")
         else:
             # In a child process: this one must not hold a CUDA context (or cached memory)
@@ -529,7 +575,7 @@ def run_http_part(args, part: str) -> int:
                     else ["--device", "cuda", "--dtype", "bfloat16"])
             cmd += shlex.split(args.transformers_args)
             prompts = Prompts(args, as_tokens=False)
-        trace_env = {}
+        trace_env = server_env if part == "vllm" else {}
         if part == "minivllm":  # the engine process's step trace, cut into levels at the end
             trace_path = log_dir / f"engine_trace_{label}.json"
             trace_path.unlink(missing_ok=True)
@@ -562,6 +608,7 @@ def run_http_part(args, part: str) -> int:
         if t is not None:
             stop(t)
             pid_file.unlink(missing_ok=True)
+            wait_gpu_released()
         if trace_path is not None:
             add_engine_trace(rec, entry, trace_path)
         if t is not None and t.log_path is not None and t.log_path.exists():
@@ -642,7 +689,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("part", choices=["prepare", "minivllm", "offline", "transformers"])
+    p.add_argument("part", choices=["prepare", "minivllm", "offline", "transformers", "vllm"])
     p.add_argument("--work", default="/tmp/minivllm-w3", help="Model folder and server logs.")
     p.add_argument("--out-dir", default=str(REPO / "bench" / "results" / "w3"))
     p.add_argument("--log-dir", default=None, help="Server logs (default WORK/logs).")
@@ -671,6 +718,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--minivllm-args", default="", help="Extra flags for minivllm (server and "
                                                        "offline engine alike).")
     p.add_argument("--transformers-args", default="", help="Extra flags for transformers serve.")
+    p.add_argument("--vllm-args", default="", help="Extra flags for vLLM's server.")
     p.add_argument("--hf-weights", action="store_true", help="prepare: also write HF weights.")
     p.add_argument("--label", default=None,
                    help="minivllm part: the label (and file name) of this server variant, "

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# minivllm against vLLM 0.26 in one device call, each model's cells in this one call: for each
+# model config named (bench/model_configs/NAME.json; default qwen2.5-0.5b-instruct), the
+# offline workloads W1 W2 W5 W6 (bench/vs_vllm.py) and W3 at c = 1 16 64 256
+# (bench/w3_gpu.py), each engine in a process of its own and one at a time (the GPU's memory
+# back before the next starts), then `bench.vs_vllm merge`: $RES/<model>/vs_vllm.json.
+#
+#   source .vllm/install.sh || exit 1      # vLLM from ../shared/gpu/vllm-bundle.sh: VLLM_SITE
+#   bash bench/run_vs_vllm.sh [MODEL ...]  # from the repo root on the GPU machine, .whl carried
+#
+# Knobs: VS_PARTS (default "mini-offline vllm-offline mini-w3 vllm-w3"), VS_WORKLOADS
+# (default w1,w2,w5,w6), T_OFFLINE / T_W3 (each part's limit, s), TOTAL_S (the call's, 560),
+# W3_ARGS (extra bench.w3_gpu flags), RES, OUT. The commit comes from bench/.commit.
+set -u
+cd "$(dirname "$0")/.." || exit 1
+START=$(date +%s)
+TOTAL_S=${TOTAL_S:-560}
+OUT=${OUT:-/tmp/minivllm-out}
+RES=${RES:-/tmp/minivllm-vs-vllm}
+WORK=${WORK:-/tmp/minivllm-vs-vllm-work}
+MODELS=("$@")
+[ ${#MODELS[@]} -eq 0 ] && MODELS=(qwen2.5-0.5b-instruct)
+PARTS=${VS_PARTS:-mini-offline vllm-offline mini-w3 vllm-w3}
+mkdir -p "$OUT" "$RES" "$WORK"
+LOG="$RES/run_vs_vllm.log"
+say() { echo "[run_vs_vllm +$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
+pack() {
+  tar czf "$OUT/results.tgz.tmp" -C "$RES" . 2>/dev/null && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"
+  cp "$LOG" "$OUT/run_vs_vllm.log" 2>/dev/null
+}
+left() { echo $(( TOTAL_S - ($(date +%s) - START) )); }
+
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export MINIVLLM_GIT_COMMIT=${MINIVLLM_GIT_COMMIT:-$(cat bench/.commit 2>/dev/null || echo unknown)}
+MINI_PATH="$PWD/src:$PWD"
+if ! python3 -c "import fastapi, uvicorn, pydantic, orjson" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  timeout 180 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .whl/*.whl >>"$LOG" 2>&1 || say "server wheel install failed"
+fi
+[ -d /tmp/site ] && MINI_PATH="$MINI_PATH:/tmp/site"
+[ -n "${VLLM_SITE:-}" ] || say "VLLM_SITE is not set: the vLLM parts will fail (source .vllm/install.sh)"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
+
+wait_gpu_free() {  # until the GPU's used memory is under 2 GiB (60 s at most)
+  local i used
+  for i in $(seq 60); do
+    used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
+    [ "${used:-0}" -lt 2048 ] && return
+    sleep 1
+  done
+  say "GPU memory still in use after 60 s: ${used} MiB"
+}
+
+part() {  # part NAME LIMIT_S PYTHONPATH COMMAND...
+  local name=$1 limit=$2 path=$3; shift 3
+  local remain=$(( $(left) - 15 ))
+  [ "$limit" -gt "$remain" ] && limit=$remain
+  if [ "$limit" -lt 30 ]; then say "$name: skipped, ${remain}s left"; return; fi
+  wait_gpu_free
+  say "$name: start (limit ${limit}s)"
+  PYTHONPATH="$path" timeout -s INT -k 20 "$limit" "$@" >>"$LOG" 2>&1
+  say "$name: exit $?"
+  pack
+}
+
+for model in "${MODELS[@]}"; do
+  dir="$RES/$model"; mkdir -p "$dir"
+  off=(python3 -m bench.vs_vllm offline --model "$model" --workloads "${VS_WORKLOADS:-w1,w2,w5,w6}"
+       --out "$dir" --work "$WORK")
+  # shellcheck disable=SC2206
+  w3=(python3 -m bench.w3_gpu --work "$WORK/w3-$model" --out-dir "$dir" --log-dir "$dir/logs"
+      --model-config "bench/model_configs/$model.json" --concurrency 1 16 64 256 --ramp
+      --gpu-memory-utilization 0.9 ${W3_ARGS:-})
+  for p in $PARTS; do
+    case $p in
+      mini-offline) part "$model minivllm offline" "${T_OFFLINE:-240}" "$MINI_PATH" "${off[@]}" --engine minivllm ;;
+      vllm-offline) part "$model vllm offline" "${T_OFFLINE:-240}" "${VLLM_SITE:-}:$PWD" "${off[@]}" --engine vllm ;;
+      mini-w3) part "$model minivllm W3" "${T_W3:-150}" "$MINI_PATH" "${w3[@]:0:3}" minivllm "${w3[@]:3}" --budget-s $(( ${T_W3:-150} - 15 )) ;;
+      vllm-w3) part "$model vllm W3" "${T_W3:-150}" "$MINI_PATH" "${w3[@]:0:3}" vllm "${w3[@]:3}" --budget-s $(( ${T_W3:-150} - 15 )) ;;
+      *) say "unknown part $p" ;;
+    esac
+  done
+  PYTHONPATH="$MINI_PATH" python3 -m bench.vs_vllm merge "$dir" >>"$LOG" 2>&1 && say "$model: $dir/vs_vllm.json"
+  pack
+done
+grep -hE "\[vs_vllm\].*(rep [0-9]|ratio|failed|ready)|\[w3_gpu\].* c=|exit|skipped" "$LOG" | tail -90
+say "done"
+pack

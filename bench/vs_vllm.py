@@ -1,0 +1,301 @@
+"""minivllm against vLLM on the offline workloads, one engine per process (GPU), and the
+merge of a model's run into one JSON with both engines and the ratios.
+
+    python -m bench.vs_vllm offline --engine minivllm --model qwen2.5-0.5b-instruct --out DIR
+    PYTHONPATH=$VLLM_SITE python -m bench.vs_vllm offline --engine vllm --model ... --out DIR
+    python -m bench.vs_vllm merge DIR        # DIR/vs_vllm.json from DIR/offline_*.json + w3_*.json
+    python -m bench.vs_vllm offline --engine minivllm --smoke --out DIR   # tiny, on a CPU
+
+Workloads (random token ids below 10,000, greedy, ignore_eos; each repetition draws fresh
+prompts, so prefix caching never serves a repeat):
+  W1  256 requests, prompt and output lengths uniform in [100, 1024]: output tok/s
+  W2  one request, 128-token prompt, 256 output tokens: output tok/s
+  W5  32 prompts x 4096 tokens, 1 output token: prompt tok/s
+  W6  64 prompts x 8192 tokens, 256 output tokens each: output tok/s (prefill included)
+Each workload runs once small first (kernels compile, graphs warm), then its repetitions;
+the best repetition is the workload's number. Both engines get dummy bf16 weights from the
+same config.json (bench/model_configs/), max_model_len 8704 (W6's 8192 + 256, rounded up to
+whole 16-token blocks; the models' own 32k-128k would only grow both engines' KV budgets)
+and otherwise their defaults. vLLM runs with skip_tokenizer_init (token-id prompts, no
+detokenization: neither engine gets a tokenizer) and generation_config="vllm".
+W3 (the HTTP servers) is bench/w3_gpu.py's, run beside this by bench/run_vs_vllm.sh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+from bench.common import environment
+from bench.gpu_check import MODELS_DIR, SMOKE_CONFIG, VOCAB_LIMIT
+
+MAX_MODEL_LEN = 8704
+
+
+# ---- workloads ---------------------------------------------------------------------------------
+
+class Workload:
+    """`requests(rep)`: [(prompt ids, output tokens)], fresh for each repetition."""
+
+    def __init__(self, name: str, metric: str, n: int, prompt: tuple[int, int],
+                 output: tuple[int, int], reps: int, vocab: int) -> None:
+        self.name, self.metric, self.n, self.reps = name, metric, n, reps
+        self.prompt, self.output, self.vocab = prompt, output, min(vocab, VOCAB_LIMIT)
+
+    def requests(self, rep: int, n: int | None = None) -> list[tuple[list[int], int]]:
+        rng = random.Random(f"{self.name}-{rep}")
+        out = []
+        for _ in range(self.n if n is None else n):
+            lo, hi = self.prompt
+            ids = [rng.randrange(10, self.vocab) for _ in range(rng.randint(lo, hi))]
+            out.append((ids, rng.randint(*self.output)))
+        return out
+
+    def warm_up(self) -> list[tuple[list[int], int]]:
+        """A small run of the same shapes: a few requests, a few output tokens."""
+        return [(p, min(o, 8)) for p, o in self.requests(-1, min(self.n, 4))]
+
+
+def workloads(smoke: bool, vocab: int) -> dict[str, Workload]:
+    if smoke:
+        return {"W1": Workload("W1", "output_tok_per_s", 12, (8, 48), (8, 48), 2, vocab),
+                "W2": Workload("W2", "output_tok_per_s", 1, (16, 16), (16, 16), 2, vocab),
+                "W5": Workload("W5", "prompt_tok_per_s", 4, (256, 256), (1, 1), 2, vocab),
+                "W6": Workload("W6", "output_tok_per_s", 4, (512, 512), (8, 8), 1, vocab)}
+    return {"W1": Workload("W1", "output_tok_per_s", 256, (100, 1024), (100, 1024), 2, vocab),
+            "W2": Workload("W2", "output_tok_per_s", 1, (128, 128), (256, 256), 3, vocab),
+            "W5": Workload("W5", "prompt_tok_per_s", 32, (4096, 4096), (1, 1), 2, vocab),
+            "W6": Workload("W6", "output_tok_per_s", 64, (8192, 8192), (256, 256), 1, vocab)}
+
+
+# ---- engines -----------------------------------------------------------------------------------
+
+class MinivllmEngine:
+    name = "minivllm"
+
+    def __init__(self, folder: Path, smoke: bool) -> None:
+        from minivllm import LLM
+
+        kw = dict(device="cpu", dtype="float32", max_model_len=1024) if smoke else dict(
+            dtype="bfloat16", max_model_len=MAX_MODEL_LEN)
+        self.settings = {"load_format": "dummy", "skip_tokenizer_init": True, "seed": 0, **kw}
+        self.llm = LLM(str(folder), **self.settings)
+
+    def generate(self, requests) -> list[int]:
+        from minivllm import SamplingParams
+
+        params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True)
+                  for _, o in requests]
+        outs = self.llm.generate([p for p, _ in requests], params, use_tqdm=False)
+        return [len(o.outputs[0].token_ids) for o in outs]
+
+    def version(self) -> str:
+        import minivllm
+        return minivllm.__version__
+
+
+class VllmEngine:
+    name = "vllm"
+
+    def __init__(self, folder: Path, smoke: bool) -> None:
+        if smoke:
+            raise SystemExit("vLLM needs a GPU: no smoke run")
+        from vllm import LLM
+
+        self.settings = {"load_format": "dummy", "dtype": "bfloat16",
+                         "max_model_len": MAX_MODEL_LEN, "skip_tokenizer_init": True,
+                         "seed": 0, "generation_config": "vllm"}
+        self.llm = LLM(model=str(folder), **self.settings)
+
+    def generate(self, requests) -> list[int]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True,
+                                 detokenize=False) for _, o in requests]
+        prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in requests]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [len(o.outputs[0].token_ids) for o in outs]
+
+    def version(self) -> str:
+        import vllm
+        return vllm.__version__
+
+
+ENGINES = {"minivllm": MinivllmEngine, "vllm": VllmEngine}
+
+
+# ---- offline run -------------------------------------------------------------------------------
+
+def model_folder(name: str, smoke: bool, work: Path) -> tuple[Path, dict]:
+    """A folder holding the model's config.json (vLLM takes folders only)."""
+    cfg = dict(SMOKE_CONFIG) if smoke else json.loads((MODELS_DIR / f"{name}.json").read_text())
+    folder = work / ("smoke" if smoke else name)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    return folder, cfg
+
+
+def sync() -> None:
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_offline(args) -> int:
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"offline_{args.engine}.json"
+    folder, cfg = model_folder(args.model, args.smoke, Path(args.work))
+    wl = workloads(args.smoke, cfg["vocab_size"])
+    chosen = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
+    record = {"benchmark": "vs_vllm_offline", "engine": args.engine, "model": args.model,
+              "environment": environment(), "rows": [], "best": {}}
+
+    def save() -> None:
+        path.write_text(json.dumps(record, indent=1))
+
+    t0 = time.perf_counter()
+    engine = ENGINES[args.engine](folder, args.smoke)
+    record.update(startup_s=round(time.perf_counter() - t0, 1), settings=engine.settings,
+                  version=engine.version())
+    log(f"{args.engine} {args.model}: engine ready in {record['startup_s']} s")
+    save()
+    for name in chosen:
+        w = wl[name]
+        try:
+            engine.generate(w.warm_up())
+            for rep in range(w.reps):
+                reqs = w.requests(rep)
+                sync()
+                start = time.perf_counter()
+                got = engine.generate(reqs)
+                sync()
+                secs = time.perf_counter() - start
+                want = [o for _, o in reqs]
+                if got != want:
+                    raise RuntimeError(f"{name}: output lengths differ from max_tokens "
+                                       f"({sum(got)} vs {sum(want)} tokens)")
+                prompt_tokens = sum(len(p) for p, _ in reqs)
+                row = {"workload": name, "rep": rep, "seconds": round(secs, 4),
+                       "requests": len(reqs), "prompt_tokens": prompt_tokens,
+                       "output_tokens": sum(got),
+                       "output_tok_per_s": round(sum(got) / secs, 1),
+                       "prompt_tok_per_s": round(prompt_tokens / secs, 1)}
+                record["rows"].append(row)
+                log(f"{args.engine} {args.model} {name} rep {rep}: {row[w.metric]:,.0f} "
+                    f"{w.metric} ({secs:.2f} s)")
+                save()
+            rows = [r for r in record["rows"] if r["workload"] == name]
+            record["best"][name] = {"metric": w.metric,
+                                    "value": max(r[w.metric] for r in rows)}
+        except Exception as e:  # noqa: BLE001 - keep the other workloads' numbers
+            record.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:2000]
+            log(f"{args.engine} {args.model} {name} failed: {e}")
+        save()
+    log(f"wrote {path}")
+    return 1 if record.get("errors") else 0
+
+
+# ---- merge -------------------------------------------------------------------------------------
+
+W3_METRICS = (("output_tok_per_s", "tok/s", True), ("itl_ms_p99", "ITL p99 ms", False),
+              ("ttft_ms_p99", "TTFT p99 ms", False), ("tokens_per_event", "tok/chunk", False))
+
+
+def _w3_levels(path: Path) -> dict[int, dict]:
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    levels = {}
+    for t in data.get("targets", []):
+        for lv in t.get("levels", []):
+            if lv.get("output_tok_per_s"):
+                levels[lv["concurrency"]] = lv
+    return levels
+
+
+def merge(folder: Path) -> dict:
+    """One model's run (both engines, every workload) as one JSON: each table row with
+    both engines' numbers and minivllm's ratio (higher is better for minivllm: for
+    latencies the ratio is vLLM's over minivllm's)."""
+    engines = {}
+    for name in ENGINES:
+        p = folder / f"offline_{name}.json"
+        engines[name] = json.loads(p.read_text()) if p.exists() else None
+    model = next((e["model"] for e in engines.values() if e), folder.name)
+    rows = []
+    for wname in ("W1", "W2", "W5", "W6"):
+        vals = {k: (e or {}).get("best", {}).get(wname) for k, e in engines.items()}
+        metric = next((v["metric"] for v in vals.values() if v), None)
+        if metric is None:
+            continue
+        mine, theirs = ((vals[k] or {}).get("value") for k in ("minivllm", "vllm"))
+        rows.append({"workload": wname, "metric": metric, "minivllm": mine, "vllm": theirs,
+                     "ratio": round(mine / theirs, 3) if mine and theirs else None})
+    w3 = {k: _w3_levels(folder / f"w3_{k}.json") for k in ENGINES}
+    for c in sorted(set(w3["minivllm"]) | set(w3["vllm"])):
+        for key, label, higher in W3_METRICS:
+            mine = w3["minivllm"].get(c, {}).get(key)
+            theirs = w3["vllm"].get(c, {}).get(key)
+            ratio = None
+            if mine and theirs:
+                ratio = round(mine / theirs if higher else theirs / mine, 3)
+            rows.append({"workload": f"W3 c={c}", "metric": key, "label": label,
+                         "minivllm": mine, "vllm": theirs,
+                         "ratio": ratio if key != "tokens_per_event" else None})
+    w3_env = {}
+    for k in ENGINES:
+        p = folder / f"w3_{k}.json"
+        if p.exists():
+            d = json.loads(p.read_text())
+            w3_env[k] = {"environment": d.get("environment"), "workload": d.get("workload"),
+                         "launch_cmd": next((t.get("launch_cmd") for t in d.get("targets", [])),
+                                            None)}
+    env = next((e["environment"] for e in engines.values() if e), None) or next(
+        (v["environment"] for v in w3_env.values() if v.get("environment")), {})
+    result = {"benchmark": "vs_vllm", "model": model, "environment": env, "rows": rows,
+              "offline": {k: e and {x: e.get(x) for x in ("engine", "version", "settings",
+                                                           "startup_s", "environment",
+                                                           "rows", "errors")}
+                          for k, e in engines.items()},
+              "w3": w3_env}
+    (folder / "vs_vllm.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def log(*a) -> None:
+    print("[vs_vllm]", *a, flush=True, file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    off = sub.add_parser("offline", help="one engine's offline workloads")
+    off.add_argument("--engine", choices=sorted(ENGINES), required=True)
+    off.add_argument("--model", default="qwen2.5-0.5b-instruct",
+                     help="a config under bench/model_configs/ (without .json)")
+    off.add_argument("--workloads", default="w1,w2,w5,w6")
+    off.add_argument("--out", required=True, help="the run's folder")
+    off.add_argument("--work", default="/tmp/minivllm-vs-vllm", help="model folders")
+    off.add_argument("--smoke", action="store_true", help="a tiny model on the CPU")
+    mg = sub.add_parser("merge", help="DIR/vs_vllm.json from the run's files")
+    mg.add_argument("folder")
+    args = p.parse_args(argv)
+    if args.cmd == "merge":
+        res = merge(Path(args.folder))
+        for r in res["rows"]:
+            log(f"{r['workload']:10s} {r['metric']:18s} minivllm {r['minivllm']} vllm "
+                f"{r['vllm']} ratio {r['ratio']}")
+        return 0
+    return run_offline(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

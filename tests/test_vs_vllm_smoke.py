@@ -1,0 +1,50 @@
+"""bench/vs_vllm.py on the CPU: minivllm's offline workloads on a tiny model (--smoke), the
+merge into one JSON, and the report's section from it. vLLM itself needs a GPU: its part
+refuses a smoke run with a clear message, and the merged table says what it lacks."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from bench import report
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'src'}"}
+
+
+def run(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "bench.vs_vllm", *args], cwd=REPO, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_offline_merge_and_report(tmp_path):
+    out = tmp_path / "2026-12-01-cpu-vs-vllm-smoke"
+    r = run("offline", "--engine", "minivllm", "--smoke", "--out", str(out), "--work",
+            str(tmp_path / "work"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    off = json.loads((out / "offline_minivllm.json").read_text())
+    assert off["benchmark"] == "vs_vllm_offline" and off["environment"]["git_commit"]
+    assert set(off["best"]) == {"W1", "W2", "W5", "W6"} and not off.get("errors")
+    w5 = [x for x in off["rows"] if x["workload"] == "W5"]
+    assert w5 and all(x["output_tokens"] == x["requests"] for x in w5)  # one token each
+    assert off["best"]["W5"]["metric"] == "prompt_tok_per_s"
+    # repetitions draw fresh prompts: no repeat is served from the prefix cache
+    assert len({x["prompt_tokens"] for x in off["rows"] if x["workload"] == "W1"}) == 2
+
+    r = run("offline", "--engine", "vllm", "--smoke", "--out", str(out))
+    assert r.returncode != 0 and "vLLM needs a GPU" in r.stderr
+
+    r = run("merge", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    merged = json.loads((out / "vs_vllm.json").read_text())
+    assert merged["benchmark"] == "vs_vllm" and merged["model"] == "qwen2.5-0.5b-instruct"
+    rows = {x["workload"]: x for x in merged["rows"]}
+    assert rows["W1"]["minivllm"] == off["best"]["W1"]["value"]
+    assert rows["W1"]["vllm"] is None and rows["W1"]["ratio"] is None
+
+    md = report.render([tmp_path], tmp_path / "report", base=tmp_path).read_text()
+    assert "## minivllm against vLLM" in md
+    assert "| W1 | output_tok_per_s |" in md
+    assert "qwen2.5-0.5b-instruct W1, output tok/s | vLLM | not measured" in md
