@@ -579,7 +579,7 @@ class Report:
         series = {k: sorted(v, key=lambda lv: lv["concurrency"]) for k, v in series.items() if v}
         if series and plots:
             self.w3_plots(run, series, cap)
-        self.w3_ratios(targets, env)
+        self.w3_ratios(targets, env, headline=run not in {r.run for r in self.res.vs_vllm})
         self.w3_ramp(rs, targets)
 
     def w3_engine_trace(self, targets: list) -> None:
@@ -692,7 +692,8 @@ class Report:
             self.p(f"![W3 {what}]({name})")
         self.p(f"\n{cap}")
 
-    def w3_ratios(self, targets: list, env: dict) -> None:
+    def w3_ratios(self, targets: list, env: dict, headline: bool = True) -> None:
+        """headline=False: a vs-vLLM run (its own headline rows, per model)."""
         by = {t["label"]: {lv["concurrency"]: lv for lv in t.get("levels", [])
                            if lv.get("output_tok_per_s")} for t, _ in targets}
         self.w3_variants_vs_offline(by)
@@ -739,6 +740,8 @@ class Report:
         elif env.get("gpu"):
             self.not_measured(f"server vs offline engine at concurrency {c}",
                               "the run lacks one of the two")
+        if not headline:
+            return
         extra = extra_engine_flags(targets)
         if extra:
             self.p(f"\nThis run's engine had non-default flags ({' '.join(extra)}): it is not "
@@ -810,7 +813,7 @@ class Report:
         return list(by_model.values())
 
     def vs_vllm(self) -> None:
-        self.h(2, "minivllm against vLLM (both engines in one device call per model)")
+        self.h(2, "minivllm against vLLM (each workload's two engines in one device call)")
         runs = self.newest_vs_vllm()
         if not runs:
             self.not_measured("minivllm vs vLLM", "no bench.vs_vllm result (run "

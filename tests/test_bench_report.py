@@ -5,6 +5,7 @@ and a time budget that shrinks or skips levels rather than overrunning."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -57,9 +58,9 @@ def test_report_regenerates_from_committed_results(tmp_path):
     if (RESULTS / "2026-11-29-h200-w1-w2-hf-peers" / "sweep.json").exists():
         assert (out / "sweep_ms_per_step.png").exists()
     assert any(p.name.startswith("w3_") and p.name.endswith("_throughput.png") for p in pngs)
-    # No committed result measures vLLM yet: the report says so and how to measure it.
-    assert "**vLLM: not measured.**" in md
-    assert "--base-url" in md
+    # vLLM measured beside minivllm: its section and headline rows, each with a ratio.
+    assert "## minivllm against vLLM" in md
+    assert re.search(r"\| llama-3.1-8b W2, output tok/s \| vLLM [0-9.]+ \| [0-9.,]+ \| [0-9.]+x \|", md)
     assert "## Headline" in md and "## Not measured" in md
 
 
