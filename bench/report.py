@@ -507,8 +507,14 @@ class Report:
         def default_engine(rs):
             return not extra_engine_flags([(t, r) for r in rs for t in r.data.get("targets", [])])
 
+        def has_offline(rs):
+            return any(t.get("label") == "minivllm-offline"
+                       for r in rs for t in r.data.get("targets", []))
+
+        # the run the headline's server-vs-offline row comes from, on each machine kind
         plotted = {next((run for run, rs in runs if bool(rs[0].env.get("gpu")) == gpu
-                         and default_engine(rs)), None) for gpu in (True, False)}
+                         and default_engine(rs) and (has_offline(rs) or not gpu)), None)
+                   for gpu in (True, False)}
         plotted |= {run for run, rs in runs if any(
             not str(t.get("label", "")).startswith("minivllm")
             for r in rs for t in r.data.get("targets", []))}
