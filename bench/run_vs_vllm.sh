@@ -6,6 +6,11 @@
 # back before the next starts), then `bench.vs_vllm merge`: $RES/<model>/vs_vllm.json.
 #
 #   source .vllm/install.sh || exit 1      # vLLM from ../shared/gpu/vllm-bundle.sh: VLLM_SITE
+# A later call that carries other files under .vllm/ finds the earlier calls' pieces gone:
+# carry .vllm/a0 and .vllm/a1 in one call (56 MB, without .whl) and copy them to /tmp/vb
+# there; the next call carries .vllm/c .vllm/tok .vllm/install.sh .whl and starts with
+# `cp /tmp/vb/a0 /tmp/vb/a1 .vllm/ && source .vllm/install.sh`. /tmp/vsite then stays while
+# the machine is warm (~30 s between calls).
 #   bash bench/run_vs_vllm.sh [MODEL ...]  # from the repo root on the GPU machine, .whl carried
 #
 # Knobs: VS_PARTS (default "mini-offline vllm-offline mini-w3 vllm-w3"), VS_WORKLOADS
