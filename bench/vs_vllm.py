@@ -62,10 +62,10 @@ class Workload:
 
 def workloads(smoke: bool, vocab: int) -> dict[str, Workload]:
     if smoke:
-        return {"W1": Workload("W1", "output_tok_per_s", 12, (8, 48), (8, 48), 2, vocab),
-                "W2": Workload("W2", "output_tok_per_s", 1, (16, 16), (16, 16), 2, vocab),
-                "W5": Workload("W5", "prompt_tok_per_s", 4, (256, 256), (1, 1), 2, vocab),
-                "W6": Workload("W6", "output_tok_per_s", 4, (512, 512), (8, 8), 1, vocab)}
+        return {"W1": Workload("W1", "output_tok_per_s", 6, (8, 32), (4, 16), 2, vocab),
+                "W2": Workload("W2", "output_tok_per_s", 1, (16, 16), (8, 8), 2, vocab),
+                "W5": Workload("W5", "prompt_tok_per_s", 2, (128, 128), (1, 1), 2, vocab),
+                "W6": Workload("W6", "output_tok_per_s", 2, (256, 256), (4, 4), 1, vocab)}
     return {"W1": Workload("W1", "output_tok_per_s", 256, (100, 1024), (100, 1024), 2, vocab),
             "W2": Workload("W2", "output_tok_per_s", 1, (128, 128), (256, 256), 3, vocab),
             "W5": Workload("W5", "prompt_tok_per_s", 32, (4096, 4096), (1, 1), 2, vocab),

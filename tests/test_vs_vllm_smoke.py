@@ -3,27 +3,16 @@ merge into one JSON, and the report's section from it. vLLM itself needs a GPU: 
 refuses a smoke run with a clear message, and the merged table says what it lacks."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-from bench import report
+import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'src'}"}
-
-
-def run(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "bench.vs_vllm", *args], cwd=REPO, env=ENV,
-                          capture_output=True, text=True, timeout=timeout)
+from bench import report, vs_vllm
 
 
 def test_offline_merge_and_report(tmp_path):
     out = tmp_path / "2026-12-01-cpu-vs-vllm-smoke"
-    r = run("offline", "--engine", "minivllm", "--smoke", "--out", str(out), "--work",
-            str(tmp_path / "work"))
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert vs_vllm.main(["offline", "--engine", "minivllm", "--smoke", "--out", str(out),
+                         "--work", str(tmp_path / "work")]) == 0
     off = json.loads((out / "offline_minivllm.json").read_text())
     assert off["benchmark"] == "vs_vllm_offline" and off["environment"]["git_commit"]
     assert set(off["best"]) == {"W1", "W2", "W5", "W6"} and not off.get("errors")
@@ -33,11 +22,12 @@ def test_offline_merge_and_report(tmp_path):
     # repetitions draw fresh prompts: no repeat is served from the prefix cache
     assert len({x["prompt_tokens"] for x in off["rows"] if x["workload"] == "W1"}) == 2
 
-    r = run("offline", "--engine", "vllm", "--smoke", "--out", str(out))
-    assert r.returncode != 0 and "vLLM needs a GPU" in r.stderr
+    with pytest.raises(SystemExit, match="vLLM needs a GPU"):
+        vs_vllm.main(["offline", "--engine", "vllm", "--smoke", "--out", str(out), "--work",
+                      str(tmp_path / "work")])
+    assert not (out / "offline_vllm.json").exists()
 
-    r = run("merge", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert vs_vllm.main(["merge", str(out)]) == 0
     merged = json.loads((out / "vs_vllm.json").read_text())
     assert merged["benchmark"] == "vs_vllm" and merged["model"] == "qwen2.5-0.5b-instruct"
     rows = {x["workload"]: x for x in merged["rows"]}
