@@ -255,18 +255,21 @@ def plan_level(c: int, n: int, out_tokens: int, last_tok_s: float | None,
 
 # ---- HTTP parts -------------------------------------------------------------------------------
 
-def minivllm_server_args(args) -> list[str]:
+def server_args(args) -> list[str]:
+    """The engine flags every server here gets (minivllm's and vLLM's have the same names)."""
     base = ["--model", str(prepare(args, hf_weights=False)), "--load-format", "dummy",
             "--seed", "0"]
     if args.prompt_mode == "tokens":
         base.append("--skip-tokenizer-init")
     if args.smoke:
-        base += ["--dtype", "float32", "--device", "cpu", "--max-model-len", "256",
-                 "--max-num-seqs", "8"]
-    else:
-        base += ["--dtype", "bfloat16", "--max-model-len", "1024", "--max-num-seqs", "256",
-                 "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    return base + shlex.split(args.minivllm_args)
+        return base + ["--dtype", "float32", "--device", "cpu", "--max-model-len", "256",
+                       "--max-num-seqs", "8"]
+    return base + ["--dtype", "bfloat16", "--max-model-len", "1024", "--max-num-seqs", "256",
+                   "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+
+
+def minivllm_server_args(args) -> list[str]:
+    return server_args(args) + shlex.split(args.minivllm_args)
 
 
 def vllm_server(args) -> tuple[list[str], dict]:
@@ -279,14 +282,9 @@ def vllm_server(args) -> tuple[list[str], dict]:
     site = os.environ.get("VLLM_SITE")
     if not site:
         raise RuntimeError("VLLM_SITE is not set (source .vllm/install.sh first)")
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-           "--model", str(prepare(args, hf_weights=False)), "--load-format", "dummy",
-           "--seed", "0", "--dtype", "bfloat16", "--max-model-len", "1024",
-           "--max-num-seqs", "256", "--gpu-memory-utilization",
-           str(args.gpu_memory_utilization), "--generation-config", "vllm"]
-    if args.prompt_mode == "tokens":
-        cmd.append("--skip-tokenizer-init")
-    return cmd + shlex.split(args.vllm_args), {"PYTHONPATH": site}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *server_args(args),
+           "--generation-config", "vllm", *shlex.split(args.vllm_args)]
+    return cmd, {"PYTHONPATH": site}
 
 
 def wait_gpu_released(timeout: float = 90.0, below_gib: float = 2.0) -> None:

@@ -367,12 +367,10 @@ def test_generation_config_of_a_separate_engine_process(gen_model_dir):
     EngineConfig it was built from (checked without starting the process)."""
     from minivllm.config import EngineConfig
     from minivllm.engine.async_llm_engine import AsyncLLMEngine
-    from minivllm.server.api_server import _engine_generation_config
-
     for choice in ("auto", "vllm", str(gen_model_dir)):
         eng = AsyncLLMEngine(EngineConfig(model=str(gen_model_dir), generation_config=choice),
                              engine_process=True, start=False)
-        assert _engine_generation_config(eng) == choice
+        assert eng.engine is None and eng.config.generation_config == choice
 
 
 def test_serve_flag_generation_config(tiny_chat_dir, tmp_path):

@@ -164,6 +164,10 @@ class AsyncLLMEngine:
             raise ValueError("extra_frontends needs engine_process=True.")
         self._config_or_engine = engine
         self.engine: LLMEngine | None = engine if isinstance(engine, LLMEngine) else None
+        # The EngineConfig the engine is built from (None in a frontend attached to
+        # another process's engine).
+        self.config: EngineConfig | None = (engine.config if isinstance(engine, LLMEngine)
+                                            else engine)
         self.engine_process = engine_process
         self.max_waiting_requests = max_waiting_requests
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])

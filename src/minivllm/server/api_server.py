@@ -130,7 +130,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     if metrics is None:
         metrics = EngineMetrics(served_model_names[0])
     if generation_config is None:
-        generation_config = _engine_generation_config(engine)
+        generation_config = engine.config.generation_config if engine.config else "auto"
     sampling_defaults = generation_config_defaults(generation_config, engine.model_path)
     serving = OpenAIServing(engine, served_model_names, max_num_seqs,
                             on_intake=metrics.observe_intake,
@@ -273,15 +273,6 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         return OrjsonResponse({"prompt": serving.decode(request.tokens)})
 
     return app
-
-
-def _engine_generation_config(engine: AsyncLLMEngine) -> str:
-    """The generation_config of the EngineConfig the engine was built from, where this
-    process has it (not in a frontend attached to another's engine process)."""
-    if engine.engine is not None:
-        return engine.engine.config.generation_config
-    config = getattr(engine, "_config_or_engine", None)
-    return getattr(config, "generation_config", None) or "auto"
 
 
 def default_model_name(engine: AsyncLLMEngine) -> str:
