@@ -277,11 +277,14 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 # varlen prefill / chunked prefill / mixed
 # ----------------------------------------------------------------------------
 def _prefill_config(rows: int, head_dim: int, dtype: torch.dtype, interpreted: bool,
-                    long_ctx: bool = False):
+                    long_ctx: bool = False, long_query: bool = False):
     """Tile config.  rows = max_query_len * GQA (the packed M extent);
-    long_ctx: the kv range is long compared with the queries (chunked
-    prefill with a cached prefix), where wide kv tiles pay off.  Tuned on an
-    H200 (triton 3.6) for bf16 with head_dim 64 / 128."""
+    long_ctx: the kv range is long compared with the queries (chunked prefill with a
+    cached prefix); long_query: a query of >= 2048 tokens (a long prompt's chunk).  Tuned
+    on an H200 (triton 3.6) for bf16 with head_dim 64 / 128 (bench/attention_tuning.py and
+    the W5/W6 A/B in bench/results/2026-12-01-h200-prefill-tiles/): for head_dim 64, tiles
+    of 64 rows and heavy tiles first on long queries (W6 +12%); for head_dim 128 the wider
+    tiles that won alone lost W6 when a step also carries decode rows, so it keeps 64x64."""
     small_m = max(16, _next_pow2(rows))
     if interpreted:
         return dict(BLOCK_M=min(32, small_m), BLOCK_N=16, num_warps=4, num_stages=1)
@@ -292,9 +295,10 @@ def _prefill_config(rows: int, head_dim: int, dtype: torch.dtype, interpreted: b
     if head_dim > 64:
         return dict(BLOCK_M=min(64, small_m), BLOCK_N=64, num_warps=4, num_stages=3)
     if long_ctx:
-        return dict(BLOCK_M=min(64, small_m), BLOCK_N=128, num_warps=4, num_stages=3)
-    bm = min(128, small_m)
-    return dict(BLOCK_M=bm, BLOCK_N=64, num_warps=8 if bm == 128 else 4, num_stages=2 if bm == 128 else 3)
+        return dict(BLOCK_M=min(128, small_m), BLOCK_N=64, num_warps=4, num_stages=4,
+                    HEAVY_FIRST=long_query)
+    return dict(BLOCK_M=min(64, small_m), BLOCK_N=64, num_warps=4, num_stages=3,
+                HEAVY_FIRST=long_query)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -326,12 +330,25 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if max_query_len == 1 and T == num_seqs:
         return paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale,
                                       max_seq_len, out=out, counters=decode_counters)
+    interpreted = _uses_interpreter(q.device)
+    rows = int(max_query_len) * (Hq // Hkv)
+    cfg = _prefill_config(rows, D, k_cache.dtype, interpreted,
+                          long_ctx=int(max_seq_len) >= 2 * int(max_query_len),
+                          long_query=int(max_query_len) >= 2048)
+    _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, cfg)
+    return out
+
+
+def _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
+                    cfg: dict) -> None:
+    """The prefill kernel's launch with an explicit tile config (bench/attention_tuning.py
+    sweeps configs through it)."""
+    T, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
     gqa = Hq // Hkv
     interpreted = _uses_interpreter(q.device)
     kern = _kernels_for(q.device)
-    rows = int(max_query_len) * gqa
-    cfg = _prefill_config(rows, D, k_cache.dtype, interpreted,
-                          long_ctx=int(max_seq_len) >= 2 * int(max_query_len))
     block_d = _next_pow2(max(D, 16))
     # Tiles of the whole batch (every sequence's rows, plus one spare tile per sequence:
     # see _kernels._tile_owner), not cdiv(rows, BLOCK_M) x num_seqs: a mixed step's
@@ -342,12 +359,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         float(scale) * _LOG2E,
         *_attention_strides(q, out, k_cache, v_cache, block_tables),
         num_seqs,
-        GQA=gqa, HEAD_DIM=D, BLOCK_SIZE=bs,
+        GQA=gqa, HEAD_DIM=D, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
         DOT_FP32=_dot_fp32(k_cache.dtype, interpreted),
+        HEAVY_FIRST=cfg.get("HEAVY_FIRST", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return out
 
 
 def _cdiv(a: int, b: int) -> int:

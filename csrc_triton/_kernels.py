@@ -151,7 +151,7 @@ def _prefill_kernel(
     num_seqs,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, HEAVY_FIRST: tl.constexpr,
 ):
     """Varlen causal attention over the paged cache.
 
@@ -165,8 +165,13 @@ def _prefill_kernel(
     row r of the flattened per-sequence index covers token r // GQA and
     query head kvh * GQA + r % GQA, so every K/V tile is loaded once for the
     whole GQA group.
+
+    HEAVY_FIRST: programs run in reverse tile order. A sequence's last row tiles attend
+    to the most keys; started first, they leave short tiles for the tail of the launch.
     """
     tile = tl.program_id(0)
+    if HEAVY_FIRST:
+        tile = tl.num_programs(0) - 1 - tile
     kvh = tl.program_id(1)
 
     seq = _tile_owner(query_start_loc_ptr, tile, num_seqs, GQA, BLOCK_M)

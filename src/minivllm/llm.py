@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence as SequenceABC
 
 from .config import EngineConfig, resolve_model_path
@@ -41,6 +42,7 @@ class LLM:
         # Read before the engine is built: a malformed file fails fast.
         self.default_sampling_overrides = generation_config_defaults(
             self.config.generation_config, resolve_model_path(self.config.model)[1])
+        _show_engine_logs()
         self.engine = LLMEngine(self.config)
 
     def get_tokenizer(self):
@@ -128,3 +130,16 @@ def _as_params_list(params, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise ValueError(f"Got {len(params)} SamplingParams for {n} prompts.")
     return params
+
+
+def _show_engine_logs() -> None:
+    """Start-up progress (compile, graph capture, their times) on stderr at INFO, as vLLM
+    prints it, unless the application has configured logging itself."""
+    pkg = logging.getLogger("minivllm")
+    if logging.getLogger().handlers or pkg.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s",
+                                           "%H:%M:%S"))
+    pkg.addHandler(handler)
+    pkg.setLevel(logging.INFO)

@@ -34,6 +34,7 @@ PLACEHOLDER_TOKEN = -1
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        start = time.perf_counter()
         self.config = config
         model_path, config_path = resolve_model_path(config.model)
         if model_path.suffix == ".gguf" or config_path.suffix == ".gguf":
@@ -66,6 +67,11 @@ class LLMEngine:
                 f"The KV cache holds {self.runner.num_blocks * config.block_size} tokens, less "
                 f"than max_model_len={config.max_model_len}: lower max_model_len or give the "
                 "cache more memory.")
+        parts = ", ".join(f"{name.removesuffix('_s').replace('_', ' ')} {secs:.1f}s"
+                          for name, secs in self.runner.startup.items())
+        logger.info("Engine ready in %.1fs (%s); KV cache: %d blocks, %d tokens.",
+                    time.perf_counter() - start, parts, self.runner.num_blocks,
+                    self.runner.num_blocks * config.block_size)
         self.scheduler = Scheduler(
             num_blocks=self.runner.num_blocks, block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,

@@ -8,8 +8,8 @@ slot is -1 (nothing stored) and their attention output is zero.
 
 The step function (model + logits + greedy argmax) is captured per bucket, largest first,
 all graphs sharing one memory pool. With MINIVLLM_COMPILE=1 it is first compiled once with
-torch.compile over a dynamic batch dimension, and every bucket's graph is captured from
-that one compiled function.
+torch.compile over a dynamic batch dimension (worker/compilation.py), and every bucket's
+graph is captured from that one compiled function.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 
 from ..config import decode_prelude_enabled
 from ..model.attention import AttentionMetadata
+from .compilation import compile_step
 
 logger = logging.getLogger(__name__)
 
@@ -161,12 +162,10 @@ class DecodeGraphRunner:
         self.use_graphs = use_graphs and device.type == "cuda"
         self.step_fn = self._decode_step
         if use_compile:
-            # Each engine instance compiles its own step; don't let Dynamo's per-function
-            # recompile limit silently turn later engines in one process eager.
-            from torch import _dynamo
-            _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 64)
-            self.step_fn = torch.compile(self._decode_step, dynamic=True, fullgraph=False)
+            self.step_fn = compile_step(self._decode_step)
         self.compiled = use_compile
+        # Seconds spent on start-up: the first call of each bucket (compiles), the capture.
+        self.timings: dict[str, float] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # Every bucket writes its logits and argmax here, outside the graphs' memory pool:
         # per-graph outputs would stay allocated, one [bucket, vocab] block per bucket.
@@ -221,6 +220,7 @@ class DecodeGraphRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         warm = time.perf_counter() - start
+        self.timings = {"warm_up_s": warm}
         if not self.use_graphs:
             return warm
         pool = None
@@ -235,8 +235,11 @@ class DecodeGraphRunner:
             self.graphs[b] = graph
         torch.cuda.synchronize(self.device)
         total = time.perf_counter() - start
-        logger.info("Captured %d decode graphs (batch %d..%d) in %.1fs (warm-up %.1fs).",
-                    len(self.graphs), self.buckets[0], self.max_batch, total, warm)
+        self.timings["capture_s"] = total - warm
+        logger.info("Decode: %d CUDA graphs (batch %d..%d) in %.1fs: %s %.1fs, capture %.1fs.",
+                    len(self.graphs), self.buckets[0], self.max_batch, total,
+                    "torch.compile and warm-up" if self.compiled else "warm-up", warm,
+                    total - warm)
         return total
 
     def can_run(self, n: int) -> bool:

@@ -99,6 +99,7 @@ class MixedGraphRunner:
         vocab = model.config.vocab_size
         self.logits_out = torch.empty(s, vocab, dtype=torch.float32, device=device)
         self.greedy_out = torch.empty(s, dtype=torch.long, device=device)
+        self.timings: dict[str, float] = {}
 
     def can_run(self, num_tokens: int, num_seqs: int, num_rows: int) -> bool:
         return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs \
@@ -126,9 +127,12 @@ class MixedGraphRunner:
         start = time.perf_counter()
         for t in reversed(self.buckets):
             self._step(t)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        warm = time.perf_counter() - start
+        self.timings = {"warm_up_s": warm}
         if not self.use_graphs:
-            return time.perf_counter() - start
-        torch.cuda.synchronize(self.device)
+            return warm
         pool = None
         for t in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph()
@@ -138,8 +142,10 @@ class MixedGraphRunner:
             self.graphs[t] = graph
         torch.cuda.synchronize(self.device)
         secs = time.perf_counter() - start
-        logger.info("Captured %d mixed-step graphs (%d..%d tokens) in %.1fs.",
-                    len(self.graphs), self.buckets[0], self.max_tokens, secs)
+        self.timings["capture_s"] = secs - warm
+        logger.info("Mixed steps: %d CUDA graphs (%d..%d tokens) in %.1fs: warm-up %.1fs, "
+                    "capture %.1fs.", len(self.graphs), self.buckets[0], self.max_tokens,
+                    secs, warm, secs - warm)
         return secs
 
     @torch.inference_mode()

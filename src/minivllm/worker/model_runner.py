@@ -9,6 +9,7 @@ requests that asked for prompt logprobs, every prompt position in the chunk.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -106,6 +107,9 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = engine_cfg.block_size
         torch.manual_seed(engine_cfg.seed)
+        # Start-up, part by part (seconds): logged once the engine is ready.
+        self.startup: dict[str, float] = {}
+        t0 = time.perf_counter()
         self.model = load_model(model_cfg, model_path, load_format=engine_cfg.load_format,
                                 dtype=dtype, device=device,
                                 max_positions=engine_cfg.max_model_len,
@@ -118,8 +122,11 @@ class ModelRunner:
             for module in self.model.modules():
                 if hasattr(module, "fused_ops"):
                     module.fused_ops = False
+        self.startup["weights_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         self.num_blocks = self._decide_num_blocks()
         self.kv_cache = KVCache(model_cfg, self.num_blocks, self.block_size, dtype, device)
+        self.startup["kv_cache_s"] = time.perf_counter() - t0
         self.sampler = Sampler(model_cfg.vocab_size, device, engine_cfg.seed)
         self.graph_runner: DecodeGraphRunner | None = None
         self.mixed_runner: MixedGraphRunner | None = None
@@ -134,23 +141,28 @@ class ModelRunner:
         """Capture the decode graphs (batch buckets) and the prefill/mixed-step graphs
         (token buckets). Their memory comes on top of the KV cache sized before."""
         cfg = self.cfg
+        use_compile = compile_enabled()
         self.graph_runner = DecodeGraphRunner(
             self.model, self.kv_cache.layers,
             max_batch=min(cfg.max_num_seqs, cfg.max_cudagraph_batch_size or cfg.max_num_seqs),
             max_blocks=cfg.max_blocks_per_seq(), block_size=self.block_size,
             max_model_len=cfg.max_model_len, device=self.device,
-            use_compile=compile_enabled(), use_graphs=cuda_graphs_enabled())
-        logger.info("Warming up decode (torch.compile=%s, CUDA graphs=%s)...",
-                    compile_enabled(), cuda_graphs_enabled())
-        secs = self.graph_runner.capture()
-        logger.info("Decode warm-up and graph capture took %.1fs.", secs)
+            use_compile=use_compile, use_graphs=cuda_graphs_enabled())
+        logger.info("Decode step: %s, %s...", "torch.compile" if use_compile else "eager",
+                    "capturing CUDA graphs" if cuda_graphs_enabled() else "no CUDA graphs")
+        self.graph_runner.capture()
+        for part, secs in self.graph_runner.timings.items():
+            self.startup[f"decode_{part}"] = secs
         max_tokens = min(cfg.max_graph_tokens, cfg.max_num_batched_tokens)
         if max_tokens > 0 and cuda_graphs_enabled():
+            logger.info("Mixed steps (up to %d tokens): capturing CUDA graphs...", max_tokens)
             self.mixed_runner = MixedGraphRunner(
                 self.model, self.kv_cache.layers, max_tokens=max_tokens,
                 max_seqs=cfg.max_num_seqs, max_blocks=cfg.max_blocks_per_seq(),
                 max_model_len=cfg.max_model_len, device=self.device, use_graphs=True)
             self.mixed_runner.capture()
+            for part, secs in self.mixed_runner.timings.items():
+                self.startup[f"mixed_{part}"] = secs
 
     def _init_async_buffers(self, at_least: int = 1) -> None:
         n = max(at_least, self.graph_runner.max_batch if self.graph_runner is not None else 1)

@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""Tile-config sweep of the paged prefill attention kernel on a CUDA GPU.
+
+For each model's head layout and each prefill shape of the GPU workloads (W5: two 4096-token
+prompts per step; W6: one 8192-token prompt; W1: a ragged batch of 100..1024; a 2048-token
+chunk on a 6144-token cached prefix) it runs every config of the sweep through
+csrc_triton._launch_prefill, checks it against the current default's output, and times it
+(triton.testing.do_bench, median). Fresh prompts are also timed with torch's SDPA backends
+(flash, cuDNN) on contiguous K/V: the reference a paged kernel is measured against.
+
+    python bench/attention_tuning.py [--out FILE] [--models qwen3,llama-3.1-8b] [--quick]
+
+Writes JSON: every (model, shape, config) row with TFLOP/s, and per (model, shape) the
+default's and the best config's TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import csrc_triton  # noqa: E402
+from bench.common import write_result  # noqa: E402
+
+MODELS = {  # name: (num_q_heads, num_kv_heads, head_dim)
+    "qwen2.5-0.5b": (14, 2, 64),
+    "qwen3-0.6b": (16, 8, 128),
+    "llama-3.1-8b": (32, 8, 128),
+}
+SHAPES = {  # name: [(cached prefix, new tokens), ...]
+    "w5": [(0, 4096), (0, 4096)],
+    "w6": [(0, 8192)],
+    "w1": [(0, n) for n in (100, 1024, 333, 768, 512, 150, 900, 421)],
+    "chunk": [(6144, 2048)],
+}
+BLOCK_SIZE = 16
+
+
+def problem(shape, hq, hkv, d, dtype, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    seq_lens = [c + n for c, n in shape]
+    q_lens = [n for _, n in shape]
+    need = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    num_blocks = sum(need) + 4
+    perm = torch.randperm(num_blocks, generator=g)
+    bt = torch.zeros(len(shape), max(need), dtype=torch.int32)
+    p = 0
+    for i, n in enumerate(need):
+        bt[i, :n] = perm[p:p + n].to(torch.int32)
+        p += n
+    dev = "cuda"
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, hkv, d, device=dev).to(dtype)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, hkv, d, device=dev).to(dtype)
+    T = sum(q_lens)
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, device=dev).to(dtype)
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    return dict(q=qkv[:, :hq * d].view(T, hq, d), k_cache=k_cache, v_cache=v_cache,
+                block_tables=bt.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+                qsl=torch.tensor(qsl, dtype=torch.int32, device=dev), seq_lens_l=seq_lens,
+                q_lens_l=q_lens, scale=d ** -0.5)
+
+
+def attn_flops(pb, hq, d):
+    keys = sum(sum(s - n + j + 1 for j in range(n)) for s, n in zip(pb["seq_lens_l"], pb["q_lens_l"]))
+    return 4 * d * hq * keys
+
+
+def sdpa_refs(pb, hq, hkv, d):
+    """Per-sequence SDPA over contiguous K/V (fresh prompts only): time per backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    seqs = []
+    qsl = pb["qsl"].tolist()
+    for i, n in enumerate(pb["q_lens_l"]):
+        q = pb["q"][qsl[i]:qsl[i + 1]].transpose(0, 1).contiguous()[None]  # [1, Hq, n, d]
+        k = torch.randn(1, hkv, n, d, device="cuda", dtype=q.dtype)
+        v = torch.randn_like(k)
+        seqs.append((q, k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)))
+    out = {}
+    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+                          ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def fn():
+            with sdpa_kernel(backend):
+                for q, k, v in seqs:
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        try:
+            fn()
+            out[name] = bench(fn)
+        except Exception as e:  # a backend this build or GPU lacks
+            out[name] = f"unavailable: {type(e).__name__}: {str(e)[:120]}"
+    return out
+
+
+def bench(fn):
+    import triton
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e-3
+
+
+def configs(quick):
+    ms, ns, ws, ss = ((64, 128), (64, 128), (4, 8), (2, 3)) if quick else \
+        ((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
+    for bm, bn, w, s in itertools.product(ms, ns, ws, ss):
+        yield dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--quick", action="store_true", help="a smaller sweep")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("attention_tuning needs a CUDA GPU")
+    dtype = torch.bfloat16
+    t0 = time.time()
+    rows, summary = [], []
+    for model in args.models.split(","):
+        hq, hkv, d = MODELS[model]
+        for shape_name in args.shapes.split(","):
+            shape = SHAPES[shape_name]
+            pb = problem(shape, hq, hkv, d, dtype)
+            flops = attn_flops(pb, hq, d)
+            max_q, max_s = max(pb["q_lens_l"]), max(pb["seq_lens_l"])
+            default_cfg = csrc_triton._prefill_config(max_q * hq // hkv, d, dtype, False,
+                                                      long_ctx=max_s >= 2 * max_q,
+                                                      long_query=max_q >= 2048)
+            ref = torch.empty_like(pb["q"], memory_format=torch.contiguous_format)
+
+            def launch(cfg, out):
+                csrc_triton._launch_prefill(pb["q"], pb["k_cache"], pb["v_cache"], pb["block_tables"],
+                                            pb["seq_lens"], pb["qsl"], pb["scale"], out, cfg)
+            launch(default_cfg, ref)
+            t_default = bench(lambda: launch(default_cfg, ref))
+            best = (t_default, dict(default_cfg))
+            out = torch.empty_like(ref)
+            tried = list(configs(args.quick))
+            for cfg in tried + [None]:
+                if cfg is None:  # the best tile config again, heavy tiles first
+                    cfg = dict(best[1], HEAVY_FIRST=True)
+                try:
+                    launch(cfg, out)
+                    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                    t = bench(lambda: launch(cfg, out))
+                except Exception as e:  # e.g. out of shared memory for this tile
+                    rows.append(dict(model=model, shape=shape_name, **cfg, error=f"{type(e).__name__}"))
+                    continue
+                ok = err < 1e-2
+                rows.append(dict(model=model, shape=shape_name, **cfg, t_us=t * 1e6,
+                                 TFLOPs=flops / t / 1e12, rel_err_vs_default=err, ok=ok))
+                if ok and t < best[0]:
+                    best = (t, dict(cfg))
+            refs = sdpa_refs(pb, hq, hkv, d) if all(c == 0 for c, _ in shape) else {}
+            s = dict(model=model, shape=shape_name, tokens=sum(pb["q_lens_l"]), gflop=flops / 1e9,
+                     default=default_cfg, default_TFLOPs=flops / t_default / 1e12,
+                     best=best[1], best_TFLOPs=flops / best[0] / 1e12,
+                     **{k: (flops / v / 1e12 if isinstance(v, float) else v) for k, v in refs.items()})
+            summary.append(s)
+            print(f"[{time.time() - t0:6.1f}s] {model:13s} {shape_name:6s} default "
+                  f"{s['default_TFLOPs']:6.1f}  best {s['best_TFLOPs']:6.1f} {best[1]}  "
+                  + "  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} -"
+                              for k, v in s.items() if k.startswith("sdpa")), flush=True)
+    path = write_result("attention-tuning", dict(dtype="bfloat16", block_size=BLOCK_SIZE,
+                                                 wall_s=time.time() - t0, summary=summary,
+                                                 rows=rows), args.out)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
