@@ -2,8 +2,8 @@
 """Tile-config sweep of the paged prefill attention kernel on a CUDA GPU.
 
 For each model's head layout and each prefill shape of the GPU workloads (W5: two 4096-token
-prompts per step; W6: one 8192-token prompt; W1: a ragged batch of 100..1024; a 2048-token
-chunk on a 6144-token cached prefix) it runs every config of the sweep through
+prompts per step; W6: one 8192-token prompt, alone and beside 16 decode rows at ~8k
+context; W1: a ragged batch of 100..1024; a 2048-token chunk on a 6144-token cached prefix) it runs every config of the sweep through
 csrc_triton._launch_prefill, checks it against the current default's output, and times it
 (triton.testing.do_bench, median). Fresh prompts are also timed with torch's SDPA backends
 (flash, cuDNN) on contiguous K/V: the reference a paged kernel is measured against.
@@ -37,6 +37,9 @@ MODELS = {  # name: (num_q_heads, num_kv_heads, head_dim)
 SHAPES = {  # name: [(cached prefix, new tokens), ...]
     "w5": [(0, 4096), (0, 4096)],
     "w6": [(0, 8192)],
+    # W6 as the engine runs it: a prompt's chunk beside the decode rows of earlier prompts.
+    # Tiles that won on "w6" alone (128x128 for head_dim 128) lost W6 end to end here.
+    "w6-mixed": [(0, 8192 - 16)] + [(8192 + 16 * i, 1) for i in range(16)],
     "w1": [(0, n) for n in (100, 1024, 333, 768, 512, 150, 900, 421)],
     "chunk": [(6144, 2048)],
 }

@@ -64,6 +64,9 @@ class Results:
     w3: dict[Path, list[Result]] = field(default_factory=dict)        # run folder -> files
     w4: list[Result] = field(default_factory=list)
     vs_vllm: list[Result] = field(default_factory=list)                # bench.vs_vllm merge
+    offline: dict[Path, list[Result]] = field(default_factory=dict)   # one engine, A/B runs
+    tuning: list[Result] = field(default_factory=list)                # attention_tuning
+    profiles: list[Result] = field(default_factory=list)              # bench.step_profile
     ignored: list[Path] = field(default_factory=list)
 
     def newest(self, section: str) -> Result | None:
@@ -119,6 +122,12 @@ def load(dirs: list[Path], skip: Path | None = None) -> Results:
             res.vs_vllm.append(r)
         elif data.get("benchmark") == "w4_cpu":
             res.w4.append(r)
+        elif data.get("benchmark") == "vs_vllm_offline":
+            res.offline.setdefault(p.parent, []).append(r)
+        elif data.get("benchmark") == "attention-tuning":
+            res.tuning.append(r)
+        elif data.get("benchmark") == "step_profile":
+            res.profiles.append(r)
         else:
             res.ignored.append(p)
     return res
@@ -852,6 +861,52 @@ class Report:
             self.p("\n" + "; ".join(notes) + ".")
             self.p(f"\n{provenance(r.env, r.data.get('model'), self.src(r))}")
 
+    # -- one-engine offline runs, kernel tuning, profiles --
+
+    def offline_runs(self) -> None:
+        """Folders of offline runs of one engine each (A/Bs of minivllm variants); the
+        vs-vLLM folders' inputs are shown merged above."""
+        merged = {r.run for r in self.res.vs_vllm}
+        runs = {d: rs for d, rs in self.res.offline.items() if d not in merged}
+        if not runs:
+            return
+        self.h(2, "Offline A/B runs (one engine per process, same device call)")
+        for d, rs in sorted(runs.items()):
+            self.h(3, f"`{rel(d, self.base)}`")
+            names = sorted({w for r in rs for w in r.data.get("best", {})})
+            rows = [[r.path.stem, r.data.get("model", "?")]
+                    + [fmt((r.data.get("best", {}).get(w) or {}).get("value"), 0) for w in names]
+                    for r in sorted(rs, key=lambda r: r.path.name)]
+            self.p(table(["file", "model"] + [f"{w} ({'prompt' if w == 'W5' else 'output'} "
+                                              "tok/s)" for w in names], rows))
+            self.p(f"\n{provenance(rs[0].env, None, rel(d, self.base))}")
+
+    def tuning_and_profiles(self) -> None:
+        if not (self.res.tuning or self.res.profiles):
+            return
+        self.h(2, "Prefill attention tiles and step profiles")
+        for r in self.res.tuning:
+            self.p("Paged prefill attention (bf16), TFLOP/s: the default tile config, the "
+                   "best of the sweep, and torch SDPA on contiguous K/V (fresh prompts "
+                   "only).\n")
+            rows = [[x["model"], x["shape"], fmt(x["default_TFLOPs"], 0), fmt(x["best_TFLOPs"], 0),
+                     " ".join(f"{k}={v}" for k, v in x["best"].items()),
+                     fmt(x.get("sdpa_flash"), 0) if isinstance(x.get("sdpa_flash"), float) else "-",
+                     fmt(x.get("sdpa_cudnn"), 0) if isinstance(x.get("sdpa_cudnn"), float) else "-"]
+                    for x in r.data.get("summary", [])]
+            self.p(table(["model", "shape", "default", "best", "best config", "SDPA flash",
+                          "SDPA cuDNN"], rows))
+            self.p(f"\n{provenance(r.env, None, self.src(r))}")
+        for r in self.res.profiles:
+            d = r.data
+            self.p(f"\n{d.get('model')} {d.get('workload')} x{d.get('requests')}: wall "
+                   f"{d.get('wall_ms')} ms, kernels {d.get('kernel_ms')} ms "
+                   f"({100 * d.get('gpu_busy', 0):.0f}% busy).\n")
+            self.p(table(["kernel", "share", "ms", "calls", "us per call"],
+                         [[x["kernel"][:70], f"{100 * x['share']:.1f}%", x["ms"], x["calls"],
+                           x["us_per_call"]] for x in d.get("top_kernels", [])[:10]]))
+            self.p(f"\n{provenance(r.env, d.get('model'), self.src(r))}")
+
     # -- W4 --
 
     def w4(self) -> None:
@@ -952,6 +1007,8 @@ class Report:
         self.sweep()
         self.w3()
         self.vs_vllm()
+        self.offline_runs()
+        self.tuning_and_profiles()
         self.w4()
         body = self.md
         head = ["# minivllm benchmark report", "",

@@ -62,6 +62,13 @@ def test_report_regenerates_from_committed_results(tmp_path):
     assert "## minivllm against vLLM" in md
     assert re.search(r"\| llama-3.1-8b W2, output tok/s \| vLLM [0-9.]+ \| [0-9.,]+ \| [0-9.]+x \|", md)
     assert "## Headline" in md and "## Not measured" in md
+    # One-engine A/B folders, the tile sweep and the step profile have sections of their own.
+    ab = re.search(r"### `bench/results/2026-12-01-h200-prefill-host-inputs`\n\n(.*?)\n\n", md,
+                   re.S)
+    assert ab and ab.group(1).count("| w5_") == 8
+    assert "## Prefill attention tiles and step profiles" in md
+    assert re.search(r"\| qwen3-0.6b \| w6-?\w* \| [0-9,]+ \| [0-9,]+ \|", md)
+    assert "_prefill_kernel" in md
 
 
 def test_missing_sections_are_reported_not_measured(tmp_path):

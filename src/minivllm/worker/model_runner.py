@@ -12,6 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..config import (EngineConfig, ModelConfig, compile_enabled, cuda_graphs_enabled,
@@ -96,6 +97,20 @@ class ModelInputs:
     sample_indices: list[int]       # flat-token index of each sampling row's logits
     row_seqs: list[Sequence]        # the sequence each sampling row samples for
     prompt_lp_spans: list[tuple[Sequence, int, int, int]]  # seq, token start, first pos, count
+
+
+# From this many tokens of a sequence in a step, its slots are computed with numpy (a long
+# prompt chunk: 8192 tokens took ~1.4 ms in a Python loop here, 0.1 ms this way).
+_VECTOR_MIN_TOKENS = 64
+
+
+def _long_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of a host list: numpy's conversion of a long list is ~4x faster than
+    torch.tensor's (8192 ints: 0.23 vs 1.0 ms on the development machine)."""
+    if len(values) < _VECTOR_MIN_TOKENS:
+        return torch.tensor(values, dtype=torch.long, device=device)
+    arr = torch.from_numpy(np.fromiter(values, dtype=np.int64, count=len(values)))
+    return arr.to(device) if device.type != "cpu" else arr
 
 
 class ModelRunner:
@@ -239,7 +254,11 @@ class ModelRunner:
             h.input_ids.extend(seq.token_ids[start:end])
             h.positions.extend(range(start, end))
             table = seq.block_table
-            h.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if n >= _VECTOR_MIN_TOKENS:
+                pos = np.arange(start, end)
+                h.slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
+            else:
+                h.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             tok0 = qsl[-1]
             qsl.append(tok0 + n)
             h.seq_lens.append(end)
@@ -269,7 +288,7 @@ class ModelRunner:
         tables = [t + [0] * (max_blocks - len(t)) for t in h.block_tables]
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(h.slots, dtype=torch.long, device=dev),
+            slot_mapping=_long_tensor(h.slots, dev),
             query_start_loc=torch.tensor(h.query_start_loc, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(h.seq_lens, dtype=torch.int32, device=dev),
             block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
@@ -279,8 +298,8 @@ class ModelRunner:
             seq_lens_host=h.seq_lens,
         )
         return ModelInputs(
-            input_ids=torch.tensor(h.input_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(h.positions, dtype=torch.long, device=dev),
+            input_ids=_long_tensor(h.input_ids, dev),
+            positions=_long_tensor(h.positions, dev),
             meta=meta, sample_indices=h.sample_indices, row_seqs=h.row_seqs,
             prompt_lp_spans=h.prompt_lp_spans)
 
