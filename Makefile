@@ -24,11 +24,15 @@ model: setup
 serve: model
 	$(BIN)/minivllm serve $(ARGS)
 
+# One pytest worker per core (pytest-xdist), each single-threaded: 313 s instead of 558 s
+# for the whole suite on the 2-core development machine. TEST_WORKERS=0 runs in-process.
+TEST_WORKERS ?= auto
+
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(ARGS)
 
 test-fast: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow" $(ARGS)
 
 # lm-eval's local-completions against minivllm serve (bench/lm_eval_check.py); lm-eval gets a
 # venv of its own, with torch pinned to the same CPU wheel.
