@@ -239,6 +239,9 @@ class EngineConfig:
     # "auto": the model folder's generation_config.json; "vllm": none; or a folder.
     # Read by LLM and the server (sampling_params.generation_config_defaults).
     generation_config: str = "auto"
+    # vLLM's speculative_config, e.g. {"method": "ngram", "num_speculative_tokens": 4,
+    # "prompt_lookup_min": 2, "prompt_lookup_max": 5} (engine/speculative.py).
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -250,6 +253,8 @@ class EngineConfig:
                              f"got {self.gpu_memory_utilization}.")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"Unknown load_format {self.load_format!r}.")
+        from .engine.speculative import SpeculativeConfig
+        SpeculativeConfig.from_dict(self.speculative_config)  # a bad one fails here
 
     def finalize(self, model_config: ModelConfig) -> None:
         """Fill in the limits that depend on the model."""

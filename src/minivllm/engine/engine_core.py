@@ -160,6 +160,7 @@ class EngineCore:
             "prefix_cache_hits": sched.pool.cache_hits * sched.block_size,
             "prompt_tokens": eng.stats.get("prompt_tokens", 0),
             "generation_tokens": eng.stats.get("generation_tokens", 0),
+            **{k: v for k, v in eng.stats.items() if k.startswith("spec_decode_")},
         }
 
 

@@ -24,6 +24,7 @@ from ..worker.model_runner import ModelRunner, PendingDecode, StepResult
 from ..worker.sampler import SamplerOutput
 from .detokenizer import Detokenizer, find_stop_string, visible_text
 from .scheduler import ScheduledBatch, Scheduler
+from .speculative import SpeculativeConfig, accepted_count, can_speculate, ngram_proposal
 from .sequence import Request, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -83,10 +84,16 @@ class LLMEngine:
         # Steps launched before the previous one is read back (decode steps, and mixed
         # steps of new requests joining in-flight decodes).
         self._pipelined = pipelining_enabled()
+        self.speculative = SpeculativeConfig.from_dict(config.speculative_config)
+        if self.speculative is not None:
+            # Verification needs each step's tokens before the next is planned.
+            self._pipelined = False
         self._pending: PendingDecode | None = None
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0,
+                      "spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
+                      "spec_decode_num_accepted_tokens": 0}
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -215,7 +222,11 @@ class LLMEngine:
         if self._pending is not None and not self._pipeline_can_continue():
             touched = self._resolve_pending()
             return report(touched) + report(self._step_sync())
+        if self.speculative is not None:
+            self._propose_drafts()
         batch = self.scheduler.schedule()
+        if self.speculative is not None:
+            self._fit_drafts(batch)
         if not batch.seqs:
             touched = self._resolve_pending() if self._pending is not None else []
             if not touched and self.scheduler.has_work():
@@ -262,8 +273,87 @@ class LLMEngine:
 
     def _run_sync(self, batch: ScheduledBatch) -> list[Request]:
         result = self.runner.execute(batch)
+        drafted = [seq for seq in batch.seqs if seq.num_drafts] if self.speculative else []
+        if drafted:
+            result = self._verify_drafts(batch, result)
         self.scheduler.advance(batch)
+        for seq in drafted:
+            # The accepted drafts stay in token_ids through advance() (the prefix cache
+            # hashes them); _process appends them again, one stop check at a time.
+            del seq.token_ids[len(seq.token_ids) - seq.num_drafts:]
+            seq.num_drafts = 0
         return self._process(result)
+
+    # ---- speculative decoding (engine/speculative.py) -----------------------------------
+
+    def _propose_drafts(self) -> None:
+        """Append n-gram proposals to the running greedy sequences as draft tokens."""
+        spec = self.speculative
+        for seq in self.scheduler.running:
+            if not can_speculate(seq):
+                continue
+            if seq.spec_wait:
+                seq.spec_wait -= 1
+                continue
+            p = seq.params
+            # Never past max_tokens or max_model_len: a step adds accepted drafts + 1.
+            room = min(p.max_tokens - seq.num_output_tokens,
+                       self.max_model_len - len(seq.token_ids)) - 1
+            k = min(spec.num_speculative_tokens, room)
+            if k <= 0:
+                continue
+            drafts = ngram_proposal(seq.token_ids, k, spec.prompt_lookup_min,
+                                    spec.prompt_lookup_max)
+            if drafts:
+                seq.token_ids.extend(drafts)
+                seq.num_drafts = len(drafts)
+
+    def _fit_drafts(self, batch: ScheduledBatch) -> None:
+        """Drop the drafts of sequences the step does not carry whole (preempted, out of
+        budget): a step verifies a sequence's drafts only if it computes all of them."""
+        scheduled = dict(zip((s.seq_id for s in batch.seqs), batch.num_new_tokens))
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            if not seq.num_drafts:
+                continue
+            # A step computes n <= 1 + num_drafts of its tokens; preempted: none.
+            n = scheduled.get(seq.seq_id, 0) if seq.status is SequenceStatus.RUNNING else 0
+            keep = max(0, min(seq.num_drafts, n - 1))
+            if keep < seq.num_drafts:
+                del seq.token_ids[len(seq.token_ids) - (seq.num_drafts - keep):]
+                seq.num_drafts = keep
+
+    def _verify_drafts(self, batch: ScheduledBatch, result: StepResult) -> StepResult:
+        """Keep each drafted sequence's confirmed drafts (and shorten its step to them) and
+        return the step's result with one row per token to append: for a drafted sequence
+        the accepted drafts and the target's next token, in order."""
+        tokens = result.sampled.token_ids
+        rows, out = [], []
+        n_new = dict(zip((s.seq_id for s in batch.seqs), range(len(batch.seqs))))
+        r = 0
+        while r < len(result.row_seqs):
+            seq = result.row_seqs[r]
+            k = seq.num_drafts
+            if not k:
+                rows.append(seq)
+                out.append(tokens[r])
+                r += 1
+                continue
+            targets = tokens[r:r + k + 1]
+            drafts = seq.token_ids[len(seq.token_ids) - k:]
+            a = accepted_count(drafts, targets)
+            seq.spec_misses = 0 if a else min(seq.spec_misses + 1, 4)
+            seq.spec_wait = (1 << seq.spec_misses) - 1
+            self.stats["spec_decode_num_drafts"] += 1
+            self.stats["spec_decode_num_draft_tokens"] += k
+            self.stats["spec_decode_num_accepted_tokens"] += a
+            # The rejected drafts leave now; the step computed KV for the rest.
+            del seq.token_ids[len(seq.token_ids) - (k - a):]
+            seq.num_drafts = a
+            batch.num_new_tokens[n_new[seq.seq_id]] -= k - a
+            rows += [seq] * (a + 1)
+            out += targets[:a + 1]
+            r += k + 1
+        return StepResult(rows, SamplerOutput(out, []), result.prompt_logprobs)
 
     # ---- pipelined greedy decoding ------------------------------------------------------
     #
@@ -348,7 +438,10 @@ class LLMEngine:
         tokens = result.sampled.token_ids
         logprobs = result.sampled.logprobs
         ended: list[Request] = []
+        appended = 0
         for row, seq in live:
+            if seq.is_finished:
+                continue  # a speculative step's later tokens after a stop
             req = seq.request
             token = tokens[row]
             seq.token_ids.append(token)
@@ -358,10 +451,11 @@ class LLMEngine:
             if lp is not None:
                 seq.cumulative_logprob += lp[0]
                 seq.logprobs.append(self._position_logprobs(token, *lp))
+            appended += 1
             if self._check_stop(seq, token):
                 ended.append(req)
             touched[req.request_id] = req
-        self.stats["generation_tokens"] += len(live)
+        self.stats["generation_tokens"] += appended
         for req in touched.values():
             req.seqs[0].forks_pending = False
         for req in ended:

@@ -79,6 +79,14 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.detok_state = None  # owned by the Detokenizer
         self.num_preemptions = 0
+        # Speculative decoding: the last num_drafts of token_ids are proposals the coming
+        # step verifies (engine/speculative.py); 0 otherwise.
+        self.num_drafts = 0
+        # After a step that rejected every draft, the sequence proposes none for a while
+        # (1, 3, 7, then 15 steps): text that does not repeat itself stops paying for
+        # verification. Any accepted draft resets it.
+        self.spec_misses = 0
+        self.spec_wait = 0
 
     @property
     def num_tokens(self) -> int:

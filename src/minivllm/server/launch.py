@@ -9,6 +9,7 @@ directly.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import multiprocessing
 import sys
@@ -68,6 +69,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "max_new_tokens as max_tokens): 'auto' (default) reads the model "
                              "folder's generation_config.json, 'vllm' ignores it (OpenAI's "
                              "defaults), a FOLDER reads its generation_config.json.")
+    parser.add_argument("--speculative-config", type=_json_object, default=None,
+                        metavar="JSON",
+                        help='Speculative decoding, as vLLM\'s: e.g. \'{"method": "ngram", '
+                             '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\' (greedy '
+                             'requests only; the engine then runs step by step).')
     parser.add_argument("--max-waiting-requests", type=int,
                         default=DEFAULT_MAX_WAITING_REQUESTS,
                         help="Requests accepted but not yet started before the server "
@@ -106,7 +112,18 @@ def engine_config_from_args(args: argparse.Namespace):
         enforce_eager=args.enforce_eager, load_format=args.load_format, seed=args.seed,
         device=args.device, skip_tokenizer_init=args.skip_tokenizer_init,
         enable_prefix_caching=args.enable_prefix_caching,
-        generation_config=args.generation_config)
+        generation_config=args.generation_config,
+        speculative_config=getattr(args, "speculative_config", None))
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def build_server(args: argparse.Namespace, engine=None):

@@ -189,6 +189,14 @@ class EngineMetrics:
         lines += _scalar("counter", "minivllm:generation_tokens_total",
                          "Number of generation tokens processed.",
                          [(lbl, snapshot.get("generation_tokens", 0))])
+        # vLLM's speculative-decoding counters (zero without --speculative-config).
+        for key, help_text in (
+                ("spec_decode_num_drafts", "Number of speculative steps with drafts."),
+                ("spec_decode_num_draft_tokens", "Number of draft tokens proposed."),
+                ("spec_decode_num_accepted_tokens", "Number of draft tokens accepted.")):
+            if key in snapshot:
+                lines += _scalar("counter", f"minivllm:{key}_total", help_text,
+                                 [(lbl, snapshot[key])])
         with self._lock:
             success = [({**lbl, "finished_reason": r}, c)
                        for r, c in self.success.items() if r != "abort"]

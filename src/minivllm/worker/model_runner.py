@@ -272,7 +272,12 @@ class ModelRunner:
                     h.prompt_lp_spans.append((seq, tok0 + first - start, first + 1,
                                               last - first))
             if batch.samples(i):
-                if seq.forks_pending:
+                if seq.num_drafts:
+                    # Speculative: the target's token at every draft position and after.
+                    for j in range(seq.num_drafts, -1, -1):
+                        h.sample_indices.append(qsl[-1] - 1 - j)
+                        h.row_seqs.append(seq)
+                elif seq.forks_pending:
                     for sibling in req.seqs:  # one row per sample, all from these logits
                         h.sample_indices.append(qsl[-1] - 1)
                         h.row_seqs.append(sibling)
