@@ -67,6 +67,7 @@ class Results:
     offline: dict[Path, list[Result]] = field(default_factory=dict)   # one engine, A/B runs
     tuning: list[Result] = field(default_factory=list)                # attention_tuning
     profiles: list[Result] = field(default_factory=list)              # bench.step_profile
+    w7: list[Result] = field(default_factory=list)                    # bench.w7_spec
     ignored: list[Path] = field(default_factory=list)
 
     def newest(self, section: str) -> Result | None:
@@ -128,6 +129,8 @@ def load(dirs: list[Path], skip: Path | None = None) -> Results:
             res.tuning.append(r)
         elif data.get("benchmark") == "step_profile":
             res.profiles.append(r)
+        elif data.get("benchmark") == "w7-spec":
+            res.w7.append(r)
         else:
             res.ignored.append(p)
     return res
@@ -907,6 +910,23 @@ class Report:
                            x["us_per_call"]] for x in d.get("top_kernels", [])[:10]]))
             self.p(f"\n{provenance(r.env, d.get('model'), self.src(r))}")
 
+    # -- W7 --
+
+    def w7(self) -> None:
+        if not self.res.w7:
+            return
+        self.h(2, "W7: speculative decoding (SmolLM2-135M, real weights, greedy)")
+        for r in sorted(self.res.w7, key=lambda r: r.path.name):
+            cfg = r.data.get("speculative_config", {})
+            self.h(3, f"`{rel(r.path, self.base)}`: k={cfg.get('num_speculative_tokens')}")
+            self.p(table(["prompts", "mode", "plain tok/s", "ngram tok/s", "speed-up",
+                          "accepted", "tokens per verification", "identical"],
+                         [[x["prompts"], x["mode"], x["plain_tok_per_s"], x["ngram_tok_per_s"],
+                           f"{x['speedup']:.2f}x", x["acceptance_rate"],
+                           x["tokens_per_verified_step"], x["identical"]]
+                          for x in r.data.get("rows", [])]))
+            self.p(f"\n{provenance(r.env, 'SmolLM2-135M-Instruct', self.src(r))}")
+
     # -- W4 --
 
     def w4(self) -> None:
@@ -1009,6 +1029,7 @@ class Report:
         self.vs_vllm()
         self.offline_runs()
         self.tuning_and_profiles()
+        self.w7()
         self.w4()
         body = self.md
         head = ["# minivllm benchmark report", "",
