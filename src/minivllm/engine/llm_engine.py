@@ -312,12 +312,12 @@ class LLMEngine:
         """Drop the drafts of sequences the step does not carry whole (preempted, out of
         budget): a step verifies a sequence's drafts only if it computes all of them."""
         scheduled = dict(zip((s.seq_id for s in batch.seqs), batch.num_new_tokens))
-        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+        # Drafts were proposed for running sequences; the preempted ones left the queue.
+        for seq in itertools.chain(self.scheduler.running, batch.preempted):
             if not seq.num_drafts:
                 continue
             # A step computes n <= 1 + num_drafts of its tokens; preempted: none.
-            n = scheduled.get(seq.seq_id, 0) if seq.status is SequenceStatus.RUNNING else 0
-            keep = max(0, min(seq.num_drafts, n - 1))
+            keep = max(0, min(seq.num_drafts, scheduled.get(seq.seq_id, 0) - 1))
             if keep < seq.num_drafts:
                 del seq.token_ids[len(seq.token_ids) - (seq.num_drafts - keep):]
                 seq.num_drafts = keep

@@ -113,7 +113,7 @@ def engine_config_from_args(args: argparse.Namespace):
         device=args.device, skip_tokenizer_init=args.skip_tokenizer_init,
         enable_prefix_caching=args.enable_prefix_caching,
         generation_config=args.generation_config,
-        speculative_config=getattr(args, "speculative_config", None))
+        speculative_config=args.speculative_config)
 
 
 def _json_object(text: str) -> dict:

@@ -109,8 +109,7 @@ def _long_tensor(values: list[int], device: torch.device) -> torch.Tensor:
     torch.tensor's (8192 ints: 0.23 vs 1.0 ms on the development machine)."""
     if len(values) < _VECTOR_MIN_TOKENS:
         return torch.tensor(values, dtype=torch.long, device=device)
-    arr = torch.from_numpy(np.fromiter(values, dtype=np.int64, count=len(values)))
-    return arr.to(device) if device.type != "cpu" else arr
+    return torch.from_numpy(np.fromiter(values, dtype=np.int64, count=len(values))).to(device)
 
 
 class ModelRunner:
