@@ -1,5 +1,7 @@
 """Speculative decoding by n-gram lookup: greedy output identical to the target alone, under
-batching, preemption, prefix caching, stops and max_tokens; the block pool whole after."""
+batching, preemption, prefix caching, stops and max_tokens; sampled output by rejection
+sampling with the target's distribution (chi-square) and reproducible seeds; logprobs of
+accepted tokens; the draft-length policy; the block pool whole after."""
 
 from __future__ import annotations
 
@@ -7,14 +9,19 @@ import random
 import subprocess
 import sys
 
+from dataclasses import dataclass
+
 import httpx
 import openai
 import pytest
+import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
-from minivllm.engine.speculative import SpeculativeConfig, accepted_count, ngram_proposal
+from minivllm.engine.speculative import (SpeculativeConfig, StepCost, accepted_count,
+                                         ngram_proposal)
 from minivllm.server.testing import ServerThread
+from minivllm.worker.sampler import Sampler
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}
@@ -42,7 +49,10 @@ def ids(outputs) -> list[list[int]]:
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
       "prompt_lookup_max": 2}, "larger than"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown keys"),
-    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2}, "not supported"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2,
+      "prompt_lookup_max": 3}, "apply to method 'ngram'"),
+    ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "applies to method"),
     ("ngram", "must be a dict"),
 ])
 def test_invalid_configs_are_rejected(cfg, message):
@@ -81,9 +91,9 @@ def test_greedy_output_is_unchanged(tiny_model_dirs, family):
 
 
 def test_mixed_batches_preemption_prefix_cache_and_max_tokens(tiny_model_dirs):
-    """Greedy and sampled requests in one batch (only greedy ones speculate), a KV cache
-    small enough to preempt, shared prefixes, and max_tokens from 1 up: outputs as without
-    speculation, never longer than max_tokens."""
+    """Greedy and sampled requests in one batch, a KV cache small enough to preempt, shared
+    prefixes, and max_tokens from 1 up: greedy outputs as without speculation, none longer
+    than max_tokens. (The sampled ones here draw near-uniformly and rarely draft.)"""
     prompts = repetitive_prompts(6, seed=5) * 2  # the repeats hit the prefix cache
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
               for m in (1, 2, 5, 17, 33, 40)]
@@ -95,7 +105,8 @@ def test_mixed_batches_preemption_prefix_cache_and_max_tokens(tiny_model_dirs):
     want = LLM(str(tiny_model_dirs["qwen2"]), **kw).generate(prompts, params, use_tqdm=False)
     llm = LLM(str(tiny_model_dirs["qwen2"]), speculative_config=NGRAM, **kw)
     got = llm.generate(prompts, params, use_tqdm=False)
-    assert ids(got) == ids(want)
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
+    assert [ids([got[i]]) for i in greedy] == [ids([want[i]]) for i in greedy]
     for o, p in zip(got, params):
         assert all(len(c.token_ids) == p.max_tokens for c in o.outputs)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -157,3 +168,175 @@ def test_serve_rejects_a_bad_speculative_config():
     proc = subprocess.run([sys.executable, "-m", "minivllm.cli", "serve", "--speculative-config",
                            "[1, 2]"], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "must be a JSON object" in proc.stderr
+
+
+@dataclass
+class Row:
+    """What the sampler reads of a sequence (no penalties, no min_tokens)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None
+
+
+# The chi-square statistic's 99.99th percentile for 5 degrees of freedom (6 tokens).
+CHI2_5DF_P9999 = 25.74
+
+
+def chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    """Over the tokens of nonzero probability; infinite if any other token was drawn."""
+    observed = torch.bincount(tokens, minlength=probs.numel()).double()
+    support = probs > 0
+    if observed[~support].sum() > 0:
+        return float("inf")
+    expected = probs.double()[support] * tokens.numel()
+    return float(((observed[support] - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+def test_rejection_sampling_keeps_the_target_distribution(proposer):
+    """40,000 rows verify a draft at one position; the token each row keeps (the draft, or
+    a draw from the residual) must follow the target's distribution p: temperature 0.7
+    and top_k 6 over 8 tokens, so 6 tokens of nonzero probability. The draft is one fixed token (n-gram: q one-hot) or drawn
+    from another distribution q (a draft model). The drafts alone fail the same test."""
+    vocab, n = 8, 40_000
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(vocab, generator=gen)
+    params = SamplingParams(temperature=0.7, top_k=6)
+    target = torch.softmax(logits / 0.7, dim=-1)
+    target[target.argsort()[:2]] = 0.0  # top_k=6 drops the two least likely
+    target /= target.sum()
+    if proposer == "ngram":
+        drafts = torch.full((n,), int(target.argsort()[-2]))  # the second most likely
+        q = None
+    else:
+        q = torch.softmax(torch.randn(vocab, generator=gen), dim=-1)
+        drafts = torch.multinomial(q, n, replacement=True, generator=gen)
+        q = q.expand(n, vocab)
+    sampler = Sampler(vocab, torch.device("cpu"), seed=1)
+    rows = [Row(params)] * n
+    out = sampler(logits.expand(n, vocab).clone(), rows, drafts=drafts.tolist(), draft_probs=q)
+    kept = torch.tensor(out.token_ids)
+    assert chi_square(kept, target) < CHI2_5DF_P9999
+    # Drafts are accepted at the rate sum(min(p, q)), and the drafts alone are not p.
+    rate = target[drafts[0]] if q is None else torch.minimum(target, q[0]).sum()
+    assert abs((kept == drafts).float().mean() - rate) < 0.01
+    assert chi_square(drafts, target) > 10 * CHI2_5DF_P9999
+
+
+def test_seeded_rejection_sampling_is_reproducible():
+    vocab = 50
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(3))
+    drafts = [4, 9, -1, 7, 7, -1]
+
+    def run():
+        rows = [Row(SamplingParams(temperature=1.0, seed=s), torch.Generator().manual_seed(s))
+                for s in (11, 11, 11, 12, 12, 12)]
+        return Sampler(vocab, torch.device("cpu"), seed=0)(logits.clone(), rows,
+                                                           drafts=drafts).token_ids
+    assert run() == run()
+
+
+def test_sampled_requests_speculate_reproducibly(tiny_model_dirs):
+    """Low-temperature seeded requests draft, accept drafts, and give the same tokens on
+    another engine and beside other requests; max_tokens holds and the pool is whole."""
+    prompts = repetitive_prompts(4, seed=11)
+    params = [SamplingParams(temperature=0.05, seed=i, max_tokens=24, ignore_eos=True)
+              for i in range(4)]
+    kw = dict(skip_tokenizer_init=True, max_model_len=160, block_size=4)
+    llm = LLM(str(tiny_model_dirs["qwen3"]), speculative_config=NGRAM, **kw)
+    together = ids(llm.generate(prompts, params, use_tqdm=False))
+    assert llm.engine.stats["spec_decode_num_accepted_tokens"] > 0
+    assert all(len(t) == 24 for t in together)
+    other = LLM(str(tiny_model_dirs["qwen3"]), speculative_config=NGRAM, **kw)
+    alone = [ids(other.generate([p], [sp], use_tqdm=False))[0]
+             for p, sp in zip(prompts, params)]
+    assert alone == together
+    assert llm.engine.scheduler.pool.all_free() and other.engine.scheduler.pool.all_free()
+
+
+def test_logprobs_of_accepted_tokens(tiny_model_dirs):
+    """Greedy requests with logprobs speculate: the same tokens and logprobs (top 3, ranks)
+    as without speculation."""
+    prompts = repetitive_prompts(3, seed=13)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=3)
+    kw = dict(skip_tokenizer_init=True, max_model_len=160, block_size=4)
+    want = LLM(str(tiny_model_dirs["llama"]), **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tiny_model_dirs["llama"]), speculative_config=NGRAM, **kw)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.stats["spec_decode_num_accepted_tokens"] > 0
+    for g, w in zip(got, want):
+        g, w = g.outputs[0], w.outputs[0]
+        assert g.token_ids == w.token_ids and len(g.logprobs) == 20
+        for lg, lw in zip(g.logprobs, w.logprobs):
+            assert list(lg) == list(lw)
+            for t in lg:
+                assert lg[t].rank == lw[t].rank
+                assert abs(lg[t].logprob - lw[t].logprob) < 1e-4
+        assert abs(g.cumulative_logprob - w.cumulative_logprob) < 1e-3
+
+
+def test_step_cost_fit():
+    """The cost model recovers a + b * tokens and the share of the tokens in it."""
+    cost = StepCost()
+    assert cost.token_share(8) == 0.0  # nothing measured: drafts are assumed free
+    for i in range(40):
+        tokens = 8 + 4 * (i % 5)
+        cost.observe(tokens, 0.010 + 0.001 * tokens)
+    assert abs(cost.token_share(8) - 0.008 / 0.018) < 1e-6
+    flat = StepCost()
+    for i in range(40):
+        flat.observe(8 + 4 * (i % 5), 0.010)
+    assert flat.token_share(8) == 0.0
+
+
+def draft_config(path, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k}
+
+
+@pytest.mark.parametrize("draft_family", ["llama", "qwen2"])
+def test_draft_model_greedy_output_is_unchanged(tiny_model_dirs, draft_family):
+    """A draft model (the target itself: every draft accepted; another tiny model: few)
+    under batching, preemption, prefix caching and max_tokens: the same greedy tokens."""
+    prompts = repetitive_prompts(5, seed=17) * 2
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+              for m in (1, 3, 12, 30, 41)] * 2
+    kw = dict(skip_tokenizer_init=True, max_model_len=128, block_size=4, num_kv_blocks=36,
+              max_num_seqs=6)
+    want = LLM(str(tiny_model_dirs["llama"]), **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tiny_model_dirs["llama"]),
+              speculative_config=draft_config(tiny_model_dirs[draft_family]), **kw)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert ids(got) == ids(want)
+    s = llm.engine.stats
+    assert s["spec_decode_num_drafts"] > 0
+    if draft_family == "llama":  # the draft is the target: it always agrees
+        assert s["spec_decode_num_accepted_tokens"] == s["spec_decode_num_draft_tokens"]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.pool.all_free()
+
+
+def test_draft_model_sampled_and_dummy(tiny_model_dirs):
+    """Sampled requests verified against the draft's distribution: seeded ones reproducible
+    alone and in a batch; a dummy-weight draft loads with load_format='dummy'."""
+    prompts = repetitive_prompts(3, seed=19)
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=16, ignore_eos=True)
+              for i in range(3)]
+    kw = dict(skip_tokenizer_init=True, max_model_len=128, block_size=4)
+    spec = draft_config(tiny_model_dirs["qwen3"])
+    llm = LLM(str(tiny_model_dirs["qwen3"]), speculative_config=spec, **kw)
+    together = ids(llm.generate(prompts, params, use_tqdm=False))
+    assert llm.engine.stats["spec_decode_num_accepted_tokens"] > 0
+    alone = [ids(llm.generate([p], [sp], use_tqdm=False))[0] for p, sp in zip(prompts, params)]
+    assert alone == together and all(len(t) == 16 for t in together)
+    assert llm.engine.scheduler.pool.all_free()
+    dummy = LLM(str(tiny_model_dirs["qwen3"]), speculative_config=spec, load_format="dummy",
+                **kw)
+    out = dummy.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert dummy.engine.stats["spec_decode_num_accepted_tokens"] > 0  # same dummy weights
+    assert all(len(t) == 8 for t in ids(out))
+
+
+def test_draft_model_with_another_vocabulary_is_rejected(tiny_model_dirs, tiny_text_model_dir):
+    with pytest.raises(ValueError, match="share the target's tokenizer"):
+        LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, max_model_len=64,
+            speculative_config=draft_config(tiny_text_model_dir))

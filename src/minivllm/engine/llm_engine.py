@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import logging
@@ -20,11 +21,14 @@ from ..config import (EngineConfig, ModelConfig, attention_backend, load_config_
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import load_tokenizer
+from ..worker.draft_model import DraftModel
+from ..worker.kv_cache import block_bytes
 from ..worker.model_runner import ModelRunner, PendingDecode, StepResult
 from ..worker.sampler import SamplerOutput
 from .detokenizer import Detokenizer, find_stop_string, visible_text
 from .scheduler import ScheduledBatch, Scheduler
-from .speculative import SpeculativeConfig, accepted_count, can_speculate, ngram_proposal
+from .speculative import (DraftLengthPolicy, SpeculativeConfig, accepted_count, can_speculate,
+                          ngram_proposal)
 from .sequence import Request, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -61,8 +65,23 @@ class LLMEngine:
             and self.tokenizer.eos_token_id is not None else []))
 
         backend = attention_backend(self.device)
+        self.speculative = SpeculativeConfig.from_dict(config.speculative_config)
+        draft = None
+        if self.speculative is not None and self.speculative.method == "draft_model":
+            draft = self._draft_model_config()
+        # A draft model's weights and KV cache (as many blocks) come out of the KV budget.
+        reserved = (0, 0) if draft is None else (
+            draft[1].weight_bytes(self.dtype), block_bytes(draft[1], config.block_size,
+                                                           self.dtype))
         self.runner = ModelRunner(config, self.model_config, model_path, self.device,
-                                  self.dtype, backend)
+                                  self.dtype, backend, reserved)
+        self.drafter = None
+        if draft is not None:
+            draft_cfg = dataclasses.replace(
+                config, model=self.speculative.model, tokenizer=None, speculative_config=None,
+                num_kv_blocks=self.runner.num_blocks)
+            self.drafter = DraftModel(ModelRunner(draft_cfg, draft[1], draft[0], self.device,
+                                                  self.dtype, backend))
         if self.runner.num_blocks * config.block_size < config.max_model_len:
             raise ValueError(
                 f"The KV cache holds {self.runner.num_blocks * config.block_size} tokens, less "
@@ -84,16 +103,34 @@ class LLMEngine:
         # Steps launched before the previous one is read back (decode steps, and mixed
         # steps of new requests joining in-flight decodes).
         self._pipelined = pipelining_enabled()
-        self.speculative = SpeculativeConfig.from_dict(config.speculative_config)
+        self._draft_secs = 0.0
         if self.speculative is not None:
             # Verification needs each step's tokens before the next is planned.
             self._pipelined = False
+            self.draft_policy = DraftLengthPolicy(self.speculative.num_speculative_tokens)
         self._pending: PendingDecode | None = None
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0,
                       "spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
                       "spec_decode_num_accepted_tokens": 0}
+
+    def _draft_model_config(self) -> tuple:
+        """(weights path, ModelConfig) of the draft model, checked against the target."""
+        path, config_path = resolve_model_path(self.speculative.model)
+        if path.suffix == ".gguf" or config_path.suffix == ".gguf":
+            from ..model.gguf_loader import load_gguf_state
+            path = config_path
+            raw = load_gguf_state(config_path)[0]
+        else:
+            raw = load_config_json(config_path)
+        cfg = ModelConfig.from_dict(raw)
+        if cfg.vocab_size != self.model_config.vocab_size:
+            raise ValueError(
+                f"speculative_config: the draft model's vocabulary ({cfg.vocab_size} tokens) "
+                f"is not the target's ({self.model_config.vocab_size}); a draft model must "
+                "share the target's tokenizer.")
+        return path, cfg
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -223,10 +260,16 @@ class LLMEngine:
             touched = self._resolve_pending()
             return report(touched) + report(self._step_sync())
         if self.speculative is not None:
+            start = time.perf_counter()
             self._propose_drafts()
         batch = self.scheduler.schedule()
         if self.speculative is not None:
             self._fit_drafts(batch)
+            if self.drafter is not None:
+                drafted = [s for s in batch.seqs if s.num_drafts]
+                if drafted:
+                    self.drafter.propose(drafted)
+            self._draft_secs = time.perf_counter() - start
         if not batch.seqs:
             touched = self._resolve_pending() if self._pending is not None else []
             if not touched and self.scheduler.has_work():
@@ -272,10 +315,18 @@ class LLMEngine:
         return self._run_sync(batch)
 
     def _run_sync(self, batch: ScheduledBatch) -> list[Request]:
+        start = time.perf_counter()
         result = self.runner.execute(batch)
-        drafted = [seq for seq in batch.seqs if seq.num_drafts] if self.speculative else []
-        if drafted:
-            result = self._verify_drafts(batch, result)
+        drafted = []
+        if self.speculative is not None:
+            if all(n == 1 + s.num_drafts for s, n in zip(batch.seqs, batch.num_new_tokens)):
+                # A decode step, with or without drafts: what a token costs (proposing
+                # included).
+                self.draft_policy.cost.observe(
+                    batch.num_tokens, time.perf_counter() - start + self._draft_secs)
+            drafted = [seq for seq in batch.seqs if seq.num_drafts]
+            if drafted:
+                result = self._verify_drafts(batch, result)
         self.scheduler.advance(batch)
         for seq in drafted:
             # The accepted drafts stay in token_ids through advance() (the prefix cache
@@ -287,23 +338,27 @@ class LLMEngine:
     # ---- speculative decoding (engine/speculative.py) -----------------------------------
 
     def _propose_drafts(self) -> None:
-        """Append n-gram proposals to the running greedy sequences as draft tokens."""
+        """Append n-gram proposals to the running sequences as draft tokens."""
         spec = self.speculative
-        for seq in self.scheduler.running:
+        running = self.scheduler.running
+        for seq in running:
             if not can_speculate(seq):
-                continue
-            if seq.spec_wait:
-                seq.spec_wait -= 1
                 continue
             p = seq.params
             # Never past max_tokens or max_model_len: a step adds accepted drafts + 1.
             room = min(p.max_tokens - seq.num_output_tokens,
                        self.max_model_len - len(seq.token_ids)) - 1
-            k = min(spec.num_speculative_tokens, room)
+            if room <= 0:
+                continue
+            k = min(self.draft_policy.draft_length(seq, len(running)), room)
             if k <= 0:
                 continue
-            drafts = ngram_proposal(seq.token_ids, k, spec.prompt_lookup_min,
-                                    spec.prompt_lookup_max)
+            if self.drafter is not None:
+                # Placeholders: the draft model fills them in once the step is scheduled.
+                drafts = [0] * k
+            else:
+                drafts = ngram_proposal(seq.token_ids, k, spec.prompt_lookup_min,
+                                        spec.prompt_lookup_max)
             if drafts:
                 seq.token_ids.extend(drafts)
                 seq.num_drafts = len(drafts)
@@ -326,8 +381,8 @@ class LLMEngine:
         """Keep each drafted sequence's confirmed drafts (and shorten its step to them) and
         return the step's result with one row per token to append: for a drafted sequence
         the accepted drafts and the target's next token, in order."""
-        tokens = result.sampled.token_ids
-        rows, out = [], []
+        tokens, logprobs = result.sampled.token_ids, result.sampled.logprobs
+        rows, out, out_lp = [], [], []
         n_new = dict(zip((s.seq_id for s in batch.seqs), range(len(batch.seqs))))
         r = 0
         while r < len(result.row_seqs):
@@ -336,24 +391,27 @@ class LLMEngine:
             if not k:
                 rows.append(seq)
                 out.append(tokens[r])
+                out_lp.append(logprobs[r] if logprobs else None)
                 r += 1
                 continue
             targets = tokens[r:r + k + 1]
             drafts = seq.token_ids[len(seq.token_ids) - k:]
             a = accepted_count(drafts, targets)
-            seq.spec_misses = 0 if a else min(seq.spec_misses + 1, 4)
-            seq.spec_wait = (1 << seq.spec_misses) - 1
+            self.draft_policy.verified(seq, k, a)
             self.stats["spec_decode_num_drafts"] += 1
             self.stats["spec_decode_num_draft_tokens"] += k
             self.stats["spec_decode_num_accepted_tokens"] += a
             # The rejected drafts leave now; the step computed KV for the rest.
             del seq.token_ids[len(seq.token_ids) - (k - a):]
             seq.num_drafts = a
+            seq.draft_computed = min(seq.draft_computed, len(seq.token_ids))
+            seq.draft_probs = None
             batch.num_new_tokens[n_new[seq.seq_id]] -= k - a
             rows += [seq] * (a + 1)
             out += targets[:a + 1]
+            out_lp += logprobs[r:r + a + 1] if logprobs else [None] * (a + 1)
             r += k + 1
-        return StepResult(rows, SamplerOutput(out, []), result.prompt_logprobs)
+        return StepResult(rows, SamplerOutput(out, out_lp), result.prompt_logprobs)
 
     # ---- pipelined greedy decoding ------------------------------------------------------
     #

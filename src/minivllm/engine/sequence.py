@@ -82,11 +82,16 @@ class Sequence:
         # Speculative decoding: the last num_drafts of token_ids are proposals the coming
         # step verifies (engine/speculative.py); 0 otherwise.
         self.num_drafts = 0
-        # After a step that rejected every draft, the sequence proposes none for a while
-        # (1, 3, 7, then 15 steps): text that does not repeat itself stops paying for
-        # verification. Any accepted draft resets it.
+        # Its drafts' acceptance so far and its back-off (speculative.DraftLengthPolicy).
+        self.spec_hits = 0.0
+        self.spec_tries = 0.0
         self.spec_misses = 0
         self.spec_wait = 0
+        # With a draft model (worker/draft_model.py): how many of its tokens the draft's KV
+        # cache holds, as of which preemption, and its distributions at the current drafts.
+        self.draft_computed = 0
+        self.draft_epoch = 0
+        self.draft_probs: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,13 +1,14 @@
-"""Speculative decoding by n-gram lookup (prompt lookup), greedy and lossless.
+"""Speculative decoding by n-gram lookup (prompt lookup), lossless.
 
-Before a step, a running greedy sequence looks for the most recent earlier occurrence of
-its last n tokens (n from prompt_lookup_max down to prompt_lookup_min) and proposes the k
-tokens that followed it. The proposals are appended to the sequence as draft tokens, so the
-scheduler and the model runner see an ordinary chunk of 1 + k tokens; the runner samples
-every position of it. After the step the target's greedy token at each position is
-compared with the draft there: the drafts up to the first mismatch are accepted and the
-target's token at the mismatch (or after the last draft) is added, so the output is token
-for token what the target alone would produce. The rejected drafts leave the sequence; the
+Before a step, a running sequence looks for the most recent earlier occurrence of its last
+n tokens (n from prompt_lookup_max down to prompt_lookup_min) and proposes the tokens that
+followed it, up to its draft length (DraftLengthPolicy). The proposals are appended to the
+sequence as draft tokens, so the scheduler and the model runner see an ordinary chunk of
+1 + k tokens; the runner samples every position of it, testing each draft (greedy: the
+argmax; sampled: rejection sampling, worker/sampler.py). After the step the drafts up to
+the first row whose token differs are accepted and that row's token (or the one after the
+last draft) is added: greedy output is token for token what the target alone produces, and
+sampled output has the target's distribution. The rejected drafts leave the sequence; the
 KV slots they were written to lie past its computed length and are overwritten later.
 """
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from .sequence import Sequence
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    model: str | None = None  # the draft model (method "draft_model")
 
     @classmethod
     def from_dict(cls, cfg: dict | None) -> SpeculativeConfig | None:
@@ -40,10 +42,7 @@ class SpeculativeConfig:
                               "prompt_lookup_max", "model"}
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}.")
-        method = cfg.get("method")
-        if method == "draft_model" or "model" in cfg:
-            raise ValueError("speculative_config: method 'draft_model' is not supported yet; "
-                             "use {'method': 'ngram', ...}.")
+        method = cfg.get("method", "draft_model" if "model" in cfg else None)
         if method not in METHODS:
             raise ValueError(f"speculative_config: method must be one of {METHODS}, "
                              f"got {method!r}.")
@@ -51,6 +50,18 @@ class SpeculativeConfig:
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
             raise ValueError("speculative_config: num_speculative_tokens must be an integer "
                              f"in [1, 16], got {k!r}.")
+        if method == "draft_model":
+            lookup = {"prompt_lookup_min", "prompt_lookup_max"} & set(cfg)
+            if lookup:
+                raise ValueError(f"speculative_config: {sorted(lookup)} apply to method "
+                                 "'ngram', not 'draft_model'.")
+            model = cfg.get("model")
+            if not isinstance(model, str) or not model:
+                raise ValueError("speculative_config: method 'draft_model' needs 'model', the "
+                                 "path of a draft model that shares the target's tokenizer.")
+            return cls(method, k, model=model)
+        if "model" in cfg:
+            raise ValueError("speculative_config: 'model' applies to method 'draft_model'.")
         hi = cfg.get("prompt_lookup_max", 5)
         lo = cfg.get("prompt_lookup_min", min(2, hi) if isinstance(hi, int) else 2)
         for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
@@ -82,9 +93,93 @@ def ngram_proposal(tokens: list[int], k: int, n_min: int, n_max: int) -> list[in
 
 
 def can_speculate(seq: Sequence) -> bool:
-    """Greedy sequences without logprobs, at the decode stage (all but the last token in
-    the KV cache)."""
-    return seq.plain_greedy and seq.num_computed_tokens == len(seq.token_ids) - 1
+    """Sequences at the decode stage (all but the last token in the KV cache) whose
+    sampling at a position does not depend on the tokens before it (no penalties, no
+    min_tokens still ahead): every draft position is then sampled as it would be alone."""
+    p = seq.params
+    return (seq.num_computed_tokens == len(seq.token_ids) - 1 and not p.has_penalties
+            and seq.num_output_tokens >= p.min_tokens)
+
+
+class StepCost:
+    """A running least-squares fit of a decode step's time as a + b * tokens (recent steps
+    weigh most), from which a draft token's share of a step's cost follows."""
+
+    def __init__(self, decay: float = 0.98) -> None:
+        self.decay = decay
+        self.w = self.t = self.tt = self.y = self.ty = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        self.w = d * self.w + 1.0
+        self.t = d * self.t + tokens
+        self.tt = d * self.tt + tokens * tokens
+        self.y = d * self.y + seconds
+        self.ty = d * self.ty + tokens * seconds
+
+    def token_share(self, tokens: int) -> float:
+        """b * tokens / (a + b * tokens): how much of a step of this many tokens its tokens'
+        own cost is (0 while the fit has not seen steps of different sizes)."""
+        if self.w < 4:
+            return 0.0
+        mean_t, mean_y = self.t / self.w, self.y / self.w
+        var = self.tt / self.w - mean_t * mean_t
+        if var < 0.25:
+            return 0.0
+        b = max(0.0, (self.ty / self.w - mean_t * mean_y) / var)
+        a = max(1e-9, mean_y - b * mean_t)
+        return b * tokens / (a + b * tokens)
+
+
+class DraftLengthPolicy:
+    """How many drafts a sequence proposes: as many as pay for their verification.
+
+    Each sequence keeps an estimate alpha of the chance that its next draft is accepted
+    (accepted drafts over accepted + rejected, recent verifications weighing most, from a
+    prior of 0.6). The i-th draft of a step is then accepted with probability ~alpha^i; it
+    is worth its cost if alpha^i is at least the share of the step's time that one more
+    token costs, times the tokens the step yields without drafts (StepCost): on a GPU,
+    where a few more tokens cost almost nothing, nearly every draft pays; on a CPU, where
+    each token costs, only well-predicted text drafts. A sequence that does not draft lets
+    its estimate drift back to the prior, so it tries again later. After a verification
+    that accepted nothing a sequence also waits 1, 3, 7, then 15 steps before drafting.
+
+    Seeded sampled requests ignore the measured cost (they draft by acceptance alone), so
+    timing cannot change which random draws their tokens use: they stay reproducible."""
+
+    PRIOR, PRIOR_WEIGHT, DECAY, DRIFT = 0.6, 2.0, 0.9, 0.97
+
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.k = num_speculative_tokens
+        self.cost = StepCost()
+
+    @classmethod
+    def acceptance(cls, seq: Sequence) -> float:
+        return (seq.spec_hits + cls.PRIOR * cls.PRIOR_WEIGHT) / (seq.spec_tries
+                                                                 + cls.PRIOR_WEIGHT)
+
+    def draft_length(self, seq: Sequence, num_running: int) -> int:
+        if seq.spec_wait:
+            seq.spec_wait -= 1
+            return 0
+        seeded = seq.generator is not None and not seq.params.greedy
+        threshold = 0.0 if seeded else self.cost.token_share(num_running)
+        alpha, length, gain = self.acceptance(seq), 0, 1.0
+        while length < self.k:
+            gain *= alpha
+            if gain < threshold:
+                break
+            length += 1
+        if length == 0:
+            seq.spec_hits *= self.DRIFT
+            seq.spec_tries *= self.DRIFT
+        return length
+
+    def verified(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        seq.spec_hits = self.DECAY * seq.spec_hits + accepted
+        seq.spec_tries = self.DECAY * seq.spec_tries + accepted + (accepted < proposed)
+        seq.spec_misses = 0 if accepted else min(seq.spec_misses + 1, 4)
+        seq.spec_wait = (1 << seq.spec_misses) - 1
 
 
 def accepted_count(drafts: list[int], targets: list[int]) -> int:

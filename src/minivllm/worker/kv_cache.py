@@ -43,9 +43,11 @@ def cpu_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
 
 def gpu_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
                    device: torch.device, gpu_memory_utilization: float,
-                   peak_bytes_after_profile: int) -> int:
+                   peak_bytes_after_profile: int, reserved_bytes: int = 0,
+                   reserved_block_bytes: int = 0) -> int:
     """On a GPU: what is left of gpu_memory_utilization x total memory after the weights
-    and the activations of a profiling forward pass at the full token budget."""
+    and the activations of a profiling forward pass at the full token budget (and what is
+    reserved: a draft model's weights, and its KV per block)."""
     total = torch.cuda.get_device_properties(device).total_memory
-    free_for_kv = total * gpu_memory_utilization - peak_bytes_after_profile
-    return int(free_for_kv // block_bytes(cfg, block_size, dtype))
+    free_for_kv = total * gpu_memory_utilization - peak_bytes_after_profile - reserved_bytes
+    return int(free_for_kv // (block_bytes(cfg, block_size, dtype) + reserved_block_bytes))

@@ -85,8 +85,22 @@ class HostInputs:
     block_tables: list[list[int]] = field(default_factory=list)  # not padded
     sample_indices: list[int] = field(default_factory=list)
     row_seqs: list[Sequence] = field(default_factory=list)
+    # Per sampling row, the draft token it verifies (-1: none); None when nothing is drafted.
+    draft_tokens: list[int] | None = None
+    # (first row, the draft model's distributions at its drafts) of sampled drafted sequences.
+    draft_probs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     prompt_lp_spans: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
     max_query_len: int = 0
+
+    def draft_prob_rows(self, vocab: int, device: torch.device) -> torch.Tensor | None:
+        """The proposer's distribution per sampling row (zeros where there is none), or None
+        when no row has one (greedy rows, n-gram drafts: one-hot)."""
+        if not self.draft_probs:
+            return None
+        out = torch.zeros(len(self.sample_indices), vocab, device=device)
+        for row, probs in self.draft_probs:
+            out[row:row + len(probs)] = probs
+        return out
 
 
 @dataclass
@@ -96,6 +110,8 @@ class ModelInputs:
     meta: AttentionMetadata
     sample_indices: list[int]       # flat-token index of each sampling row's logits
     row_seqs: list[Sequence]        # the sequence each sampling row samples for
+    draft_tokens: list[int] | None  # the draft each row verifies (-1: none), see HostInputs
+    draft_probs: torch.Tensor | None  # the proposer's distribution per row, see HostInputs
     prompt_lp_spans: list[tuple[Sequence, int, int, int]]  # seq, token start, first pos, count
 
 
@@ -114,8 +130,12 @@ def _long_tensor(values: list[int], device: torch.device) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(self, engine_cfg: EngineConfig, model_cfg: ModelConfig, model_path,
-                 device: torch.device, dtype: torch.dtype, attention_backend: str) -> None:
+                 device: torch.device, dtype: torch.dtype, attention_backend: str,
+                 reserved: tuple[int, int] = (0, 0)) -> None:
+        """reserved: (bytes, bytes per KV block) of GPU memory that the KV cache leaves to
+        something else (a draft model with a KV cache of as many blocks)."""
         self.cfg = engine_cfg
+        self.reserved = reserved
         self.model_cfg = model_cfg
         self.device = device
         self.dtype = dtype
@@ -195,7 +215,7 @@ class ModelRunner:
                                   cfg.max_num_seqs, cfg.max_model_len)
         peak = self._profile_peak_memory()
         return gpu_num_blocks(self.model_cfg, self.block_size, self.dtype, self.device,
-                              cfg.gpu_memory_utilization, peak)
+                              cfg.gpu_memory_utilization, peak, *self.reserved)
 
     def profile_batch(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, KVCache]:
         """A worst-case prefill: max_num_batched_tokens tokens, as sequences no longer
@@ -273,9 +293,16 @@ class ModelRunner:
             if batch.samples(i):
                 if seq.num_drafts:
                     # Speculative: the target's token at every draft position and after.
-                    for j in range(seq.num_drafts, -1, -1):
-                        h.sample_indices.append(qsl[-1] - 1 - j)
-                        h.row_seqs.append(seq)
+                    k = seq.num_drafts
+                    if h.draft_tokens is None:
+                        h.draft_tokens = [-1] * len(h.sample_indices)
+                    h.sample_indices.extend(range(qsl[-1] - 1 - k, qsl[-1]))
+                    h.row_seqs.extend([seq] * (k + 1))
+                    h.draft_tokens.extend(seq.token_ids[len(seq.token_ids) - k:])
+                    h.draft_tokens.append(-1)
+                    if seq.draft_probs is not None:
+                        h.draft_probs.append((len(h.sample_indices) - k - 1, seq.draft_probs))
+                    continue
                 elif seq.forks_pending:
                     for sibling in req.seqs:  # one row per sample, all from these logits
                         h.sample_indices.append(qsl[-1] - 1)
@@ -283,6 +310,8 @@ class ModelRunner:
                 else:
                     h.sample_indices.append(qsl[-1] - 1)
                     h.row_seqs.append(seq)
+                if h.draft_tokens is not None:
+                    h.draft_tokens.extend([-1] * (len(h.sample_indices) - len(h.draft_tokens)))
         h.max_query_len = max(batch.num_new_tokens)
         return h
 
@@ -305,7 +334,43 @@ class ModelRunner:
             input_ids=_long_tensor(h.input_ids, dev),
             positions=_long_tensor(h.positions, dev),
             meta=meta, sample_indices=h.sample_indices, row_seqs=h.row_seqs,
+            draft_tokens=h.draft_tokens,
+            draft_probs=h.draft_prob_rows(self.model_cfg.vocab_size, dev),
             prompt_lp_spans=h.prompt_lp_spans)
+
+    @torch.inference_mode()
+    def logits_of_chunks(self, chunks: list[tuple[Sequence, int, int]],
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the model over chunks (seq, start, end) of sequences' tokens, writing their
+        KV, and return (logits, argmax) at each chunk's last token: a draft model's
+        catch-up and drafting steps (worker/draft_model.py). At most max_num_batched_tokens
+        tokens, one chunk per sequence."""
+        bs = self.block_size
+        if all(end - start == 1 for _, start, end in chunks) and (
+                self.graph_runner is not None and self.graph_runner.can_run(len(chunks))):
+            return self.graph_runner.run([s.token_ids[start] for s, start, _ in chunks],
+                                         [end for _, _, end in chunks],
+                                         [s.block_table for s, _, _ in chunks])
+        h = HostInputs()
+        for seq, start, end in chunks:
+            h.input_ids.extend(seq.token_ids[start:end])
+            h.positions.extend(range(start, end))
+            table = seq.block_table
+            h.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            h.query_start_loc.append(h.query_start_loc[-1] + end - start)
+            h.seq_lens.append(end)
+            h.block_tables.append(table)
+            h.sample_indices.append(h.query_start_loc[-1] - 1)
+            h.row_seqs.append(seq)
+        h.max_query_len = max(end - start for _, start, end in chunks)
+        if self.mixed_runner is not None and self.mixed_runner.can_run(
+                len(h.input_ids), len(h.seq_lens), len(h.sample_indices)):
+            return self.mixed_runner.run(h)
+        inputs = self.prepare(None, h)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers,
+                            inputs.meta)
+        logits = self.model.compute_logits(hidden[inputs.sample_indices]).float()
+        return logits, logits.argmax(dim=-1)
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
         if (self.graph_runner is not None and batch.is_decode_only
@@ -318,8 +383,9 @@ class ModelRunner:
                                               len(host.sample_indices))):
             self.last_step = ("mixed_graph", len(host.input_ids), len(host.seq_lens))
             logits, greedy = self.mixed_runner.run(host)
-            return StepResult(host.row_seqs, self.sampler(logits, host.row_seqs, greedy),
-                              [])
+            draft_probs = host.draft_prob_rows(self.model_cfg.vocab_size, self.device)
+            return StepResult(host.row_seqs, self.sampler(logits, host.row_seqs, greedy,
+                                                          host.draft_tokens, draft_probs), [])
         self.last_step = ("eager", len(host.input_ids), len(host.seq_lens))
         return self._execute_eager(self.prepare(batch, host))
 
@@ -331,7 +397,9 @@ class ModelRunner:
         if not inputs.sample_indices:
             return StepResult([], SamplerOutput([], []), prompt_lps)
         logits = self.model.compute_logits(hidden[inputs.sample_indices])
-        return StepResult(inputs.row_seqs, self.sampler(logits, inputs.row_seqs),
+        return StepResult(inputs.row_seqs,
+                          self.sampler(logits, inputs.row_seqs, drafts=inputs.draft_tokens,
+                                       draft_probs=inputs.draft_probs),
                           prompt_lps)
 
     def can_launch_async(self, batch: ScheduledBatch) -> bool:

@@ -5,6 +5,13 @@ distribution) -> bans (min_tokens) -> penalties -> greedy argmax, or temperature
 top-p, min-p and an exponential race (argmax of p / q with q ~ Exp(1), which draws from
 p). A seeded row draws its q from its own generator, so its tokens do not depend on what
 else is in the batch.
+
+Speculative rows (a draft token d proposed at that position) are verified by rejection
+sampling: d is kept with probability min(1, p(d) / q(d)), where q is the proposer's
+distribution (one-hot at d for n-gram lookup, so the test is u < p(d)); otherwise the row
+draws from max(0, p - q), renormalized. The engine keeps the rows up to the first one whose
+token differs from its draft, so the tokens it appends are distributed as p alone would
+give them. Greedy rows need no test: the engine compares their argmax with the draft.
 """
 
 from __future__ import annotations
@@ -50,13 +57,17 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
-                 greedy_tokens: torch.Tensor | None = None) -> SamplerOutput:
+                 greedy_tokens: torch.Tensor | None = None,
+                 drafts: list[int] | None = None,
+                 draft_probs: torch.Tensor | None = None) -> SamplerOutput:
         """greedy_tokens: argmax of these logits if the caller already has it (the
-        decode graph computes it); used when nothing below changes the logits."""
+        decode graph computes it); used when nothing below changes the logits.
+        drafts: per row, the draft token proposed at that position (-1: none);
+        draft_probs: the proposer's distribution per row (None: one-hot at the draft)."""
         logits = logits.float()
         want_logprobs = [r.params.logprobs is not None for r in rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-        sampled = self._sample(logits, rows, greedy_tokens)
+        sampled = self._sample(logits, rows, greedy_tokens, drafts, draft_probs)
         token_ids = sampled.tolist()
         lp_out: list = [None] * logits.shape[0]
         if raw_logprobs is not None:
@@ -70,7 +81,8 @@ class Sampler:
         return self._sample(logits.float(), rows, greedy_tokens)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow],
-                greedy_tokens: torch.Tensor | None) -> torch.Tensor:
+                greedy_tokens: torch.Tensor | None, drafts: list[int] | None = None,
+                draft_probs: torch.Tensor | None = None) -> torch.Tensor:
         changed = self._apply_bans(logits, rows)
         changed |= self._apply_penalties(logits, rows)
         greedy = [r.params.greedy for r in rows]
@@ -78,7 +90,7 @@ class Sampler:
             if greedy_tokens is not None and not changed:
                 return greedy_tokens
             return logits.argmax(dim=-1)
-        return self._sample_random(logits, rows, greedy)
+        return self._sample_random(logits, rows, greedy, drafts, draft_probs)
 
     # ---- steps --------------------------------------------------------------------------
 
@@ -122,14 +134,26 @@ class Sampler:
         return True
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow],
-                       greedy: list[bool]) -> torch.Tensor:
-        dev = logits.device
-        greedy_t = torch.tensor(greedy, device=dev)
+                       greedy: list[bool], drafts: list[int] | None = None,
+                       draft_probs: torch.Tensor | None = None) -> torch.Tensor:
+        greedy_t = torch.tensor(greedy, device=logits.device)
         greedy_tokens = logits.argmax(dim=-1)
+        probs = self._probs(logits, rows, greedy)
+        sampled = self._race(probs, rows)
+        if drafts is not None:
+            tested = [i for i, (d, g) in enumerate(zip(drafts, greedy)) if d >= 0 and not g]
+            if tested:
+                self._test_drafts(probs, rows, sampled, drafts, draft_probs, tested)
+        return torch.where(greedy_t, greedy_tokens, sampled)
+
+    def _probs(self, logits: torch.Tensor, rows: list[SamplingRow],
+                greedy: list[bool]) -> torch.Tensor:
+        """Each row's distribution after temperature, top-k, top-p and min-p (normalized;
+        greedy rows get temperature 1 and are not drawn from)."""
+        dev = logits.device
         temps = torch.tensor([1.0 if g else r.params.temperature for r, g in zip(rows, greedy)],
                              device=dev)
         logits = logits / temps[:, None]
-
         top_k = [r.params.top_k for r in rows]
         top_p = [r.params.top_p for r in rows]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
@@ -139,20 +163,68 @@ class Sampler:
         if any(m > 0 for m in min_p):
             thresh = torch.tensor(min_p, device=dev)[:, None] * probs.amax(dim=-1, keepdim=True)
             probs = torch.where(probs < thresh, torch.zeros_like(probs), probs)
+            probs /= probs.sum(dim=-1, keepdim=True)
+        return probs
 
-        q = torch.empty_like(probs)
+    def propose(self, logits: torch.Tensor, rows: list[SamplingRow],
+                ) -> tuple[list[int], torch.Tensor | None]:
+        """A draft model's tokens: each row's argmax (greedy) or a draw from its processed
+        distribution, and those distributions (None when every row is greedy), which the
+        target's rejection test divides by."""
+        logits = logits.float()
+        self._apply_bans(logits, rows)
+        greedy = [r.params.greedy for r in rows]
+        if all(greedy):
+            return logits.argmax(dim=-1).tolist(), None
+        probs = self._probs(logits, rows, greedy)
+        tokens = torch.where(torch.tensor(greedy, device=logits.device),
+                             logits.argmax(dim=-1), self._race(probs, rows))
+        return tokens.tolist(), probs
+
+    def _draw(self, out: torch.Tensor, rows: list[SamplingRow], kind: str) -> torch.Tensor:
+        """Fill out (one row per entry of rows) with Exp(1) or U(0, 1) draws: a seeded row
+        from its own generator, the rest from the engine's."""
+        def fill(t: torch.Tensor, gen: torch.Generator) -> None:
+            t.exponential_(generator=gen) if kind == "exp" else t.uniform_(generator=gen)
+
         unseeded = [i for i, r in enumerate(rows) if r.generator is None]
-        if unseeded:
-            if len(unseeded) == len(rows):
-                q.exponential_(generator=self.generator)
-            else:
-                q_rest = torch.empty(len(unseeded), probs.shape[1], device=dev)
-                q[unseeded] = q_rest.exponential_(generator=self.generator)
+        if len(unseeded) == len(rows):
+            fill(out, self.generator)
+        elif unseeded:
+            rest = torch.empty((len(unseeded),) + out.shape[1:], device=out.device)
+            fill(rest, self.generator)
+            out[unseeded] = rest
         for i, r in enumerate(rows):
             if r.generator is not None:
-                q[i].exponential_(generator=r.generator)
-        sampled = (probs / q).argmax(dim=-1)
-        return torch.where(greedy_t, greedy_tokens, sampled)
+                fill(out[i], r.generator)
+        return out
+
+    def _race(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """One draw per row from probs: argmax of p / q with q ~ Exp(1)."""
+        return (probs / self._draw(torch.empty_like(probs), rows, "exp")).argmax(dim=-1)
+
+    def _test_drafts(self, probs: torch.Tensor, rows: list[SamplingRow],
+                     sampled: torch.Tensor, drafts: list[int],
+                     draft_probs: torch.Tensor | None, tested: list[int]) -> None:
+        """Rejection sampling of the tested rows' drafts (in place in sampled)."""
+        dev = probs.device
+        sub_rows = [rows[i] for i in tested]
+        idx = torch.tensor(tested, device=dev)
+        d = torch.tensor([drafts[i] for i in tested], device=dev)
+        p = probs[idx]
+        p_d = p.gather(1, d[:, None])[:, 0]
+        if draft_probs is None:
+            q_d = torch.ones_like(p_d)
+            residual = p.scatter(1, d[:, None], 0.0)
+        else:
+            q = draft_probs[idx].float()
+            q_d = q.gather(1, d[:, None])[:, 0]
+            residual = (p - q).clamp_min_(0.0)
+        u = self._draw(torch.empty(len(tested), device=dev), sub_rows, "uniform")
+        accept = u * q_d < p_d
+        # A rejected draft has p(d) < q(d), so the residual is zero at d and has mass left.
+        fallback = self._race(residual, sub_rows)
+        sampled[idx] = torch.where(accept, d, fallback)
 
     def _gather_logprobs(self, raw: torch.Tensor, sampled: torch.Tensor,
                          rows: list[SamplingRow], want: list[bool]) -> list:
