@@ -915,17 +915,23 @@ class Report:
     def w7(self) -> None:
         if not self.res.w7:
             return
-        self.h(2, "W7: speculative decoding (SmolLM2-135M, real weights, greedy)")
+        self.h(2, "W7: speculative decoding (SmolLM2-135M, real weights)")
         for r in sorted(self.res.w7, key=lambda r: r.path.name):
-            cfg = r.data.get("speculative_config", {})
-            self.h(3, f"`{rel(r.path, self.base)}`: k={cfg.get('num_speculative_tokens')}")
-            self.p(table(["prompts", "mode", "plain tok/s", "ngram tok/s", "speed-up",
-                          "accepted", "tokens per verification", "identical"],
-                         [[x["prompts"], x["mode"], x["plain_tok_per_s"], x["ngram_tok_per_s"],
+            d = r.data
+            cfgs = d.get("speculative_configs") or {"ngram": d.get("speculative_config", {})}
+            ks = sorted({c.get("num_speculative_tokens") for c in cfgs.values()})
+            temp = d.get("temperature", 0.0)
+            self.h(3, f"`{rel(r.path, self.base)}`: k={', '.join(map(str, ks))}, "
+                      f"{'greedy' if not temp else f'temperature {temp}'}")
+            self.p(table(["prompts", "mode", "method", "plain tok/s", "speculative tok/s",
+                          "speed-up", "accepted", "tokens per verification", "identical"],
+                         [[x["prompts"], x["mode"], x.get("method", "ngram"),
+                           x["plain_tok_per_s"], x.get("spec_tok_per_s", x.get("ngram_tok_per_s")),
                            f"{x['speedup']:.2f}x", x["acceptance_rate"],
-                           x["tokens_per_verified_step"], x["identical"]]
-                          for x in r.data.get("rows", [])]))
-            self.p(f"\n{provenance(r.env, 'SmolLM2-135M-Instruct', self.src(r))}")
+                           x["tokens_per_verified_step"],
+                           "n/a (sampled)" if x["identical"] is None else x["identical"]]
+                          for x in d.get("rows", [])]))
+            self.p(f"\n{provenance(r.env, d.get('model', 'SmolLM2-135M-Instruct'), self.src(r))}")
 
     # -- W4 --
 

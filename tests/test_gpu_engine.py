@@ -99,3 +99,39 @@ def test_arrivals_join_pipelined_decodes_on_the_gpu(config_path, monkeypatch):
         assert eng.scheduler.pool.all_free()
         results[pipelined] = final
     assert results["1"] == results["0"] and len(results["1"]) == 10
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_on_the_gpu(config_path, tmp_path, monkeypatch, method):
+    """Verification steps replayed from the mixed-step graphs (and, with a draft model, its
+    drafting steps from its own decode graphs), some sequences preempted: greedy tokens as
+    the plain eager engine's, fp32; sampled ones as long as asked and reproducible."""
+    rng = __import__("random").Random(44)
+    prompts = []
+    for i in range(10):
+        phrase = [rng.randrange(3, 4096) for _ in range(5 + i)]
+        prompts.append(phrase * 4)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * 8
+    params += [SamplingParams(temperature=0.7, seed=3, max_tokens=30, ignore_eos=True)] * 2
+    with monkeypatch.context() as m:
+        want = _run(config_path, m, {"MINIVLLM_PIPELINE": "0"}, prompts, params,
+                    enforce_eager=True)
+    draft = tmp_path / "draft" / "config.json"
+    draft.parent.mkdir()
+    draft.write_text(json.dumps(dict(CONFIG, num_hidden_layers=2)))
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    if method == "draft_model":
+        spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    runs = []
+    for _ in range(2):
+        llm = LLM(str(config_path), load_format="dummy", dtype="float32", device="cuda",
+                  skip_tokenizer_init=True, max_model_len=256, max_num_seqs=8,
+                  num_kv_blocks=60, block_size=8, speculative_config=spec)
+        runs.append([[c.token_ids for c in o.outputs]
+                     for o in llm.generate(prompts, params, use_tqdm=False)])
+        assert llm.engine.scheduler.pool.all_free()
+        assert llm.engine.stats["spec_decode_num_drafts"] > 0
+        assert llm.engine.runner.last_step is not None
+    assert runs[0][:8] == want[:8]
+    assert runs[0] == runs[1]  # the seeded sampled ones too
+    assert [len(t[0]) for t in runs[0][8:]] == [30, 30]
