@@ -150,7 +150,9 @@ def main() -> None:
     greedy = args.temperature == 0.0
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             seed=None if greedy else 0)
-    kw = dict(max_model_len=1024, max_num_seqs=8, device=args.device, dtype=args.dtype)
+    # The engines share one process (and GPU): each gets its part of the memory.
+    kw = dict(max_model_len=1024, max_num_seqs=8, device=args.device, dtype=args.dtype,
+              gpu_memory_utilization=0.8 / (1 + len(configs)))
     engines = {"plain": LLM(str(model_dir), **kw)}
     for name, cfg in configs.items():
         engines[name] = LLM(str(model_dir), speculative_config=cfg, **kw)
