@@ -143,6 +143,8 @@ class ModelRunner:
         torch.manual_seed(engine_cfg.seed)
         # Start-up, part by part (seconds): logged once the engine is ready.
         self.startup: dict[str, float] = {}
+        # What the process held before this engine (another engine, say): not its memory.
+        self._memory_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         t0 = time.perf_counter()
         self.model = load_model(model_cfg, model_path, load_format=engine_cfg.load_format,
                                 dtype=dtype, device=device,
@@ -247,14 +249,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _profile_peak_memory(self) -> int:
-        """Run the model once at the full token budget and report the peak memory."""
+        """Run the model once at the full token budget and report this engine's peak
+        memory (weights and activations; not what the process held before it)."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         ids, pos, meta, scratch = self.profile_batch()
         hidden = self.model(ids, pos, scratch.layers, meta)
         self.model.compute_logits(hidden[-self.cfg.max_num_seqs:])
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - self._memory_before
         del scratch, hidden
         torch.cuda.empty_cache()
         return peak
