@@ -178,3 +178,24 @@ def test_new_requests_join_pending_decodes_in_a_mixed_step(tiny_model_dirs, monk
         assert PLACEHOLDER_TOKEN not in got.outputs[0].token_ids
     assert len(results[True]) == 10
     assert any(mixed_ahead)  # some mixed steps were launched with decodes still in flight
+
+
+def test_speculation_between_pipelined_steps(tiny_model_dirs, monkeypatch):
+    """With n-gram speculation, sequences that are not due to draft (backing off after a
+    miss) decode in pipelined steps, and drafted steps run synchronously: the greedy
+    output is the plain engine's, with both kinds of step taken."""
+    rng = __import__("random").Random(23)
+    prompts = random_prompts(3, 256, 10, 30, seed=23)
+    for i in range(3):
+        phrase = [rng.randrange(3, 250) for _ in range(5 + i)]
+        prompts.append(phrase * 4)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    want = _llm(tiny_model_dirs["qwen2"], monkeypatch, False)[0].generate(
+        prompts, params, use_tqdm=False)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    llm, launches = _llm(tiny_model_dirs["qwen2"], monkeypatch, True, speculative_config=spec)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert any(launches)  # some steps launched behind a pending one
+    assert llm.engine.stats["spec_decode_num_accepted_tokens"] > 0
+    assert llm.engine.scheduler.pool.all_free()

@@ -266,6 +266,11 @@ class EngineConfig:
         from .engine.speculative import SpeculativeConfig
         SpeculativeConfig.from_dict(self.speculative_config)  # a bad one fails here
 
+    @property
+    def num_speculative_tokens(self) -> int:
+        """The most drafts a sequence verifies per step (0 without speculation)."""
+        return (self.speculative_config or {}).get("num_speculative_tokens", 0)
+
     def finalize(self, model_config: ModelConfig) -> None:
         """Fill in the limits that depend on the model."""
         if self.max_model_len is None:

@@ -105,8 +105,6 @@ class LLMEngine:
         self._pipelined = pipelining_enabled()
         self._draft_secs = 0.0
         if self.speculative is not None:
-            # Verification needs each step's tokens before the next is planned.
-            self._pipelined = False
             self.draft_policy = DraftLengthPolicy(self.speculative.num_speculative_tokens)
         self._pending: PendingDecode | None = None
         self._seq_ids = itertools.count()
@@ -259,17 +257,7 @@ class LLMEngine:
         if self._pending is not None and not self._pipeline_can_continue():
             touched = self._resolve_pending()
             return report(touched) + report(self._step_sync())
-        if self.speculative is not None:
-            start = time.perf_counter()
-            self._propose_drafts()
-        batch = self.scheduler.schedule()
-        if self.speculative is not None:
-            self._fit_drafts(batch)
-            if self.drafter is not None:
-                drafted = [s for s in batch.seqs if s.num_drafts]
-                if drafted:
-                    self.drafter.propose(drafted)
-            self._draft_secs = time.perf_counter() - start
+        batch = self._schedule()
         if not batch.seqs:
             touched = self._resolve_pending() if self._pending is not None else []
             if not touched and self.scheduler.has_work():
@@ -307,8 +295,30 @@ class LLMEngine:
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = now
 
-    def _step_sync(self) -> list[Request]:
+    def _schedule(self) -> ScheduledBatch:
+        """The scheduler's next batch. With speculation, drafts are proposed before it (only
+        for sequences whose last token is known: no step pending) and fitted to it after;
+        a draft model fills in its tokens once their KV blocks are allocated."""
+        if self.speculative is None:
+            return self.scheduler.schedule()
+        start = time.perf_counter()
+        if self._pending is None:
+            self._propose_drafts()
+        else:  # _pipeline_can_continue() found no sequence due to draft
+            for seq in self.scheduler.running:
+                if can_speculate(seq):
+                    self.draft_policy.idle(seq)
         batch = self.scheduler.schedule()
+        self._fit_drafts(batch)
+        if self.drafter is not None:
+            drafted = [s for s in batch.seqs if s.num_drafts]
+            if drafted:
+                self.drafter.propose(drafted)
+        self._draft_secs = time.perf_counter() - start
+        return batch
+
+    def _step_sync(self) -> list[Request]:
+        batch = self._schedule()
         if not batch.seqs:
             return []
         self._mark_scheduled(batch)
@@ -348,10 +358,9 @@ class LLMEngine:
             # Never past max_tokens or max_model_len: a step adds accepted drafts + 1.
             room = min(p.max_tokens - seq.num_output_tokens,
                        self.max_model_len - len(seq.token_ids)) - 1
-            if room <= 0:
-                continue
             k = min(self.draft_policy.draft_length(seq, len(running)), room)
             if k <= 0:
+                self.draft_policy.idle(seq)
                 continue
             if self.drafter is not None:
                 # Placeholders: the draft model fills them in once the step is scheduled.
@@ -362,6 +371,8 @@ class LLMEngine:
             if drafts:
                 seq.token_ids.extend(drafts)
                 seq.num_drafts = len(drafts)
+            else:
+                self.draft_policy.missed(seq)
 
     def _fit_drafts(self, batch: ScheduledBatch) -> None:
         """Drop the drafts of sequences the step does not carry whole (preempted, out of
@@ -429,7 +440,8 @@ class LLMEngine:
                                     - seq.num_prompt_tokens >= seq.params.min_tokens)
 
     def _batch_can_pipeline(self, batch: ScheduledBatch) -> bool:
-        return all(self._seq_can_pipeline(s) for s in batch.seqs)
+        # A step with drafts is verified before the next is planned.
+        return all(self._seq_can_pipeline(s) and not s.num_drafts for s in batch.seqs)
 
     def _pipeline_can_continue(self) -> bool:
         """Whether the next batch can be launched before the pending step is read: every
@@ -442,6 +454,10 @@ class LLMEngine:
         if not all(s.seq_id in self._pending.rows and self._seq_can_pipeline(s)
                    for s in sched.running):
             return False
+        if self.speculative is not None and any(
+                can_speculate(s) and self.draft_policy.draft_length(s, len(sched.running))
+                for s in sched.running):
+            return False  # a sequence is due to draft: it needs its last token
         if not sched.waiting:
             return True
         if self.runner.mixed_runner is None:

@@ -142,7 +142,9 @@ class DraftLengthPolicy:
     where a few more tokens cost almost nothing, nearly every draft pays; on a CPU, where
     each token costs, only well-predicted text drafts. A sequence that does not draft lets
     its estimate drift back to the prior, so it tries again later. After a verification
-    that accepted nothing a sequence also waits 1, 3, 7, then 15 steps before drafting.
+    that accepted nothing, or a lookup that found nothing, a sequence also waits 1, 3, 7,
+    then 15 steps before drafting again; steps in which no sequence drafts are pipelined
+    like plain decoding.
 
     Seeded sampled requests ignore the measured cost (they draft by acceptance alone), so
     timing cannot change which random draws their tokens use: they stay reproducible."""
@@ -159,8 +161,9 @@ class DraftLengthPolicy:
                                                                  + cls.PRIOR_WEIGHT)
 
     def draft_length(self, seq: Sequence, num_running: int) -> int:
+        """How many drafts seq proposes this step (0: none), with num_running sequences in
+        the batch."""
         if seq.spec_wait:
-            seq.spec_wait -= 1
             return 0
         seeded = seq.generator is not None and not seq.params.greedy
         threshold = 0.0 if seeded else self.cost.token_share(num_running)
@@ -170,21 +173,35 @@ class DraftLengthPolicy:
             if gain < threshold:
                 break
             length += 1
-        if length == 0:
+        return length
+
+    def idle(self, seq: Sequence) -> None:
+        """A step in which seq proposes nothing: its wait runs down, or its estimate drifts
+        back towards the prior."""
+        if seq.spec_wait:
+            seq.spec_wait -= 1
+        else:
             seq.spec_hits *= self.DRIFT
             seq.spec_tries *= self.DRIFT
-        return length
 
     def verified(self, seq: Sequence, proposed: int, accepted: int) -> None:
         seq.spec_hits = self.DECAY * seq.spec_hits + accepted
         seq.spec_tries = self.DECAY * seq.spec_tries + accepted + (accepted < proposed)
-        seq.spec_misses = 0 if accepted else min(seq.spec_misses + 1, 4)
+        if accepted:
+            seq.spec_misses = seq.spec_wait = 0
+        else:
+            self.missed(seq)
+
+    def missed(self, seq: Sequence) -> None:
+        """Nothing accepted, or nothing to propose (no n-gram match): wait 1, 3, 7, then 15
+        steps before the next try. (Waiting steps can be pipelined.)"""
+        seq.spec_misses = min(seq.spec_misses + 1, 4)
         seq.spec_wait = (1 << seq.spec_misses) - 1
 
 
 def accepted_count(drafts: list[int], targets: list[int]) -> int:
-    """How many leading drafts the target's greedy tokens confirm (targets has one entry
-    per draft position plus the one after the last draft)."""
+    """How many leading drafts the target's tokens confirm (targets has one entry per
+    draft position plus the one after the last draft)."""
     a = 0
     while a < len(drafts) and drafts[a] == targets[a]:
         a += 1

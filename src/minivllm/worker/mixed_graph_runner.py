@@ -40,11 +40,11 @@ def mixed_buckets(max_tokens: int) -> list[int]:
     return sizes + [max_tokens]
 
 
-def _step_arrays(t: int, s: int, max_blocks: int, **where) -> PackedArrays:
-    """A mixed step's inputs for up to t tokens and s sequences: token ids, positions, KV
-    slots, sampled rows, and the positions / previous-step rows of tokens taken from the
-    device (int64); query offsets, lengths and block tables (int32)."""
-    arrays = PackedArrays({"ids": t, "pos": t, "slots": t, "rows": s, "fix_pos": s,
+def _step_arrays(t: int, s: int, r: int, max_blocks: int, **where) -> PackedArrays:
+    """A mixed step's inputs for up to t tokens, s sequences and r sampled rows: token ids,
+    positions, KV slots, sampled rows, and the positions / previous-step rows of tokens
+    taken from the device (int64); query offsets, lengths and block tables (int32)."""
+    arrays = PackedArrays({"ids": t, "pos": t, "slots": t, "rows": r, "fix_pos": s,
                            "fix_rows": s}, {"qsl": s + 1, "lens": s}, s, max_blocks, **where)
     arrays.slots.fill_(-1)
     return arrays
@@ -54,8 +54,8 @@ class _MixedStaging:
     """One set of host staging arrays (`arrays`), and an event after the copies that read
     them."""
 
-    def __init__(self, t: int, s: int, max_blocks: int, pin: bool) -> None:
-        self.arrays = _step_arrays(t, s, max_blocks, pin_memory=pin)
+    def __init__(self, t: int, s: int, r: int, max_blocks: int, pin: bool) -> None:
+        self.arrays = _step_arrays(t, s, r, max_blocks, pin_memory=pin)
         self.event = torch.cuda.Event() if pin else None
         self._recorded = False
 
@@ -73,7 +73,9 @@ class _MixedStaging:
 class MixedGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_layers, *, max_tokens: int, max_seqs: int,
                  max_blocks: int, max_model_len: int, device: torch.device,
-                 use_graphs: bool) -> None:
+                 use_graphs: bool, max_rows: int | None = None) -> None:
+        """max_rows: the most sampled rows a step has (default max_seqs: one per sequence;
+        a speculative step samples 1 + k per sequence)."""
         self.model = model
         self.kv_layers = kv_layers
         self.max_model_len = max_model_len
@@ -81,15 +83,16 @@ class MixedGraphRunner:
         self.buckets = mixed_buckets(max_tokens)
         self.max_tokens = self.buckets[-1]
         self.max_seqs = max_seqs
+        self.max_rows = min(self.max_tokens, max_rows or max_seqs)
         self.use_graphs = use_graphs and device.type == "cuda"
-        t, s = self.max_tokens, max_seqs
+        t, s, r = self.max_tokens, max_seqs, self.max_rows
         pin = device.type == "cuda"
         # Two sets of host staging (pinned on a GPU), alternating; device buffers the graphs
         # read.
-        self._staging = [_MixedStaging(t, s, max_blocks, pin) for _ in range(2)]
+        self._staging = [_MixedStaging(t, s, r, max_blocks, pin) for _ in range(2)]
         self._turn = 0
         # The device buffers the graphs read; self.ids, .pos, ... are views of them.
-        self.buf = _step_arrays(t, s, max_blocks, device=device)
+        self.buf = _step_arrays(t, s, r, max_blocks, device=device)
         for name in ("ids", "pos", "slots", "qsl", "lens", "tables", "rows", "fix_pos",
                      "fix_rows"):
             setattr(self, name, getattr(self.buf, name))
@@ -97,18 +100,18 @@ class MixedGraphRunner:
         # Shared by every bucket's graph (kept out of the graphs' pool; see
         # DecodeGraphRunner).
         vocab = model.config.vocab_size
-        self.logits_out = torch.empty(s, vocab, dtype=torch.float32, device=device)
-        self.greedy_out = torch.empty(s, dtype=torch.long, device=device)
+        self.logits_out = torch.empty(r, vocab, dtype=torch.float32, device=device)
+        self.greedy_out = torch.empty(r, dtype=torch.long, device=device)
         self.timings: dict[str, float] = {}
 
     def can_run(self, num_tokens: int, num_seqs: int, num_rows: int) -> bool:
         return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs \
-            and num_rows <= self.max_seqs
+            and num_rows <= self.max_rows
 
     def _rows(self, t: int) -> int:
         # A step of t tokens samples at most t rows (each sample row is one of its tokens):
-        # the head need not project all max_seqs rows for a small bucket.
-        return min(t, self.max_seqs)
+        # the head need not project all max_rows rows for a small bucket.
+        return min(t, self.max_rows)
 
     def _step(self, t: int) -> None:
         meta = AttentionMetadata(

@@ -195,7 +195,8 @@ class ModelRunner:
             self.mixed_runner = MixedGraphRunner(
                 self.model, self.kv_cache.layers, max_tokens=max_tokens,
                 max_seqs=cfg.max_num_seqs, max_blocks=cfg.max_blocks_per_seq(),
-                max_model_len=cfg.max_model_len, device=self.device, use_graphs=True)
+                max_model_len=cfg.max_model_len, device=self.device, use_graphs=True,
+                max_rows=cfg.max_num_seqs * (1 + cfg.num_speculative_tokens))
             self.mixed_runner.capture()
             for part, secs in self.mixed_runner.timings.items():
                 self.startup[f"mixed_{part}"] = secs
