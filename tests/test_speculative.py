@@ -18,8 +18,8 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
-from minivllm.engine.speculative import (SpeculativeConfig, StepCost, accepted_count,
-                                         ngram_proposal)
+from minivllm.engine.speculative import (NgramIndex, SpeculativeConfig, StepCost,
+                                         accepted_count)
 from minivllm.server.testing import ServerThread
 from minivllm.worker.sampler import Sampler
 
@@ -36,6 +36,28 @@ def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
         out.append(phrase * 3 + phrase[:2])
     out.append([rng.randrange(3, 250) for _ in range(25)])
     return out
+
+
+def ngram_proposal(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """The lookup by a scan of the whole sequence: what NgramIndex must agree with."""
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        suffix = tokens[len(tokens) - n:]
+        for end in range(len(tokens) - 1, n - 1, -1):
+            if tokens[end - n:end] == suffix:
+                return tokens[end:end + k]
+    return []
+
+
+def test_ngram_index_matches_a_scan():
+    """Growing sequences (one token or a few at a time) of a small alphabet, so n-grams
+    repeat: the index proposes what a scan of the whole sequence finds, at every length."""
+    rng = random.Random(1)
+    for n_min, n_max in ((1, 1), (2, 4), (3, 5)):
+        tokens = [rng.randrange(4) for _ in range(3)]
+        index = NgramIndex(n_min, n_max)
+        while len(tokens) < 300:
+            assert index.propose(tokens, 4) == ngram_proposal(tokens, 4, n_min, n_max)
+            tokens += [rng.randrange(4) for _ in range(rng.choice((1, 1, 3)))]
 
 
 def ids(outputs) -> list[list[int]]:
@@ -340,3 +362,28 @@ def test_draft_model_with_another_vocabulary_is_rejected(tiny_model_dirs, tiny_t
     with pytest.raises(ValueError, match="share the target's tokenizer"):
         LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, max_model_len=64,
             speculative_config=draft_config(tiny_text_model_dir))
+
+
+def test_batch_gate_pauses_drafting_that_loses():
+    """Drafted steps slower per token than plain ones close the gate for 32 steps, then 64
+    while they keep losing; with no plain steps seen it pauses to measure some."""
+    from minivllm.engine.speculative import BatchGate
+
+    gate = BatchGate()
+    for _ in range(BatchGate.PROBE):
+        assert gate.open()
+        gate.record(8, 20, 0.010, drafted=True)
+    assert not gate.open()  # no plain steps at batch 8 yet: measure them
+    for _ in range(BatchGate.PROBE):
+        gate.record(8, 8, 0.001, drafted=False)  # 8,000 tok/s plain vs 2,000 drafted
+    assert gate.open()
+    gate.record(8, 20, 0.010, drafted=True)
+    assert gate.pause == 32
+    for _ in range(32):
+        gate.record(8, 8, 0.001, drafted=False)
+    gate.record(8, 20, 0.010, drafted=True)
+    assert gate.pause == 64
+    fast = BatchGate()
+    fast.rates[8] = [8000.0, None, 0]
+    fast.record(8, 40, 0.002, drafted=True)  # 20,000 tok/s drafted: keeps drafting
+    assert fast.open()

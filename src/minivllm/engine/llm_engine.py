@@ -27,8 +27,8 @@ from ..worker.model_runner import ModelRunner, PendingDecode, StepResult
 from ..worker.sampler import SamplerOutput
 from .detokenizer import Detokenizer, find_stop_string, visible_text
 from .scheduler import ScheduledBatch, Scheduler
-from .speculative import (DraftLengthPolicy, SpeculativeConfig, accepted_count, can_speculate,
-                          ngram_proposal)
+from .speculative import (DraftLengthPolicy, NgramIndex, SpeculativeConfig, accepted_count,
+                          can_speculate)
 from .sequence import Request, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -254,6 +254,17 @@ class LLMEngine:
         return list(seen.values())
 
     def _step(self, report: Callable[[list[Request]], list]) -> list:
+        if self.speculative is None:
+            return self._plan_and_run(report)
+        start, tokens = time.perf_counter(), self.stats["generation_tokens"]
+        drafts = self.stats["spec_decode_num_drafts"]
+        out = self._plan_and_run(report)
+        self.draft_policy.gate.record(
+            len(self.scheduler.running), self.stats["generation_tokens"] - tokens,
+            time.perf_counter() - start, self.stats["spec_decode_num_drafts"] > drafts)
+        return out
+
+    def _plan_and_run(self, report: Callable[[list[Request]], list]) -> list:
         if self._pending is not None and not self._pipeline_can_continue():
             touched = self._resolve_pending()
             return report(touched) + report(self._step_sync())
@@ -366,8 +377,9 @@ class LLMEngine:
                 # Placeholders: the draft model fills them in once the step is scheduled.
                 drafts = [0] * k
             else:
-                drafts = ngram_proposal(seq.token_ids, k, spec.prompt_lookup_min,
-                                        spec.prompt_lookup_max)
+                if seq.ngram_index is None:
+                    seq.ngram_index = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+                drafts = seq.ngram_index.propose(seq.token_ids, k)
             if drafts:
                 seq.token_ids.extend(drafts)
                 seq.num_drafts = len(drafts)

@@ -92,6 +92,7 @@ class Sequence:
         self.draft_computed = 0
         self.draft_epoch = 0
         self.draft_probs: torch.Tensor | None = None
+        self.ngram_index = None  # its n-grams, for n-gram lookup (speculative.NgramIndex)
 
     @property
     def num_tokens(self) -> int:
