@@ -365,8 +365,8 @@ def test_draft_model_with_another_vocabulary_is_rejected(tiny_model_dirs, tiny_t
 
 
 def test_batch_gate_pauses_drafting_that_loses():
-    """Drafted steps slower per token than plain ones close the gate for 32 steps, then 64
-    while they keep losing; with no plain steps seen it pauses to measure some."""
+    """Drafted steps slower per token than plain ones close the gate for a while, twice as
+    long while they keep losing; with no plain steps seen it pauses to measure some."""
     from minivllm.engine.speculative import BatchGate
 
     gate = BatchGate()
@@ -378,11 +378,11 @@ def test_batch_gate_pauses_drafting_that_loses():
         gate.record(8, 8, 0.001, drafted=False)  # 8,000 tok/s plain vs 2,000 drafted
     assert gate.open()
     gate.record(8, 20, 0.010, drafted=True)
-    assert gate.pause == 32
-    for _ in range(32):
+    assert gate.pause == BatchGate.FIRST_PAUSE
+    for _ in range(BatchGate.FIRST_PAUSE):
         gate.record(8, 8, 0.001, drafted=False)
     gate.record(8, 20, 0.010, drafted=True)
-    assert gate.pause == 64
+    assert gate.pause == 2 * BatchGate.FIRST_PAUSE
     fast = BatchGate()
     fast.rates[8] = [8000.0, None, 0]
     fast.record(8, 40, 0.002, drafted=True)  # 20,000 tok/s drafted: keeps drafting

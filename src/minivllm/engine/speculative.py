@@ -148,10 +148,10 @@ class BatchGate:
     of the steps that verified drafts against the steps that did not (which a GPU
     pipelines), per batch size (powers of two). Per-token costs miss what a drafted step
     loses by running synchronously; this does not. While drafting loses, the batch drafts
-    nothing for a while (32 steps, doubling up to 512 while it keeps losing), then tries
+    nothing for a while (16 steps, doubling up to 512 while it keeps losing), then tries
     again; with no plain steps seen yet at a batch size, it pauses to measure some."""
 
-    EMA, FIRST_PAUSE, MAX_PAUSE, PROBE = 0.2, 32, 512, 16
+    EMA, FIRST_PAUSE, MAX_PAUSE, PROBE = 0.5, 16, 512, 4
 
     def __init__(self) -> None:
         self.rates: dict[int, list] = {}  # batch bucket -> [plain rate, drafted rate, drafted steps]
