@@ -927,7 +927,7 @@ class Report:
                           "speed-up", "accepted", "tokens per verification", "identical"],
                          [[x["prompts"], x["mode"], x.get("method", "ngram"),
                            x["plain_tok_per_s"], x.get("spec_tok_per_s", x.get("ngram_tok_per_s")),
-                           f"{x['speedup']:.2f}x", x["acceptance_rate"],
+                           f"{x['speedup']:.2f}x", f"{x['acceptance_rate']:.0%}",
                            x["tokens_per_verified_step"],
                            "n/a (sampled)" if x["identical"] is None else x["identical"]]
                           for x in d.get("rows", [])]))

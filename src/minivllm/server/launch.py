@@ -72,8 +72,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--speculative-config", type=_json_object, default=None,
                         metavar="JSON",
                         help='Speculative decoding, as vLLM\'s: e.g. \'{"method": "ngram", '
-                             '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\' (greedy '
-                             'requests only; the engine then runs step by step).')
+                             '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\' or '
+                             '\'{"method": "draft_model", "model": PATH, '
+                             '"num_speculative_tokens": 4}\'.')
     parser.add_argument("--max-waiting-requests", type=int,
                         default=DEFAULT_MAX_WAITING_REQUESTS,
                         help="Requests accepted but not yet started before the server "
