@@ -69,7 +69,7 @@ def test_report_regenerates_from_committed_results(tmp_path):
     assert "## Prefill attention tiles and step profiles" in md
     assert re.search(r"\| qwen3-0.6b \| w6-?\w* \| [0-9,]+ \| [0-9,]+ \|", md)
     assert "_prefill_kernel" in md
-    assert re.search(r"\| lookup \| single stream \| [0-9.]+ \| [0-9.]+ \| [0-9.]+x \|", md)
+    assert re.search(r"\| lookup \| single stream \| ngram \| [0-9.,]+ \| [0-9.,]+ \| [0-9.]+x \|", md)
 
 
 def test_missing_sections_are_reported_not_measured(tmp_path):

@@ -160,11 +160,13 @@ def test_real_model_chat_with_stop_string_and_server(default_model_dir):
     """SmolLM2-135M: a prompt that quotes text to repeat gives the same greedy answer with
     and without n-gram speculation, most drafts accepted; a stop string ends both alike;
     the server takes --speculative-config and reports spec_decode_* in /metrics."""
-    text = ("The quick brown fox jumps over the lazy dog near the quiet river bank, "
-            "while the old farmer watches from the wooden porch of his red house.")
-    question = [{"role": "user", "content": f"Repeat this sentence exactly: {text}"}]
+    text = ("The lighthouse keeper climbed the narrow stairs every evening at dusk, carrying "
+            "a small brass lamp and a notebook in which he wrote the names of the ships that "
+            "passed the rocky point during the night.")
+    question = [{"role": "user", "content": f"Repeat the following text exactly, word for "
+                                            f"word: {text}"}]
     params = SamplingParams(temperature=0.0, max_tokens=48)
-    stop = SamplingParams(temperature=0.0, max_tokens=48, stop=["river"])
+    stop = SamplingParams(temperature=0.0, max_tokens=48, stop=["brass"])
     kw = dict(max_model_len=512, max_num_seqs=4)
     plain = LLM(str(default_model_dir), **kw)
     spec = LLM(str(default_model_dir), speculative_config=NGRAM, **kw)
@@ -174,6 +176,7 @@ def test_real_model_chat_with_stop_string_and_server(default_model_dir):
         assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
     s = spec.engine.stats
     assert s["spec_decode_num_accepted_tokens"] > s["spec_decode_num_draft_tokens"] / 2
+    assert s["spec_decode_num_accepted_tokens"] >= 20  # the answer quotes the text
 
     with ServerThread(dict(model=str(default_model_dir), speculative_config=NGRAM, **kw)) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0,

@@ -104,6 +104,7 @@ class LLMEngine:
         # steps of new requests joining in-flight decodes).
         self._pipelined = pipelining_enabled()
         self._draft_secs = 0.0
+        self._looked_for_drafts = False  # in this step (BatchGate)
         if self.speculative is not None:
             self.draft_policy = DraftLengthPolicy(self.speculative.num_speculative_tokens)
         self._pending: PendingDecode | None = None
@@ -257,11 +258,11 @@ class LLMEngine:
         if self.speculative is None:
             return self._plan_and_run(report)
         start, tokens = time.perf_counter(), self.stats["generation_tokens"]
-        drafts = self.stats["spec_decode_num_drafts"]
+        self._looked_for_drafts = False
         out = self._plan_and_run(report)
         self.draft_policy.gate.record(
             len(self.scheduler.running), self.stats["generation_tokens"] - tokens,
-            time.perf_counter() - start, self.stats["spec_decode_num_drafts"] > drafts)
+            time.perf_counter() - start, self._looked_for_drafts)
         return out
 
     def _plan_and_run(self, report: Callable[[list[Request]], list]) -> list:
@@ -373,6 +374,7 @@ class LLMEngine:
             if k <= 0:
                 self.draft_policy.idle(seq)
                 continue
+            self._looked_for_drafts = True
             if self.drafter is not None:
                 # Placeholders: the draft model fills them in once the step is scheduled.
                 drafts = [0] * k
@@ -384,7 +386,7 @@ class LLMEngine:
                 seq.token_ids.extend(drafts)
                 seq.num_drafts = len(drafts)
             else:
-                self.draft_policy.missed(seq)
+                self.draft_policy.nothing_found(seq)
 
     def _fit_drafts(self, batch: ScheduledBatch) -> None:
         """Drop the drafts of sequences the step does not carry whole (preempted, out of

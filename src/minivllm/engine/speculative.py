@@ -144,9 +144,9 @@ class StepCost:
 
 
 class BatchGate:
-    """Whether drafting pays for the batch as a whole, measured: output tokens per second
-    of the steps that verified drafts against the steps that did not (which a GPU
-    pipelines), per batch size (powers of two). Per-token costs miss what a drafted step
+    """Whether speculating pays for the batch as a whole, measured: output tokens per
+    second of the steps that looked for drafts (and so ran synchronously) against the steps
+    that did not (which a GPU pipelines), per batch size (powers of two). Per-token costs miss what a drafted step
     loses by running synchronously; this does not. While drafting loses, the batch drafts
     nothing for a while (16 steps, doubling up to 512 while it keeps losing), then tries
     again; with no plain steps seen yet at a batch size, it pauses to measure some."""
@@ -195,9 +195,9 @@ class DraftLengthPolicy:
     where a few more tokens cost almost nothing, nearly every draft pays; on a CPU, where
     each token costs, only well-predicted text drafts. A sequence that does not draft lets
     its estimate drift back to the prior, so it tries again later. After a verification
-    that accepted nothing, or a lookup that found nothing, a sequence also waits 1, 3, 7,
-    then 15 steps before drafting again; steps in which no sequence drafts are pipelined
-    like plain decoding.
+    that accepted nothing a sequence also waits 1, 3, 7, then 15 steps before drafting
+    again, after a lookup that found nothing one step; steps in which no sequence is due
+    to draft are pipelined like plain decoding.
 
     Above the sequences, a BatchGate stops all drafting while drafted steps yield fewer
     tokens per second than plain ones.
@@ -248,14 +248,15 @@ class DraftLengthPolicy:
         seq.spec_tries = self.DECAY * seq.spec_tries + accepted + (accepted < proposed)
         if accepted:
             seq.spec_misses = seq.spec_wait = 0
-        else:
-            self.missed(seq)
+        else:  # wait 1, 3, 7, then 15 steps before the next try
+            seq.spec_misses = min(seq.spec_misses + 1, 4)
+            seq.spec_wait = (1 << seq.spec_misses) - 1
 
-    def missed(self, seq: Sequence) -> None:
-        """Nothing accepted, or nothing to propose (no n-gram match): wait 1, 3, 7, then 15
-        steps before the next try. (Waiting steps can be pipelined.)"""
-        seq.spec_misses = min(seq.spec_misses + 1, 4)
-        seq.spec_wait = (1 << seq.spec_misses) - 1
+    @staticmethod
+    def nothing_found(seq: Sequence) -> None:
+        """No n-gram match: look again after one step (a lookup is cheap; the steps it
+        keeps from being pipelined count against speculation in the BatchGate)."""
+        seq.spec_wait = 1
 
 
 def accepted_count(drafts: list[int], targets: list[int]) -> int:
