@@ -193,6 +193,9 @@ def test_speculation_between_pipelined_steps(tiny_model_dirs, monkeypatch):
     want = _llm(tiny_model_dirs["qwen2"], monkeypatch, False)[0].generate(
         prompts, params, use_tqdm=False)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    from minivllm.engine.speculative import BatchGate, StepCost
+    monkeypatch.setattr(StepCost, "token_share", lambda self, tokens: 0.0)  # timing aside
+    monkeypatch.setattr(BatchGate, "open", lambda self: True)
     llm, launches = _llm(tiny_model_dirs["qwen2"], monkeypatch, True, speculative_config=spec)
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

@@ -18,7 +18,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
-from minivllm.engine.speculative import (NgramIndex, SpeculativeConfig, StepCost,
+from minivllm.engine.speculative import (BatchGate, NgramIndex, SpeculativeConfig, StepCost,
                                          accepted_count)
 from minivllm.server.testing import ServerThread
 from minivllm.worker.sampler import Sampler
@@ -36,6 +36,15 @@ def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
         out.append(phrase * 3 + phrase[:2])
     out.append([rng.randrange(3, 250) for _ in range(25)])
     return out
+
+
+@pytest.fixture
+def drafts_always_pay(monkeypatch):
+    """The draft-length policy's timing (the step-cost fit and the batch gate) put aside:
+    tests of what speculation produces must not depend on how fast this machine runs it.
+    The policy's own tests are below."""
+    monkeypatch.setattr(StepCost, "token_share", lambda self, tokens: 0.0)
+    monkeypatch.setattr(BatchGate, "open", lambda self: True)
 
 
 def ngram_proposal(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -97,7 +106,7 @@ def test_config_defaults_and_proposals():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_greedy_output_is_unchanged(tiny_model_dirs, family):
+def test_greedy_output_is_unchanged(tiny_model_dirs, family, drafts_always_pay):
     prompts = repetitive_prompts(4, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     kw = dict(skip_tokenizer_init=True, max_model_len=192, block_size=4)
@@ -112,7 +121,8 @@ def test_greedy_output_is_unchanged(tiny_model_dirs, family):
     assert llm.engine.scheduler.pool.all_free()
 
 
-def test_mixed_batches_preemption_prefix_cache_and_max_tokens(tiny_model_dirs):
+def test_mixed_batches_preemption_prefix_cache_and_max_tokens(tiny_model_dirs,
+                                                             drafts_always_pay):
     """Greedy and sampled requests in one batch, a KV cache small enough to preempt, shared
     prefixes, and max_tokens from 1 up: greedy outputs as without speculation, none longer
     than max_tokens. (The sampled ones here draw near-uniformly and rarely draft.)"""
@@ -137,7 +147,7 @@ def test_mixed_batches_preemption_prefix_cache_and_max_tokens(tiny_model_dirs):
     assert llm.engine.scheduler.pool.all_free()
 
 
-def test_stop_token_inside_accepted_drafts(tiny_model_dirs):
+def test_stop_token_inside_accepted_drafts(tiny_model_dirs, drafts_always_pay):
     """A stop token id among a step's accepted tokens ends the output there."""
     prompt = repetitive_prompts(2, seed=7)[0]
     kw = dict(skip_tokenizer_init=True, max_model_len=128, block_size=4)
@@ -156,7 +166,7 @@ def test_stop_token_inside_accepted_drafts(tiny_model_dirs):
 
 
 @pytest.mark.slow
-def test_real_model_chat_with_stop_string_and_server(default_model_dir):
+def test_real_model_chat_with_stop_string_and_server(default_model_dir, drafts_always_pay):
     """SmolLM2-135M: a prompt that quotes text to repeat gives the same greedy answer with
     and without n-gram speculation, most drafts accepted; a stop string ends both alike;
     the server takes --speculative-config and reports spec_decode_* in /metrics."""
@@ -221,8 +231,9 @@ def chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
 def test_rejection_sampling_keeps_the_target_distribution(proposer):
     """40,000 rows verify a draft at one position; the token each row keeps (the draft, or
     a draw from the residual) must follow the target's distribution p: temperature 0.7
-    and top_k 6 over 8 tokens, so 6 tokens of nonzero probability. The draft is one fixed token (n-gram: q one-hot) or drawn
-    from another distribution q (a draft model). The drafts alone fail the same test."""
+    and top_k 6 over 8 tokens, so 6 tokens of nonzero probability. The draft is one fixed
+    token (n-gram: q one-hot) or drawn from another distribution q (a draft model). The
+    drafts alone fail the same test."""
     vocab, n = 8, 40_000
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(vocab, generator=gen)
@@ -279,7 +290,7 @@ def test_sampled_requests_speculate_reproducibly(tiny_model_dirs):
     assert llm.engine.scheduler.pool.all_free() and other.engine.scheduler.pool.all_free()
 
 
-def test_logprobs_of_accepted_tokens(tiny_model_dirs):
+def test_logprobs_of_accepted_tokens(tiny_model_dirs, drafts_always_pay):
     """Greedy requests with logprobs speculate: the same tokens and logprobs (top 3, ranks)
     as without speculation."""
     prompts = repetitive_prompts(3, seed=13)
@@ -319,7 +330,7 @@ def draft_config(path, k: int = 3) -> dict:
 
 
 @pytest.mark.parametrize("draft_family", ["llama", "qwen2"])
-def test_draft_model_greedy_output_is_unchanged(tiny_model_dirs, draft_family):
+def test_draft_model_greedy_output_is_unchanged(tiny_model_dirs, draft_family, drafts_always_pay):
     """A draft model (the target itself: every draft accepted; another tiny model: few)
     under batching, preemption, prefix caching and max_tokens: the same greedy tokens."""
     prompts = repetitive_prompts(5, seed=17) * 2
@@ -340,7 +351,7 @@ def test_draft_model_greedy_output_is_unchanged(tiny_model_dirs, draft_family):
     assert llm.engine.scheduler.pool.all_free()
 
 
-def test_draft_model_sampled_and_dummy(tiny_model_dirs):
+def test_draft_model_sampled_and_dummy(tiny_model_dirs, drafts_always_pay):
     """Sampled requests verified against the draft's distribution: seeded ones reproducible
     alone and in a batch; a dummy-weight draft loads with load_format='dummy'."""
     prompts = repetitive_prompts(3, seed=19)
@@ -370,8 +381,6 @@ def test_draft_model_with_another_vocabulary_is_rejected(tiny_model_dirs, tiny_t
 def test_batch_gate_pauses_drafting_that_loses():
     """Drafted steps slower per token than plain ones close the gate for a while, twice as
     long while they keep losing; with no plain steps seen it pauses to measure some."""
-    from minivllm.engine.speculative import BatchGate
-
     gate = BatchGate()
     for _ in range(BatchGate.PROBE):
         assert gate.open()

@@ -146,15 +146,16 @@ class StepCost:
 class BatchGate:
     """Whether speculating pays for the batch as a whole, measured: output tokens per
     second of the steps that looked for drafts (and so ran synchronously) against the steps
-    that did not (which a GPU pipelines), per batch size (powers of two). Per-token costs miss what a drafted step
-    loses by running synchronously; this does not. While drafting loses, the batch drafts
-    nothing for a while (16 steps, doubling up to 512 while it keeps losing), then tries
+    that did not (which a GPU pipelines), per batch size (powers of two). Per-token costs
+    miss what a step loses by running synchronously; this does not. While speculating
+    loses, the batch drafts nothing for a while (16 steps, doubling up to 512 while it keeps losing), then tries
     again; with no plain steps seen yet at a batch size, it pauses to measure some."""
 
     EMA, FIRST_PAUSE, MAX_PAUSE, PROBE = 0.5, 16, 512, 4
 
     def __init__(self) -> None:
-        self.rates: dict[int, list] = {}  # batch bucket -> [plain rate, drafted rate, drafted steps]
+        # batch bucket -> [plain tok/s, speculating tok/s, speculating steps]
+        self.rates: dict[int, list] = {}
         self.pause = 0
         self.pause_len = self.FIRST_PAUSE
 
