@@ -151,11 +151,12 @@ class BatchGate:
     loses, the batch drafts nothing for a while (16 steps, doubling up to 512 while it keeps losing), then tries
     again; with no plain steps seen yet at a batch size, it pauses to measure some."""
 
-    EMA, FIRST_PAUSE, MAX_PAUSE, PROBE = 0.5, 16, 512, 4
+    DECAY, FIRST_PAUSE, MAX_PAUSE, PROBE = 0.8, 16, 512, 4
 
     def __init__(self) -> None:
-        # batch bucket -> [plain tok/s, speculating tok/s, speculating steps]
-        self.rates: dict[int, list] = {}
+        # batch bucket -> [plain tokens, plain seconds, speculating tokens, seconds, steps],
+        # each sum decaying by DECAY per step of its kind (about the last five).
+        self.rates: dict[int, list[float]] = {}
         self.pause = 0
         self.pause_len = self.FIRST_PAUSE
 
@@ -163,23 +164,23 @@ class BatchGate:
         return self.pause == 0
 
     def record(self, num_seqs: int, tokens: int, seconds: float, drafted: bool) -> None:
-        """One step: its batch size, the tokens it added and its wall time."""
+        """One decode step: its batch size, the tokens it added, its wall time, and whether
+        it looked for drafts."""
         if self.pause:
             self.pause -= 1
-        if num_seqs == 0 or seconds <= 0 or tokens == 0:
+        if num_seqs == 0 or seconds <= 0:
             return
-        entry = self.rates.setdefault(1 << (num_seqs - 1).bit_length(), [None, None, 0])
-        i = 1 if drafted else 0
-        rate = tokens / seconds
-        entry[i] = rate if entry[i] is None else (1 - self.EMA) * entry[i] + self.EMA * rate
+        e = self.rates.setdefault(1 << (num_seqs - 1).bit_length(), [0.0] * 5)
+        i = 2 if drafted else 0
+        e[i] = self.DECAY * e[i] + tokens
+        e[i + 1] = self.DECAY * e[i + 1] + seconds
         if not drafted:
             return
-        entry[2] += 1
-        plain, spec = entry[0], entry[1]
-        if plain is None:
-            if entry[2] % self.PROBE == 0:
+        e[4] += 1
+        if e[1] == 0.0:
+            if e[4] % self.PROBE == 0:
                 self.pause = self.PROBE  # measure plain steps at this batch size
-        elif spec < plain:
+        elif e[2] / e[3] < e[0] / e[1]:
             self.pause, self.pause_len = self.pause_len, min(2 * self.pause_len, self.MAX_PAUSE)
         else:
             self.pause_len = self.FIRST_PAUSE
