@@ -396,6 +396,6 @@ def test_batch_gate_pauses_drafting_that_loses():
     gate.record(8, 20, 0.010, drafted=True)
     assert gate.pause == 2 * BatchGate.FIRST_PAUSE
     fast = BatchGate()
-    fast.record(8, 8, 0.001, drafted=False)
+    fast.rates[8] = [8000.0, None, 0]
     fast.record(8, 40, 0.002, drafted=True)  # 20,000 tok/s drafted: keeps drafting
     assert fast.open()

@@ -257,18 +257,12 @@ class LLMEngine:
     def _step(self, report: Callable[[list[Request]], list]) -> list:
         if self.speculative is None:
             return self._plan_and_run(report)
-        sched = self.scheduler
-        # Only decode steps say what speculation costs (a prompt's prefill would count as
-        # a slow plain step).
-        decoding = not sched.waiting and all(
-            s.num_computed_tokens >= len(s.token_ids) - 1 for s in sched.running)
         start, tokens = time.perf_counter(), self.stats["generation_tokens"]
         self._looked_for_drafts = False
         out = self._plan_and_run(report)
-        if decoding:
-            self.draft_policy.gate.record(
-                len(sched.running), self.stats["generation_tokens"] - tokens,
-                time.perf_counter() - start, self._looked_for_drafts)
+        self.draft_policy.gate.record(
+            len(self.scheduler.running), self.stats["generation_tokens"] - tokens,
+            time.perf_counter() - start, self._looked_for_drafts)
         return out
 
     def _plan_and_run(self, report: Callable[[list[Request]], list]) -> list:

@@ -148,15 +148,16 @@ class BatchGate:
     second of the steps that looked for drafts (and so ran synchronously) against the steps
     that did not (which a GPU pipelines), per batch size (powers of two). Per-token costs
     miss what a step loses by running synchronously; this does not. While speculating
-    loses, the batch drafts nothing for a while (16 steps, doubling up to 512 while it keeps losing), then tries
-    again; with no plain steps seen yet at a batch size, it pauses to measure some."""
+    loses, the batch drafts nothing for a while (16 steps, doubling up to 512 while it
+    keeps losing), then tries again; with no plain steps seen yet at a batch size, it
+    pauses to measure some. Prefill steps count as plain ones (docs/decisions.md says what
+    leaving them out did)."""
 
-    DECAY, FIRST_PAUSE, MAX_PAUSE, PROBE = 0.8, 16, 512, 4
+    EMA, FIRST_PAUSE, MAX_PAUSE, PROBE = 0.5, 16, 512, 4
 
     def __init__(self) -> None:
-        # batch bucket -> [plain tokens, plain seconds, speculating tokens, seconds, steps],
-        # each sum decaying by DECAY per step of its kind (about the last five).
-        self.rates: dict[int, list[float]] = {}
+        # batch bucket -> [plain tok/s, speculating tok/s, speculating steps]
+        self.rates: dict[int, list] = {}
         self.pause = 0
         self.pause_len = self.FIRST_PAUSE
 
@@ -164,23 +165,23 @@ class BatchGate:
         return self.pause == 0
 
     def record(self, num_seqs: int, tokens: int, seconds: float, drafted: bool) -> None:
-        """One decode step: its batch size, the tokens it added, its wall time, and whether
-        it looked for drafts."""
+        """One step: its batch size, the tokens it added and its wall time."""
         if self.pause:
             self.pause -= 1
-        if num_seqs == 0 or seconds <= 0:
+        if num_seqs == 0 or seconds <= 0 or tokens == 0:
             return
-        e = self.rates.setdefault(1 << (num_seqs - 1).bit_length(), [0.0] * 5)
-        i = 2 if drafted else 0
-        e[i] = self.DECAY * e[i] + tokens
-        e[i + 1] = self.DECAY * e[i + 1] + seconds
+        entry = self.rates.setdefault(1 << (num_seqs - 1).bit_length(), [None, None, 0])
+        i = 1 if drafted else 0
+        rate = tokens / seconds
+        entry[i] = rate if entry[i] is None else (1 - self.EMA) * entry[i] + self.EMA * rate
         if not drafted:
             return
-        e[4] += 1
-        if e[1] == 0.0:
-            if e[4] % self.PROBE == 0:
+        entry[2] += 1
+        plain, spec = entry[0], entry[1]
+        if plain is None:
+            if entry[2] % self.PROBE == 0:
                 self.pause = self.PROBE  # measure plain steps at this batch size
-        elif e[2] / e[3] < e[0] / e[1]:
+        elif spec < plain:
             self.pause, self.pause_len = self.pause_len, min(2 * self.pause_len, self.MAX_PAUSE)
         else:
             self.pause_len = self.FIRST_PAUSE
