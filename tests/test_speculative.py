@@ -195,6 +195,11 @@ def test_real_model_chat_with_stop_string_and_server(default_model_dir, drafts_a
                                              messages=question, max_tokens=48, temperature=0.0)
         a = plain.chat(question, params, use_tqdm=False)[0].outputs[0].text
         assert out.choices[0].message.content == a
+        stream = client.chat.completions.create(model=out.model, messages=question,
+                                                max_tokens=48, temperature=0.0, stream=True)
+        chunks = [c.choices[0].delta.content or "" for c in stream if c.choices]
+        assert "".join(chunks) == a
+        assert len([c for c in chunks if c]) < len(spec.engine.tokenize(a))  # several per chunk
         metrics = httpx.get(srv.url + "/metrics").text
         assert "minivllm:spec_decode_num_accepted_tokens_total" in metrics
 
@@ -399,3 +404,27 @@ def test_batch_gate_pauses_drafting_that_loses():
     fast.rates[8] = [8000.0, None, 0]
     fast.record(8, 40, 0.002, drafted=True)  # 20,000 tok/s drafted: keeps drafting
     assert fast.open()
+
+
+def test_abort_while_speculating(tiny_model_dirs, drafts_always_pay):
+    """A request aborted between speculative steps frees its blocks at once; the others go
+    on to the tokens they would give without speculation."""
+    prompts = repetitive_prompts(4, seed=29)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    kw = dict(skip_tokenizer_init=True, max_model_len=160, block_size=4)
+    want = ids(LLM(str(tiny_model_dirs["qwen2"]), **kw).generate(prompts, params,
+                                                                 use_tqdm=False))
+    eng = LLM(str(tiny_model_dirs["qwen2"]), speculative_config=NGRAM, **kw).engine
+    for i, p in enumerate(prompts):
+        eng.add_request(p, params, request_id=f"r{i}")
+    final = {}
+    for _ in range(4):
+        final.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+    assert eng.stats["spec_decode_num_drafts"] > 0
+    used = eng.scheduler.pool.num_free
+    assert eng.abort_request("r1")
+    assert eng.scheduler.pool.num_free > used
+    while eng.has_unfinished_requests():
+        final.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+    assert [final[f"r{i}"] for i in (0, 2, 3)] == [want[i] for i in (0, 2, 3)]
+    assert eng.scheduler.pool.all_free()
