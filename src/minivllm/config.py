@@ -172,16 +172,6 @@ class ModelConfig:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
-    def weight_bytes(self, dtype: torch.dtype) -> int:
-        """The weights' size in memory (norms and biases included)."""
-        h, d = self.hidden_size, self.head_dim
-        q, kv = self.num_heads * d, self.num_kv_heads * d
-        layer = 2 * q * h + 2 * kv * h + 3 * self.intermediate_size * h + 2 * h
-        layer += (q + 2 * kv) * self.qkv_bias + 2 * d * self.qk_norm
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        elem = torch.empty((), dtype=dtype).element_size()
-        return (embed + self.num_layers * layer + h) * elem
-
 
 def resolve_model_path(model: str | os.PathLike | None) -> tuple[Path, Path]:
     """Return (model_dir, config_path). `model` may be a folder, a config.json, or a .gguf."""

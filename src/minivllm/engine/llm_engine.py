@@ -18,6 +18,7 @@ import torch
 
 from ..config import (EngineConfig, ModelConfig, attention_backend, load_config_json,
                       pipelining_enabled, resolve_device, resolve_dtype, resolve_model_path)
+from ..model.loader import weight_bytes
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import load_tokenizer
@@ -37,19 +38,25 @@ logger = logging.getLogger(__name__)
 PLACEHOLDER_TOKEN = -1
 
 
+def read_model_config(model) -> tuple:
+    """(weights path, config path, ModelConfig) of a model folder, config.json or GGUF file
+    (a GGUF file is both)."""
+    model_path, config_path = resolve_model_path(model)
+    if model_path.suffix == ".gguf" or config_path.suffix == ".gguf":
+        from ..model.gguf_loader import load_gguf_state
+        model_path = config_path
+        raw_cfg, _ = load_gguf_state(config_path)
+    else:
+        raw_cfg = load_config_json(config_path)
+    return model_path, config_path, ModelConfig.from_dict(raw_cfg)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
         self.config = config
-        model_path, config_path = resolve_model_path(config.model)
-        if model_path.suffix == ".gguf" or config_path.suffix == ".gguf":
-            from ..model.gguf_loader import load_gguf_state
-            model_path = config_path
-            raw_cfg, _ = load_gguf_state(config_path)
-        else:
-            raw_cfg = load_config_json(config_path)
+        model_path, config_path, self.model_config = read_model_config(config.model)
         self.model_path = model_path
-        self.model_config = ModelConfig.from_dict(raw_cfg)
         config.finalize(self.model_config)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, self.device)
@@ -71,8 +78,8 @@ class LLMEngine:
             draft = self._draft_model_config()
         # A draft model's weights and KV cache (as many blocks) come out of the KV budget.
         reserved = (0, 0) if draft is None else (
-            draft[1].weight_bytes(self.dtype), block_bytes(draft[1], config.block_size,
-                                                           self.dtype))
+            weight_bytes(draft[1], self.dtype), block_bytes(draft[1], config.block_size,
+                                                            self.dtype))
         self.runner = ModelRunner(config, self.model_config, model_path, self.device,
                                   self.dtype, backend, reserved)
         self.drafter = None
@@ -116,14 +123,7 @@ class LLMEngine:
 
     def _draft_model_config(self) -> tuple:
         """(weights path, ModelConfig) of the draft model, checked against the target."""
-        path, config_path = resolve_model_path(self.speculative.model)
-        if path.suffix == ".gguf" or config_path.suffix == ".gguf":
-            from ..model.gguf_loader import load_gguf_state
-            path = config_path
-            raw = load_gguf_state(config_path)[0]
-        else:
-            raw = load_config_json(config_path)
-        cfg = ModelConfig.from_dict(raw)
+        path, _, cfg = read_model_config(self.speculative.model)
         if cfg.vocab_size != self.model_config.vocab_size:
             raise ValueError(
                 f"speculative_config: the draft model's vocabulary ({cfg.vocab_size} tokens) "
@@ -362,15 +362,15 @@ class LLMEngine:
     def _propose_drafts(self) -> None:
         """Append n-gram proposals to the running sequences as draft tokens."""
         spec = self.speculative
-        running = self.scheduler.running
-        for seq in running:
+        threshold = self.draft_policy.threshold(len(self.scheduler.running))
+        for seq in self.scheduler.running:
             if not can_speculate(seq):
                 continue
             p = seq.params
             # Never past max_tokens or max_model_len: a step adds accepted drafts + 1.
             room = min(p.max_tokens - seq.num_output_tokens,
                        self.max_model_len - len(seq.token_ids)) - 1
-            k = min(self.draft_policy.draft_length(seq, len(running)), room)
+            k = min(self.draft_policy.draft_length(seq, threshold), room)
             if k <= 0:
                 self.draft_policy.idle(seq)
                 continue
@@ -468,10 +468,11 @@ class LLMEngine:
         if not all(s.seq_id in self._pending.rows and self._seq_can_pipeline(s)
                    for s in sched.running):
             return False
-        if self.speculative is not None and any(
-                can_speculate(s) and self.draft_policy.draft_length(s, len(sched.running))
-                for s in sched.running):
-            return False  # a sequence is due to draft: it needs its last token
+        if self.speculative is not None:
+            threshold = self.draft_policy.threshold(len(sched.running))
+            if any(can_speculate(s) and self.draft_policy.draft_length(s, threshold)
+                   for s in sched.running):
+                return False  # a sequence is due to draft: it needs its last token
         if not sched.waiting:
             return True
         if self.runner.mixed_runner is None:

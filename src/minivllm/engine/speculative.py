@@ -220,15 +220,19 @@ class DraftLengthPolicy:
         return (seq.spec_hits + cls.PRIOR * cls.PRIOR_WEIGHT) / (seq.spec_tries
                                                                  + cls.PRIOR_WEIGHT)
 
-    def draft_length(self, seq: Sequence, num_running: int) -> int:
-        """How many drafts seq proposes this step (0: none), with num_running sequences in
-        the batch."""
+    def threshold(self, num_running: int) -> float | None:
+        """The step's bar for alpha^i with num_running sequences in the batch (None: the
+        gate is closed); computed once per step."""
+        return self.cost.token_share(num_running) if self.gate.open() else None
+
+    def draft_length(self, seq: Sequence, threshold: float | None) -> int:
+        """How many drafts seq proposes this step (0: none), given the step's threshold."""
         if seq.spec_wait:
             return 0
-        seeded = seq.generator is not None and not seq.params.greedy
-        if not seeded and not self.gate.open():
+        if seq.generator is not None and not seq.params.greedy:
+            threshold = 0.0  # seeded: by acceptance alone
+        elif threshold is None:
             return 0
-        threshold = 0.0 if seeded else self.cost.token_share(num_running)
         alpha, length, gain = self.acceptance(seq), 0, 1.0
         while length < self.k:
             gain *= alpha

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,6 +42,12 @@ def hf_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     return shapes
+
+
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """The weights' size in memory, from the checkpoint's shapes."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(shape) for shape in hf_parameter_shapes(cfg).values()) * elem
 
 
 def dummy_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,

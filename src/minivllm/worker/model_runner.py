@@ -73,6 +73,11 @@ class PendingDecode:
         return self.host_tokens.tolist()
 
 
+# From this many tokens of a sequence in a step, its slots are computed with numpy (a long
+# prompt chunk: 8192 tokens took ~1.4 ms in a Python loop here, 0.1 ms this way).
+_VECTOR_MIN_TOKENS = 64
+
+
 @dataclass
 class HostInputs:
     """One step's inputs as host lists (see ModelRunner.host_inputs)."""
@@ -91,6 +96,23 @@ class HostInputs:
     draft_probs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     prompt_lp_spans: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
     max_query_len: int = 0
+
+    def add_chunk(self, seq: Sequence, start: int, end: int, block_size: int) -> int:
+        """Append tokens start..end of seq (ids, positions, KV slots) as one more sequence
+        of the step; returns the flat index of its first token."""
+        self.input_ids.extend(seq.token_ids[start:end])
+        self.positions.extend(range(start, end))
+        table, bs = seq.block_table, block_size
+        if end - start >= _VECTOR_MIN_TOKENS:
+            pos = np.arange(start, end)
+            self.slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
+        else:
+            self.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        tok0 = self.query_start_loc[-1]
+        self.query_start_loc.append(tok0 + end - start)
+        self.seq_lens.append(end)
+        self.block_tables.append(table)
+        return tok0
 
     def draft_prob_rows(self, vocab: int, device: torch.device) -> torch.Tensor | None:
         """The proposer's distribution per sampling row (zeros where there is none), or None
@@ -113,11 +135,6 @@ class ModelInputs:
     draft_tokens: list[int] | None  # the draft each row verifies (-1: none), see HostInputs
     draft_probs: torch.Tensor | None  # the proposer's distribution per row, see HostInputs
     prompt_lp_spans: list[tuple[Sequence, int, int, int]]  # seq, token start, first pos, count
-
-
-# From this many tokens of a sequence in a step, its slots are computed with numpy (a long
-# prompt chunk: 8192 tokens took ~1.4 ms in a Python loop here, 0.1 ms this way).
-_VECTOR_MIN_TOKENS = 64
 
 
 def _long_tensor(values: list[int], device: torch.device) -> torch.Tensor:
@@ -270,22 +287,13 @@ class ModelRunner:
         slots, per-sequence offsets, lengths and block tables, and the logits rows."""
         bs = self.block_size
         h = HostInputs()
+        if any(s.num_drafts for s in batch.seqs):
+            h.draft_tokens = []
         qsl = h.query_start_loc
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             end = start + n
-            h.input_ids.extend(seq.token_ids[start:end])
-            h.positions.extend(range(start, end))
-            table = seq.block_table
-            if n >= _VECTOR_MIN_TOKENS:
-                pos = np.arange(start, end)
-                h.slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
-            else:
-                h.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            tok0 = qsl[-1]
-            qsl.append(tok0 + n)
-            h.seq_lens.append(end)
-            h.block_tables.append(table)
+            tok0 = h.add_chunk(seq, start, end, bs)
             req = seq.request
             if req.wants_prompt_logprobs and seq.index == 0 and start < seq.num_prompt_tokens - 1:
                 # Logits at position p predict prompt token p + 1; record each only once.
@@ -298,16 +306,14 @@ class ModelRunner:
                 if seq.num_drafts:
                     # Speculative: the target's token at every draft position and after.
                     k = seq.num_drafts
-                    if h.draft_tokens is None:
-                        h.draft_tokens = [-1] * len(h.sample_indices)
+                    if seq.draft_probs is not None:
+                        h.draft_probs.append((len(h.sample_indices), seq.draft_probs))
                     h.sample_indices.extend(range(qsl[-1] - 1 - k, qsl[-1]))
                     h.row_seqs.extend([seq] * (k + 1))
                     h.draft_tokens.extend(seq.token_ids[len(seq.token_ids) - k:])
                     h.draft_tokens.append(-1)
-                    if seq.draft_probs is not None:
-                        h.draft_probs.append((len(h.sample_indices) - k - 1, seq.draft_probs))
                     continue
-                elif seq.forks_pending:
+                if seq.forks_pending:
                     for sibling in req.seqs:  # one row per sample, all from these logits
                         h.sample_indices.append(qsl[-1] - 1)
                         h.row_seqs.append(sibling)
@@ -349,7 +355,6 @@ class ModelRunner:
         KV, and return (logits, argmax) at each chunk's last token: a draft model's
         catch-up and drafting steps (worker/draft_model.py). At most max_num_batched_tokens
         tokens, one chunk per sequence."""
-        bs = self.block_size
         if all(end - start == 1 for _, start, end in chunks) and (
                 self.graph_runner is not None and self.graph_runner.can_run(len(chunks))):
             return self.graph_runner.run([s.token_ids[start] for s, start, _ in chunks],
@@ -357,13 +362,7 @@ class ModelRunner:
                                          [s.block_table for s, _, _ in chunks])
         h = HostInputs()
         for seq, start, end in chunks:
-            h.input_ids.extend(seq.token_ids[start:end])
-            h.positions.extend(range(start, end))
-            table = seq.block_table
-            h.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            h.query_start_loc.append(h.query_start_loc[-1] + end - start)
-            h.seq_lens.append(end)
-            h.block_tables.append(table)
+            h.add_chunk(seq, start, end, self.block_size)
             h.sample_indices.append(h.query_start_loc[-1] - 1)
             h.row_seqs.append(seq)
         h.max_query_len = max(end - start for _, start, end in chunks)
