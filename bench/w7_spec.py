@@ -5,6 +5,7 @@ text) and open-ended. Each kind runs single stream (one request at a time) and a
 of 8, without speculation and with each method, in this one process: output tok/s, the
 speed-up, the acceptance rate (accepted / proposed drafts) and the mean tokens per
 verified step. Greedy outputs are checked token for token against the plain engine's.
+Each row is the median of --repeats passes, the engines taking turns.
 
 Methods: "ngram" (prompt lookup) and "draft" (a draft model: --draft PATH, or by default
 a self-draft, the target with some layers skipped (--draft-layers keeps the others), its
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -120,6 +122,7 @@ def main() -> None:
     ap.add_argument("--lookup-max", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--prompts", type=int, default=8, help="per kind")
+    ap.add_argument("--repeats", type=int, default=3, help="passes per row (median time)")
     ap.add_argument("--methods", default="ngram,draft")
     ap.add_argument("--draft", default=None, help="draft model path (default: a self-draft)")
     ap.add_argument("--draft-layers", default="0-5,7-11,13-17,19-23,25-29",
@@ -165,12 +168,19 @@ def main() -> None:
     for kind, prompts in kinds:
         prompts = prompts[:args.prompts]
         for batch in modes:
-            res = {}
-            for name, llm in engines.items():
-                before = dict(llm.engine.stats)
-                secs, toks = run(llm, prompts, params, batch)
-                d = {k: llm.engine.stats[k] - before[k] for k in llm.engine.stats}
-                res[name] = (secs, toks, d)
+            # Each engine runs the prompts `repeats` times, taking turns: the median time
+            # counts, the counters are summed over the passes, the tokens are the first's.
+            times = {name: [] for name in engines}
+            first = {}
+            before = {name: dict(llm.engine.stats) for name, llm in engines.items()}
+            for _ in range(args.repeats):
+                for name, llm in engines.items():
+                    secs, toks = run(llm, prompts, params, batch)
+                    times[name].append(secs)
+                    first.setdefault(name, toks)
+            res = {name: (statistics.median(times[name]), first[name],
+                          {k: llm.engine.stats[k] - before[name][k] for k in llm.engine.stats})
+                   for name, llm in engines.items()}
             t0, ref, _ = res["plain"]
             n0 = sum(len(t) for t in ref)
             for name in configs:
@@ -195,7 +205,8 @@ def main() -> None:
     path = write_result("w7-spec", {
         "model": f"SmolLM2-135M-Instruct (real weights, {str(llm.dtype).removeprefix('torch.')})",
         "device": str(llm.device), "temperature": args.temperature,
-        "speculative_configs": configs, "max_tokens": args.max_tokens, "rows": rows},
+        "speculative_configs": configs, "max_tokens": args.max_tokens,
+        "repeats": args.repeats, "rows": rows},
         args.out)
     print("wrote", path)
 

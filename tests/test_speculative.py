@@ -69,6 +69,25 @@ def test_ngram_index_matches_a_scan():
             tokens += [rng.randrange(4) for _ in range(rng.choice((1, 1, 3)))]
 
 
+def test_ngram_index_on_a_prefix_and_the_pipelines_filter():
+    """A lookup over the first `length` tokens (those known while a step is pending)
+    proposes what a scan of that prefix finds and leaves the index right for the next
+    full lookup. A match of n > n_min tokens ending at the last token implies one of n - 1
+    ending just before it: the filter that keeps pipelining never hides those."""
+    rng = random.Random(2)
+    n_min, n_max = 2, 4
+    tokens = [rng.randrange(5) for _ in range(3)]
+    index = NgramIndex(n_min, n_max)
+    while len(tokens) < 300:
+        tokens += [rng.randrange(5)]
+        before = index.propose(tokens, 3, len(tokens) - 1)
+        assert before == ngram_proposal(tokens[:-1], 3, n_min, n_max)
+        full = index.propose(tokens, 3)
+        assert full == ngram_proposal(tokens, 3, n_min, n_max)
+        if ngram_proposal(tokens, 3, n_min + 1, n_max):
+            assert before
+
+
 def ids(outputs) -> list[list[int]]:
     return [c.token_ids for o in outputs for c in o.outputs]
 
@@ -401,9 +420,15 @@ def test_batch_gate_pauses_drafting_that_loses():
     gate.record(8, 20, 0.010, drafted=True)
     assert gate.pause == 2 * BatchGate.FIRST_PAUSE
     fast = BatchGate()
-    fast.rates[8] = [8000.0, None, 0]
+    for _ in range(8):
+        fast.record(8, 8, 0.001, drafted=False)  # 8,000 tok/s plain
     fast.record(8, 40, 0.002, drafted=True)  # 20,000 tok/s drafted: keeps drafting
     assert fast.open()
+    # A step weighs by its length: one short lucky step does not outweigh a long slow one.
+    fast.record(8, 10, 0.010, drafted=True)
+    fast.record(8, 9, 0.0005, drafted=True)
+    plain, spec = fast.rates(8)
+    assert spec < plain and not fast.open()
 
 
 def test_abort_while_speculating(tiny_model_dirs, drafts_always_pay):

@@ -388,6 +388,20 @@ class LLMEngine:
             else:
                 self.draft_policy.nothing_found(seq)
 
+    def _may_find_drafts(self, seq: Sequence) -> bool:
+        """Whether a sequence whose last token is still on the device may find drafts once
+        it is read. For n-gram lookup: a match of n > prompt_lookup_min tokens ending at the
+        unknown token needs one of n - 1 ending just before it, so a sequence whose known
+        tokens end in no n-gram seen before does not stop the pipeline (it gives up only its
+        shortest matches, the least likely to be accepted) and looks again next step."""
+        if self.drafter is not None:
+            return True
+        spec = self.speculative
+        if seq.ngram_index is None:
+            seq.ngram_index = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        known = len(seq.token_ids) - (seq.token_ids[-1] == PLACEHOLDER_TOKEN)
+        return bool(seq.ngram_index.propose(seq.token_ids, 1, known))
+
     def _fit_drafts(self, batch: ScheduledBatch) -> None:
         """Drop the drafts of sequences the step does not carry whole (preempted, out of
         budget): a step verifies a sequence's drafts only if it computes all of them."""
@@ -471,7 +485,7 @@ class LLMEngine:
         if self.speculative is not None:
             threshold = self.draft_policy.threshold(len(sched.running))
             if any(can_speculate(s) and self.draft_policy.draft_length(s, threshold)
-                   for s in sched.running):
+                   and self._may_find_drafts(s) for s in sched.running):
                 return False  # a sequence is due to draft: it needs its last token
         if not sched.waiting:
             return True

@@ -84,11 +84,12 @@ class NgramIndex:
         self.after: dict[int, int] = {}
         self.indexed = 0  # n-grams ending at positions <= this are in `after`
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
+    def propose(self, tokens: list[int], k: int, length: int | None = None) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the sequence's
-        last n tokens, for the largest n that occurs; [] if none does. tokens must extend
-        the ones of the previous call (drafts are not committed tokens: never pass them)."""
-        length = len(tokens)
+        last n tokens (of its first `length`, default all), for the largest n that occurs;
+        [] if none does. The tokens must extend the ones of the previous call (drafts are
+        not committed tokens: never pass them)."""
+        length = len(tokens) if length is None else length
         after = self.after
         # Index the n-grams that end before the last token (the suffix itself must not
         # find itself).
@@ -97,10 +98,10 @@ class NgramIndex:
                 after[hash(tuple(tokens[end - n:end]))] = end
         self.indexed = max(self.indexed, length - 1)
         for n in range(min(self.n_max, length - 1), self.n_min - 1, -1):
-            suffix = tokens[length - n:]
+            suffix = tokens[length - n:length]
             end = after.get(hash(tuple(suffix)))
             if end is not None and tokens[end - n:end] == suffix:
-                return tokens[end:end + k]
+                return tokens[end:min(end + k, length)]
         return []
 
 
@@ -147,37 +148,49 @@ class BatchGate:
     """Whether speculating pays for the batch as a whole, measured: output tokens per
     second of the steps that looked for drafts (and so ran synchronously) against the steps
     that did not (which a GPU pipelines), per batch size (powers of two). Per-token costs
-    miss what a step loses by running synchronously; this does not. While speculating
-    loses, the batch drafts nothing for a while (16 steps, doubling up to 512 while it
-    keeps losing), then tries again; with no plain steps seen yet at a batch size, it
-    pauses to measure some. Prefill steps count as plain ones (docs/decisions.md says what
-    leaving them out did)."""
+    miss what a step loses by running synchronously; this does not. Each kind's rate is a
+    ratio of decaying sums of tokens and seconds (a step weighs by its length, and a
+    pipelined step that yields nothing still counts its time), the looking steps' with a
+    short memory: the gate follows the text being written. While speculating loses, the
+    batch drafts nothing for a while (16 steps, doubling up to 512 while it keeps losing),
+    then tries again; with no plain steps seen yet at a batch size, it pauses to measure
+    some."""
 
-    EMA, FIRST_PAUSE, MAX_PAUSE, PROBE = 0.5, 16, 512, 4
+    DECAY = (0.95, 0.7)  # per plain step, per looking step
+    FIRST_PAUSE, MAX_PAUSE, PROBE = 16, 512, 4
 
     def __init__(self) -> None:
-        # batch bucket -> [plain tok/s, speculating tok/s, speculating steps]
-        self.rates: dict[int, list] = {}
+        # batch bucket -> [[plain tokens, seconds], [looking tokens, seconds], looking steps]
+        self.sums: dict[int, list] = {}
         self.pause = 0
         self.pause_len = self.FIRST_PAUSE
 
     def open(self) -> bool:
         return self.pause == 0
 
+    def rates(self, num_seqs: int) -> tuple[float | None, float | None]:
+        """(plain, looking) tok/s measured at this batch size (None: not measured)."""
+        entry = self.sums.get(1 << (num_seqs - 1).bit_length())
+        if entry is None:
+            return None, None
+        return tuple(t / s if s > 0 else None for t, s in entry[:2])
+
     def record(self, num_seqs: int, tokens: int, seconds: float, drafted: bool) -> None:
-        """One step: its batch size, the tokens it added and its wall time."""
+        """One step: its batch size, the tokens it added, its wall time and whether it
+        looked for drafts."""
         if self.pause:
             self.pause -= 1
-        if num_seqs == 0 or seconds <= 0 or tokens == 0:
+        if num_seqs == 0 or seconds <= 0:
             return
-        entry = self.rates.setdefault(1 << (num_seqs - 1).bit_length(), [None, None, 0])
-        i = 1 if drafted else 0
-        rate = tokens / seconds
-        entry[i] = rate if entry[i] is None else (1 - self.EMA) * entry[i] + self.EMA * rate
+        entry = self.sums.setdefault(1 << (num_seqs - 1).bit_length(),
+                                     [[0.0, 0.0], [0.0, 0.0], 0])
+        sums, d = entry[drafted], self.DECAY[drafted]
+        sums[0] = d * sums[0] + tokens
+        sums[1] = d * sums[1] + seconds
         if not drafted:
             return
         entry[2] += 1
-        plain, spec = entry[0], entry[1]
+        plain, spec = self.rates(num_seqs)
         if plain is None:
             if entry[2] % self.PROBE == 0:
                 self.pause = self.PROBE  # measure plain steps at this batch size
