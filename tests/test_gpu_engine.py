@@ -101,6 +101,29 @@ def test_arrivals_join_pipelined_decodes_on_the_gpu(config_path, monkeypatch):
     assert results["1"] == results["0"] and len(results["1"]) == 10
 
 
+def test_repeated_prompts_behind_a_pending_step_on_the_gpu(config_path, monkeypatch):
+    """One prompt per generate() call, each stopping on a token, so a step is still pending
+    when the next call starts; each prompt twice, the second time all cached but its last
+    token (block size 16, lengths 16k + 1). Same tokens as step-by-step decoding."""
+    prompts = [random_prompts(1, 4096, n, n, seed=44 + n)[0] for n in (17, 33, 20)]
+    results = {}
+    for pipelined in ("0", "1"):
+        monkeypatch.setenv("MINIVLLM_PIPELINE", pipelined)
+        llm = LLM(str(config_path), load_format="dummy", dtype="float32", device="cuda",
+                  skip_tokenizer_init=True, max_model_len=512, max_num_seqs=16,
+                  num_kv_blocks=512)
+        if pipelined == "0":
+            free = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12,
+                                                        ignore_eos=True), use_tqdm=False)
+            stops = [o.outputs[0].token_ids[5] for o in free]
+        results[pipelined] = [
+            llm.generate([p], SamplingParams(temperature=0.0, max_tokens=12,
+                                             stop_token_ids=[s]), use_tqdm=False)[0]
+            .outputs[0].token_ids for _ in range(2) for p, s in zip(prompts, stops)]
+        assert llm.engine.scheduler.pool.all_free()
+    assert results["1"] == results["0"]
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculative_decoding_on_the_gpu(config_path, tmp_path, monkeypatch, method):
     """Verification steps replayed from the mixed-step graphs (and, with a draft model, its

@@ -202,3 +202,26 @@ def test_speculation_between_pipelined_steps(tiny_model_dirs, monkeypatch):
     assert any(launches)  # some steps launched behind a pending one
     assert llm.engine.stats["spec_decode_num_accepted_tokens"] > 0
     assert llm.engine.scheduler.pool.all_free()
+
+
+def test_requests_one_after_another_behind_a_pending_step(tiny_model_dirs, monkeypatch):
+    """generate() called again and again with one prompt that stops on a token: each call
+    ends with a step still pending (launched before the stop was read), and the next
+    prompt's steps go behind it, also when its prompt is all cached but one token (its
+    first step is then a decode-sized step that takes nothing from the pending one). The
+    outputs equal step-by-step decoding's."""
+    prompts = [random_prompts(1, 256, n, n, seed=43 + n)[0] for n in (5, 9, 13, 6)]
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm, _ = _llm(tiny_model_dirs["llama"], monkeypatch, False)
+    stops = [o.outputs[0].token_ids[4] for o in llm.generate(prompts, free, use_tqdm=False)]
+    results = {}
+    for pipelined in (False, True):
+        llm, launches = _llm(tiny_model_dirs["llama"], monkeypatch, pipelined)
+        _with_mixed_runner(llm)
+        results[pipelined] = [
+            llm.generate([p], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[
+                stop]), use_tqdm=False)[0].outputs[0].token_ids
+            for _ in range(2) for p, stop in zip(prompts, stops)]
+        assert llm.engine.scheduler.pool.all_free()
+    assert results[True] == results[False]
+    assert any(launches)

@@ -279,7 +279,7 @@ class LLMEngine:
         self._mark_scheduled(batch)
         # With a step pending, _pipeline_can_continue() already vetted every running
         # sequence and every request this schedule could admit; the batch holds only those.
-        if self._pipelined and self.runner.can_launch_async(batch) and (
+        if self._pipelined and self.runner.can_launch_async(batch, self._pending) and (
                 self._pending is not None or self._batch_can_pipeline(batch)):
             return self._step_pipelined(batch, report)
         touched = []

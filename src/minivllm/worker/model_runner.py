@@ -405,11 +405,20 @@ class ModelRunner:
                                        draft_probs=inputs.draft_probs),
                           prompt_lps)
 
-    def can_launch_async(self, batch: ScheduledBatch) -> bool:
-        """Whether launch_decode can queue this batch without waiting: a decode batch the
-        decode graphs take, or a mixed batch the mixed-step graphs take whose sequences
-        sample at most one row each and want no prompt logprobs, with at least one row."""
-        if batch.is_decode_only:
+    @staticmethod
+    def _decode_behind(batch: ScheduledBatch, prev: PendingDecode | None) -> bool:
+        """A decode batch whose every input token is one that prev sampled (or prev is
+        None): the decode graphs take it. A sequence that prev did not carry (a prompt all
+        cached but its last token, admitted behind a pending step) makes it a mixed one."""
+        return batch.is_decode_only and (
+            prev is None or all(s.seq_id in prev.rows for s in batch.seqs))
+
+    def can_launch_async(self, batch: ScheduledBatch, prev: PendingDecode | None) -> bool:
+        """Whether launch_decode can queue this batch behind prev without waiting: a decode
+        batch the decode graphs take, or a mixed batch the mixed-step graphs take whose
+        sequences sample at most one row each and want no prompt logprobs, with at least
+        one row."""
+        if self._decode_behind(batch, prev):
             return self.graph_runner is not None and self.graph_runner.can_run(len(batch))
         if self.mixed_runner is None or not self.mixed_runner.can_run(
                 batch.num_tokens, len(batch), len(batch)):
@@ -425,7 +434,7 @@ class ModelRunner:
         be in flight): every sequence of the batch must have been in `prev`. A mixed batch
         (see can_launch_async) goes to the mixed-step graphs; its sequences that carry a
         token of `prev` take it from the device."""
-        if not batch.is_decode_only:
+        if not self._decode_behind(batch, prev):
             return self._launch_mixed(batch, prev)
         seqs = batch.seqs
         self.last_step = ("decode_pipelined", len(seqs), len(seqs))
