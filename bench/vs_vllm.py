@@ -77,12 +77,14 @@ def workloads(smoke: bool, vocab: int) -> dict[str, Workload]:
 class MinivllmEngine:
     name = "minivllm"
 
-    def __init__(self, folder: Path, smoke: bool) -> None:
+    def __init__(self, folder: Path, smoke: bool, quantization: str | None = None) -> None:
         from minivllm import LLM
 
         kw = dict(device="cpu", dtype="float32", max_model_len=1024) if smoke else dict(
             dtype="bfloat16", max_model_len=MAX_MODEL_LEN)
         self.settings = {"load_format": "dummy", "skip_tokenizer_init": True, "seed": 0, **kw}
+        if quantization:
+            self.settings["quantization"] = quantization
         self.llm = LLM(str(folder), **self.settings)
 
     def generate(self, requests) -> list[int]:
@@ -101,7 +103,7 @@ class MinivllmEngine:
 class VllmEngine:
     name = "vllm"
 
-    def __init__(self, folder: Path, smoke: bool) -> None:
+    def __init__(self, folder: Path, smoke: bool, quantization: str | None = None) -> None:
         if smoke:
             raise SystemExit("vLLM needs a GPU: no smoke run")
         from vllm import LLM
@@ -109,6 +111,8 @@ class VllmEngine:
         self.settings = {"load_format": "dummy", "dtype": "bfloat16",
                          "max_model_len": MAX_MODEL_LEN, "skip_tokenizer_init": True,
                          "seed": 0, "generation_config": "vllm"}
+        if quantization:
+            self.settings["quantization"] = quantization
         self.llm = LLM(model=str(folder), **self.settings)
 
     def generate(self, requests) -> list[int]:
@@ -149,7 +153,8 @@ def sync() -> None:
 def run_offline(args) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"offline_{args.engine}.json"
+    suffix = f"_{args.quantization}" if args.quantization else ""
+    path = out_dir / f"offline_{args.engine}{suffix}.json"
     folder, cfg = model_folder(args.model, args.smoke, Path(args.work))
     wl = workloads(args.smoke, cfg["vocab_size"])
     chosen = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
@@ -160,7 +165,7 @@ def run_offline(args) -> int:
         path.write_text(json.dumps(record, indent=1))
 
     t0 = time.perf_counter()
-    engine = ENGINES[args.engine](folder, args.smoke)
+    engine = ENGINES[args.engine](folder, args.smoke, args.quantization)
     record.update(startup_s=round(time.perf_counter() - t0, 1), settings=engine.settings,
                   version=engine.version())
     log(f"{args.engine} {args.model}: engine ready in {record['startup_s']} s")
@@ -285,6 +290,9 @@ def main(argv=None) -> int:
     off.add_argument("--out", required=True, help="the run's folder")
     off.add_argument("--work", default="/tmp/minivllm-vs-vllm", help="model folders")
     off.add_argument("--smoke", action="store_true", help="a tiny model on the CPU")
+    off.add_argument("--quantization", default=None,
+                     help="both engines' quantization (fp8; minivllm also int8, int4); "
+                          "its file is offline_ENGINE_METHOD.json")
     mg = sub.add_parser("merge", help="DIR/vs_vllm.json from the run's files")
     mg.add_argument("folder")
     args = p.parse_args(argv)

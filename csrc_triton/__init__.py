@@ -8,6 +8,8 @@ paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
 paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale,
                        max_seq_len, out=None, num_splits=None)
 decode_num_splits(num_seqs, num_kv_heads, max_seq_len, device=None)
+int8_gemm(x, qweight, scale, bias=None), int4_gemm(x, qweight, scale, zero, group_size,
+          bias=None): weight-only quantized matmuls (quant_gemm.py)
 
 KV cache layout (per layer): ``k_cache``/``v_cache`` of shape
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; a token's slot is
@@ -385,8 +387,15 @@ _FUSED_EXPORTS = (
 __all__ += list(_FUSED_EXPORTS)
 
 
+# weight-only quantized GEMMs (csrc_triton/quant_gemm.py), imported the same way
+_QUANT_EXPORTS = ("int8_gemm", "int4_gemm")
+__all__ += list(_QUANT_EXPORTS)
+
+
 def __getattr__(name):
     if name in _FUSED_EXPORTS:
         fused = importlib.import_module(__name__ + ".fused")
         return getattr(fused, name)
+    if name in _QUANT_EXPORTS:
+        return getattr(importlib.import_module(__name__ + ".quant_gemm"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

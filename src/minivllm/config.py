@@ -242,6 +242,8 @@ class EngineConfig:
     # vLLM's speculative_config, e.g. {"method": "ngram", "num_speculative_tokens": 4,
     # "prompt_lookup_min": 2, "prompt_lookup_max": 5} (engine/speculative.py).
     speculative_config: dict | None = None
+    # Quantized decoder projections: "fp8", "int8" or "int4" (model/quantization.py).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -254,7 +256,9 @@ class EngineConfig:
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"Unknown load_format {self.load_format!r}.")
         from .engine.speculative import SpeculativeConfig
+        from .model.quantization import check_method
         SpeculativeConfig.from_dict(self.speculative_config)  # a bad one fails here
+        check_method(self.quantization)
 
     @property
     def num_speculative_tokens(self) -> int:

@@ -12,6 +12,7 @@ import torch
 from ..config import ModelConfig
 from .layers import RotaryEmbedding
 from .llama import MODEL_CLASSES
+from .quantization import quantize_model
 
 
 def hf_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -98,7 +99,11 @@ def _weights_for(cfg: ModelConfig, model_path: Path, load_format: str, seed: int
 
 def load_model(cfg: ModelConfig, model_path: Path, *, load_format: str, dtype: torch.dtype,
                device: torch.device, max_positions: int, attention_backend: str,
-               fused_ops: bool = False, seed: int = 0) -> torch.nn.Module:
+               fused_ops: bool = False, seed: int = 0,
+               quantization: str | None = None) -> torch.nn.Module:
+    """The model with its weights, its decoder projections quantized if asked
+    (model/quantization.py: loaded in `dtype`, then quantized one projection at a time)."""
+    check_prequantized(cfg)
     model_cls = MODEL_CLASSES[cfg.architecture]
     # Build on the meta device (no wasted random init), then materialize on the target.
     with torch.device("meta"):
@@ -117,4 +122,18 @@ def load_model(cfg: ModelConfig, model_path: Path, *, load_format: str, dtype: t
     missing = expected - loaded
     if missing:
         raise ValueError(f"Checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}.")
+    if quantization is not None:
+        with torch.no_grad():
+            quantize_model(model, quantization)
     return model.eval()
+
+
+def check_prequantized(cfg: ModelConfig) -> None:
+    """A checkpoint that is already quantized (config.json's quantization_config) cannot be
+    read as full-precision weights: say so instead of failing on its tensor names."""
+    qc = cfg.raw.get("quantization_config")
+    if qc:
+        method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
+        raise ValueError(f"This checkpoint is quantized ({method!r}); minivllm reads "
+                         "full-precision checkpoints and quantizes them at load "
+                         "(quantization='fp8', 'int8' or 'int4').")

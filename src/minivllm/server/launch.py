@@ -69,6 +69,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "max_new_tokens as max_tokens): 'auto' (default) reads the model "
                              "folder's generation_config.json, 'vllm' ignores it (OpenAI's "
                              "defaults), a FOLDER reads its generation_config.json.")
+    parser.add_argument("--quantization", "-q", default=None, choices=["fp8", "int8", "int4"],
+                        help="Quantize the decoder's projections at load: fp8 (W8A8, FP8 "
+                             "tensor cores on Hopper/Ada GPUs), int8 or int4 (weight-only; "
+                             "int4 in groups of 128). The CPU runs each through a reference "
+                             "path (dequantize, then matmul).")
     parser.add_argument("--speculative-config", type=_json_object, default=None,
                         metavar="JSON",
                         help='Speculative decoding, as vLLM\'s: e.g. \'{"method": "ngram", '
@@ -114,7 +119,7 @@ def engine_config_from_args(args: argparse.Namespace):
         device=args.device, skip_tokenizer_init=args.skip_tokenizer_init,
         enable_prefix_caching=args.enable_prefix_caching,
         generation_config=args.generation_config,
-        speculative_config=args.speculative_config)
+        speculative_config=args.speculative_config, quantization=args.quantization)
 
 
 def _json_object(text: str) -> dict:

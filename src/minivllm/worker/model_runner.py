@@ -21,6 +21,7 @@ from ..engine.scheduler import ScheduledBatch
 from ..engine.sequence import Sequence
 from ..model.attention import AttentionMetadata
 from ..model.loader import load_model
+from ..model.quantization import check_device
 from .cuda_graph_runner import DecodeGraphRunner
 from .kv_cache import KVCache, cpu_num_blocks, gpu_num_blocks
 from .mixed_graph_runner import MixedGraphRunner
@@ -163,12 +164,13 @@ class ModelRunner:
         # What the process held before this engine (another engine, say): not its memory.
         self._memory_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         t0 = time.perf_counter()
+        check_device(engine_cfg.quantization, device)
         self.model = load_model(model_cfg, model_path, load_format=engine_cfg.load_format,
                                 dtype=dtype, device=device,
                                 max_positions=engine_cfg.max_model_len,
                                 attention_backend=attention_backend,
                                 fused_ops=fused_ops_enabled(attention_backend),
-                                seed=engine_cfg.seed)
+                                seed=engine_cfg.seed, quantization=engine_cfg.quantization)
         if fused_ops_enabled(attention_backend) and not fused_ops_work(device, dtype):
             logger.warning("The fused Triton kernels failed their self-check on this device; "
                            "running the model with plain PyTorch ops instead.")

@@ -1,0 +1,180 @@
+"""Weight-only quantized GEMM: y = x @ dequant(W)^T (+ bias), reading the packed weights.
+
+Public API (re-exported by ``csrc_triton``)
+-------------------------------------------
+int8_gemm(x, qweight, scale, bias=None) -> y
+    qweight int8 [N, K], scale fp32 [N] (per output channel): W = qweight * scale.
+int4_gemm(x, qweight, scale, zero, group_size, bias=None) -> y
+    qweight uint8 [N, ceil(K/2)] (two weights per byte, the even input in the low
+    nibble), scale fp32 / zero uint8 [N, ceil(K/group_size)]:
+    W[n, k] = (q[n, k] - zero[n, k // g]) * scale[n, k // g].
+
+x is [M, K] in fp32, fp16 or bf16; y has x's dtype. Each program dequantizes a [BLOCK_N,
+BLOCK_K] tile of W in registers (to x's dtype, as a dequantize-then-matmul would round
+it) and multiplies it into an fp32 accumulator, so the weights cross memory in their
+packed size: at small M, where a matmul only streams its weights, that is the whole
+speed-up. Small M also splits K across programs (partial sums in fp32, added in a fixed
+order: deterministic), so an 8B model's narrow projections still fill the GPU.
+
+Launches are free of host syncs and their grids depend only on shapes (CUDA-graph safe).
+CPU tensors run the kernels through Triton's interpreter (tests only), as in fused.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["int8_gemm", "int4_gemm"]
+
+
+@triton.jit
+def _wq_gemm_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, stride_xm,
+                    stride_wn, stride_sn, stride_os, stride_om, k_per_split,
+                    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if BITS == 8:
+            q = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                        mask=n_ok[:, None] & k_ok[None, :], other=0)
+            w = q.to(tl.float32)  # exact; the per-channel scale is applied at the end
+        else:
+            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            b = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_b[None, :],
+                        mask=n_ok[:, None] & (offs_b[None, :] * 2 < K), other=0)
+            lo = (b & 0xF).to(tl.float32)
+            hi = (b >> 4).to(tl.float32)
+            q = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # k = 2j low, 2j + 1 high
+            g = k0 // GROUP  # BLOCK_K divides GROUP: one group per tile
+            s = tl.load(scale_ptr + offs_n * stride_sn + g, mask=n_ok, other=0.0)
+            z = tl.load(zero_ptr + offs_n * stride_sn + g, mask=n_ok, other=0).to(tl.float32)
+            w = (q - z[:, None]) * s[:, None]
+            w = tl.where(k_ok[None, :], w, 0.0)
+        if DOT_FP32:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    if BITS == 8:
+        s = tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
+        acc = acc * s[None, :]
+    tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :], acc,
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+# ---- module selection (compiled for CUDA, interpreted for CPU), as in fused.py -------
+
+_interp_mod = None
+
+
+def _is_interpreted(mod) -> bool:
+    return type(mod._wq_gemm_kernel).__name__ == "InterpretedFunction"
+
+
+def _interpreted_module():
+    global _interp_mod
+    if _interp_mod is None:
+        self_mod = sys.modules[__name__]
+        if _is_interpreted(self_mod):
+            _interp_mod = self_mod
+        else:
+            from csrc_triton._interpret import load_interpreted_copy
+            pkg = __name__.rpartition(".")[0]
+            _interp_mod = load_interpreted_copy(os.path.abspath(__file__),
+                                                (pkg + "." if pkg else "") + "_quant_interpreted")
+    return _interp_mod
+
+
+def _kernels_for(device: torch.device):
+    mod = _interpreted_module() if device.type == "cpu" else sys.modules[__name__]
+    return mod, _is_interpreted(mod)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _config(M: int, N: int, K: int, device: torch.device, interpreted: bool):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, split_k, num_warps). Small M: thin tiles and K split
+    until the grid covers the GPU about twice; larger M: square-ish tiles, no split."""
+    if interpreted:
+        return 16, 16, 32, (2 if K > 64 else 1), 1
+    if M <= 64:
+        bm = max(16, triton.next_power_of_2(M))
+        bn, bk = 64, 128
+        tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+        chunks = triton.cdiv(K, bk)
+        split = max(1, min(chunks // 2, triton.cdiv(2 * _sm_count(device), tiles), 16))
+        return bm, bn, bk, split, 4
+    return 128, 128, 64, 1, 8
+
+
+def _launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero, bits: int,
+            group: int, N: int, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.dim() != 2 or not x.is_contiguous():
+        x = x.reshape(-1, x.shape[-1]).contiguous()
+    M, K = x.shape
+    mod, interpreted = _kernels_for(x.device)
+    bm, bn, bk, split, warps = _config(M, N, K, x.device, interpreted)
+    if bits == 4:
+        bk = min(bk, group)
+        assert group % bk == 0, "BLOCK_K must divide the group size"
+    chunks = triton.cdiv(K, bk)
+    k_per_split = triton.cdiv(chunks, split) * bk
+    split = triton.cdiv(K, k_per_split)
+    partial = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
+    opts = {} if interpreted else {"num_warps": warps}
+    dot_fp32 = x.dtype == torch.float32 or interpreted
+    mod._wq_gemm_kernel[grid](
+        x, qweight, scale, zero if zero is not None else scale, partial, M, N, K, x.stride(0),
+        qweight.stride(0), scale.stride(0) if bits == 4 else 0, partial.stride(0),
+        partial.stride(1), k_per_split, BITS=bits, GROUP=group, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=bk, DOT_FP32=dot_fp32, **opts)
+    y = partial[0] if split == 1 else partial.sum(0)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def int8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    N, K = qweight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"x has {x.shape[-1]} inputs, the weight {K}")
+    return _launch(x, qweight, scale, None, 8, K, N, bias).reshape(*x.shape[:-1], N)
+
+
+def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+              zero: torch.Tensor, group_size: int, bias: torch.Tensor | None = None,
+              ) -> torch.Tensor:
+    N = qweight.shape[0]
+    K = x.shape[-1]
+    if qweight.shape[1] != (K + 1) // 2 or scale.shape != (N, triton.cdiv(K, group_size)):
+        raise ValueError(f"packed int4 weight {tuple(qweight.shape)} / scales "
+                         f"{tuple(scale.shape)} do not fit {K} inputs in groups of {group_size}")
+    return _launch(x, qweight, scale, zero, 4, group_size, N, bias).reshape(*x.shape[:-1], N)

@@ -1,0 +1,211 @@
+"""Quantized linear layers: a projection's weight kept in 8 or 4 bits with its scales.
+
+Methods (vLLM's names):
+  fp8   W8A8 e4m3: one scale per output channel for the weight, one per token for the
+        activation (computed each step); the product of the two fp8 operands on FP8
+        tensor cores (torch._scaled_mm) where the GPU has them.
+  int8  weight-only int8, one scale per output channel (symmetric).
+  int4  weight-only 4 bits, groups of GROUP_SIZE along the input dimension, each with a
+        scale and a zero point (asymmetric, round to nearest); two weights per byte.
+
+On a GPU, int8 and int4 go through Triton kernels that read the packed weights
+(csrc_triton/quant_gemm.py). Every method also runs through a reference path (the weight
+dequantized, then an fp32 matmul), which is what the CPU uses: slow, exact to the stored
+numbers, and what the kernels are tested against. Only the decoder layers' projections are quantized; the
+embeddings and the LM head keep the model's dtype (as vLLM does).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+METHODS = ("fp8", "int8", "int4")
+GROUP_SIZE = 128
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+
+
+def check_method(method: str | None) -> str | None:
+    if method is None:
+        return None
+    if method not in METHODS:
+        raise ValueError(f"quantization must be one of {METHODS} (or None), got {method!r}.")
+    return method
+
+
+def check_device(method: str | None, device: torch.device) -> None:
+    """A clear error for a method the device cannot run."""
+    if method == "fp8" and device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            raise ValueError(f"quantization='fp8' needs FP8 tensor cores (compute capability "
+                             f"8.9 or newer); this GPU has {cap[0]}.{cap[1]}.")
+
+
+# ---- weights ------------------------------------------------------------------------
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [out, in], fp32 scale [out]): w ~ q * scale, per output channel."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [out, in], fp32 scale [out]) with each row's largest value at FP8_MAX."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = GROUP_SIZE
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed uint8 [out, ceil(in/2)], fp32 scales [out, groups], uint8 zeros [out,
+    groups]): each group of group_size inputs of a row (the last one may be shorter) maps
+    its [min, max] onto 0..15; w ~ (q - zero) * scale. Two weights per byte, the even
+    input in the low nibble."""
+    out_f, in_f = w.shape
+    groups = -(-in_f // group_size)
+    padded = torch.zeros(out_f, groups * group_size, dtype=torch.float32, device=w.device)
+    padded[:, :in_f] = w.float()
+    g = padded.view(out_f, groups, group_size)
+    # The padding must not widen a group's range: take min/max over the real inputs only.
+    valid = torch.arange(groups * group_size, device=w.device).view(groups, group_size) < in_f
+    lo = torch.where(valid, g, torch.inf).amin(dim=2).clamp(max=0.0)
+    hi = torch.where(valid, g, -torch.inf).amax(dim=2).clamp(min=0.0)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-12)
+    zero = torch.round(-lo / scale).clamp(0, 15)
+    q = (torch.round(g / scale[..., None]) + zero[..., None]).clamp(0, 15)
+    q = q.view(out_f, -1)[:, :in_f].to(torch.uint8)
+    return pack_int4(q), scale, zero.to(torch.uint8)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..15 [out, in] -> bytes [out, ceil(in/2)], even inputs low."""
+    if q.shape[1] % 2:
+        q = torch.cat([q, q.new_zeros(q.shape[0], 1)], dim=1)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The inverse of pack_int4: uint8 values 0..15 [out, in_features]."""
+    q = torch.stack([packed & 0xF, packed >> 4], dim=2).view(packed.shape[0], -1)
+    return q[:, :in_features]
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    in_features: int, group_size: int = GROUP_SIZE) -> torch.Tensor:
+    q = unpack_int4(packed, in_features).float()
+    expand = lambda t: t.float().repeat_interleave(group_size, dim=1)[:, :in_features]  # noqa: E731
+    return (q - expand(zero)) * expand(scale)
+
+
+def quantize_activations_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [T, in], fp32 scale [T, 1]): one scale per token (row)."""
+    x = x.float()
+    scale = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+# ---- the layer ------------------------------------------------------------------------
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T + b with W stored quantized (see the module docstring). Built from a
+    full-precision nn.Linear by from_linear; buffers, not parameters (nothing trains)."""
+
+    def __init__(self, method: str, in_features: int, out_features: int,
+                 bias: torch.Tensor | None, out_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.method = check_method(method)
+        self.in_features, self.out_features = in_features, out_features
+        self.out_dtype = out_dtype
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, method: str) -> QuantizedLinear:
+        w = linear.weight.detach()
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        layer = cls(method, linear.in_features, linear.out_features, bias, w.dtype)
+        if method == "int8":
+            q, scale = quantize_int8(w)
+            layer.register_buffer("qweight", q)
+            layer.register_buffer("scale", scale)
+        elif method == "fp8":
+            q, scale = quantize_fp8(w)
+            layer.register_buffer("qweight", q)
+            layer.register_buffer("scale", scale)
+        else:
+            packed, scale, zero = quantize_int4(w)
+            layer.register_buffer("qweight", packed)
+            layer.register_buffer("scale", scale)
+            layer.register_buffer("zero", zero)
+        return layer
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight as the stored numbers give it, fp32 [out, in]."""
+        if self.method == "int4":
+            return dequantize_int4(self.qweight, self.scale, self.zero, self.in_features)
+        return self.qweight.float() * self.scale[:, None]
+
+    def weight_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_cuda:
+            return self.reference(x)
+        if self.method == "fp8":
+            return self._fp8_scaled_mm(x)
+        import csrc_triton
+        if self.method == "int8":
+            return csrc_triton.int8_gemm(x, self.qweight, self.scale, self.bias)
+        return csrc_triton.int4_gemm(x, self.qweight, self.scale, self.zero, GROUP_SIZE,
+                                     self.bias)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """Dequantize, fp32 matmul (fp8: of the fp8-rounded activations too)."""
+        shape = x.shape
+        x = x.reshape(-1, self.in_features)
+        if self.method == "fp8":
+            xq, xs = quantize_activations_fp8(x)
+            x32 = xq.float() * xs
+        else:
+            x32 = x.float()
+        y = x32 @ self.dequantized_weight().t()
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(self.out_dtype).reshape(*shape[:-1], self.out_features)
+
+    def _fp8_scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xq, xs = quantize_activations_fp8(x.reshape(-1, self.in_features))
+        # Row-wise scales need a bf16 output; the bias is added after (in that dtype).
+        y = torch._scaled_mm(xq, self.qweight.t(), scale_a=xs, scale_b=self.scale[None, :],
+                             out_dtype=torch.bfloat16).to(self.out_dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.method}, in={self.in_features}, out={self.out_features}"
+
+
+# The decoder layers' projections that are quantized.
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def quantize_model(model: nn.Module, method: str) -> int:
+    """Replace every decoder projection by its QuantizedLinear, freeing the full-precision
+    weight as it goes (peak memory: the model plus one projection). Returns the bytes of
+    the quantized projections."""
+    total = 0
+    for module in list(model.modules()):
+        for name in PROJECTIONS:
+            linear = getattr(module, name, None)
+            if isinstance(linear, nn.Linear):
+                layer = QuantizedLinear.from_linear(linear, method)
+                setattr(module, name, layer)
+                del linear
+                total += layer.weight_bytes()
+    return total
