@@ -156,6 +156,8 @@ class QuantizedLinear(nn.Module):
         if not x.is_cuda:
             return self.reference(x)
         if self.method == "fp8":
+            if self.in_features % 16 or self.out_features % 16:
+                return self.reference(x)  # _scaled_mm takes multiples of 16 only
             return self._fp8_scaled_mm(x)
         import csrc_triton
         if self.method == "int8":

@@ -140,8 +140,11 @@ def make_prelude(model: torch.nn.Module, device: torch.device):
     elementwise, Triton or non-split GEMM launch does not restore it; this GEMM (the
     shape of the model's own split-K kernel) does, for ~7 us of device time. Why the
     hardware behaves so is not known (docs/performance.md, "Graph replays slow down after
-    regular launches")."""
-    weight = model.model.layers[0].mlp.down_proj.weight  # no bias
+    regular launches"). None for a quantized model (its projections are not cuBLAS GEMMs).
+    """
+    weight = getattr(model.model.layers[0].mlp.down_proj, "weight", None)  # no bias
+    if weight is None:
+        return None  # a quantized projection: its GEMM is not cuBLAS's split-K kernel
     x = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=device)
     linear = torch.nn.functional.linear  # the module's own call, without its hook checks
     return lambda: linear(x, weight)
