@@ -4,6 +4,8 @@ Public API (re-exported by ``csrc_triton``)
 -------------------------------------------
 int8_gemm(x, qweight, scale, bias=None) -> y
     qweight int8 [N, K], scale fp32 [N] (per output channel): W = qweight * scale.
+fp8_weight_gemm(x, qweight, scale, bias=None) -> y
+    qweight float8_e4m3fn [N, K], scale fp32 [N]: the same with fp8 weights (small M).
 int4_gemm(x, qweight, scale, zero, group_size, bias=None) -> y
     qweight uint8 [N, ceil(K/2)] (two weights per byte, the even input in the low
     nibble), scale fp32 / zero uint8 [N, ceil(K/group_size)]:
@@ -29,14 +31,28 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["int8_gemm", "int4_gemm"]
+__all__ = ["int8_gemm", "int4_gemm", "fp8_weight_gemm"]
+
+
+@triton.jit
+def _fp8_e4m3_to_f32(b):
+    """e4m3fn bytes (uint8) -> fp32 by bit arithmetic (the interpreter has no fp8 type):
+    sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal."""
+    sign = tl.where((b & 0x80) != 0, -1.0, 1.0)
+    e = ((b >> 3) & 0xF).to(tl.int32)
+    m = (b & 0x7).to(tl.float32)
+    normal = (1.0 + m / 8.0) * tl.exp2((e - 7).to(tl.float32))
+    return sign * tl.where(e == 0, m / 8.0 * 0.015625, normal)
 
 
 @triton.jit
 def _wq_gemm_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, stride_xm,
                     stride_wn, stride_sn, stride_os, stride_om, k_per_split,
-                    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+                    FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+                    INTERPRETED: tl.constexpr):
+    """FORMAT 0: int8, 1: fp8 e4m3 (both with a per-channel scale applied at the end),
+    2: int4 (two per byte, groups with scale and zero point)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -47,31 +63,47 @@ def _wq_gemm_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, stride_
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if BITS == 8:
-            q = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
-                        mask=n_ok[:, None] & k_ok[None, :], other=0)
-            w = q.to(tl.float32)  # exact; the per-channel scale is applied at the end
-        else:
-            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            b = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_b[None, :],
-                        mask=n_ok[:, None] & (offs_b[None, :] * 2 < K), other=0)
-            lo = (b & 0xF).to(tl.float32)
-            hi = (b >> 4).to(tl.float32)
-            q = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # k = 2j low, 2j + 1 high
+        if FORMAT == 2:
+            # Byte j of the tile holds inputs k0 + 2j (low nibble) and k0 + 2j + 1 (high):
+            # two products, over the even and the odd inputs, instead of interleaving.
+            offs_j = tl.arange(0, BLOCK_K // 2)
+            k_even = k0 + 2 * offs_j
+            b = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 // 2 + offs_j)[None, :],
+                        mask=n_ok[:, None] & (k_even[None, :] < K), other=0)
             g = k0 // GROUP  # BLOCK_K divides GROUP: one group per tile
             s = tl.load(scale_ptr + offs_n * stride_sn + g, mask=n_ok, other=0.0)
             z = tl.load(zero_ptr + offs_n * stride_sn + g, mask=n_ok, other=0).to(tl.float32)
-            w = (q - z[:, None]) * s[:, None]
-            w = tl.where(k_ok[None, :], w, 0.0)
-        if DOT_FP32:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+            w_lo = ((b & 0xF).to(tl.float32) - z[:, None]) * s[:, None]
+            w_hi = ((b >> 4).to(tl.float32) - z[:, None]) * s[:, None]
+            w_hi = tl.where(k_even[None, :] + 1 < K, w_hi, 0.0)
+            x_lo = tl.load(x_ptr + offs_m[:, None] * stride_xm + k_even[None, :],
+                           mask=m_ok[:, None] & (k_even[None, :] < K), other=0.0)
+            x_hi = tl.load(x_ptr + offs_m[:, None] * stride_xm + k_even[None, :] + 1,
+                           mask=m_ok[:, None] & (k_even[None, :] + 1 < K), other=0.0)
+            if DOT_FP32:
+                acc += tl.dot(x_lo.to(tl.float32), tl.trans(w_lo), input_precision="ieee")
+                acc += tl.dot(x_hi.to(tl.float32), tl.trans(w_hi), input_precision="ieee")
+            else:
+                acc += tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)))
+                acc += tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)))
         else:
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-    if BITS == 8:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            q = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                        mask=n_ok[:, None] & k_ok[None, :], other=0)
+            if FORMAT == 0:
+                w = q.to(tl.float32)  # exact; the per-channel scale is applied at the end
+            elif INTERPRETED:
+                w = _fp8_e4m3_to_f32(q)
+            else:
+                w = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            if DOT_FP32:
+                acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w.to(x.dtype)))  # int8 and e4m3 fit bf16 exactly
+    if FORMAT != 2:
         s = tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
         acc = acc * s[None, :]
     tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :], acc,
@@ -119,28 +151,31 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _config(M: int, N: int, K: int, device: torch.device, interpreted: bool):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, split_k, num_warps). Small M: thin tiles and K split
-    until the grid covers the GPU about twice; larger M: square-ish tiles, no split."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, split_k, num_warps, num_stages). Small M: thin tiles and
+    K split until the grid covers the GPU about twice; larger M: square-ish tiles."""
     if interpreted:
-        return 16, 16, 32, (2 if K > 64 else 1), 1
+        return 16, 16, 32, (2 if K > 64 else 1), 1, 1
     if M <= 64:
         bm = max(16, triton.next_power_of_2(M))
         bn, bk = 64, 128
         tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
         chunks = triton.cdiv(K, bk)
-        split = max(1, min(chunks // 2, triton.cdiv(2 * _sm_count(device), tiles), 16))
-        return bm, bn, bk, split, 4
-    return 128, 128, 64, 1, 8
+        split = max(1, min(chunks // 4, triton.cdiv(2 * _sm_count(device), tiles), 16))
+        return bm, bn, bk, split, 4, 4
+    return 128, 128, 64, 1, 8, 3
 
 
-def _launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero, bits: int,
+_FORMATS = {"int8": 0, "fp8": 1, "int4": 2}
+
+
+def _launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero, fmt: str,
             group: int, N: int, bias: torch.Tensor | None) -> torch.Tensor:
     if x.dim() != 2 or not x.is_contiguous():
         x = x.reshape(-1, x.shape[-1]).contiguous()
     M, K = x.shape
     mod, interpreted = _kernels_for(x.device)
-    bm, bn, bk, split, warps = _config(M, N, K, x.device, interpreted)
-    if bits == 4:
+    bm, bn, bk, split, warps, stages = _config(M, N, K, x.device, interpreted)
+    if fmt == "int4":
         bk = min(bk, group)
         assert group % bk == 0, "BLOCK_K must divide the group size"
     chunks = triton.cdiv(K, bk)
@@ -148,13 +183,14 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero, b
     split = triton.cdiv(K, k_per_split)
     partial = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
-    opts = {} if interpreted else {"num_warps": warps}
-    dot_fp32 = x.dtype == torch.float32 or interpreted
+    opts = {} if interpreted else {"num_warps": warps, "num_stages": stages}
+    w = qweight.view(torch.uint8) if fmt == "fp8" else qweight
     mod._wq_gemm_kernel[grid](
-        x, qweight, scale, zero if zero is not None else scale, partial, M, N, K, x.stride(0),
-        qweight.stride(0), scale.stride(0) if bits == 4 else 0, partial.stride(0),
-        partial.stride(1), k_per_split, BITS=bits, GROUP=group, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, DOT_FP32=dot_fp32, **opts)
+        x, w, scale, zero if zero is not None else scale, partial, M, N, K, x.stride(0),
+        w.stride(0), scale.stride(0) if fmt == "int4" else 0, partial.stride(0),
+        partial.stride(1), k_per_split, FORMAT=_FORMATS[fmt], GROUP=group, BLOCK_M=bm,
+        BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=x.dtype == torch.float32 or interpreted,
+        INTERPRETED=interpreted, **opts)
     y = partial[0] if split == 1 else partial.sum(0)
     if bias is not None:
         y = y + bias.float()
@@ -166,7 +202,17 @@ def int8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     N, K = qweight.shape
     if x.shape[-1] != K:
         raise ValueError(f"x has {x.shape[-1]} inputs, the weight {K}")
-    return _launch(x, qweight, scale, None, 8, K, N, bias).reshape(*x.shape[:-1], N)
+    return _launch(x, qweight, scale, None, "int8", K, N, bias).reshape(*x.shape[:-1], N)
+
+
+def fp8_weight_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Weight-only fp8: qweight float8_e4m3fn [N, K], scale fp32 [N]; x in its own dtype
+    (for small batches, where quantizing the activations buys nothing)."""
+    N, K = qweight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"x has {x.shape[-1]} inputs, the weight {K}")
+    return _launch(x, qweight, scale, None, "fp8", K, N, bias).reshape(*x.shape[:-1], N)
 
 
 def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
@@ -177,4 +223,5 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     if qweight.shape[1] != (K + 1) // 2 or scale.shape != (N, triton.cdiv(K, group_size)):
         raise ValueError(f"packed int4 weight {tuple(qweight.shape)} / scales "
                          f"{tuple(scale.shape)} do not fit {K} inputs in groups of {group_size}")
-    return _launch(x, qweight, scale, zero, 4, group_size, N, bias).reshape(*x.shape[:-1], N)
+    return _launch(x, qweight, scale, zero, "int4", group_size, N, bias).reshape(
+        *x.shape[:-1], N)

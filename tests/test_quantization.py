@@ -76,11 +76,13 @@ def test_layer_is_the_dequantized_matmul(method):
     y = layer(x)
     assert y.shape == (2, 5, 40) and y.dtype == torch.float32
     w = layer.dequantized_weight()
-    if method == "fp8":  # the activations are rounded to fp8 too, one scale per token
-        from minivllm.model.quantization import quantize_activations_fp8
-        xq, xs = quantize_activations_fp8(x.reshape(-1, 200))
-        x = (xq.float() * xs).reshape(2, 5, 200)
     torch.testing.assert_close(y, F.linear(x, w, linear.bias.detach()), rtol=1e-5, atol=1e-5)
+    if method == "fp8":  # a large step rounds the activations to fp8, one scale per token
+        from minivllm.model.quantization import quantize_activations_fp8
+        big = torch.randn(100, 200)
+        xq, xs = quantize_activations_fp8(big)
+        torch.testing.assert_close(layer(big), F.linear(xq.float() * xs, w, linear.bias
+                                                        .detach()), rtol=1e-5, atol=1e-5)
     # ...and close to the full-precision layer.
     ref = linear(torch.randn(3, 200))
     assert layer.weight_bytes() < linear.weight.numel() * 4 / (2 if method == "int4" else 1)
@@ -209,18 +211,33 @@ def test_server_with_quantization(tiny_chat_dir, method):
 @pytest.mark.parametrize("M,N,K", [(1, 40, 200), (5, 24, 77), (19, 33, 256)])
 def test_triton_kernels_match_the_reference(M, N, K):
     """The GPU kernels (here under Triton's interpreter) against the dequantized matmul:
-    int8 and int4 (short last group, odd K), with a bias, split K included."""
+    int8, fp8 weights (decoded bit by bit here) and int4 (short last group, odd K), with a
+    bias, split K included."""
     import csrc_triton
 
     torch.manual_seed(7)
     linear = torch.nn.Linear(K, N, bias=True)
     x = torch.randn(M, K)
-    for method in ("int8", "int4"):
+    for method in ("int8", "int4", "fp8"):
         layer = QuantizedLinear.from_linear(linear, method)
         want = layer.reference(x)
         if method == "int8":
             got = csrc_triton.int8_gemm(x, layer.qweight, layer.scale, layer.bias)
+        elif method == "fp8":
+            got = csrc_triton.fp8_weight_gemm(x, layer.qweight, layer.scale, layer.bias)
         else:
             got = csrc_triton.int4_gemm(x, layer.qweight, layer.scale, layer.zero, GROUP_SIZE,
                                         layer.bias)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_bytes_decode_exactly_in_the_kernel():
+    """Every e4m3 value (normal, subnormal, signed zero; NaN left out) through the
+    weight-only fp8 kernel, as the identity's product: exactly torch's own decoding."""
+    import csrc_triton
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # the two NaN codes
+    w = codes.view(FP8).reshape(16, 16)
+    got = csrc_triton.fp8_weight_gemm(torch.eye(16), w, torch.ones(16))
+    assert torch.equal(got, w.float().t())

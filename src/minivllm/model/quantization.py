@@ -1,9 +1,10 @@
 """Quantized linear layers: a projection's weight kept in 8 or 4 bits with its scales.
 
 Methods (vLLM's names):
-  fp8   W8A8 e4m3: one scale per output channel for the weight, one per token for the
-        activation (computed each step); the product of the two fp8 operands on FP8
-        tensor cores (torch._scaled_mm) where the GPU has them.
+  fp8   e4m3 weights, one scale per output channel. Steps of more than
+        FP8_ACTIVATION_MIN_TOKENS tokens also round the activations to e4m3 (one scale
+        per token, computed each step: W8A8) and multiply on FP8 tensor cores
+        (torch._scaled_mm); smaller ones keep the activations (a weight-only kernel).
   int8  weight-only int8, one scale per output channel (symmetric).
   int4  weight-only 4 bits, groups of GROUP_SIZE along the input dimension, each with a
         scale and a zero point (asymmetric, round to nearest); two weights per byte.
@@ -111,6 +112,16 @@ def quantize_activations_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 # ---- the layer ------------------------------------------------------------------------
 
+# fp8 quantizes the activations of steps with more tokens than this: there the GEMMs are
+# compute-bound and FP8 tensor cores double their rate; in smaller steps the weights'
+# bytes are the cost, and a weight-only kernel keeps the activations exact.
+FP8_ACTIVATION_MIN_TOKENS = 64
+
+
+def quantizes_activations(x: torch.Tensor) -> bool:
+    return x.numel() > FP8_ACTIVATION_MIN_TOKENS * x.shape[-1]
+
+
 class QuantizedLinear(nn.Module):
     """y = x W^T + b with W stored quantized (see the module docstring). Built from a
     full-precision nn.Linear by from_linear; buffers, not parameters (nothing trains)."""
@@ -155,11 +166,13 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_cuda:
             return self.reference(x)
+        import csrc_triton
         if self.method == "fp8":
+            if not quantizes_activations(x):
+                return csrc_triton.fp8_weight_gemm(x, self.qweight, self.scale, self.bias)
             if self.in_features % 16 or self.out_features % 16:
                 return self.reference(x)  # _scaled_mm takes multiples of 16 only
             return self._fp8_scaled_mm(x)
-        import csrc_triton
         if self.method == "int8":
             return csrc_triton.int8_gemm(x, self.qweight, self.scale, self.bias)
         return csrc_triton.int4_gemm(x, self.qweight, self.scale, self.zero, GROUP_SIZE,
@@ -169,7 +182,7 @@ class QuantizedLinear(nn.Module):
         """Dequantize, fp32 matmul (fp8: of the fp8-rounded activations too)."""
         shape = x.shape
         x = x.reshape(-1, self.in_features)
-        if self.method == "fp8":
+        if self.method == "fp8" and quantizes_activations(x):
             xq, xs = quantize_activations_fp8(x)
             x32 = xq.float() * xs
         else:
