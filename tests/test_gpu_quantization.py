@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu,
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("M", [1, 7, 16, 33, 64, 65, 300])
+@pytest.mark.parametrize("M", [1, 33, 65, 300])
 @pytest.mark.parametrize("N,K", [(384, 512), (200, 4160)])
 def test_kernels_match_the_reference(dtype, M, N, K):
     torch.manual_seed(0)
