@@ -68,6 +68,7 @@ class Results:
     tuning: list[Result] = field(default_factory=list)                # attention_tuning
     profiles: list[Result] = field(default_factory=list)              # bench.step_profile
     w7: list[Result] = field(default_factory=list)                    # bench.w7_spec
+    quant: list[Result] = field(default_factory=list)                 # bench.quant_accuracy
     ignored: list[Path] = field(default_factory=list)
 
     def newest(self, section: str) -> Result | None:
@@ -131,6 +132,8 @@ def load(dirs: list[Path], skip: Path | None = None) -> Results:
             res.profiles.append(r)
         elif data.get("benchmark") == "w7-spec":
             res.w7.append(r)
+        elif data.get("benchmark") == "quant-accuracy":
+            res.quant.append(r)
         else:
             res.ignored.append(p)
     return res
@@ -933,6 +936,24 @@ class Report:
                           for x in d.get("rows", [])]))
             self.p(f"\n{provenance(r.env, d.get('model', 'SmolLM2-135M-Instruct'), self.src(r))}")
 
+    # -- quantization accuracy --
+
+    def quant_accuracy(self) -> None:
+        if not self.res.quant:
+            return
+        self.h(2, "Quantization accuracy (SmolLM2-135M, real weights)")
+        for r in sorted(self.res.quant, key=lambda r: r.path.name):
+            d = r.data
+            self.h(3, f"`{rel(r.path, self.base)}`: perplexity over {d['rows'][0]['tokens_scored']}"
+                      f" tokens of `{d.get('text')}`, agreement over {d.get('prompts')} prompts x "
+                      f"{d.get('max_tokens')} greedy tokens")
+            self.p(table(["method", "perplexity", "vs none", "tokens before the first divergence",
+                          "identical outputs", "weight bytes"],
+                         [[x["method"], x["perplexity"], f"{x['perplexity_vs_none'] - 1:+.1%}",
+                           f"{x['agreement_before_divergence']:.0%}", x["identical_outputs"],
+                           f"{x['weight_bytes'] / 1e6:,.0f} MB"] for x in d.get("rows", [])]))
+            self.p(f"\n{provenance(r.env, d.get('model', 'SmolLM2-135M-Instruct'), self.src(r))}")
+
     # -- W4 --
 
     def w4(self) -> None:
@@ -1036,6 +1057,7 @@ class Report:
         self.offline_runs()
         self.tuning_and_profiles()
         self.w7()
+        self.quant_accuracy()
         self.w4()
         body = self.md
         head = ["# minivllm benchmark report", "",

@@ -241,3 +241,29 @@ def test_fp8_bytes_decode_exactly_in_the_kernel():
     w = codes.view(FP8).reshape(16, 16)
     got = csrc_triton.fp8_weight_gemm(torch.eye(16), w, torch.ones(16))
     assert torch.equal(got, w.float().t())
+
+
+def test_benchmark_perplexity_matches_transformers(tiny_model_dirs):
+    """bench.quant_accuracy's perplexity (prompt logprobs through the engine, windows
+    scored from their own start) is the one transformers' logits give; its agreement is
+    the share before the first difference."""
+    from transformers import AutoModelForCausalLM
+
+    from bench.quant_accuracy import agreement, perplexity
+
+    ids = random_prompts(1, 256, 70, 70, seed=11)[0]
+    llm = LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, max_model_len=64)
+    ppl, count = perplexity(llm, ids, 32)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"], dtype=torch.float32)
+    nll, n = 0.0, 0
+    for i in range(0, len(ids), 32):
+        w = torch.tensor([ids[i:i + 32]])
+        if w.shape[1] < 2:
+            continue
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(w).logits[0, :-1].float(), -1)
+        nll -= lp.gather(1, w[0, 1:, None]).sum().item()
+        n += w.shape[1] - 1
+    assert count == n
+    assert abs(ppl - __import__("math").exp(nll / n)) < 1e-3 * ppl
+    assert agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]]) == (0.75, 1)
