@@ -16,7 +16,9 @@ BLOCK_K] tile of W in registers (to x's dtype, as a dequantize-then-matmul would
 it) and multiplies it into an fp32 accumulator, so the weights cross memory in their
 packed size: at small M, where a matmul only streams its weights, that is the whole
 speed-up. Small M also splits K across programs (partial sums in fp32, added in a fixed
-order: deterministic), so an 8B model's narrow projections still fill the GPU.
+order: deterministic), so an 8B model's narrow projections still fill the GPU. A single
+row (batch-1 decode) goes to a GEMV kernel that multiplies element-wise in fp32 instead
+of through tensor cores.
 
 Launches are free of host syncs and their grids depend only on shapes (CUDA-graph safe).
 CPU tensors run the kernels through Triton's interpreter (tests only), as in fused.py.
@@ -110,6 +112,63 @@ def _wq_gemm_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, stride_
              mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, stride_wn, stride_sn,
+                    stride_os, k_per_split, FORMAT: tl.constexpr, GROUP: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One row of x (batch-1 decode): products accumulated element-wise in an fp32
+    [BLOCK_N, BLOCK_K] tile and summed over K once at the end, without tensor cores (whose
+    operand shuffles cost more than they save when the weights are only streamed)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    k_start = pid_k * k_per_split
+    if FORMAT == 2:
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+        if FORMAT == 2:
+            offs_j = tl.arange(0, BLOCK_K // 2)
+            k_even = k0 + 2 * offs_j
+            b = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 // 2 + offs_j)[None, :],
+                        mask=n_ok[:, None] & (k_even[None, :] < K), other=0)
+            g = k0 // GROUP
+            s = tl.load(scale_ptr + offs_n * stride_sn + g, mask=n_ok, other=0.0)
+            z = tl.load(zero_ptr + offs_n * stride_sn + g, mask=n_ok, other=0).to(tl.float32)
+            x_lo = tl.load(x_ptr + k_even, mask=k_even < K, other=0.0).to(tl.float32)
+            x_hi = tl.load(x_ptr + k_even + 1, mask=k_even + 1 < K, other=0.0).to(tl.float32)
+            lo = (b & 0xF).to(tl.float32) - z[:, None]
+            hi = (b >> 4).to(tl.float32) - z[:, None]
+            acc += (lo * x_lo[None, :] + hi * x_hi[None, :]) * s[:, None]
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            q = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                        mask=n_ok[:, None] & k_ok[None, :], other=0)
+            if FORMAT == 0:
+                w = q.to(tl.float32)
+            elif INTERPRETED:
+                w = _fp8_e4m3_to_f32(q)
+            else:
+                w = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            acc += w * x[None, :]
+    if INTERPRETED:
+        y = tl.reduce(acc, 1, _add)
+    else:
+        y = tl.sum(acc, axis=1)
+    if FORMAT != 2:
+        y = y * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
+    tl.store(out_ptr + pid_k * stride_os + offs_n, y, mask=n_ok)
+
+
 # ---- module selection (compiled for CUDA, interpreted for CPU), as in fused.py -------
 
 _interp_mod = None
@@ -168,12 +227,39 @@ def _config(M: int, N: int, K: int, device: torch.device, interpreted: bool):
 _FORMATS = {"int8": 0, "fp8": 1, "int4": 2}
 
 
+def _launch_gemv(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
+                 scale: torch.Tensor, zero, fmt: str, group: int, N: int) -> torch.Tensor:
+    K = x.shape[1]
+    bn, bk = (16, 32) if interpreted else (64, 128)
+    if fmt == "int4":
+        bk = min(bk, group)
+    tiles, chunks = triton.cdiv(N, bn), triton.cdiv(K, bk)
+    split = 2 if interpreted and chunks > 1 else max(1, min(
+        chunks, triton.cdiv(4 * _sm_count(x.device), tiles), 32))
+    k_per_split = triton.cdiv(chunks, split) * bk
+    split = triton.cdiv(K, k_per_split)
+    partial = torch.empty((split, N), dtype=torch.float32, device=x.device)
+    opts = {} if interpreted else {"num_warps": 4, "num_stages": 4}
+    mod._wq_gemv_kernel[(tiles, split)](
+        x, w, scale, zero if zero is not None else scale, partial, N, K, w.stride(0),
+        scale.stride(0) if fmt == "int4" else 0, partial.stride(0), k_per_split,
+        FORMAT=_FORMATS[fmt], GROUP=group, BLOCK_N=bn, BLOCK_K=bk, INTERPRETED=interpreted,
+        **opts)
+    return partial[0:1] if split == 1 else partial.sum(0, keepdim=True)
+
+
 def _launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero, fmt: str,
             group: int, N: int, bias: torch.Tensor | None) -> torch.Tensor:
     if x.dim() != 2 or not x.is_contiguous():
         x = x.reshape(-1, x.shape[-1]).contiguous()
     M, K = x.shape
     mod, interpreted = _kernels_for(x.device)
+    if M == 1:
+        w = qweight.view(torch.uint8) if fmt == "fp8" else qweight
+        y = _launch_gemv(mod, interpreted, x, w, scale, zero, fmt, group, N)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype)
     bm, bn, bk, split, warps, stages = _config(M, N, K, x.device, interpreted)
     if fmt == "int4":
         bk = min(bk, group)
