@@ -241,6 +241,10 @@ def test_fp8_bytes_decode_exactly_in_the_kernel():
     w = codes.view(FP8).reshape(16, 16)
     got = csrc_triton.fp8_weight_gemm(torch.eye(16), w, torch.ones(16))
     assert torch.equal(got, w.float().t())
+    # A single row too (int8 and fp8 take the GEMM kernel there; only int4 has a GEMV).
+    for row in (0, 7):
+        got = csrc_triton.fp8_weight_gemm(torch.eye(16)[row:row + 1], w, torch.ones(16))
+        assert torch.equal(got[0], w.float()[:, row])
 
 
 def test_benchmark_perplexity_matches_transformers(tiny_model_dirs):
