@@ -178,10 +178,28 @@ def test_bad_quantization_and_prequantized_checkpoints_are_refused(tiny_model_di
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, quantization="int3")
     cfg = json.loads((tiny_model_dirs["llama"] / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    for qc, message in [
+            ({"quant_method": "fp8"}, "quantized \\('fp8'\\)"),
+            ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "only 4 bits"),
+            ({"quant_method": "gptq", "bits": 4, "desc_act": True}, "desc_act"),
+            ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "only 'gemm'")]:
+        cfg["quantization_config"] = qc
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ValueError, match=message):
+            LLM(str(tmp_path / "config.json"), load_format="dummy", skip_tokenizer_init=True)
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="quantized \\('gptq'\\)"):
-        LLM(str(tmp_path / "config.json"), load_format="dummy", skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="quantization must be None or 'awq'"):
+        LLM(str(tmp_path / "config.json"), load_format="dummy", skip_tokenizer_init=True,
+            quantization="int8")
+    with pytest.raises(ValueError, match="has no quantization_config"):
+        LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, quantization="gptq")
+    # Dummy weights for a quantized config: random int4 codes, and it generates.
+    llm = LLM(str(tmp_path / "config.json"), load_format="dummy", skip_tokenizer_init=True,
+              max_model_len=64)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import csrc_triton
 from ..config import ModelConfig
 from .attention import AttentionMetadata, PagedAttention
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding
+from .prequantized import PackedParts
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -155,10 +156,13 @@ class LlamaForCausalLM(nn.Module):
         ".up_proj.": (".gate_up_proj.", 1),
     }
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy Hugging Face-named tensors into the (fused) parameters; returns the names
-        of the parameters that were filled."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     packed: PackedParts | None = None) -> set[str]:
+        """Copy Hugging Face-named tensors into the (fused) parameters, and with `packed` a
+        quantized checkpoint's parts of each projection into its int4 buffers; returns the
+        names of the parameters and buffers that were filled."""
         params = dict(self.named_parameters(remove_duplicate=False))
+        params.update(self.named_buffers())
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb" in name:
@@ -170,6 +174,20 @@ class LlamaForCausalLM(nn.Module):
                 if frag in name:
                     target, shard = name.replace(frag, fused), shard_id
                     break
+            split = packed.split(name) if packed is not None else None
+            if split is not None:
+                layout = packed.add(split[0], split[1], tensor)
+                prefix = target.rpartition(".")[0]
+                for part, value in zip(("qweight", "scale", "zero"), layout or ()):
+                    buf = params[f"{prefix}.{part}"]
+                    dest = buf if shard is None else self._shard_view(f"{prefix}.{part}", buf,
+                                                                      shard)
+                    if dest.shape != value.shape:
+                        raise ValueError(f"Shape mismatch for {split[0]} ({part}): checkpoint "
+                                         f"{tuple(value.shape)} vs model {tuple(dest.shape)}.")
+                    dest.copy_(value)
+                    loaded.add(f"{prefix}.{part}")
+                continue
             if target not in params:
                 raise ValueError(f"Checkpoint tensor {name!r} has no place in the model.")
             param = params[target]
@@ -179,6 +197,8 @@ class LlamaForCausalLM(nn.Module):
                                  f" vs model {tuple(dest.shape)}.")
             dest.copy_(tensor)
             loaded.add(target)
+        if packed is not None:
+            packed.check_done()
         return loaded
 
     def _shard_view(self, name: str, param: torch.Tensor, shard) -> torch.Tensor:

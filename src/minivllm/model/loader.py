@@ -12,7 +12,9 @@ import torch
 from ..config import ModelConfig
 from .layers import RotaryEmbedding
 from .llama import MODEL_CLASSES
-from .quantization import quantize_model
+from .prequantized import PackedParts, checkpoint_quantization
+from .quantization import (CHECKPOINT_METHODS, METHODS, QuantizedLinear, int4_shells,
+                           quantize_model)
 
 
 def hf_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -102,38 +104,76 @@ def load_model(cfg: ModelConfig, model_path: Path, *, load_format: str, dtype: t
                fused_ops: bool = False, seed: int = 0,
                quantization: str | None = None) -> torch.nn.Module:
     """The model with its weights, its decoder projections quantized if asked
-    (model/quantization.py: loaded in `dtype`, then quantized one projection at a time)."""
-    check_prequantized(cfg)
+    (model/quantization.py: loaded in `dtype`, then quantized one projection at a time) or
+    as the checkpoint has them (GPTQ, AWQ: model/prequantized.py)."""
+    ahead = checkpoint_quantization(cfg.raw)
+    if ahead is None and quantization in CHECKPOINT_METHODS:
+        raise ValueError(f"quantization={quantization!r} reads a checkpoint quantized with "
+                         f"{quantization.upper()}; this one has no quantization_config.")
+    if ahead is not None and quantization not in (None, ahead.method):
+        raise ValueError(f"This checkpoint is quantized with {ahead.method.upper()}: "
+                         f"quantization must be None or {ahead.method!r}, got "
+                         f"{quantization!r}.")
     model_cls = MODEL_CLASSES[cfg.architecture]
     # Build on the meta device (no wasted random init), then materialize on the target.
     with torch.device("meta"):
         model = model_cls(cfg, max_positions, attention_backend, fused_ops)
+        if ahead is not None:
+            int4_shells(model, ahead.group_size)
     model = model.to_empty(device=device).to(dtype)
+    shells = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    for layer in shells:
+        layer.scale = layer.scale.float()  # .to(dtype) above cast it
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_tables(device)
     expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    expected |= {n for n, _ in model.named_buffers() if n.rpartition(".")[2] in
+                 ("qweight", "scale", "zero", "bias")}
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
+    weights = _weights_for(cfg, model_path, load_format, seed, device, dtype)
+    if load_format == "dummy" and ahead is not None:
+        # Random packed weights instead of the full-precision projections.
+        weights = ((n, t) for n, t in weights if not _is_projection_weight(n))
+        loaded = _fill_int4_dummy(model, cfg, seed)
+    else:
+        loaded = set()
     with torch.no_grad():
-        loaded = model.load_weights(_weights_for(cfg, model_path, load_format, seed, device, dtype))
+        loaded |= model.load_weights(weights, PackedParts(ahead) if ahead is not None else None)
     missing = expected - loaded
     if missing:
         raise ValueError(f"Checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}.")
-    if quantization is not None:
+    if quantization in METHODS:
         with torch.no_grad():
             quantize_model(model, quantization)
     return model.eval()
 
 
-def check_prequantized(cfg: ModelConfig) -> None:
-    """A checkpoint that is already quantized (config.json's quantization_config) cannot be
-    read as full-precision weights: say so instead of failing on its tensor names."""
-    qc = cfg.raw.get("quantization_config")
-    if qc:
-        method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
-        raise ValueError(f"This checkpoint is quantized ({method!r}); minivllm reads "
-                         "full-precision checkpoints and quantizes them at load "
-                         "(quantization='fp8', 'int8' or 'int4').")
+_PROJECTION_NAMES = (".q_proj.", ".k_proj.", ".v_proj.", ".o_proj.", ".gate_proj.", ".up_proj.",
+                     ".down_proj.")
+
+
+def _is_projection_weight(name: str) -> bool:
+    return name.endswith(".weight") and any(p in name for p in _PROJECTION_NAMES)
+
+
+def _fill_int4_dummy(model: torch.nn.Module, cfg: ModelConfig, seed: int) -> set[str]:
+    """Random int4 weights for a quantized checkpoint's config with load_format="dummy":
+    uniform codes around a zero point of 8, scaled so the weights' spread is the config's
+    initializer_range. Returns the buffers filled."""
+    gen = None
+    filled = set()
+    for name, layer in model.named_modules():
+        if not isinstance(layer, QuantizedLinear):
+            continue
+        if gen is None:
+            gen = torch.Generator(device=layer.qweight.device).manual_seed(seed)
+        layer.qweight.copy_(torch.randint(0, 256, layer.qweight.shape, generator=gen,
+                                          dtype=torch.uint8, device=layer.qweight.device))
+        layer.scale.fill_(cfg.initializer_range / 4.6)  # uniform codes 0..15: std ~4.6
+        layer.zero.fill_(8)
+        filled |= {f"{name}.qweight", f"{name}.scale", f"{name}.zero"}
+    return filled

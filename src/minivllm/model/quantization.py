@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 METHODS = ("fp8", "int8", "int4")
+CHECKPOINT_METHODS = ("gptq", "awq")  # read from a quantized checkpoint (prequantized.py)
 GROUP_SIZE = 128
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -30,8 +31,9 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 def check_method(method: str | None) -> str | None:
     if method is None:
         return None
-    if method not in METHODS:
-        raise ValueError(f"quantization must be one of {METHODS} (or None), got {method!r}.")
+    if method not in METHODS + CHECKPOINT_METHODS:
+        raise ValueError(f"quantization must be one of {METHODS + CHECKPOINT_METHODS} (or "
+                         f"None), got {method!r}.")
     return method
 
 
@@ -127,12 +129,31 @@ class QuantizedLinear(nn.Module):
     full-precision nn.Linear by from_linear; buffers, not parameters (nothing trains)."""
 
     def __init__(self, method: str, in_features: int, out_features: int,
-                 bias: torch.Tensor | None, out_dtype: torch.dtype) -> None:
+                 bias: torch.Tensor | None, out_dtype: torch.dtype,
+                 group_size: int = GROUP_SIZE) -> None:
         super().__init__()
         self.method = check_method(method)
         self.in_features, self.out_features = in_features, out_features
         self.out_dtype = out_dtype
+        self.group_size = group_size  # int4's
         self.register_buffer("bias", bias)
+
+    @classmethod
+    def empty_int4(cls, linear: nn.Linear, group_size: int) -> QuantizedLinear:
+        """An int4 layer of linear's shape with its buffers unfilled (on linear's device,
+        meta included), for a checkpoint quantized ahead; group_size -1: one group."""
+        n, k = linear.out_features, linear.in_features
+        group = k if group_size < 0 else group_size
+        dev = linear.weight.device
+        bias = None if linear.bias is None else torch.empty(n, dtype=linear.bias.dtype,
+                                                            device=dev)
+        layer = cls("int4", k, n, bias, linear.weight.dtype, group)
+        groups = -(-k // group)
+        layer.register_buffer("qweight", torch.empty(n, (k + 1) // 2, dtype=torch.uint8,
+                                                     device=dev))
+        layer.register_buffer("scale", torch.empty(n, groups, dtype=torch.float32, device=dev))
+        layer.register_buffer("zero", torch.empty(n, groups, dtype=torch.uint8, device=dev))
+        return layer
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, method: str) -> QuantizedLinear:
@@ -157,7 +178,8 @@ class QuantizedLinear(nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         """The weight as the stored numbers give it, fp32 [out, in]."""
         if self.method == "int4":
-            return dequantize_int4(self.qweight, self.scale, self.zero, self.in_features)
+            return dequantize_int4(self.qweight, self.scale, self.zero, self.in_features,
+                                   self.group_size)
         return self.qweight.float() * self.scale[:, None]
 
     def weight_bytes(self) -> int:
@@ -175,7 +197,7 @@ class QuantizedLinear(nn.Module):
             return self._fp8_scaled_mm(x)
         if self.method == "int8":
             return csrc_triton.int8_gemm(x, self.qweight, self.scale, self.bias)
-        return csrc_triton.int4_gemm(x, self.qweight, self.scale, self.zero, GROUP_SIZE,
+        return csrc_triton.int4_gemm(x, self.qweight, self.scale, self.zero, self.group_size,
                                      self.bias)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
@@ -208,6 +230,16 @@ class QuantizedLinear(nn.Module):
 
 # The decoder layers' projections that are quantized.
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def int4_shells(model: nn.Module, group_size: int) -> None:
+    """Replace every decoder projection by an unfilled int4 QuantizedLinear (a checkpoint
+    quantized ahead fills them)."""
+    for module in list(model.modules()):
+        for name in PROJECTIONS:
+            linear = getattr(module, name, None)
+            if isinstance(linear, nn.Linear):
+                setattr(module, name, QuantizedLinear.empty_int4(linear, group_size))
 
 
 def quantize_model(model: nn.Module, method: str) -> int:

@@ -1,0 +1,136 @@
+"""4-bit checkpoints quantized ahead (GPTQ, AWQ), read into QuantizedLinear's int4 layout.
+
+Both store, per projection, int32 words of eight 4-bit weights, int32 words of eight
+4-bit zero points and a [groups, out] scale tensor (fp16), for groups of `group_size`
+inputs:
+  GPTQ (quant_method "gptq", AutoGPTQ / GPTQModel): qweight [in / 8, out], packed along
+       the input dimension (nibble j of word r is input 8r + j); qzeros [groups, out / 8],
+       packed along the output dimension. checkpoint_format "gptq" (v1, the default)
+       stores each zero point minus one; "gptq_v2" stores it as it is. g_idx [in] maps an
+       input to its group: only the plain order (desc_act false) is read.
+  AWQ  (quant_method "awq", version "gemm"): qweight [in, out / 8] and qzeros
+       [groups, out / 8], both packed along the output dimension in the order
+       AWQ_ORDER (nibble i of word c is output 8c + AWQ_ORDER[i]).
+Weight (k, n) = (q - zero) * scale of its group, as in the int4 layout (which holds it
+as [out, in / 2] bytes with [out, groups] scales and zero points).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .quantization import pack_int4
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+PARTS = ("qweight", "qzeros", "scales", "g_idx")
+
+
+@dataclass(frozen=True)
+class CheckpointQuantization:
+    method: str  # "gptq" or "awq"
+    group_size: int  # -1: one group over all inputs
+    zero_offset: int  # added to the stored zero points (GPTQ v1: 1)
+
+
+def checkpoint_quantization(raw_cfg: dict) -> CheckpointQuantization | None:
+    """The checkpoint's quantization (config.json's quantization_config), validated; None
+    for a full-precision checkpoint. ValueError says what cannot be read."""
+    qc = raw_cfg.get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method not in ("gptq", "awq"):
+        raise ValueError(f"This checkpoint is quantized ({method!r}); minivllm reads GPTQ and "
+                         "AWQ 4-bit checkpoints and full-precision ones, which it can quantize "
+                         "at load (quantization='fp8', 'int8' or 'int4').")
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise ValueError(f"{method} checkpoint with {bits}-bit weights: only 4 bits are read.")
+    group = qc.get("group_size", qc.get("q_group_size", 128))
+    if method == "gptq":
+        if qc.get("desc_act"):
+            raise ValueError("GPTQ checkpoint with desc_act true (inputs in activation order): "
+                             "only desc_act false is read.")
+        fmt = qc.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ValueError(f"GPTQ checkpoint_format {fmt!r}: 'gptq' or 'gptq_v2' are read.")
+        return CheckpointQuantization("gptq", group, 1 if fmt == "gptq" else 0)
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm" or qc.get("zero_point") is False:
+        raise ValueError(f"AWQ checkpoint of version {version!r} (zero_point "
+                         f"{qc.get('zero_point')}): only 'gemm' with zero points is read.")
+    return CheckpointQuantization("awq", group, 0)
+
+
+def unpack_along_rows(words: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C] -> int [8R, C]: nibble j of row r becomes row 8r + j."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
+    q = (words[:, None, :] >> shifts[None, :, None]) & 0xF
+    return q.reshape(-1, words.shape[1])
+
+
+def unpack_along_columns(words: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
+    """int32 [R, C] -> int [R, 8C]: nibble i of column c becomes column 8c + order[i]."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
+    q = (words[:, :, None] >> shifts[None, None, :]) & 0xF  # [R, C, nibble]
+    inverse = [order.index(j) for j in range(8)]
+    return q[:, :, inverse].reshape(words.shape[0], -1)
+
+
+def to_int4_layout(quant: CheckpointQuantization, parts: dict[str, torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One projection's checkpoint tensors -> (packed [out, in / 2] uint8, scale
+    [out, groups] fp32, zero [out, groups] uint8)."""
+    scales = parts["scales"].float()
+    if quant.method == "gptq":
+        q = unpack_along_rows(parts["qweight"])
+        zeros = unpack_along_columns(parts["qzeros"]) + quant.zero_offset
+    else:
+        q = unpack_along_columns(parts["qweight"], AWQ_ORDER)
+        zeros = unpack_along_columns(parts["qzeros"], AWQ_ORDER)
+    in_f, out_f = q.shape
+    groups = scales.shape[0]
+    zeros = zeros[:, :out_f]
+    if in_f % groups:
+        raise ValueError(f"{groups} groups of scales do not divide {in_f} inputs.")
+    return (pack_int4(q.t().contiguous().to(torch.uint8)), scales.t().contiguous(),
+            zeros.t().contiguous().to(torch.uint8))
+
+
+class PackedParts:
+    """Collects each projection's parts as the checkpoint yields them (in any order) and
+    hands back the whole set once its qweight, qzeros and scales have all come."""
+
+    def __init__(self, quant: CheckpointQuantization) -> None:
+        self.quant = quant
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}
+
+    @staticmethod
+    def split(name: str) -> tuple[str, str] | None:
+        """'...q_proj.qweight' -> ('...q_proj', 'qweight'); None for other tensors."""
+        prefix, _, part = name.rpartition(".")
+        return (prefix, part) if part in PARTS else None
+
+    def add(self, prefix: str, part: str, tensor: torch.Tensor):
+        """The int4 layout of `prefix` once complete, else None. A GPTQ g_idx is checked
+        on its own (the plain input order) and kept nowhere."""
+        if part == "g_idx":
+            group = self.quant.group_size if self.quant.group_size > 0 else len(tensor)
+            if not torch.equal(tensor.long().cpu(), torch.arange(len(tensor)) // group):
+                raise ValueError(f"{prefix}.g_idx is not the plain input order (desc_act): "
+                                 "not read.")
+            return None
+        parts = self.pending.setdefault(prefix, {})
+        parts[part] = tensor
+        if not all(p in parts for p in ("qweight", "qzeros", "scales")):
+            return None
+        del self.pending[prefix]
+        return to_int4_layout(self.quant, parts)
+
+    def check_done(self) -> None:
+        if self.pending:
+            name, parts = next(iter(self.pending.items()))
+            raise ValueError(f"Checkpoint has an incomplete quantized projection {name!r} "
+                             f"(only {sorted(parts)}).")

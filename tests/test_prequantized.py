@@ -1,0 +1,129 @@
+"""GPTQ and AWQ 4-bit checkpoints (model/prequantized.py): tiny models whose projections are
+packed here in each format's layout (written from the formats' descriptions, not with the
+reader's code) load to exactly the weights they encode, and generate what a full-precision
+checkpoint of those weights generates."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from minivllm import LLM, SamplingParams
+from minivllm.model.prequantized import (AWQ_ORDER, unpack_along_columns,
+                                         unpack_along_rows)
+from minivllm.model.quantization import QuantizedLinear, quantize_int4, unpack_int4
+from conftest import make_hf_model, random_prompts
+
+GROUP = 32
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def to_int32(words: torch.Tensor) -> torch.Tensor:
+    """uint32 values held in int64 -> the int32 with those bits."""
+    return (words - (words >= 2 ** 31).long() * 2 ** 32).to(torch.int32)
+
+
+def pack_gptq_rows(q: torch.Tensor) -> torch.Tensor:
+    """[K, N] codes -> [K / 8, N]: input 8r + j in nibble j of word r."""
+    out = torch.zeros(q.shape[0] // 8, q.shape[1], dtype=torch.int64)
+    for j in range(8):
+        out |= q[j::8].long() << (4 * j)
+    return to_int32(out)
+
+
+def pack_columns(q: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
+    """[R, C] codes -> [R, C / 8]: column 8c + order[i] in nibble i of word c."""
+    out = torch.zeros(q.shape[0], q.shape[1] // 8, dtype=torch.int64)
+    for i in range(8):
+        out |= q[:, order[i]::8].long() << (4 * i)
+    return to_int32(out)
+
+
+def test_unpacking_inverts_each_layout():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (16, 24), generator=g)
+    assert torch.equal(unpack_along_rows(pack_gptq_rows(q)), q)
+    assert torch.equal(unpack_along_columns(pack_columns(q)), q)
+    assert torch.equal(unpack_along_columns(pack_columns(q, AWQ_ORDER), AWQ_ORDER), q)
+    # The AWQ order really is an interleave: read plainly, the columns come out permuted.
+    assert not torch.equal(unpack_along_columns(pack_columns(q, AWQ_ORDER)), q)
+
+
+def write_checkpoints(family: str, fmt: str, tmp_path, sym: bool = False):
+    """(quantized checkpoint folder, full-precision folder of the weights it encodes)."""
+    model = make_hf_model(family)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    quant, reference = {}, dict(state)
+    for name, w in state.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf != "weight" or module.rpartition(".")[2] not in PROJECTIONS:
+            continue
+        packed, scale, zero = quantize_int4(w, GROUP)
+        if sym:
+            zero = torch.full_like(zero, 8)
+            scale = (w.abs().reshape(w.shape[0], -1, GROUP).amax(2) / 7.5).clamp(min=1e-8)
+            codes = torch.round(w.reshape(w.shape[0], -1, GROUP) / scale[..., None]) + 8
+            codes = codes.clamp(0, 15).reshape(w.shape).to(torch.uint8)
+        else:
+            codes = unpack_int4(packed, w.shape[1])
+        scale16 = scale.half()
+        deq = (codes.float() - zero.float().repeat_interleave(GROUP, 1)) \
+            * scale16.float().repeat_interleave(GROUP, 1)
+        reference[name] = deq
+        qt, zt, st = codes.t().contiguous(), zero.t().contiguous(), scale16.t().contiguous()
+        if fmt == "awq":
+            quant[module + ".qweight"] = pack_columns(qt, AWQ_ORDER)
+            quant[module + ".qzeros"] = pack_columns(zt, AWQ_ORDER)
+        else:
+            quant[module + ".qweight"] = pack_gptq_rows(qt)
+            stored = zt.long() - (1 if fmt == "gptq" else 0)  # v1 keeps zero - 1
+            quant[module + ".qzeros"] = pack_columns(stored & 0xF)
+            quant[module + ".g_idx"] = torch.arange(w.shape[1], dtype=torch.int32) // GROUP
+        quant[module + ".scales"] = st
+    for name, t in state.items():
+        module, _, leaf = name.rpartition(".")
+        if not (leaf == "weight" and module.rpartition(".")[2] in PROJECTIONS):
+            quant[name] = t
+    cfg = model.config.to_dict()
+    qdir, rdir = tmp_path / f"{family}-{fmt}", tmp_path / f"{family}-{fmt}-reference"
+    for d, tensors in ((qdir, quant), (rdir, reference)):
+        d.mkdir()
+        if "lm_head.weight" in tensors and cfg.get("tie_word_embeddings"):
+            tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "model.safetensors"))
+    qc = ({"quant_method": "awq", "bits": 4, "group_size": GROUP, "version": "gemm",
+           "zero_point": True} if fmt == "awq" else
+          {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False,
+           "sym": sym, "checkpoint_format": fmt})
+    (qdir / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    (rdir / "config.json").write_text(json.dumps(cfg))
+    return qdir, rdir
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("fmt,sym", [("gptq", False), ("gptq", True), ("gptq_v2", False),
+                                     ("awq", False)])
+def test_checkpoint_loads_the_weights_it_encodes(tmp_path, family, fmt, sym):
+    qdir, rdir = write_checkpoints(family, fmt, tmp_path, sym)
+    kw = dict(skip_tokenizer_init=True, max_model_len=128)
+    q = LLM(str(qdir), **kw)
+    ref = LLM(str(rdir), **kw)
+    qmodel, rmodel = q.engine.runner.model, ref.engine.runner.model
+    for qlayer, rlayer in zip(qmodel.model.layers, rmodel.model.layers):
+        for qm, rm in ((qlayer.self_attn.qkv_proj, rlayer.self_attn.qkv_proj),
+                       (qlayer.mlp.gate_up_proj, rlayer.mlp.gate_up_proj),
+                       (qlayer.mlp.down_proj, rlayer.mlp.down_proj)):
+            assert isinstance(qm, QuantizedLinear) and qm.group_size == GROUP
+            torch.testing.assert_close(qm.dequantized_weight(), rm.weight.float(),
+                                       rtol=0, atol=1e-6)
+            if rm.bias is not None:
+                torch.testing.assert_close(qm.bias, rm.bias)
+    prompts = random_prompts(4, 256, 5, 20, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in q.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert q.engine.scheduler.pool.all_free()
