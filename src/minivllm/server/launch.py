@@ -69,11 +69,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "max_new_tokens as max_tokens): 'auto' (default) reads the model "
                              "folder's generation_config.json, 'vllm' ignores it (OpenAI's "
                              "defaults), a FOLDER reads its generation_config.json.")
-    parser.add_argument("--quantization", "-q", default=None, choices=["fp8", "int8", "int4"],
-                        help="Quantize the decoder's projections at load: fp8 (W8A8, FP8 "
-                             "tensor cores on Hopper/Ada GPUs), int8 or int4 (weight-only; "
-                             "int4 in groups of 128). The CPU runs each through a reference "
-                             "path (dequantize, then matmul).")
+    parser.add_argument("--quantization", "-q", default=None,
+                        choices=["fp8", "int8", "int4", "gptq", "awq"],
+                        help="Quantize the decoder's projections at load: fp8 (FP8 weights; "
+                             "W8A8 on FP8 tensor cores in large steps), int8 or int4 "
+                             "(weight-only; int4 in groups of 128). gptq / awq: the "
+                             "checkpoint is quantized so (found from its config.json when "
+                             "left out). The CPU runs each through a reference path "
+                             "(dequantize, then matmul).")
     parser.add_argument("--speculative-config", type=_json_object, default=None,
                         metavar="JSON",
                         help='Speculative decoding, as vLLM\'s: e.g. \'{"method": "ngram", '
