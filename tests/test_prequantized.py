@@ -127,3 +127,59 @@ def test_checkpoint_loads_the_weights_it_encodes(tmp_path, family, fmt, sym):
     want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert q.engine.scheduler.pool.all_free()
+
+
+@pytest.mark.parametrize("fmt", ["fp8-tensor", "compressed-tensors-channel"])
+def test_fp8_checkpoint_loads_the_weights_it_encodes(tmp_path, fmt):
+    """FP8 checkpoints (e4m3 weights with per-tensor or per-channel scales, as AutoFP8 and
+    llm-compressor write them): the loaded layers hold those weights, and small steps
+    (weight-only there) give the tokens of a full-precision checkpoint of them."""
+    from minivllm.model.quantization import FP8, FP8_MAX
+
+    model = make_hf_model("qwen2")
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    quant, reference = {}, dict(state)
+    per_channel = fmt.endswith("channel")
+    for name, w in state.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf != "weight" or module.rpartition(".")[2] not in PROJECTIONS:
+            continue
+        amax = w.abs().amax(1, keepdim=True) if per_channel else w.abs().amax()
+        scale = (amax / FP8_MAX).float()
+        q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        quant[name] = q
+        quant[module + ".weight_scale"] = scale.reshape(-1, 1) if per_channel else scale
+        quant[module + ".input_scale"] = torch.tensor(0.05)  # static scales: not used
+        reference[name] = q.float() * scale
+    for name, t in state.items():
+        quant.setdefault(name, t)
+    cfg = model.config.to_dict()
+    qc = {"quant_method": "fp8", "activation_scheme": "static"} if not per_channel else {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+            "input_activations": {"num_bits": 8, "type": "float", "dynamic": True}}}}
+    dirs = []
+    for label, tensors, extra in (("q", quant, {"quantization_config": qc}),
+                                  ("ref", reference, {})):
+        d = tmp_path / label
+        d.mkdir()
+        tensors = {k: v.contiguous() for k, v in tensors.items() if k != "lm_head.weight"}
+        save_file(tensors, str(d / "model.safetensors"))
+        (d / "config.json").write_text(json.dumps({**cfg, **extra}))
+        dirs.append(d)
+    kw = dict(skip_tokenizer_init=True, max_model_len=128)
+    q, ref = LLM(str(dirs[0]), **kw), LLM(str(dirs[1]), **kw)
+    layer = q.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(layer, QuantizedLinear) and layer.method == "fp8"
+    assert layer.qweight.dtype == FP8 and layer.scale.dtype == torch.float32
+    torch.testing.assert_close(
+        layer.dequantized_weight(),
+        ref.engine.runner.model.model.layers[0].self_attn.qkv_proj.weight.float(),
+        rtol=0, atol=0)
+    prompts = random_prompts(3, 256, 5, 20, seed=4)  # <= 64 tokens a step: weight-only
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in q.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    assert got == want

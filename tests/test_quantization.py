@@ -179,7 +179,10 @@ def test_bad_quantization_and_prequantized_checkpoints_are_refused(tiny_model_di
         LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, quantization="int3")
     cfg = json.loads((tiny_model_dirs["llama"] / "config.json").read_text())
     for qc, message in [
-            ({"quant_method": "fp8"}, "quantized \\('fp8'\\)"),
+            ({"quant_method": "bitsandbytes"}, "quantized \\('bitsandbytes'\\)"),
+            ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
+            ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
+                "num_bits": 4, "type": "int", "strategy": "group"}}}}, "other than 8-bit"),
             ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "only 4 bits"),
             ({"quant_method": "gptq", "bits": 4, "desc_act": True}, "desc_act"),
             ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "only 'gemm'")]:

@@ -174,7 +174,7 @@ class LlamaForCausalLM(nn.Module):
                 if frag in name:
                     target, shard = name.replace(frag, fused), shard_id
                     break
-            split = packed.split(name) if packed is not None else None
+            split = packed.split(name, tensor) if packed is not None else None
             if split is not None:
                 layout = packed.add(split[0], split[1], tensor)
                 prefix = target.rpartition(".")[0]

@@ -13,8 +13,8 @@ from ..config import ModelConfig
 from .layers import RotaryEmbedding
 from .llama import MODEL_CLASSES
 from .prequantized import PackedParts, checkpoint_quantization
-from .quantization import (CHECKPOINT_METHODS, METHODS, QuantizedLinear, int4_shells,
-                           quantize_model)
+from .quantization import (CHECKPOINT_METHODS, METHODS, QuantizedLinear, quantize_model,
+                           quantized_shells)
 
 
 def hf_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -105,25 +105,27 @@ def load_model(cfg: ModelConfig, model_path: Path, *, load_format: str, dtype: t
                quantization: str | None = None) -> torch.nn.Module:
     """The model with its weights, its decoder projections quantized if asked
     (model/quantization.py: loaded in `dtype`, then quantized one projection at a time) or
-    as the checkpoint has them (GPTQ, AWQ: model/prequantized.py)."""
+    as the checkpoint has them (GPTQ, AWQ, FP8: model/prequantized.py)."""
     ahead = checkpoint_quantization(cfg.raw)
     if ahead is None and quantization in CHECKPOINT_METHODS:
         raise ValueError(f"quantization={quantization!r} reads a checkpoint quantized with "
                          f"{quantization.upper()}; this one has no quantization_config.")
-    if ahead is not None and quantization not in (None, ahead.method):
+    if ahead is not None and quantization not in (None, ahead.method):  # fp8 reads fp8
         raise ValueError(f"This checkpoint is quantized with {ahead.method.upper()}: "
                          f"quantization must be None or {ahead.method!r}, got "
                          f"{quantization!r}.")
+    if ahead is not None and ahead.layout == "fp8" and load_format == "dummy":
+        ahead, quantization = None, "fp8"  # dummy weights, quantized as they load
     model_cls = MODEL_CLASSES[cfg.architecture]
     # Build on the meta device (no wasted random init), then materialize on the target.
     with torch.device("meta"):
         model = model_cls(cfg, max_positions, attention_backend, fused_ops)
         if ahead is not None:
-            int4_shells(model, ahead.group_size)
+            quantized_shells(model, ahead.layout, ahead.group_size)
     model = model.to_empty(device=device).to(dtype)
-    shells = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    for layer in shells:
-        layer.scale = layer.scale.float()  # .to(dtype) above cast it
+    for layer in model.modules():
+        if isinstance(layer, QuantizedLinear):
+            layer.restore_storage_dtypes()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     for module in model.modules():
@@ -146,7 +148,7 @@ def load_model(cfg: ModelConfig, model_path: Path, *, load_format: str, dtype: t
     missing = expected - loaded
     if missing:
         raise ValueError(f"Checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}.")
-    if quantization in METHODS:
+    if ahead is None and quantization in METHODS:
         with torch.no_grad():
             quantize_model(model, quantization)
     return model.eval()

@@ -1,4 +1,11 @@
-"""4-bit checkpoints quantized ahead (GPTQ, AWQ), read into QuantizedLinear's int4 layout.
+"""Checkpoints quantized ahead, read into QuantizedLinear's layouts: GPTQ and AWQ 4-bit (int4)
+and FP8 (fp8).
+
+FP8: each projection's `weight` in float8_e4m3fn [out, in] with a `weight_scale`, one for
+the tensor or one per output channel: quant_method "fp8" (vLLM's / AutoFP8's) without
+block scales, or "compressed-tensors" (llm-compressor) with 8-bit float weights by tensor
+or channel. An `input_scale` (static activation scales) is not used: activations get
+per-token scales computed each step, as with quantization="fp8".
 
 Both store, per projection, int32 words of eight 4-bit weights, int32 words of eight
 4-bit zero points and a [groups, out] scale tensor (fp16), for groups of `group_size`
@@ -29,9 +36,13 @@ PARTS = ("qweight", "qzeros", "scales", "g_idx")
 
 @dataclass(frozen=True)
 class CheckpointQuantization:
-    method: str  # "gptq" or "awq"
-    group_size: int  # -1: one group over all inputs
-    zero_offset: int  # added to the stored zero points (GPTQ v1: 1)
+    method: str  # "gptq", "awq" or "fp8"
+    group_size: int = 0  # int4's; -1: one group over all inputs
+    zero_offset: int = 0  # added to the stored zero points (GPTQ v1: 1)
+
+    @property
+    def layout(self) -> str:
+        return "fp8" if self.method == "fp8" else "int4"
 
 
 def checkpoint_quantization(raw_cfg: dict) -> CheckpointQuantization | None:
@@ -41,10 +52,17 @@ def checkpoint_quantization(raw_cfg: dict) -> CheckpointQuantization | None:
     if not qc:
         return None
     method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method == "fp8":
+        if qc.get("weight_block_size"):
+            raise ValueError("FP8 checkpoint with block-wise scales (weight_block_size): only "
+                             "per-tensor or per-channel weight scales are read.")
+        return CheckpointQuantization("fp8")
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc)
     if method not in ("gptq", "awq"):
-        raise ValueError(f"This checkpoint is quantized ({method!r}); minivllm reads GPTQ and "
-                         "AWQ 4-bit checkpoints and full-precision ones, which it can quantize "
-                         "at load (quantization='fp8', 'int8' or 'int4').")
+        raise ValueError(f"This checkpoint is quantized ({method!r}); minivllm reads GPTQ, "
+                         "AWQ and FP8 checkpoints and full-precision ones, which it can "
+                         "quantize at load (quantization='fp8', 'int8' or 'int4').")
     bits = qc.get("bits", qc.get("w_bit"))
     if bits != 4:
         raise ValueError(f"{method} checkpoint with {bits}-bit weights: only 4 bits are read.")
@@ -62,6 +80,37 @@ def checkpoint_quantization(raw_cfg: dict) -> CheckpointQuantization | None:
         raise ValueError(f"AWQ checkpoint of version {version!r} (zero_point "
                          f"{qc.get('zero_point')}): only 'gemm' with zero points is read.")
     return CheckpointQuantization("awq", group, 0)
+
+
+def _compressed_tensors(qc: dict) -> CheckpointQuantization:
+    """llm-compressor's config: read when every group quantizes weights to 8-bit floats by
+    tensor or channel (and activations, if at all, to 8-bit floats)."""
+    groups = list((qc.get("config_groups") or {}).values())
+    for g in groups:
+        w, a = g.get("weights") or {}, g.get("input_activations")
+        ok = (w.get("type") == "float" and w.get("num_bits") == 8
+              and w.get("strategy") in ("tensor", "channel")
+              and (a is None or (a.get("type") == "float" and a.get("num_bits") == 8)))
+        if not ok:
+            raise ValueError("compressed-tensors checkpoint with a scheme other than 8-bit float "
+                             f"weights by tensor or channel: {w or g}.")
+    if not groups:
+        raise ValueError("compressed-tensors checkpoint without config_groups.")
+    return CheckpointQuantization("fp8")
+
+
+def to_fp8_layout(parts: dict[str, torch.Tensor], out_features: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A projection's fp8 weight and its per-tensor or per-channel scale -> (e4m3 [out,
+    in], fp32 scale [out])."""
+    weight, scale = parts["weight"], parts["weight_scale"].float().reshape(-1)
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"FP8 checkpoint weight of dtype {weight.dtype}: e4m3 is read.")
+    if scale.numel() == 1:
+        scale = scale.expand(out_features)
+    if scale.numel() != out_features:
+        raise ValueError(f"weight_scale of {scale.numel()} values for {out_features} outputs.")
+    return weight, scale.contiguous()
 
 
 def unpack_along_rows(words: torch.Tensor) -> torch.Tensor:
@@ -107,15 +156,29 @@ class PackedParts:
         self.quant = quant
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
 
-    @staticmethod
-    def split(name: str) -> tuple[str, str] | None:
-        """'...q_proj.qweight' -> ('...q_proj', 'qweight'); None for other tensors."""
+    def split(self, name: str, tensor: torch.Tensor) -> tuple[str, str] | None:
+        """'...q_proj.qweight' -> ('...q_proj', 'qweight'); None for other tensors (an FP8
+        checkpoint's quantized weights are its float8 ones)."""
         prefix, _, part = name.rpartition(".")
+        if self.quant.layout == "fp8":
+            if part in ("weight_scale", "input_scale") or (
+                    part == "weight" and tensor.dtype == torch.float8_e4m3fn):
+                return prefix, part
+            return None
         return (prefix, part) if part in PARTS else None
 
     def add(self, prefix: str, part: str, tensor: torch.Tensor):
-        """The int4 layout of `prefix` once complete, else None. A GPTQ g_idx is checked
-        on its own (the plain input order) and kept nowhere."""
+        """The layout of `prefix` once complete, else None. A GPTQ g_idx is checked on its
+        own (the plain input order), an FP8 input_scale dropped; neither is kept."""
+        if part == "input_scale":
+            return None
+        if self.quant.layout == "fp8":
+            parts = self.pending.setdefault(prefix, {})
+            parts[part] = tensor
+            if "weight" not in parts or "weight_scale" not in parts:
+                return None
+            del self.pending[prefix]
+            return to_fp8_layout(parts, parts["weight"].shape[0])
         if part == "g_idx":
             group = self.quant.group_size if self.quant.group_size > 0 else len(tensor)
             if not torch.equal(tensor.long().cpu(), torch.arange(len(tensor)) // group):

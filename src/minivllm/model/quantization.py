@@ -175,6 +175,25 @@ class QuantizedLinear(nn.Module):
             layer.register_buffer("zero", zero)
         return layer
 
+    @classmethod
+    def empty_fp8(cls, linear: nn.Linear) -> QuantizedLinear:
+        """An fp8 layer of linear's shape with its buffers unfilled."""
+        n, k = linear.out_features, linear.in_features
+        dev = linear.weight.device
+        bias = None if linear.bias is None else torch.empty(n, dtype=linear.bias.dtype,
+                                                            device=dev)
+        layer = cls("fp8", k, n, bias, linear.weight.dtype)
+        layer.register_buffer("qweight", torch.empty(n, k, dtype=FP8, device=dev))
+        layer.register_buffer("scale", torch.empty(n, dtype=torch.float32, device=dev))
+        return layer
+
+    def restore_storage_dtypes(self) -> None:
+        """Module.to(dtype) casts every floating buffer, fp8 weights and fp32 scales too:
+        bring an unfilled layer's back (nothing is lost, they hold nothing yet)."""
+        if self.method == "fp8":
+            self.qweight = torch.empty_like(self.qweight, dtype=FP8)
+        self.scale = self.scale.float()
+
     def dequantized_weight(self) -> torch.Tensor:
         """The weight as the stored numbers give it, fp32 [out, in]."""
         if self.method == "int4":
@@ -232,14 +251,15 @@ class QuantizedLinear(nn.Module):
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def int4_shells(model: nn.Module, group_size: int) -> None:
-    """Replace every decoder projection by an unfilled int4 QuantizedLinear (a checkpoint
-    quantized ahead fills them)."""
+def quantized_shells(model: nn.Module, layout: str, group_size: int = GROUP_SIZE) -> None:
+    """Replace every decoder projection by an unfilled QuantizedLinear of `layout` ("int4"
+    or "fp8"), for a checkpoint quantized ahead to fill."""
     for module in list(model.modules()):
         for name in PROJECTIONS:
             linear = getattr(module, name, None)
             if isinstance(linear, nn.Linear):
-                setattr(module, name, QuantizedLinear.empty_int4(linear, group_size))
+                setattr(module, name, QuantizedLinear.empty_int4(linear, group_size)
+                        if layout == "int4" else QuantizedLinear.empty_fp8(linear))
 
 
 def quantize_model(model: nn.Module, method: str) -> int:
