@@ -210,7 +210,7 @@ def tiny_chat_dir(tmp_path_factory):
     return make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-q"))
 
 
-@pytest.mark.parametrize("method", ["int4"])
+@pytest.mark.parametrize("method", METHODS)
 def test_server_with_quantization(tiny_chat_dir, method):
     """A real server with a quantized model answers chat, streamed and whole, with the same
     text; a bad request still gets an OpenAI error."""
