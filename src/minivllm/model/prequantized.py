@@ -150,7 +150,8 @@ def to_int4_layout(quant: CheckpointQuantization, parts: dict[str, torch.Tensor]
 
 class PackedParts:
     """Collects each projection's parts as the checkpoint yields them (in any order) and
-    hands back the whole set once its qweight, qzeros and scales have all come."""
+    hands back its layout once they have all come (qweight, qzeros and scales; FP8:
+    weight and weight_scale)."""
 
     def __init__(self, quant: CheckpointQuantization) -> None:
         self.quant = quant
@@ -172,13 +173,6 @@ class PackedParts:
         own (the plain input order), an FP8 input_scale dropped; neither is kept."""
         if part == "input_scale":
             return None
-        if self.quant.layout == "fp8":
-            parts = self.pending.setdefault(prefix, {})
-            parts[part] = tensor
-            if "weight" not in parts or "weight_scale" not in parts:
-                return None
-            del self.pending[prefix]
-            return to_fp8_layout(parts, parts["weight"].shape[0])
         if part == "g_idx":
             group = self.quant.group_size if self.quant.group_size > 0 else len(tensor)
             if not torch.equal(tensor.long().cpu(), torch.arange(len(tensor)) // group):
@@ -187,9 +181,13 @@ class PackedParts:
             return None
         parts = self.pending.setdefault(prefix, {})
         parts[part] = tensor
-        if not all(p in parts for p in ("qweight", "qzeros", "scales")):
+        fp8 = self.quant.layout == "fp8"
+        if not all(p in parts for p in (("weight", "weight_scale") if fp8
+                                        else ("qweight", "qzeros", "scales"))):
             return None
         del self.pending[prefix]
+        if fp8:
+            return to_fp8_layout(parts, parts["weight"].shape[0])
         return to_int4_layout(self.quant, parts)
 
     def check_done(self) -> None:
