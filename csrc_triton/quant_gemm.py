@@ -248,21 +248,9 @@ def _launch_gemv(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
     return partial[0:1] if split == 1 else partial.sum(0, keepdim=True)
 
 
-def _launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero, fmt: str,
-            group: int, N: int, bias: torch.Tensor | None) -> torch.Tensor:
-    if x.dim() != 2 or not x.is_contiguous():
-        x = x.reshape(-1, x.shape[-1]).contiguous()
+def _launch_gemm(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
+                 scale: torch.Tensor, zero, fmt: str, group: int, N: int) -> torch.Tensor:
     M, K = x.shape
-    mod, interpreted = _kernels_for(x.device)
-    if M == 1 and fmt == "int4":
-        # The GEMV kernel only for int4: on the H200 it ran Llama-3.1-8B's batch-1 decode
-        # at 167 tok/s against 110 through tensor cores, but int8 and fp8 lost with it
-        # (217 / 255 against 263 / 262).
-        w = qweight
-        y = _launch_gemv(mod, interpreted, x, w, scale, zero, fmt, group, N)
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(x.dtype)
     bm, bn, bk, split, warps, stages = _config(M, N, K, x.device, interpreted)
     if fmt == "int4":
         bk = min(bk, group)
@@ -273,14 +261,26 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero, f
     partial = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
     opts = {} if interpreted else {"num_warps": warps, "num_stages": stages}
-    w = qweight.view(torch.uint8) if fmt == "fp8" else qweight
     mod._wq_gemm_kernel[grid](
         x, w, scale, zero if zero is not None else scale, partial, M, N, K, x.stride(0),
         w.stride(0), scale.stride(0) if fmt == "int4" else 0, partial.stride(0),
         partial.stride(1), k_per_split, FORMAT=_FORMATS[fmt], GROUP=group, BLOCK_M=bm,
         BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=x.dtype == torch.float32 or interpreted,
         INTERPRETED=interpreted, **opts)
-    y = partial[0] if split == 1 else partial.sum(0)
+    return partial[0] if split == 1 else partial.sum(0)
+
+
+def _launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero, fmt: str,
+            group: int, N: int, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.dim() != 2 or not x.is_contiguous():
+        x = x.reshape(-1, x.shape[-1]).contiguous()
+    mod, interpreted = _kernels_for(x.device)
+    w = qweight.view(torch.uint8) if fmt == "fp8" else qweight
+    # The GEMV kernel only for int4: on the H200 it ran Llama-3.1-8B's batch-1 decode at
+    # 167 tok/s against 110 through tensor cores, but int8 and fp8 lost with it (217 / 255
+    # against 263 / 262).
+    launch = _launch_gemv if x.shape[0] == 1 and fmt == "int4" else _launch_gemm
+    y = launch(mod, interpreted, x, w, scale, zero, fmt, group, N)
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
