@@ -228,20 +228,26 @@ def merge(folder: Path) -> dict:
     """One model's run (both engines, every workload) as one JSON: each table row with
     both engines' numbers and minivllm's ratio (higher is better for minivllm: for
     latencies the ratio is vLLM's over minivllm's)."""
-    engines = {}
-    for name in ENGINES:
-        p = folder / f"offline_{name}.json"
-        engines[name] = json.loads(p.read_text()) if p.exists() else None
-    model = next((e["model"] for e in engines.values() if e), folder.name)
-    rows = []
-    for wname in ("W1", "W2", "W5", "W6"):
-        vals = {k: (e or {}).get("best", {}).get(wname) for k, e in engines.items()}
-        metric = next((v["metric"] for v in vals.values() if v), None)
-        if metric is None:
-            continue
-        mine, theirs = ((vals[k] or {}).get("value") for k in ("minivllm", "vllm"))
-        rows.append({"workload": wname, "metric": metric, "minivllm": mine, "vllm": theirs,
-                     "ratio": round(mine / theirs, 3) if mine and theirs else None})
+    # offline_ENGINE.json, and offline_ENGINE_METHOD.json for a quantized run (its rows are
+    # labelled "W1 fp8" and so on).
+    methods = sorted({p.stem.split("_", 2)[2] for p in folder.glob("offline_*_*.json")})
+    rows, model, runs = [], None, {}
+    for method in [""] + methods:
+        engines = runs[method] = {}
+        for name in ENGINES:
+            p = folder / f"offline_{name}{'_' + method if method else ''}.json"
+            engines[name] = json.loads(p.read_text()) if p.exists() else None
+        model = model or next((e["model"] for e in engines.values() if e), None)
+        for wname in ("W1", "W2", "W5", "W6"):
+            vals = {k: (e or {}).get("best", {}).get(wname) for k, e in engines.items()}
+            metric = next((v["metric"] for v in vals.values() if v), None)
+            if metric is None:
+                continue
+            mine, theirs = ((vals[k] or {}).get("value") for k in ("minivllm", "vllm"))
+            rows.append({"workload": f"{wname} {method}".strip(), "metric": metric,
+                         "minivllm": mine, "vllm": theirs,
+                         "ratio": round(mine / theirs, 3) if mine and theirs else None})
+    model = model or folder.name
     w3 = {k: _w3_levels(folder / f"w3_{k}.json") for k in ENGINES}
     for c in sorted(set(w3["minivllm"]) | set(w3["vllm"])):
         for key, label, higher in W3_METRICS:
@@ -261,13 +267,17 @@ def merge(folder: Path) -> dict:
             w3_env[k] = {"environment": d.get("environment"), "workload": d.get("workload"),
                          "launch_cmd": next((t.get("launch_cmd") for t in d.get("targets", [])),
                                             None)}
-    env = next((e["environment"] for e in engines.values() if e), None) or next(
-        (v["environment"] for v in w3_env.values() if v.get("environment")), {})
+    env = next((e["environment"] for r in runs.values() for e in r.values() if e), None) \
+        or next((v["environment"] for v in w3_env.values() if v.get("environment")), {})
+
+    def summary(engines):
+        return {k: e and {x: e.get(x) for x in ("engine", "version", "settings", "startup_s",
+                                                "environment", "rows", "errors")}
+                for k, e in engines.items()}
+
     result = {"benchmark": "vs_vllm", "model": model, "environment": env, "rows": rows,
-              "offline": {k: e and {x: e.get(x) for x in ("engine", "version", "settings",
-                                                           "startup_s", "environment",
-                                                           "rows", "errors")}
-                          for k, e in engines.items()},
+              "offline": summary(runs[""]),
+              "offline_quantized": {m: summary(runs[m]) for m in methods},
               "w3": w3_env}
     (folder / "vs_vllm.json").write_text(json.dumps(result, indent=1))
     return result

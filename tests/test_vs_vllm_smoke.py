@@ -27,8 +27,18 @@ def test_offline_merge_and_report(tmp_path):
                       str(tmp_path / "work")])
     assert not (out / "offline_vllm.json").exists()
 
+    # A quantized run beside it: its own file, its own rows in the merged table.
+    assert vs_vllm.main(["offline", "--engine", "minivllm", "--smoke", "--out", str(out),
+                         "--work", str(tmp_path / "work"), "--workloads", "w2",
+                         "--quantization", "int8"]) == 0
+    quant = json.loads((out / "offline_minivllm_int8.json").read_text())
+    assert quant["settings"]["quantization"] == "int8"
+
     assert vs_vllm.main(["merge", str(out)]) == 0
     merged = json.loads((out / "vs_vllm.json").read_text())
+    assert {x["workload"]: x for x in merged["rows"]}["W2 int8"]["minivllm"] == \
+        quant["best"]["W2"]["value"]
+    assert merged["offline"]["minivllm"]["settings"].get("quantization") is None
     assert merged["benchmark"] == "vs_vllm" and merged["model"] == "qwen2.5-0.5b-instruct"
     rows = {x["workload"]: x for x in merged["rows"]}
     assert rows["W1"]["minivllm"] == off["best"]["W1"]["value"]
