@@ -96,9 +96,10 @@ class LLMEngine:
                 "cache more memory.")
         parts = ", ".join(f"{name.removesuffix('_s').replace('_', ' ')} {secs:.1f}s"
                           for name, secs in self.runner.startup.items())
-        logger.info("Engine ready in %.1fs (%s); KV cache: %d blocks, %d tokens.",
-                    time.perf_counter() - start, parts, self.runner.num_blocks,
-                    self.runner.num_blocks * config.block_size)
+        logger.info("Engine ready in %.1fs (%s); model %.2f GB%s; KV cache: %d blocks, %d "
+                    "tokens.", time.perf_counter() - start, parts,
+                    self.runner.weight_bytes() / 1e9, self.runner.quantization_label(),
+                    self.runner.num_blocks, self.runner.num_blocks * config.block_size)
         self.scheduler = Scheduler(
             num_blocks=self.runner.num_blocks, block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,

@@ -192,6 +192,21 @@ class ModelRunner:
             self._setup_graphs()
         self._init_async_buffers()
 
+    def weight_bytes(self) -> int:
+        """The model's weights in memory (quantized ones as stored, shared tensors once)."""
+        seen, total = set(), 0
+        for t in list(self.model.parameters()) + list(self.model.buffers()):
+            if t.data_ptr() not in seen and t.numel():
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    def quantization_label(self) -> str:
+        """' (int8)' and the like when the projections are quantized, else ''."""
+        from ..model.quantization import QuantizedLinear
+        methods = {m.method for m in self.model.modules() if isinstance(m, QuantizedLinear)}
+        return f" ({', '.join(sorted(methods))})" if methods else ""
+
     def _setup_graphs(self) -> None:
         """Capture the decode graphs (batch buckets) and the prefill/mixed-step graphs
         (token buckets). Their memory comes on top of the KV cache sized before."""
