@@ -6,7 +6,8 @@ Gettysburg Address and Lincoln's second inaugural address, ~2,900 tokens, in win
 --window tokens, each scored from its own start), greedy-token agreement with the
 unquantized model on fixed chat prompts (the share of each output before its first
 divergence, and how many outputs are identical), and the bytes of the weights.
-Usage: OMP_NUM_THREADS=1 python -m bench.quant_accuracy [--methods fp8,int8,int4]
+"kv-fp8" in --methods is the unquantized model with kv_cache_dtype="fp8".
+Usage: OMP_NUM_THREADS=1 python -m bench.quant_accuracy [--methods fp8,int8,int4,kv-fp8]
        [--max-tokens 64] [--window 512] [--device auto] [--dtype auto] [--out FILE]
 """
 
@@ -104,7 +105,10 @@ def main() -> None:
     rows, reference = [], None
     for method in [None] + args.methods.split(","):
         start = time.perf_counter()
-        llm = LLM(str(model_dir), quantization=method, device=args.device, dtype=args.dtype,
+        kv_fp8 = method == "kv-fp8"  # the KV cache in e4m3, the weights as they are
+        llm = LLM(str(model_dir), quantization=None if kv_fp8 else method,
+                  kv_cache_dtype="fp8" if kv_fp8 else "auto", device=args.device,
+                  dtype=args.dtype,
                   max_model_len=max(1024, args.window + 8), max_num_seqs=len(PROMPTS),
                   gpu_memory_utilization=0.3)
         text_ids = llm.engine.tokenize(TEXT.read_text())

@@ -244,6 +244,8 @@ class EngineConfig:
     speculative_config: dict | None = None
     # Quantized decoder projections: "fp8", "int8" or "int4" (model/quantization.py).
     quantization: str | None = None
+    # The KV cache's element type (vLLM's name): "auto" (the model's dtype) or "fp8" (e4m3).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -259,6 +261,13 @@ class EngineConfig:
         from .model.quantization import check_method
         SpeculativeConfig.from_dict(self.speculative_config)  # a bad one fails here
         check_method(self.quantization)
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError("kv_cache_dtype must be 'auto' or 'fp8' (e4m3), got "
+                             f"{self.kv_cache_dtype!r}.")
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's element type for a model running in model_dtype."""
+        return model_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
     @property
     def num_speculative_tokens(self) -> int:

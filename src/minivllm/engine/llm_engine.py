@@ -79,7 +79,7 @@ class LLMEngine:
         # A draft model's weights and KV cache (as many blocks) come out of the KV budget.
         reserved = (0, 0) if draft is None else (
             weight_bytes(draft[1], self.dtype), block_bytes(draft[1], config.block_size,
-                                                            self.dtype))
+                                                            config.kv_dtype(self.dtype)))
         self.runner = ModelRunner(config, self.model_config, model_path, self.device,
                                   self.dtype, backend, reserved)
         self.drafter = None

@@ -17,6 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# An fp8 KV cache (kv_cache_dtype="fp8") holds e4m3 values with a scale of 1.
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+
 
 @dataclass
 class AttentionMetadata:
@@ -58,8 +62,11 @@ def store_kv_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[valid]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[valid]
+    key, value = key[valid], value[valid]
+    if k_cache.dtype == FP8:  # scale 1: values past e4m3's range saturate
+        key, value = key.clamp(-FP8_MAX, FP8_MAX), value.clamp(-FP8_MAX, FP8_MAX)
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key.to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value.to(v_cache.dtype)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -81,8 +88,8 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             continue
         num_blocks = -(-seq_len // block_size)
         blocks = meta.block_tables[i, :num_blocks].long()
-        k = k_cache[blocks].flatten(0, 1)[:seq_len]  # [L, Hkv, D]
-        v = v_cache[blocks].flatten(0, 1)[:seq_len]
+        k = k_cache[blocks].flatten(0, 1)[:seq_len].to(q.dtype)  # [L, Hkv, D]
+        v = v_cache[blocks].flatten(0, 1)[:seq_len].to(q.dtype)
         if group > 1:
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
@@ -108,8 +115,8 @@ def _decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     num_blocks = -(-max(lens) // block_size)
     tables = meta.block_tables[:, :num_blocks].long()
     batch = q.shape[0]
-    k = k_cache[tables].flatten(1, 2)  # [B, L, Hkv, D]
-    v = v_cache[tables].flatten(1, 2)
+    k = k_cache[tables].flatten(1, 2).to(q.dtype)  # [B, L, Hkv, D]
+    v = v_cache[tables].flatten(1, 2).to(q.dtype)
     group = q.shape[1] // k.shape[2]
     if group > 1:
         k = k.repeat_interleave(group, dim=2)

@@ -77,6 +77,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "checkpoint is quantized so (found from its config.json when "
                              "left out). The CPU runs each through a reference path "
                              "(dequantize, then matmul).")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                        help="The KV cache's element type: auto (the model's dtype) or fp8 "
+                             "(e4m3, half the bytes of bf16: twice the tokens). fp8 runs on "
+                             "the reference attention only so far "
+                             "(MINIVLLM_ATTENTION_BACKEND=torch on a GPU).")
     parser.add_argument("--speculative-config", type=_json_object, default=None,
                         metavar="JSON",
                         help='Speculative decoding, as vLLM\'s: e.g. \'{"method": "ngram", '
@@ -122,7 +127,8 @@ def engine_config_from_args(args: argparse.Namespace):
         device=args.device, skip_tokenizer_init=args.skip_tokenizer_init,
         enable_prefix_caching=args.enable_prefix_caching,
         generation_config=args.generation_config,
-        speculative_config=args.speculative_config, quantization=args.quantization)
+        speculative_config=args.speculative_config, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _json_object(text: str) -> dict:

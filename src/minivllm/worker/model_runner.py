@@ -179,8 +179,15 @@ class ModelRunner:
                     module.fused_ops = False
         self.startup["weights_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
+        self.kv_dtype = engine_cfg.kv_dtype(dtype)
+        if self.kv_dtype == torch.float8_e4m3fn and attention_backend != "torch":
+            raise ValueError("kv_cache_dtype='fp8' is read by the reference attention only so "
+                             "far, not by the Triton kernels: set "
+                             "MINIVLLM_ATTENTION_BACKEND=torch (eager, no CUDA graphs on a "
+                             "GPU) or leave kv_cache_dtype='auto'.")
         self.num_blocks = self._decide_num_blocks()
-        self.kv_cache = KVCache(model_cfg, self.num_blocks, self.block_size, dtype, device)
+        self.kv_cache = KVCache(model_cfg, self.num_blocks, self.block_size, self.kv_dtype,
+                                device)
         self.startup["kv_cache_s"] = time.perf_counter() - t0
         self.sampler = Sampler(model_cfg.vocab_size, device, engine_cfg.seed)
         self.graph_runner: DecodeGraphRunner | None = None
@@ -248,10 +255,10 @@ class ModelRunner:
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         if self.device.type != "cuda":
-            return cpu_num_blocks(self.model_cfg, self.block_size, self.dtype,
+            return cpu_num_blocks(self.model_cfg, self.block_size, self.kv_dtype,
                                   cfg.max_num_seqs, cfg.max_model_len)
         peak = self._profile_peak_memory()
-        return gpu_num_blocks(self.model_cfg, self.block_size, self.dtype, self.device,
+        return gpu_num_blocks(self.model_cfg, self.block_size, self.kv_dtype, self.device,
                               cfg.gpu_memory_utilization, peak, *self.reserved)
 
     def profile_batch(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, KVCache]:
@@ -261,7 +268,8 @@ class ModelRunner:
         n, limit, bs = self.cfg.max_num_batched_tokens, self.cfg.max_model_len, self.block_size
         lens = [min(limit, n - start) for start in range(0, n, limit)]
         blocks_per_seq = -(-max(lens) // bs)
-        scratch = KVCache(self.model_cfg, blocks_per_seq * len(lens), bs, self.dtype, self.device)
+        scratch = KVCache(self.model_cfg, blocks_per_seq * len(lens), bs, self.kv_dtype,
+                          self.device)
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
                   for i in range(len(lens))]
         positions = [p for length in lens for p in range(length)]
