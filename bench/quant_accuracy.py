@@ -44,18 +44,6 @@ PROMPTS = [
 ]
 
 
-def model_bytes(llm) -> int:
-    """Weights and quantization buffers of the model (the rotary tables left out)."""
-    model = llm.engine.runner.model
-    seen, total = set(), 0
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.data_ptr() in seen or name.endswith(("cos_table", "sin_table")):
-            continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
-    return total
-
-
 def perplexity(llm, token_ids: list[int], window: int) -> tuple[float, int]:
     """exp(mean negative log-likelihood) over the text's tokens, each window of `window`
     tokens scored from its own start (its first token is context only)."""
@@ -121,7 +109,7 @@ def main() -> None:
                      "tokens_scored": scored,
                      "agreement_before_divergence": round(share, 3),
                      "identical_outputs": f"{same}/{len(outs)}",
-                     "weight_bytes": model_bytes(llm),
+                     "weight_bytes": llm.engine.runner.weight_bytes(),
                      "kv_cache_tokens": llm.engine.runner.num_blocks * llm.engine.config.block_size,
                      "seconds": round(time.perf_counter() - start, 1)})
         print(rows[-1], flush=True)

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from csrc_triton import _sm_count
+
 __all__ = ["int8_gemm", "int4_gemm", "fp8_weight_gemm"]
 
 
@@ -45,6 +47,25 @@ def _fp8_e4m3_to_f32(b):
     m = (b & 0x7).to(tl.float32)
     normal = (1.0 + m / 8.0) * tl.exp2((e - 7).to(tl.float32))
     return sign * tl.where(e == 0, m / 8.0 * 0.015625, normal)
+
+
+@triton.jit
+def _int4_tile(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, k0, K, stride_wn, stride_sn,
+               GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The int4 weights of inputs k0 .. k0 + BLOCK_K of rows offs_n, as (code - zero) for
+    the even inputs and for the odd ones (byte j holds inputs k0 + 2j, low nibble, and
+    k0 + 2j + 1, high; inputs past K give 0), the rows' scales for that group, and the
+    even inputs' indices. BLOCK_K divides GROUP: the tile lies in one group."""
+    offs_j = tl.arange(0, BLOCK_K // 2)
+    k_even = k0 + 2 * offs_j
+    b = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 // 2 + offs_j)[None, :],
+                mask=n_ok[:, None] & (k_even[None, :] < K), other=0)
+    g = k0 // GROUP
+    s = tl.load(scale_ptr + offs_n * stride_sn + g, mask=n_ok, other=0.0)
+    z = tl.load(zero_ptr + offs_n * stride_sn + g, mask=n_ok, other=0).to(tl.float32)
+    q_lo = (b & 0xF).to(tl.float32) - z[:, None]
+    q_hi = tl.where(k_even[None, :] + 1 < K, (b >> 4).to(tl.float32) - z[:, None], 0.0)
+    return q_lo, q_hi, s, k_even
 
 
 @triton.jit
@@ -66,18 +87,11 @@ def _wq_gemm_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, stride_
     k_start = pid_k * k_per_split
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         if FORMAT == 2:
-            # Byte j of the tile holds inputs k0 + 2j (low nibble) and k0 + 2j + 1 (high):
-            # two products, over the even and the odd inputs, instead of interleaving.
-            offs_j = tl.arange(0, BLOCK_K // 2)
-            k_even = k0 + 2 * offs_j
-            b = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 // 2 + offs_j)[None, :],
-                        mask=n_ok[:, None] & (k_even[None, :] < K), other=0)
-            g = k0 // GROUP  # BLOCK_K divides GROUP: one group per tile
-            s = tl.load(scale_ptr + offs_n * stride_sn + g, mask=n_ok, other=0.0)
-            z = tl.load(zero_ptr + offs_n * stride_sn + g, mask=n_ok, other=0).to(tl.float32)
-            w_lo = ((b & 0xF).to(tl.float32) - z[:, None]) * s[:, None]
-            w_hi = ((b >> 4).to(tl.float32) - z[:, None]) * s[:, None]
-            w_hi = tl.where(k_even[None, :] + 1 < K, w_hi, 0.0)
+            # Two products, over the even and the odd inputs, instead of interleaving them.
+            q_lo, q_hi, s, k_even = _int4_tile(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, k0, K,
+                                               stride_wn, stride_sn, GROUP, BLOCK_K)
+            w_lo = q_lo * s[:, None]
+            w_hi = q_hi * s[:, None]
             x_lo = tl.load(x_ptr + offs_m[:, None] * stride_xm + k_even[None, :],
                            mask=m_ok[:, None] & (k_even[None, :] < K), other=0.0)
             x_hi = tl.load(x_ptr + offs_m[:, None] * stride_xm + k_even[None, :] + 1,
@@ -118,54 +132,29 @@ def _add(a, b):
 
 
 @triton.jit
-def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, stride_wn, stride_sn,
-                    stride_os, k_per_split, FORMAT: tl.constexpr, GROUP: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
-    """One row of x (batch-1 decode): products accumulated element-wise in an fp32
-    [BLOCK_N, BLOCK_K] tile and summed over K once at the end, without tensor cores (whose
-    operand shuffles cost more than they save when the weights are only streamed)."""
+def _int4_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, stride_wn, stride_sn,
+                      stride_os, k_per_split, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One row of x against int4 weights (batch-1 decode): products accumulated
+    element-wise in an fp32 [BLOCK_N, BLOCK_K / 2] tile and summed over K once at the end,
+    without tensor cores (whose operand shuffles cost more than they save when the
+    weights are only streamed)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     k_start = pid_k * k_per_split
-    if FORMAT == 2:
-        acc = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
-        if FORMAT == 2:
-            offs_j = tl.arange(0, BLOCK_K // 2)
-            k_even = k0 + 2 * offs_j
-            b = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 // 2 + offs_j)[None, :],
-                        mask=n_ok[:, None] & (k_even[None, :] < K), other=0)
-            g = k0 // GROUP
-            s = tl.load(scale_ptr + offs_n * stride_sn + g, mask=n_ok, other=0.0)
-            z = tl.load(zero_ptr + offs_n * stride_sn + g, mask=n_ok, other=0).to(tl.float32)
-            x_lo = tl.load(x_ptr + k_even, mask=k_even < K, other=0.0).to(tl.float32)
-            x_hi = tl.load(x_ptr + k_even + 1, mask=k_even + 1 < K, other=0.0).to(tl.float32)
-            lo = (b & 0xF).to(tl.float32) - z[:, None]
-            hi = (b >> 4).to(tl.float32) - z[:, None]
-            acc += (lo * x_lo[None, :] + hi * x_hi[None, :]) * s[:, None]
-        else:
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
-            q = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
-                        mask=n_ok[:, None] & k_ok[None, :], other=0)
-            if FORMAT == 0:
-                w = q.to(tl.float32)
-            elif INTERPRETED:
-                w = _fp8_e4m3_to_f32(q)
-            else:
-                w = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            acc += w * x[None, :]
-    if INTERPRETED:
+        q_lo, q_hi, s, k_even = _int4_tile(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, k0, K,
+                                           stride_wn, stride_sn, GROUP, BLOCK_K)
+        x_lo = tl.load(x_ptr + k_even, mask=k_even < K, other=0.0).to(tl.float32)
+        x_hi = tl.load(x_ptr + k_even + 1, mask=k_even + 1 < K, other=0.0).to(tl.float32)
+        acc += (q_lo * x_lo[None, :] + q_hi * x_hi[None, :]) * s[:, None]
+    if INTERPRETED:  # tl.sum is a compiled-only helper here (see fused.py's _row_sum)
         y = tl.reduce(acc, 1, _add)
     else:
         y = tl.sum(acc, axis=1)
-    if FORMAT != 2:
-        y = y * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
     tl.store(out_ptr + pid_k * stride_os + offs_n, y, mask=n_ok)
 
 
@@ -197,18 +186,6 @@ def _kernels_for(device: torch.device):
     return mod, _is_interpreted(mod)
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
 def _config(M: int, N: int, K: int, device: torch.device, interpreted: bool):
     """(BLOCK_M, BLOCK_N, BLOCK_K, split_k, num_warps, num_stages). Small M: thin tiles and
     K split until the grid covers the GPU about twice; larger M: square-ish tiles."""
@@ -227,12 +204,12 @@ def _config(M: int, N: int, K: int, device: torch.device, interpreted: bool):
 _FORMATS = {"int8": 0, "fp8": 1, "int4": 2}
 
 
-def _launch_gemv(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
-                 scale: torch.Tensor, zero, fmt: str, group: int, N: int) -> torch.Tensor:
+def _launch_int4_gemv(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
+                      scale: torch.Tensor, zero: torch.Tensor, group: int,
+                      N: int) -> torch.Tensor:
     K = x.shape[1]
     bn, bk = (16, 32) if interpreted else (64, 128)
-    if fmt == "int4":
-        bk = min(bk, group)
+    bk = min(bk, group)
     tiles, chunks = triton.cdiv(N, bn), triton.cdiv(K, bk)
     split = 2 if interpreted and chunks > 1 else max(1, min(
         chunks, triton.cdiv(4 * _sm_count(x.device), tiles), 32))
@@ -240,11 +217,9 @@ def _launch_gemv(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
     split = triton.cdiv(K, k_per_split)
     partial = torch.empty((split, N), dtype=torch.float32, device=x.device)
     opts = {} if interpreted else {"num_warps": 4, "num_stages": 4}
-    mod._wq_gemv_kernel[(tiles, split)](
-        x, w, scale, zero if zero is not None else scale, partial, N, K, w.stride(0),
-        scale.stride(0) if fmt == "int4" else 0, partial.stride(0), k_per_split,
-        FORMAT=_FORMATS[fmt], GROUP=group, BLOCK_N=bn, BLOCK_K=bk, INTERPRETED=interpreted,
-        **opts)
+    mod._int4_gemv_kernel[(tiles, split)](
+        x, w, scale, zero, partial, N, K, w.stride(0), scale.stride(0), partial.stride(0),
+        k_per_split, GROUP=group, BLOCK_N=bn, BLOCK_K=bk, INTERPRETED=interpreted, **opts)
     return partial[0:1] if split == 1 else partial.sum(0, keepdim=True)
 
 
@@ -279,8 +254,10 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero, f
     # The GEMV kernel only for int4: on the H200 it ran Llama-3.1-8B's batch-1 decode at
     # 167 tok/s against 110 through tensor cores, but int8 and fp8 lost with it (217 / 255
     # against 263 / 262).
-    launch = _launch_gemv if x.shape[0] == 1 and fmt == "int4" else _launch_gemm
-    y = launch(mod, interpreted, x, w, scale, zero, fmt, group, N)
+    if x.shape[0] == 1 and fmt == "int4":
+        y = _launch_int4_gemv(mod, interpreted, x, w, scale, zero, group, N)
+    else:
+        y = _launch_gemm(mod, interpreted, x, w, scale, zero, fmt, group, N)
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

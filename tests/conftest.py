@@ -43,6 +43,15 @@ TINY_CONFIGS = {
 }
 
 
+# The GPU tests' model: a small Qwen2 config loaded with dummy weights.
+GPU_TEST_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 256,
+    "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "vocab_size": 4096, "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": True,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
+
+
 def make_hf_model(family: str, seed: int = 0):
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -7,17 +7,10 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from conftest import random_prompts
+from conftest import GPU_TEST_CONFIG as CONFIG, random_prompts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-CONFIG = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 256,
-    "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
-    "num_key_value_heads": 2, "vocab_size": 4096, "max_position_embeddings": 1024,
-    "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": True,
-    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +66,13 @@ def test_preemption_on_the_gpu(config_path, monkeypatch):
     assert got == want
 
 
+def _fp32_llm(config_path, monkeypatch, pipelined: str) -> LLM:
+    """The dummy fp32 engine with its graphs, pipelined ("1") or step by step ("0")."""
+    monkeypatch.setenv("MINIVLLM_PIPELINE", pipelined)
+    return LLM(str(config_path), load_format="dummy", dtype="float32", device="cuda",
+               skip_tokenizer_init=True, max_model_len=512, max_num_seqs=16, num_kv_blocks=512)
+
+
 def test_arrivals_join_pipelined_decodes_on_the_gpu(config_path, monkeypatch):
     """Requests added while decode steps are in flight join them in mixed-step graphs
     launched ahead (their decode rows read the pending tokens on the device): the same
@@ -82,10 +82,7 @@ def test_arrivals_join_pipelined_decodes_on_the_gpu(config_path, monkeypatch):
               SamplingParams(temperature=0.8, seed=7, max_tokens=25, ignore_eos=True)] * 5
     results = {}
     for pipelined in ("0", "1"):
-        monkeypatch.setenv("MINIVLLM_PIPELINE", pipelined)
-        llm = LLM(str(config_path), load_format="dummy", dtype="float32", device="cuda",
-                  skip_tokenizer_init=True, max_model_len=512, max_num_seqs=16,
-                  num_kv_blocks=512)
+        llm = _fp32_llm(config_path, monkeypatch, pipelined)
         eng, final = llm.engine, {}
         for i, (p, sp) in enumerate(zip(prompts, params)):
             eng.add_request(p, sp, request_id=f"r{i}")
@@ -108,10 +105,7 @@ def test_repeated_prompts_behind_a_pending_step_on_the_gpu(config_path, monkeypa
     prompts = [random_prompts(1, 4096, n, n, seed=44 + n)[0] for n in (17, 33, 20)]
     results = {}
     for pipelined in ("0", "1"):
-        monkeypatch.setenv("MINIVLLM_PIPELINE", pipelined)
-        llm = LLM(str(config_path), load_format="dummy", dtype="float32", device="cuda",
-                  skip_tokenizer_init=True, max_model_len=512, max_num_seqs=16,
-                  num_kv_blocks=512)
+        llm = _fp32_llm(config_path, monkeypatch, pipelined)
         if pipelined == "0":
             free = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12,
                                                         ignore_eos=True), use_tqdm=False)

@@ -9,7 +9,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.model.quantization import GROUP_SIZE, METHODS, QuantizedLinear
-from conftest import random_prompts
+from conftest import GPU_TEST_CONFIG as CONFIG, random_prompts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -33,12 +33,6 @@ def test_kernels_match_the_reference(dtype, M, N, K):
         assert err < tol, (method, M, float(err))
 
 
-CONFIG = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 256,
-    "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
-    "num_key_value_heads": 2, "vocab_size": 4096, "max_position_embeddings": 1024,
-    "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": True,
-    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -280,7 +280,7 @@ class LLMEngine:
         self._mark_scheduled(batch)
         # With a step pending, _pipeline_can_continue() already vetted every running
         # sequence and every request this schedule could admit; the batch holds only those.
-        if self._pipelined and self.runner.can_launch_async(batch, self._pending) and (
+        if self._pipelined and self.runner.can_launch_async(batch) and (
                 self._pending is not None or self._batch_can_pipeline(batch)):
             return self._step_pipelined(batch, report)
         touched = []
@@ -362,7 +362,6 @@ class LLMEngine:
 
     def _propose_drafts(self) -> None:
         """Append n-gram proposals to the running sequences as draft tokens."""
-        spec = self.speculative
         threshold = self.draft_policy.threshold(len(self.scheduler.running))
         for seq in self.scheduler.running:
             if not can_speculate(seq):
@@ -380,9 +379,7 @@ class LLMEngine:
                 # Placeholders: the draft model fills them in once the step is scheduled.
                 drafts = [0] * k
             else:
-                if seq.ngram_index is None:
-                    seq.ngram_index = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
-                drafts = seq.ngram_index.propose(seq.token_ids, k)
+                drafts = self._ngram_index(seq).propose(seq.token_ids, k)
             if drafts:
                 seq.token_ids.extend(drafts)
                 seq.num_drafts = len(drafts)
@@ -397,11 +394,14 @@ class LLMEngine:
         shortest matches, the least likely to be accepted) and looks again next step."""
         if self.drafter is not None:
             return True
-        spec = self.speculative
-        if seq.ngram_index is None:
-            seq.ngram_index = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
         known = len(seq.token_ids) - (seq.token_ids[-1] == PLACEHOLDER_TOKEN)
-        return bool(seq.ngram_index.propose(seq.token_ids, 1, known))
+        return bool(self._ngram_index(seq).propose(seq.token_ids, 1, known))
+
+    def _ngram_index(self, seq: Sequence) -> NgramIndex:
+        if seq.ngram_index is None:
+            spec = self.speculative
+            seq.ngram_index = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return seq.ngram_index
 
     def _fit_drafts(self, batch: ScheduledBatch) -> None:
         """Drop the drafts of sequences the step does not carry whole (preempted, out of

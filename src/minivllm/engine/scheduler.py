@@ -22,19 +22,22 @@ from .sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledBatch:
     """One step's work. seqs[i] computes num_new_tokens[i] tokens starting at its
-    num_computed_tokens. A decode-only batch (every entry one token, all at the end of
-    their sequences) is what the model runner pads to a CUDA-graph bucket."""
+    num_computed_tokens. A decode-only batch (every entry a running sequence's one next
+    token) is what the model runner pads to a CUDA-graph bucket, and what it can launch
+    behind a pending step reading every input token from that step."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    # Every entry computes exactly the last token of its sequence (kept by schedule()).
+    # Every entry computes exactly the last token of a running sequence (kept by add()).
     is_decode_only: bool = True
 
-    def add(self, seq: Sequence, n: int) -> None:
+    def add(self, seq: Sequence, n: int, admitted: bool = False) -> None:
+        """admitted: seq joins the running ones this step (a prompt all cached but its
+        last token computes one token too, yet no earlier step sampled that token)."""
         self.seqs.append(seq)
         self.num_new_tokens.append(n)
-        if n != 1 or seq.num_computed_tokens != len(seq.token_ids) - 1:
+        if admitted or n != 1 or seq.num_computed_tokens != len(seq.token_ids) - 1:
             self.is_decode_only = False
 
     @property
@@ -147,7 +150,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.add(seq, n)
+            batch.add(seq, n, admitted=True)
             budget -= n
         return batch
 

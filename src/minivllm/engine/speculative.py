@@ -168,11 +168,17 @@ class BatchGate:
     def open(self) -> bool:
         return self.pause == 0
 
+    @staticmethod
+    def _bucket(num_seqs: int) -> int:
+        return 1 << (num_seqs - 1).bit_length()
+
     def rates(self, num_seqs: int) -> tuple[float | None, float | None]:
         """(plain, looking) tok/s measured at this batch size (None: not measured)."""
-        entry = self.sums.get(1 << (num_seqs - 1).bit_length())
-        if entry is None:
-            return None, None
+        entry = self.sums.get(self._bucket(num_seqs))
+        return (None, None) if entry is None else self._rates(entry)
+
+    @staticmethod
+    def _rates(entry: list) -> tuple[float | None, float | None]:
         return tuple(t / s if s > 0 else None for t, s in entry[:2])
 
     def record(self, num_seqs: int, tokens: int, seconds: float, drafted: bool) -> None:
@@ -182,15 +188,14 @@ class BatchGate:
             self.pause -= 1
         if num_seqs == 0 or seconds <= 0:
             return
-        entry = self.sums.setdefault(1 << (num_seqs - 1).bit_length(),
-                                     [[0.0, 0.0], [0.0, 0.0], 0])
+        entry = self.sums.setdefault(self._bucket(num_seqs), [[0.0, 0.0], [0.0, 0.0], 0])
         sums, d = entry[drafted], self.DECAY[drafted]
         sums[0] = d * sums[0] + tokens
         sums[1] = d * sums[1] + seconds
         if not drafted:
             return
         entry[2] += 1
-        plain, spec = self.rates(num_seqs)
+        plain, spec = self._rates(entry)
         if plain is None:
             if entry[2] % self.PROBE == 0:
                 self.pause = self.PROBE  # measure plain steps at this batch size

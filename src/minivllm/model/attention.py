@@ -17,9 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# An fp8 KV cache (kv_cache_dtype="fp8") holds e4m3 values with a scale of 1.
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max
+from .quantization import FP8, FP8_MAX  # an fp8 KV cache holds e4m3 with a scale of 1
 
 
 @dataclass

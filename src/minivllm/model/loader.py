@@ -166,13 +166,11 @@ def _fill_int4_dummy(model: torch.nn.Module, cfg: ModelConfig, seed: int) -> set
     """Random int4 weights for a quantized checkpoint's config with load_format="dummy":
     uniform codes around a zero point of 8, scaled so the weights' spread is the config's
     initializer_range. Returns the buffers filled."""
-    gen = None
+    gen = torch.Generator(device=next(model.buffers()).device).manual_seed(seed)
     filled = set()
     for name, layer in model.named_modules():
         if not isinstance(layer, QuantizedLinear):
             continue
-        if gen is None:
-            gen = torch.Generator(device=layer.qweight.device).manual_seed(seed)
         layer.qweight.copy_(torch.randint(0, 256, layer.qweight.shape, generator=gen,
                                           dtype=torch.uint8, device=layer.qweight.device))
         layer.scale.fill_(cfg.initializer_range / 4.6)  # uniform codes 0..15: std ~4.6

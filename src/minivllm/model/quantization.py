@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import csrc_triton
+
 METHODS = ("fp8", "int8", "int4")
 CHECKPOINT_METHODS = ("gptq", "awq")  # read from a quantized checkpoint (prequantized.py)
 GROUP_SIZE = 128
@@ -201,13 +203,9 @@ class QuantizedLinear(nn.Module):
                                    self.group_size)
         return self.qweight.float() * self.scale[:, None]
 
-    def weight_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_cuda:
             return self.reference(x)
-        import csrc_triton
         if self.method == "fp8":
             if not quantizes_activations(x):
                 return csrc_triton.fp8_weight_gemm(x, self.qweight, self.scale, self.bias)
@@ -262,17 +260,11 @@ def quantized_shells(model: nn.Module, layout: str, group_size: int = GROUP_SIZE
                         if layout == "int4" else QuantizedLinear.empty_fp8(linear))
 
 
-def quantize_model(model: nn.Module, method: str) -> int:
+def quantize_model(model: nn.Module, method: str) -> None:
     """Replace every decoder projection by its QuantizedLinear, freeing the full-precision
-    weight as it goes (peak memory: the model plus one projection). Returns the bytes of
-    the quantized projections."""
-    total = 0
+    weight as it goes (peak memory: the model plus one projection)."""
     for module in list(model.modules()):
         for name in PROJECTIONS:
             linear = getattr(module, name, None)
             if isinstance(linear, nn.Linear):
-                layer = QuantizedLinear.from_linear(linear, method)
-                setattr(module, name, layer)
-                del linear
-                total += layer.weight_bytes()
-    return total
+                setattr(module, name, QuantizedLinear.from_linear(linear, method))

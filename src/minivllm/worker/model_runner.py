@@ -21,7 +21,7 @@ from ..engine.scheduler import ScheduledBatch
 from ..engine.sequence import Sequence
 from ..model.attention import AttentionMetadata
 from ..model.loader import load_model
-from ..model.quantization import check_device
+from ..model.quantization import QuantizedLinear, check_device
 from .cuda_graph_runner import DecodeGraphRunner
 from .kv_cache import KVCache, cpu_num_blocks, gpu_num_blocks
 from .mixed_graph_runner import MixedGraphRunner
@@ -200,17 +200,13 @@ class ModelRunner:
         self._init_async_buffers()
 
     def weight_bytes(self) -> int:
-        """The model's weights in memory (quantized ones as stored, shared tensors once)."""
-        seen, total = set(), 0
-        for t in list(self.model.parameters()) + list(self.model.buffers()):
-            if t.data_ptr() not in seen and t.numel():
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-        return total
+        """The model's weights in memory: its state (quantized projections as stored, tied
+        tensors once; not the rotary tables, which are derived)."""
+        tensors = {t.data_ptr(): t for t in self.model.state_dict().values()}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def quantization_label(self) -> str:
         """' (int8)' and the like when the projections are quantized, else ''."""
-        from ..model.quantization import QuantizedLinear
         methods = {m.method for m in self.model.modules() if isinstance(m, QuantizedLinear)}
         return f" ({', '.join(sorted(methods))})" if methods else ""
 
@@ -430,20 +426,11 @@ class ModelRunner:
                                        draft_probs=inputs.draft_probs),
                           prompt_lps)
 
-    @staticmethod
-    def _decode_behind(batch: ScheduledBatch, prev: PendingDecode | None) -> bool:
-        """A decode batch whose every input token is one that prev sampled (or prev is
-        None): the decode graphs take it. A sequence that prev did not carry (a prompt all
-        cached but its last token, admitted behind a pending step) makes it a mixed one."""
-        return batch.is_decode_only and (
-            prev is None or all(s.seq_id in prev.rows for s in batch.seqs))
-
-    def can_launch_async(self, batch: ScheduledBatch, prev: PendingDecode | None) -> bool:
-        """Whether launch_decode can queue this batch behind prev without waiting: a decode
-        batch the decode graphs take, or a mixed batch the mixed-step graphs take whose
-        sequences sample at most one row each and want no prompt logprobs, with at least
-        one row."""
-        if self._decode_behind(batch, prev):
+    def can_launch_async(self, batch: ScheduledBatch) -> bool:
+        """Whether launch_decode can queue this batch without waiting: a decode batch the
+        decode graphs take, or a mixed batch the mixed-step graphs take whose sequences
+        sample at most one row each and want no prompt logprobs, with at least one row."""
+        if batch.is_decode_only:
             return self.graph_runner is not None and self.graph_runner.can_run(len(batch))
         if self.mixed_runner is None or not self.mixed_runner.can_run(
                 batch.num_tokens, len(batch), len(batch)):
@@ -459,7 +446,7 @@ class ModelRunner:
         be in flight): every sequence of the batch must have been in `prev`. A mixed batch
         (see can_launch_async) goes to the mixed-step graphs; its sequences that carry a
         token of `prev` take it from the device."""
-        if not self._decode_behind(batch, prev):
+        if not batch.is_decode_only:
             return self._launch_mixed(batch, prev)
         seqs = batch.seqs
         self.last_step = ("decode_pipelined", len(seqs), len(seqs))
