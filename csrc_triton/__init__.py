@@ -388,7 +388,7 @@ __all__ += list(_FUSED_EXPORTS)
 
 
 # weight-only quantized GEMMs (csrc_triton/quant_gemm.py), imported the same way
-_QUANT_EXPORTS = ("int8_gemm", "int4_gemm", "fp8_weight_gemm")
+_QUANT_EXPORTS = ("int8_gemm", "int4_gemm", "fp8_weight_gemm", "fp8_quantize_rows")
 __all__ += list(_QUANT_EXPORTS)
 
 

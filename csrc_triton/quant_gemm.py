@@ -35,7 +35,7 @@ import triton.language as tl
 
 from csrc_triton import _sm_count
 
-__all__ = ["int8_gemm", "int4_gemm", "fp8_weight_gemm"]
+__all__ = ["int8_gemm", "int4_gemm", "fp8_weight_gemm", "fp8_quantize_rows"]
 
 
 @triton.jit
@@ -131,31 +131,111 @@ def _add(a, b):
     return a + b
 
 
+# Integer codes to fp32 without I2F (a quarter-rate instruction, the int4 GEMV's limit):
+# the code is placed in the mantissa of a float whose exponent makes its unit 1, and the
+# float's offset is subtracted.
+_MAGIC_U = tl.constexpr(0x4B000000)  # 2^23: bits(2^23 + u) = _MAGIC_U | u for 0 <= u < 2^23
+_MAGIC_S = tl.constexpr(0x4B400000)  # 1.5 * 2^23: bits(1.5 * 2^23 + s) = _MAGIC_S + s for |s| < 2^22
+
+
 @triton.jit
-def _int4_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, stride_wn, stride_sn,
-                      stride_os, k_per_split, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
-    """One row of x against int4 weights (batch-1 decode): products accumulated
-    element-wise in an fp32 [BLOCK_N, BLOCK_K / 2] tile and summed over K once at the end,
-    without tensor cores (whose operand shuffles cost more than they save when the
-    weights are only streamed)."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, stride_wn,
+                    stride_sn, FORMAT: tl.constexpr, GROUP: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    INTERPRETED: tl.constexpr):
+    """One row of x against BLOCK_N rows of quantized weights (batch-1 decode), the whole
+    of K in one program: products accumulated element-wise in fp32 and summed over K once
+    at the end, the scale and bias applied and y written in x's dtype (no partial sums
+    and no second kernel). Tensor cores would pad the one row to 16 and shuffle operands
+    for nothing: the weights are only streamed."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    k_start = pid_k * k_per_split
-    acc = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
-        q_lo, q_hi, s, k_even = _int4_tile(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, k0, K,
-                                           stride_wn, stride_sn, GROUP, BLOCK_K)
-        x_lo = tl.load(x_ptr + k_even, mask=k_even < K, other=0.0).to(tl.float32)
-        x_hi = tl.load(x_ptr + k_even + 1, mask=k_even + 1 < K, other=0.0).to(tl.float32)
-        acc += (q_lo * x_lo[None, :] + q_hi * x_hi[None, :]) * s[:, None]
-    if INTERPRETED:  # tl.sum is a compiled-only helper here (see fused.py's _row_sum)
-        y = tl.reduce(acc, 1, _add)
+    if FORMAT == 2:
+        # A tile of BLOCK_K inputs is GROUPS whole groups: bytes [BLOCK_N, GROUPS, GROUP/2].
+        GROUPS: tl.constexpr = BLOCK_K // GROUP
+        HALF: tl.constexpr = GROUP // 2
+        offs_g = tl.arange(0, GROUPS)
+        k_rel = offs_g[:, None] * GROUP + 2 * tl.arange(0, HALF)[None, :]  # even inputs
+        acc = tl.zeros((BLOCK_N, GROUPS, HALF), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_even = k0 + k_rel
+            b = tl.load(w_ptr + offs_n[:, None, None] * stride_wn + (k_even // 2)[None, :, :],
+                        mask=n_ok[:, None, None] & (k_even < K)[None, :, :], other=0)
+            g = k0 // GROUP + offs_g
+            sz = offs_n[:, None] * stride_sn + g[None, :]
+            sz_ok = n_ok[:, None] & (g * GROUP < K)[None, :]
+            s = tl.load(scale_ptr + sz, mask=sz_ok, other=0.0)
+            z = tl.load(zero_ptr + sz, mask=sz_ok, other=0).to(tl.float32) + 8388608.0
+            b = b.to(tl.int32)
+            lo = ((b & 0xF) | _MAGIC_U).to(tl.float32, bitcast=True) - z[:, :, None]
+            hi = ((b >> 4) | _MAGIC_U).to(tl.float32, bitcast=True) - z[:, :, None]
+            x_lo = tl.load(x_ptr + k_even, mask=k_even < K, other=0.0).to(tl.float32)
+            x_hi = tl.load(x_ptr + k_even + 1, mask=k_even + 1 < K, other=0.0).to(tl.float32)
+            acc += (lo * x_lo[None, :, :] + hi * x_hi[None, :, :]) * s[:, :, None]
+        if INTERPRETED:  # tl.sum is a compiled-only helper here (see fused.py's _row_sum)
+            y = tl.reduce(tl.reduce(acc, 2, _add), 1, _add)
+        else:
+            y = tl.sum(tl.sum(acc, axis=2), axis=1)
     else:
-        y = tl.sum(acc, axis=1)
-    tl.store(out_ptr + pid_k * stride_os + offs_n, y, mask=n_ok)
+        offs_k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            q = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :],
+                        mask=n_ok[:, None] & (k < K)[None, :], other=0)
+            if FORMAT == 0:
+                w = (q.to(tl.int32) + _MAGIC_S).to(tl.float32, bitcast=True) - 12582912.0
+            elif INTERPRETED:
+                w = _fp8_e4m3_to_f32(q)
+            else:
+                w = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            xk = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            acc += w * xk[None, :]
+        if INTERPRETED:
+            y = tl.reduce(acc, 1, _add)
+        else:
+            y = tl.sum(acc, axis=1)
+        y = y * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _e4m3_bits(v):
+    """fp32 within +-448 -> e4m3fn codes (int32), rounded to nearest, ties to even, by bit
+    arithmetic (for the interpreter, which has no fp8 type). n = |v| in units of e4m3's
+    last place there; the code is n below 2^-6 (subnormal) and (e + 6) * 8 + n above,
+    which also carries a mantissa rounded up to 8 into the exponent."""
+    a = tl.abs(v)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    ulp = tl.exp2((tl.maximum(e, -6) - 3).to(tl.float32))
+    n = ((a / ulp + 12582912.0) - 12582912.0).to(tl.int32)
+    return tl.where(v < 0, 0x80, 0) | (tl.maximum(e + 6, 0) * 8 + n)
+
+
+@triton.jit
+def _fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr,
+                     INTERPRETED: tl.constexpr):
+    """One row of x: its absolute maximum, then x / scale in e4m3 (as bytes) with scale =
+    max / 448, the per-token quantization of W8A8 in one kernel."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_K)
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+    tl.store(scale_ptr + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0)
+        v = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0)
+        if INTERPRETED:
+            q = _e4m3_bits(v).to(tl.uint8)
+        else:
+            q = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        tl.store(q_ptr + row * stride_qm + k0 + offs, q, mask=k0 + offs < K)
 
 
 # ---- module selection (compiled for CUDA, interpreted for CPU), as in fused.py -------
@@ -204,23 +284,29 @@ def _config(M: int, N: int, K: int, device: torch.device, interpreted: bool):
 _FORMATS = {"int8": 0, "fp8": 1, "int4": 2}
 
 
-def _launch_int4_gemv(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
-                      scale: torch.Tensor, zero: torch.Tensor, group: int,
-                      N: int) -> torch.Tensor:
-    K = x.shape[1]
-    bn, bk = (16, 32) if interpreted else (64, 128)
-    bk = min(bk, group)
-    tiles, chunks = triton.cdiv(N, bn), triton.cdiv(K, bk)
-    split = 2 if interpreted and chunks > 1 else max(1, min(
-        chunks, triton.cdiv(4 * _sm_count(x.device), tiles), 32))
-    k_per_split = triton.cdiv(chunks, split) * bk
-    split = triton.cdiv(K, k_per_split)
-    partial = torch.empty((split, N), dtype=torch.float32, device=x.device)
-    opts = {} if interpreted else {"num_warps": 4, "num_stages": 4}
-    mod._int4_gemv_kernel[(tiles, split)](
-        x, w, scale, zero, partial, N, K, w.stride(0), scale.stride(0), partial.stride(0),
-        k_per_split, GROUP=group, BLOCK_N=bn, BLOCK_K=bk, INTERPRETED=interpreted, **opts)
-    return partial[0:1] if split == 1 else partial.sum(0, keepdim=True)
+def gemv_config(fmt: str, N: int, K: int, group: int, interpreted: bool = False):
+    """(BLOCK_N, BLOCK_K, num_warps) of the GEMV kernel, or None where it does not apply
+    (int4 groups that are not a power of two or longer than a tile: the GEMM kernel)."""
+    bn, bk, warps = (4, 64, 1) if interpreted else (8, 512, 4)
+    if fmt == "int4":
+        if group & (group - 1) or group > max(bk, 128):
+            return None
+        bk = max(bk, group)  # whole groups per tile
+    return bn, bk, warps
+
+
+def _launch_gemv(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
+                 scale: torch.Tensor, zero, bias, fmt: str, group: int, N: int,
+                 config) -> torch.Tensor:
+    bn, bk, warps = config
+    out = torch.empty((1, N), dtype=x.dtype, device=x.device)
+    opts = {} if interpreted else {"num_warps": warps, "num_stages": 2}
+    mod._wq_gemv_kernel[(triton.cdiv(N, bn),)](
+        x, w, scale, zero if zero is not None else scale, bias if bias is not None else scale,
+        out, N, x.shape[1], w.stride(0), scale.stride(0) if fmt == "int4" else 0,
+        FORMAT=_FORMATS[fmt], GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=bn,
+        BLOCK_K=bk, INTERPRETED=interpreted, **opts)
+    return out
 
 
 def _launch_gemm(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
@@ -251,13 +337,12 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero, f
         x = x.reshape(-1, x.shape[-1]).contiguous()
     mod, interpreted = _kernels_for(x.device)
     w = qweight.view(torch.uint8) if fmt == "fp8" else qweight
-    # The GEMV kernel only for int4: on the H200 it ran Llama-3.1-8B's batch-1 decode at
-    # 167 tok/s against 110 through tensor cores, but int8 and fp8 lost with it (217 / 255
-    # against 263 / 262).
-    if x.shape[0] == 1 and fmt == "int4":
-        y = _launch_int4_gemv(mod, interpreted, x, w, scale, zero, group, N)
-    else:
-        y = _launch_gemm(mod, interpreted, x, w, scale, zero, fmt, group, N)
+    if x.shape[0] == 1:
+        config = gemv_config(fmt, N, x.shape[1], group, interpreted)
+        if config is not None:
+            return _launch_gemv(mod, interpreted, x, w, scale, zero, bias, fmt, group, N,
+                                config)
+    y = _launch_gemm(mod, interpreted, x, w, scale, zero, fmt, group, N)
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
@@ -291,3 +376,20 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                          f"{tuple(scale.shape)} do not fit {K} inputs in groups of {group_size}")
     return _launch(x, qweight, scale, zero, "int4", group_size, N, bias).reshape(
         *x.shape[:-1], N)
+
+
+def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [M, K], fp32 scale [M, 1]) with each row's absolute maximum at 448: the
+    activations of a W8A8 matmul, one scale per token (quantization.py's
+    quantize_activations_fp8, in one kernel)."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        x = x.reshape(-1, x.shape[-1]).contiguous()
+    M, K = x.shape
+    mod, interpreted = _kernels_for(x.device)
+    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    bk = 64 if interpreted else min(2048, triton.next_power_of_2(K))
+    opts = {} if interpreted else {"num_warps": 4}
+    mod._fp8_rows_kernel[(M,)](x, q.view(torch.uint8), scale, K, x.stride(0), K,
+                               BLOCK_K=bk, INTERPRETED=interpreted, **opts)
+    return q, scale

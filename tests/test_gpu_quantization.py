@@ -35,6 +35,18 @@ def test_kernels_match_the_reference(dtype, M, N, K):
 
 
 
+@pytest.mark.parametrize("M,K", [(1, 4096), (300, 4160)])
+def test_fp8_row_quantization_is_torchs(M, K):
+    import csrc_triton
+    from minivllm.model.quantization import quantize_activations_fp8
+
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) * 5
+    got_q, got_s = csrc_triton.fp8_quantize_rows(x)
+    want_q, want_s = quantize_activations_fp8(x)
+    assert torch.equal(got_s, want_s)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_graphs_match_eager_with_quantization(tmp_path, method):
     path = tmp_path / "config.json"

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from minivllm import LLM, SamplingParams
 from minivllm.model.quantization import (FP8, GROUP_SIZE, METHODS, QuantizedLinear,
-                                         dequantize_int4, pack_int4, quantize_fp8,
+                                         dequantize_int4, pack_int4, quantize_activations_fp8,
+                                         quantize_fp8,
                                          quantize_int4, quantize_int8, unpack_int4)
 from minivllm.server.testing import ServerThread, make_tiny_chat_model
 from conftest import random_prompts
@@ -230,7 +231,7 @@ def test_server_with_quantization(tiny_chat_dir, method):
             client.chat.completions.create(model="q", messages=msgs, max_tokens=-1)
 
 
-@pytest.mark.parametrize("M,N,K", [(1, 40, 200), (5, 24, 77), (19, 33, 256)])
+@pytest.mark.parametrize("M,N,K", [(1, 40, 200), (1, 24, 77), (5, 24, 77), (19, 33, 256)])
 def test_triton_kernels_match_the_reference(M, N, K):
     """The GPU kernels (here under Triton's interpreter) against the dequantized matmul:
     int8, fp8 weights (decoded bit by bit here) and int4 (short last group, odd K), with a
@@ -251,6 +252,11 @@ def test_triton_kernels_match_the_reference(M, N, K):
             got = csrc_triton.int4_gemm(x, layer.qweight, layer.scale, layer.zero, GROUP_SIZE,
                                         layer.bias)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # int4 in groups of 32, several groups to a tile (and a short last one).
+    packed, scale, zero = quantize_int4(linear.weight.detach(), 32)
+    want = x @ dequantize_int4(packed, scale, zero, K, 32).t() + linear.bias.detach()
+    got = csrc_triton.int4_gemm(x, packed, scale, zero, 32, linear.bias.detach())
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_fp8_bytes_decode_exactly_in_the_kernel():
@@ -263,10 +269,27 @@ def test_fp8_bytes_decode_exactly_in_the_kernel():
     w = codes.view(FP8).reshape(16, 16)
     got = csrc_triton.fp8_weight_gemm(torch.eye(16), w, torch.ones(16))
     assert torch.equal(got, w.float().t())
-    # A single row too (int8 and fp8 take the GEMM kernel there; only int4 has a GEMV).
+    # A single row too (the GEMV kernel).
     for row in (0, 7):
         got = csrc_triton.fp8_weight_gemm(torch.eye(16)[row:row + 1], w, torch.ones(16))
         assert torch.equal(got[0], w.float()[:, row])
+
+
+def test_fp8_row_quantization_kernel_matches_torch():
+    """The W8A8 activations' kernel (interpreted here, its e4m3 rounding in bit
+    arithmetic) gives torch's bytes and scales: random rows of several magnitudes, a row
+    of zeros, subnormals, ties and values rounding up into the next binade."""
+    import csrc_triton
+
+    torch.manual_seed(3)
+    x = torch.randn(6, 150) * torch.tensor([1e-3, 1.0, 30.0, 1.0, 1.0, 1.0])[:, None]
+    x[3] = 0.0
+    x[4, :8] = torch.tensor([448.0, 1e-4, -3e-3, 0.0, 2.0 ** -9, 1.0625, 1.1875, -239.9])
+    x[5, :4] = torch.tensor([448.0, 2.0 ** -10 * 3, 15.5, -0.01])
+    got_q, got_s = csrc_triton.fp8_quantize_rows(x)
+    want_q, want_s = quantize_activations_fp8(x)
+    assert torch.equal(got_s, want_s)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
 
 
 def test_benchmark_perplexity_matches_transformers(tiny_model_dirs):
