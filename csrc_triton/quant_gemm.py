@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from csrc_triton import _sm_count
+from csrc_triton.int4_layout import int4_half, int4_packed_bytes
 
 __all__ = ["int8_gemm", "int4_gemm", "fp8_weight_gemm", "fp8_quantize_rows"]
 
@@ -49,23 +50,39 @@ def _fp8_e4m3_to_f32(b):
     return sign * tl.where(e == 0, m / 8.0 * 0.015625, normal)
 
 
+# Integer codes to fp32 without I2F (a quarter-rate instruction, the int4 GEMV's limit):
+# the code is placed in the mantissa of a float whose exponent makes its unit 1, and the
+# float's offset is subtracted.
+_MAGIC_U = tl.constexpr(0x4B000000)  # 2^23: bits(2^23 + u) = _MAGIC_U | u for 0 <= u < 2^23
+_MAGIC_S = tl.constexpr(0x4B400000)  # 1.5 * 2^23: bits(1.5 * 2^23 + s) = _MAGIC_S + s for |s| < 2^22
+
+
 @triton.jit
-def _int4_tile(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, k0, K, stride_wn, stride_sn,
-               GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The int4 weights of inputs k0 .. k0 + BLOCK_K of rows offs_n, as (code - zero) for
-    the even inputs and for the odd ones (byte j holds inputs k0 + 2j, low nibble, and
-    k0 + 2j + 1, high; inputs past K give 0), the rows' scales for that group, and the
-    even inputs' indices. BLOCK_K divides GROUP: the tile lies in one group."""
-    offs_j = tl.arange(0, BLOCK_K // 2)
-    k_even = k0 + 2 * offs_j
+def _int4_codes(b, z):
+    """Packed bytes (uint8) -> (low nibble - z, high nibble - z) in fp32, z already fp32.
+    Each code goes into the mantissa of 2^23 and 2^23 + z is subtracted: integer logic and
+    one add per weight, where a conversion instruction (I2F) runs at a quarter rate."""
+    b = b.to(tl.int32)
+    z = z + 8388608.0
+    lo = ((b & 0xF) | _MAGIC_U).to(tl.float32, bitcast=True) - z
+    hi = ((b >> 4) | _MAGIC_U).to(tl.float32, bitcast=True) - z
+    return lo, hi
+
+
+@triton.jit
+def _int4_tile(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, k0, stride_wn, stride_sn,
+               GROUP: tl.constexpr, HALF: tl.constexpr):
+    """One packed block of rows offs_n: inputs k0 .. k0 + 2 HALF (k0 a multiple of 2 HALF),
+    as (code - zero) of its first half and of its second, and the rows' scales for the
+    block's group. Blocks past K are zero padding in the packed rows."""
+    offs_j = tl.arange(0, HALF)
     b = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 // 2 + offs_j)[None, :],
-                mask=n_ok[:, None] & (k_even[None, :] < K), other=0)
+                mask=n_ok[:, None], other=0)
     g = k0 // GROUP
     s = tl.load(scale_ptr + offs_n * stride_sn + g, mask=n_ok, other=0.0)
     z = tl.load(zero_ptr + offs_n * stride_sn + g, mask=n_ok, other=0).to(tl.float32)
-    q_lo = (b & 0xF).to(tl.float32) - z[:, None]
-    q_hi = tl.where(k_even[None, :] + 1 < K, (b >> 4).to(tl.float32) - z[:, None], 0.0)
-    return q_lo, q_hi, s, k_even
+    q_lo, q_hi = _int4_codes(b, z[:, None])
+    return q_lo, q_hi, s
 
 
 @triton.jit
@@ -87,15 +104,16 @@ def _wq_gemm_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, stride_
     k_start = pid_k * k_per_split
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         if FORMAT == 2:
-            # Two products, over the even and the odd inputs, instead of interleaving them.
-            q_lo, q_hi, s, k_even = _int4_tile(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, k0, K,
-                                               stride_wn, stride_sn, GROUP, BLOCK_K)
+            # A packed block per step (BLOCK_K = 2 HALF): a product for each half.
+            q_lo, q_hi, s = _int4_tile(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, k0,
+                                       stride_wn, stride_sn, GROUP, BLOCK_K // 2)
             w_lo = q_lo * s[:, None]
             w_hi = q_hi * s[:, None]
-            x_lo = tl.load(x_ptr + offs_m[:, None] * stride_xm + k_even[None, :],
-                           mask=m_ok[:, None] & (k_even[None, :] < K), other=0.0)
-            x_hi = tl.load(x_ptr + offs_m[:, None] * stride_xm + k_even[None, :] + 1,
-                           mask=m_ok[:, None] & (k_even[None, :] + 1 < K), other=0.0)
+            k_lo = k0 + tl.arange(0, BLOCK_K // 2)
+            x_lo = tl.load(x_ptr + offs_m[:, None] * stride_xm + k_lo[None, :],
+                           mask=m_ok[:, None] & (k_lo[None, :] < K), other=0.0)
+            x_hi = tl.load(x_ptr + offs_m[:, None] * stride_xm + k_lo[None, :] + BLOCK_K // 2,
+                           mask=m_ok[:, None] & (k_lo[None, :] + BLOCK_K // 2 < K), other=0.0)
             if DOT_FP32:
                 acc += tl.dot(x_lo.to(tl.float32), tl.trans(w_lo), input_precision="ieee")
                 acc += tl.dot(x_hi.to(tl.float32), tl.trans(w_hi), input_precision="ieee")
@@ -131,16 +149,9 @@ def _add(a, b):
     return a + b
 
 
-# Integer codes to fp32 without I2F (a quarter-rate instruction, the int4 GEMV's limit):
-# the code is placed in the mantissa of a float whose exponent makes its unit 1, and the
-# float's offset is subtracted.
-_MAGIC_U = tl.constexpr(0x4B000000)  # 2^23: bits(2^23 + u) = _MAGIC_U | u for 0 <= u < 2^23
-_MAGIC_S = tl.constexpr(0x4B400000)  # 1.5 * 2^23: bits(1.5 * 2^23 + s) = _MAGIC_S + s for |s| < 2^22
-
-
 @triton.jit
 def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, stride_wn,
-                    stride_sn, FORMAT: tl.constexpr, GROUP: tl.constexpr,
+                    stride_sn, FORMAT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     INTERPRETED: tl.constexpr):
     """One row of x against BLOCK_N rows of quantized weights (batch-1 decode), the whole
@@ -152,26 +163,25 @@ def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, 
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     if FORMAT == 2:
-        # A tile of BLOCK_K inputs is GROUPS whole groups: bytes [BLOCK_N, GROUPS, GROUP/2].
-        GROUPS: tl.constexpr = BLOCK_K // GROUP
-        HALF: tl.constexpr = GROUP // 2
-        offs_g = tl.arange(0, GROUPS)
-        k_rel = offs_g[:, None] * GROUP + 2 * tl.arange(0, HALF)[None, :]  # even inputs
-        acc = tl.zeros((BLOCK_N, GROUPS, HALF), dtype=tl.float32)
+        # A tile of BLOCK_K inputs is BLOCKS packed blocks: bytes [BLOCK_N, BLOCKS, HALF].
+        BLOCKS: tl.constexpr = BLOCK_K // (2 * HALF)
+        offs_b = tl.arange(0, BLOCKS)
+        offs_j = tl.arange(0, HALF)
+        acc = tl.zeros((BLOCK_N, BLOCKS, HALF), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k_even = k0 + k_rel
-            b = tl.load(w_ptr + offs_n[:, None, None] * stride_wn + (k_even // 2)[None, :, :],
-                        mask=n_ok[:, None, None] & (k_even < K)[None, :, :], other=0)
-            g = k0 // GROUP + offs_g
-            sz = offs_n[:, None] * stride_sn + g[None, :]
-            sz_ok = n_ok[:, None] & (g * GROUP < K)[None, :]
+            blk = k0 // (2 * HALF) + offs_b
+            blk_ok = blk * (2 * HALF) < K
+            byte = blk[:, None] * HALF + offs_j[None, :]
+            b = tl.load(w_ptr + offs_n[:, None, None] * stride_wn + byte[None, :, :],
+                        mask=n_ok[:, None, None] & blk_ok[None, :, None], other=0)
+            sz = offs_n[:, None] * stride_sn + (blk * (2 * HALF) // GROUP)[None, :]
+            sz_ok = n_ok[:, None] & blk_ok[None, :]
             s = tl.load(scale_ptr + sz, mask=sz_ok, other=0.0)
-            z = tl.load(zero_ptr + sz, mask=sz_ok, other=0).to(tl.float32) + 8388608.0
-            b = b.to(tl.int32)
-            lo = ((b & 0xF) | _MAGIC_U).to(tl.float32, bitcast=True) - z[:, :, None]
-            hi = ((b >> 4) | _MAGIC_U).to(tl.float32, bitcast=True) - z[:, :, None]
-            x_lo = tl.load(x_ptr + k_even, mask=k_even < K, other=0.0).to(tl.float32)
-            x_hi = tl.load(x_ptr + k_even + 1, mask=k_even + 1 < K, other=0.0).to(tl.float32)
+            z = tl.load(zero_ptr + sz, mask=sz_ok, other=0).to(tl.float32)
+            lo, hi = _int4_codes(b, z[:, :, None])
+            k_lo = blk[:, None] * (2 * HALF) + offs_j[None, :]
+            x_lo = tl.load(x_ptr + k_lo, mask=k_lo < K, other=0.0).to(tl.float32)
+            x_hi = tl.load(x_ptr + k_lo + HALF, mask=k_lo + HALF < K, other=0.0).to(tl.float32)
             acc += (lo * x_lo[None, :, :] + hi * x_hi[None, :, :]) * s[:, :, None]
         if INTERPRETED:  # tl.sum is a compiled-only helper here (see fused.py's _row_sum)
             y = tl.reduce(tl.reduce(acc, 2, _add), 1, _add)
@@ -230,7 +240,8 @@ def _fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, BLOCK_K: 
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0)
-        v = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0)
+        # div_rn: torch divides exactly; the default division is approximate.
+        v = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale), -448.0), 448.0)
         if INTERPRETED:
             q = _e4m3_bits(v).to(tl.uint8)
         else:
@@ -284,19 +295,17 @@ def _config(M: int, N: int, K: int, device: torch.device, interpreted: bool):
 _FORMATS = {"int8": 0, "fp8": 1, "int4": 2}
 
 
-def gemv_config(fmt: str, N: int, K: int, group: int, interpreted: bool = False):
-    """(BLOCK_N, BLOCK_K, num_warps) of the GEMV kernel, or None where it does not apply
-    (int4 groups that are not a power of two or longer than a tile: the GEMM kernel)."""
-    bn, bk, warps = (4, 64, 1) if interpreted else (8, 512, 4)
+def gemv_config(fmt: str, half: int, interpreted: bool = False):
+    """(BLOCK_N, BLOCK_K, num_warps) of the GEMV kernel: 8 rows, 1,024 inputs a step
+    (int4: whole packed blocks of 2 * half)."""
+    bn, bk, warps = (4, 64, 1) if interpreted else (8, 1024, 4)
     if fmt == "int4":
-        if group & (group - 1) or group > max(bk, 128):
-            return None
-        bk = max(bk, group)  # whole groups per tile
+        bk = max(bk, 2 * half)
     return bn, bk, warps
 
 
 def _launch_gemv(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
-                 scale: torch.Tensor, zero, bias, fmt: str, group: int, N: int,
+                 scale: torch.Tensor, zero, bias, fmt: str, group: int, half: int, N: int,
                  config) -> torch.Tensor:
     bn, bk, warps = config
     out = torch.empty((1, N), dtype=x.dtype, device=x.device)
@@ -304,18 +313,18 @@ def _launch_gemv(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
     mod._wq_gemv_kernel[(triton.cdiv(N, bn),)](
         x, w, scale, zero if zero is not None else scale, bias if bias is not None else scale,
         out, N, x.shape[1], w.stride(0), scale.stride(0) if fmt == "int4" else 0,
-        FORMAT=_FORMATS[fmt], GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=bn,
+        FORMAT=_FORMATS[fmt], GROUP=group, HALF=half, HAS_BIAS=bias is not None, BLOCK_N=bn,
         BLOCK_K=bk, INTERPRETED=interpreted, **opts)
     return out
 
 
 def _launch_gemm(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
-                 scale: torch.Tensor, zero, fmt: str, group: int, N: int) -> torch.Tensor:
+                 scale: torch.Tensor, zero, fmt: str, group: int, half: int,
+                 N: int) -> torch.Tensor:
     M, K = x.shape
     bm, bn, bk, split, warps, stages = _config(M, N, K, x.device, interpreted)
     if fmt == "int4":
-        bk = min(bk, group)
-        assert group % bk == 0, "BLOCK_K must divide the group size"
+        bk = 2 * half  # one packed block a step
     chunks = triton.cdiv(K, bk)
     k_per_split = triton.cdiv(chunks, split) * bk
     split = triton.cdiv(K, k_per_split)
@@ -337,12 +346,11 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero, f
         x = x.reshape(-1, x.shape[-1]).contiguous()
     mod, interpreted = _kernels_for(x.device)
     w = qweight.view(torch.uint8) if fmt == "fp8" else qweight
+    half = int4_half(group, x.shape[1]) if fmt == "int4" else 0
     if x.shape[0] == 1:
-        config = gemv_config(fmt, N, x.shape[1], group, interpreted)
-        if config is not None:
-            return _launch_gemv(mod, interpreted, x, w, scale, zero, bias, fmt, group, N,
-                                config)
-    y = _launch_gemm(mod, interpreted, x, w, scale, zero, fmt, group, N)
+        return _launch_gemv(mod, interpreted, x, w, scale, zero, bias, fmt, group, half, N,
+                            gemv_config(fmt, half, interpreted))
+    y = _launch_gemm(mod, interpreted, x, w, scale, zero, fmt, group, half, N)
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
@@ -371,7 +379,8 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
               ) -> torch.Tensor:
     N = qweight.shape[0]
     K = x.shape[-1]
-    if qweight.shape[1] != (K + 1) // 2 or scale.shape != (N, triton.cdiv(K, group_size)):
+    if (qweight.shape[1] != int4_packed_bytes(K, int4_half(group_size, K))
+            or scale.shape != (N, triton.cdiv(K, group_size))):
         raise ValueError(f"packed int4 weight {tuple(qweight.shape)} / scales "
                          f"{tuple(scale.shape)} do not fit {K} inputs in groups of {group_size}")
     return _launch(x, qweight, scale, zero, "int4", group_size, N, bias).reshape(

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from minivllm import LLM, SamplingParams
 from minivllm.model.quantization import (FP8, GROUP_SIZE, METHODS, QuantizedLinear,
-                                         dequantize_int4, pack_int4, quantize_activations_fp8,
+                                         dequantize_int4, int4_half, int4_packed_bytes,
+                                         pack_int4, quantize_activations_fp8,
                                          quantize_fp8,
                                          quantize_int4, quantize_int8, unpack_int4)
 from minivllm.server.testing import ServerThread, make_tiny_chat_model
@@ -42,11 +43,12 @@ def test_int4_round_trip_within_half_a_step(in_f):
     w = weights(24, in_f, seed=1)
     packed, scale, zero = quantize_int4(w)
     groups = -(-in_f // GROUP_SIZE)
-    assert packed.dtype == torch.uint8 and packed.shape == (24, (in_f + 1) // 2)
+    half = int4_half(GROUP_SIZE, in_f)
+    assert packed.dtype == torch.uint8 and packed.shape == (24, int4_packed_bytes(in_f, half))
     assert scale.shape == zero.shape == (24, groups)
-    q = unpack_int4(packed, in_f)
+    q = unpack_int4(packed, in_f, half)
     assert q.max() <= 15
-    assert torch.equal(pack_int4(q), packed)
+    assert torch.equal(pack_int4(q, half), packed)
     deq = dequantize_int4(packed, scale, zero, in_f)
     step = scale.repeat_interleave(GROUP_SIZE, dim=1)[:, :in_f]
     assert ((deq - w).abs() <= step / 2 + 1e-7).all()

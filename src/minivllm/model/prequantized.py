@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .quantization import pack_int4
+from .quantization import int4_half, pack_int4
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
@@ -130,8 +130,8 @@ def unpack_along_columns(words: torch.Tensor, order=tuple(range(8))) -> torch.Te
 
 def to_int4_layout(quant: CheckpointQuantization, parts: dict[str, torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One projection's checkpoint tensors -> (packed [out, in / 2] uint8, scale
-    [out, groups] fp32, zero [out, groups] uint8)."""
+    """One projection's checkpoint tensors -> (packed uint8 in quantization.pack_int4's
+    layout, scale [out, groups] fp32, zero [out, groups] uint8)."""
     scales = parts["scales"].float()
     if quant.method == "gptq":
         q = unpack_along_rows(parts["qweight"])
@@ -144,7 +144,8 @@ def to_int4_layout(quant: CheckpointQuantization, parts: dict[str, torch.Tensor]
     zeros = zeros[:, :out_f]
     if in_f % groups:
         raise ValueError(f"{groups} groups of scales do not divide {in_f} inputs.")
-    return (pack_int4(q.t().contiguous().to(torch.uint8)), scales.t().contiguous(),
+    half = int4_half(in_f // groups, in_f)
+    return (pack_int4(q.t().contiguous().to(torch.uint8), half), scales.t().contiguous(),
             zeros.t().contiguous().to(torch.uint8))
 
 

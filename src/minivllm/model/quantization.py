@@ -7,7 +7,8 @@ Methods (vLLM's names):
         (torch._scaled_mm); smaller ones keep the activations (a weight-only kernel).
   int8  weight-only int8, one scale per output channel (symmetric).
   int4  weight-only 4 bits, groups of GROUP_SIZE along the input dimension, each with a
-        scale and a zero point (asymmetric, round to nearest); two weights per byte.
+        scale and a zero point (asymmetric, round to nearest); two weights per byte,
+        in blocks laid out for the kernels (int4_half).
 
 On a GPU, int8 and int4 go through Triton kernels that read the packed weights
 (csrc_triton/quant_gemm.py). Every method also runs through a reference path (the weight
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 import csrc_triton
+from csrc_triton.int4_layout import int4_half, int4_packed_bytes, pack_int4, unpack_int4  # noqa: F401
 
 METHODS = ("fp8", "int8", "int4")
 CHECKPOINT_METHODS = ("gptq", "awq")  # read from a quantized checkpoint (prequantized.py)
@@ -67,10 +69,9 @@ def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_int4(w: torch.Tensor, group_size: int = GROUP_SIZE
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(packed uint8 [out, ceil(in/2)], fp32 scales [out, groups], uint8 zeros [out,
+    """(packed uint8 [out, int4_packed_bytes], fp32 scales [out, groups], uint8 zeros [out,
     groups]): each group of group_size inputs of a row (the last one may be shorter) maps
-    its [min, max] onto 0..15; w ~ (q - zero) * scale. Two weights per byte, the even
-    input in the low nibble."""
+    its [min, max] onto 0..15; w ~ (q - zero) * scale; packed by pack_int4."""
     out_f, in_f = w.shape
     groups = -(-in_f // group_size)
     padded = torch.zeros(out_f, groups * group_size, dtype=torch.float32, device=w.device)
@@ -84,25 +85,12 @@ def quantize_int4(w: torch.Tensor, group_size: int = GROUP_SIZE
     zero = torch.round(-lo / scale).clamp(0, 15)
     q = (torch.round(g / scale[..., None]) + zero[..., None]).clamp(0, 15)
     q = q.view(out_f, -1)[:, :in_f].to(torch.uint8)
-    return pack_int4(q), scale, zero.to(torch.uint8)
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """uint8 values 0..15 [out, in] -> bytes [out, ceil(in/2)], even inputs low."""
-    if q.shape[1] % 2:
-        q = torch.cat([q, q.new_zeros(q.shape[0], 1)], dim=1)
-    return q[:, 0::2] | (q[:, 1::2] << 4)
-
-
-def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
-    """The inverse of pack_int4: uint8 values 0..15 [out, in_features]."""
-    q = torch.stack([packed & 0xF, packed >> 4], dim=2).view(packed.shape[0], -1)
-    return q[:, :in_features]
+    return pack_int4(q, int4_half(group_size, in_f)), scale, zero.to(torch.uint8)
 
 
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                     in_features: int, group_size: int = GROUP_SIZE) -> torch.Tensor:
-    q = unpack_int4(packed, in_features).float()
+    q = unpack_int4(packed, in_features, int4_half(group_size, in_features)).float()
     expand = lambda t: t.float().repeat_interleave(group_size, dim=1)[:, :in_features]  # noqa: E731
     return (q - expand(zero)) * expand(scale)
 
@@ -116,10 +104,11 @@ def quantize_activations_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 # ---- the layer ------------------------------------------------------------------------
 
-# fp8 quantizes the activations of steps with more tokens than this: there the GEMMs are
-# compute-bound and FP8 tensor cores double their rate; in smaller steps the weights'
-# bytes are the cost, and a weight-only kernel keeps the activations exact.
-FP8_ACTIVATION_MIN_TOKENS = 64
+# fp8 quantizes the activations of steps with more tokens than this: there FP8 tensor
+# cores win; in smaller steps the weights' bytes are the cost, and a weight-only kernel
+# keeps the activations exact. Llama-3.1-8B's four projections on the H200: at 32 tokens
+# 121 us weight-only against 128 W8A8, at 64 tokens 181 against 123 (docs/decisions.md).
+FP8_ACTIVATION_MIN_TOKENS = 32
 
 
 def quantizes_activations(x: torch.Tensor) -> bool:
@@ -151,8 +140,8 @@ class QuantizedLinear(nn.Module):
                                                             device=dev)
         layer = cls("int4", k, n, bias, linear.weight.dtype, group)
         groups = -(-k // group)
-        layer.register_buffer("qweight", torch.empty(n, (k + 1) // 2, dtype=torch.uint8,
-                                                     device=dev))
+        packed = int4_packed_bytes(k, int4_half(group, k))
+        layer.register_buffer("qweight", torch.empty(n, packed, dtype=torch.uint8, device=dev))
         layer.register_buffer("scale", torch.empty(n, groups, dtype=torch.float32, device=dev))
         layer.register_buffer("zero", torch.empty(n, groups, dtype=torch.uint8, device=dev))
         return layer
