@@ -15,7 +15,7 @@
 #
 # Knobs: VS_PARTS (default "mini-offline vllm-offline mini-w3 vllm-w3"), VS_WORKLOADS
 # (default w1,w2,w5,w6), VS_QUANT (both engines' quantization for the offline parts, e.g.
-# fp8: its rows are "W1 fp8" and so on), T_OFFLINE / T_W3 (each part's limit, s), TOTAL_S (the call's, 560),
+# fp8: its rows are "W1 fp8" and so on), VS_KV_DTYPE (both engines' kv_cache_dtype, e.g. fp8), T_OFFLINE / T_W3 (each part's limit, s), TOTAL_S (the call's, 560),
 # W3_ARGS (extra bench.w3_gpu flags), RES, OUT. The commit comes from bench/.commit.
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -72,7 +72,8 @@ part() {  # part NAME LIMIT_S PYTHONPATH COMMAND...
 for model in "${MODELS[@]}"; do
   dir="$RES/$model"; mkdir -p "$dir"
   off=(python3 -m bench.vs_vllm offline --model "$model" --workloads "${VS_WORKLOADS:-w1,w2,w5,w6}"
-       --out "$dir" --work "$WORK" ${VS_QUANT:+--quantization "$VS_QUANT"})
+       --out "$dir" --work "$WORK" ${VS_QUANT:+--quantization "$VS_QUANT"}
+       ${VS_KV_DTYPE:+--kv-cache-dtype "$VS_KV_DTYPE"})
   # shellcheck disable=SC2206
   w3=(python3 -m bench.w3_gpu --work "$WORK/w3-$model" --out-dir "$dir" --log-dir "$dir/logs"
       --model-config "bench/model_configs/$model.json" --concurrency 1 16 64 256 --ramp

@@ -77,7 +77,8 @@ def workloads(smoke: bool, vocab: int) -> dict[str, Workload]:
 class MinivllmEngine:
     name = "minivllm"
 
-    def __init__(self, folder: Path, smoke: bool, quantization: str | None = None) -> None:
+    def __init__(self, folder: Path, smoke: bool, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         from minivllm import LLM
 
         kw = dict(device="cpu", dtype="float32", max_model_len=1024) if smoke else dict(
@@ -85,6 +86,8 @@ class MinivllmEngine:
         self.settings = {"load_format": "dummy", "skip_tokenizer_init": True, "seed": 0, **kw}
         if quantization:
             self.settings["quantization"] = quantization
+        if kv_cache_dtype != "auto":
+            self.settings["kv_cache_dtype"] = kv_cache_dtype
         self.llm = LLM(str(folder), **self.settings)
 
     def generate(self, requests) -> list[int]:
@@ -103,7 +106,8 @@ class MinivllmEngine:
 class VllmEngine:
     name = "vllm"
 
-    def __init__(self, folder: Path, smoke: bool, quantization: str | None = None) -> None:
+    def __init__(self, folder: Path, smoke: bool, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         if smoke:
             raise SystemExit("vLLM needs a GPU: no smoke run")
         from vllm import LLM
@@ -113,6 +117,8 @@ class VllmEngine:
                          "seed": 0, "generation_config": "vllm"}
         if quantization:
             self.settings["quantization"] = quantization
+        if kv_cache_dtype != "auto":
+            self.settings["kv_cache_dtype"] = kv_cache_dtype
         self.llm = LLM(model=str(folder), **self.settings)
 
     def generate(self, requests) -> list[int]:
@@ -153,7 +159,10 @@ def sync() -> None:
 def run_offline(args) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    suffix = f"_{args.quantization}" if args.quantization else ""
+    # A quantized run's file and rows carry its method ("fp8", "kv-fp8", "fp8+kv-fp8").
+    label = "+".join(([args.quantization] if args.quantization else [])
+                     + ([f"kv-{args.kv_cache_dtype}"] if args.kv_cache_dtype != "auto" else []))
+    suffix = f"_{label}" if label else ""
     path = out_dir / f"offline_{args.engine}{suffix}.json"
     folder, cfg = model_folder(args.model, args.smoke, Path(args.work))
     wl = workloads(args.smoke, cfg["vocab_size"])
@@ -165,7 +174,7 @@ def run_offline(args) -> int:
         path.write_text(json.dumps(record, indent=1))
 
     t0 = time.perf_counter()
-    engine = ENGINES[args.engine](folder, args.smoke, args.quantization)
+    engine = ENGINES[args.engine](folder, args.smoke, args.quantization, args.kv_cache_dtype)
     record.update(startup_s=round(time.perf_counter() - t0, 1), settings=engine.settings,
                   version=engine.version())
     log(f"{args.engine} {args.model}: engine ready in {record['startup_s']} s")
@@ -303,6 +312,9 @@ def main(argv=None) -> int:
     off.add_argument("--quantization", default=None,
                      help="both engines' quantization (fp8; minivllm also int8, int4); "
                           "its file is offline_ENGINE_METHOD.json")
+    off.add_argument("--kv-cache-dtype", default="auto",
+                     help="both engines' KV cache dtype (auto or fp8); with it the file is "
+                          "offline_ENGINE_kv-fp8.json (or _METHOD+kv-fp8)")
     mg = sub.add_parser("merge", help="DIR/vs_vllm.json from the run's files")
     mg.add_argument("folder")
     args = p.parse_args(argv)

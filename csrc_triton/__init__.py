@@ -241,7 +241,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_splits = int(max(1, num_splits))
     interpreted = _uses_interpreter(q.device)
     kern = _kernels_for(q.device)
-    cfg = _decode_config(D, k_cache.dtype, interpreted)
+    cfg = _decode_config(D, q.dtype, interpreted)
     block_d = _next_pow2(max(D, 16))
     block_g = max(16, _next_pow2(gqa))
     if num_splits > 1:
@@ -260,7 +260,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         *_attention_strides(q, out, k_cache, v_cache, block_tables),
         NUM_Q_HEADS=Hq, GQA=gqa, HEAD_DIM=D, BLOCK_SIZE=bs,
         BLOCK_G=block_g, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
-        NUM_SPLITS=num_splits, DOT_FP32=_dot_fp32(k_cache.dtype, interpreted),
+        NUM_SPLITS=num_splits, DOT_FP32=_dot_fp32(q.dtype, interpreted),
         FUSED_REDUCE=fused,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -334,7 +334,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                       max_seq_len, out=out, counters=decode_counters)
     interpreted = _uses_interpreter(q.device)
     rows = int(max_query_len) * (Hq // Hkv)
-    cfg = _prefill_config(rows, D, k_cache.dtype, interpreted,
+    cfg = _prefill_config(rows, D, q.dtype, interpreted,
                           long_ctx=int(max_seq_len) >= 2 * int(max_query_len),
                           long_query=int(max_query_len) >= 2048)
     _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, cfg)
@@ -363,7 +363,7 @@ def _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         num_seqs,
         GQA=gqa, HEAD_DIM=D, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
-        DOT_FP32=_dot_fp32(k_cache.dtype, interpreted),
+        DOT_FP32=_dot_fp32(q.dtype, interpreted),
         HEAVY_FIRST=cfg.get("HEAVY_FIRST", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

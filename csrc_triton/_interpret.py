@@ -30,3 +30,20 @@ def load_interpreted_copy(path: str, module_name: str) -> ModuleType:
         else:
             os.environ["TRITON_INTERPRET"] = old
     return mod
+
+
+_helper_copies: dict[str, ModuleType] = {}
+
+
+def jit_helpers(name: str) -> ModuleType:
+    """csrc_triton's module `name` of @triton.jit helpers, for a kernel module to call:
+    its interpreted copy while an interpreted copy is being loaded (TRITON_INTERPRET=1),
+    else the module itself. A kernel may only call helpers of its own kind."""
+    import importlib
+
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return importlib.import_module(f"csrc_triton.{name}")
+    if name not in _helper_copies:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+        _helper_copies[name] = load_interpreted_copy(path, f"csrc_triton.{name}_interpreted")
+    return _helper_copies[name]

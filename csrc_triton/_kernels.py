@@ -22,6 +22,11 @@ Conventions shared by all kernels
 import triton
 import triton.language as tl
 
+from csrc_triton._interpret import jit_helpers
+
+_fp8_cast = jit_helpers("_fp8_cast")
+
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -53,8 +58,8 @@ def _store_kv_kernel(
     row_v = blk * stride_vcb + off * stride_vcs + offs_h * stride_vch
     kc = k_cache_ptr + row_k[:, None] + offs_d[None, :] * stride_kcd
     vc = v_cache_ptr + row_v[:, None] + offs_d[None, :] * stride_vcd
-    tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(kc, _fp8_cast.to_cache(k, k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc, _fp8_cast.to_cache(v, v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -91,6 +96,9 @@ def _attn_tiles(
                     + offs_d[None, :] * stride_kcd, mask=ld_mask, other=0.0)
         v = tl.load(v_cache_ptr + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + kvh * stride_vch
                     + offs_d[None, :] * stride_vcd, mask=ld_mask, other=0.0)
+        if k_cache_ptr.dtype.element_ty.is_fp8():  # half the bytes; the products in q's dtype
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if DOT_FP32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -199,7 +207,7 @@ def _prefill_kernel(
                 mask=q_mask, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-    else:
+    elif not k_cache_ptr.dtype.element_ty.is_fp8():
         q = q.to(k_cache_ptr.dtype.element_ty)
     q_pos = ctx + tok
 
@@ -280,7 +288,7 @@ def _decode_split_kernel(
                 mask=qo_mask, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-    else:
+    elif not k_cache_ptr.dtype.element_ty.is_fp8():
         q = q.to(k_cache_ptr.dtype.element_ty)
     q_pos = tl.zeros([BLOCK_G], dtype=tl.int32)  # unused (CAUSAL=False)
 

@@ -42,6 +42,10 @@ import torch
 import triton
 import triton.language as tl
 
+from csrc_triton._interpret import jit_helpers
+
+_fp8_cast = jit_helpers("_fp8_cast")
+
 try:  # CUDA's own expf/rsqrtf (what PyTorch's CUDA kernels call)
     from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - very old triton
@@ -191,8 +195,8 @@ def _rope_heads(
         if STORE:
             cmask = mask & slot_ok[:, None]
             cdst = cache_ptr + cache_row[:, None] + offs_h[:, None] * sc_h + offs[None, :] * sc_d
-            tl.store(cdst, o1.to(cache_ptr.dtype.element_ty), mask=cmask)
-            tl.store(cdst + HALF * sc_d, o2.to(cache_ptr.dtype.element_ty), mask=cmask)
+            tl.store(cdst, _fp8_cast.to_cache(o1, cache_ptr.dtype.element_ty), mask=cmask)
+            tl.store(cdst + HALF * sc_d, _fp8_cast.to_cache(o2, cache_ptr.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
@@ -254,7 +258,7 @@ def _rotary_kernel(
             v = tl.load(v_ptr + t * sv_t + offs_h[:, None] * sv_h + offs_d[None, :] * sv_d,
                         mask=m, other=0.0)
             tl.store(vc_ptr + vrow[:, None] + offs_h[:, None] * svc_h + offs_d[None, :] * svc_d,
-                     v.to(vc_ptr.dtype.element_ty), mask=m & slot_ok[:, None])
+                     _fp8_cast.to_cache(v, vc_ptr.dtype.element_ty), mask=m & slot_ok[:, None])
 
 
 @triton.jit

@@ -31,6 +31,7 @@ from csrc_triton import (fused_add_rms_norm, rms_norm, rms_norm_heads, rotary_em
                          silu_and_mul)
 from minivllm.model.attention import store_kv_reference
 from minivllm.model.layers import RMSNorm, RotaryEmbedding
+from conftest import assert_e4m3_matches  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cuda" if (torch.cuda.is_available() and not INTERPRET) else "cpu"
@@ -244,8 +245,10 @@ def test_rotary_with_fused_qk_norm(dtype):
     check(k_out, k_ref, exact=False)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_with_kv_store(dtype):
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                               (torch.bfloat16, torch.float8_e4m3fn)])
+def test_rotary_with_kv_store(dtype, cache_dtype):
+    """Also into an e4m3 cache (kv_cache_dtype="fp8"): the reference's saturating cast."""
     g = gen(7)
     T, hq, hkv, d, nb, bs = 6, 4, 2, 16, 5, 4
     rope = RotaryEmbedding(d, 64, 10000.0, None).to(DEVICE)
@@ -254,17 +257,25 @@ def test_rotary_with_kv_store(dtype):
     slots = torch.randperm(nb * bs, generator=g)[:T]
     slots[2] = -1  # padding: not stored
     slots = slots.to(DEVICE)
-    k_cache = rand((nb, bs, hkv, d), dtype, g)
-    v_cache = rand((nb, bs, hkv, d), dtype, g)
+    k_cache = rand((nb, bs, hkv, d), cache_dtype or dtype, g)
+    v_cache = rand((nb, bs, hkv, d), cache_dtype or dtype, g)
+    if cache_dtype is not None:
+        v[0, 0, :3] = torch.tensor([600.0, -1e4, 447.0])  # past e4m3's range: saturates
     q_ref, k_ref = rope(positions, q, k)
     kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
+    kc_src, vc_src = k_cache.float(), v_cache.float()
     store_kv_reference(k_ref, v, kc_ref, vc_ref, slots)
+    store_kv_reference(k_ref.float(), v.float(), kc_src, vc_src, slots)
     q_out, k_out = rotary_embedding(positions, q, k, rope.cos_table, rope.sin_table,
                                     v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
     check(q_out, q_ref, exact=True)
     check(k_out, k_ref, exact=True)
-    check(k_cache, kc_ref, exact=True)
-    check(v_cache, vc_ref, exact=True)
+    if cache_dtype is None:
+        check(k_cache, kc_ref, exact=True)
+        check(v_cache, vc_ref, exact=True)
+    else:
+        assert_e4m3_matches(k_cache, kc_ref, kc_src)
+        assert_e4m3_matches(v_cache, vc_ref, vc_src)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

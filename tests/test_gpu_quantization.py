@@ -65,3 +65,26 @@ def test_graphs_match_eager_with_quantization(tmp_path, method):
         del llm
     same = sum(a == b for a, b in zip(outs[True], outs[False]))
     assert same >= (6 if dtype == "bfloat16" else 8), (method, same)
+
+
+def test_fp8_kv_cache_through_the_graphs(tmp_path):
+    """kv_cache_dtype="fp8" through the Triton kernels and CUDA graphs: twice bf16's
+    blocks in the same memory, the graphed steps' tokens as the eager steps', and close
+    to the bf16 cache's."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    prompts = random_prompts(8, 4096, 3, 100, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    outs, blocks = {}, {}
+    for kv, eager in (("auto", False), ("fp8", True), ("fp8", False)):
+        llm = LLM(str(path), load_format="dummy", dtype="bfloat16", device="cuda",
+                  skip_tokenizer_init=True, max_model_len=256, kv_cache_dtype=kv,
+                  gpu_memory_utilization=0.3, enforce_eager=eager)
+        blocks[kv] = llm.engine.runner.num_blocks
+        outs[kv, eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                        use_tqdm=False)]
+        assert llm.engine.scheduler.pool.all_free()
+        del llm
+    assert blocks["fp8"] >= 1.9 * blocks["auto"]
+    assert sum(a == b for a, b in zip(outs["fp8", True], outs["fp8", False])) >= 6
+    assert sum(a[:3] == b[:3] for a, b in zip(outs["fp8", False], outs["auto", False])) >= 5

@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("triton")  # conftest.py has chosen the interpreter on CPU-only machines
 
 import csrc_triton  # noqa: E402
+from conftest import assert_e4m3_matches  # noqa: E402
 
 from csrc_triton import paged_attention, paged_attention_decode, store_kv_cache
 
@@ -86,11 +87,11 @@ def rel_err(out, ref):
 
 
 def run_case(seq_lens, q_lens, hq, hkv, d, block_size, dtype, seed=0, num_blocks=None,
-             fused_qkv=False, check_decode_direct=False, num_splits=None):
+             fused_qkv=False, check_decode_direct=False, num_splits=None, cache_dtype=None):
     gen = torch.Generator().manual_seed(seed)
     need = sum(-(-s // block_size) for s in seq_lens)
     num_blocks = num_blocks or need + 3
-    k_cache, v_cache = make_cache(num_blocks, block_size, hkv, d, dtype, gen)
+    k_cache, v_cache = make_cache(num_blocks, block_size, hkv, d, cache_dtype or dtype, gen)
     bt = make_block_tables(seq_lens, block_size, num_blocks, gen)
     T = sum(q_lens)
     if fused_qkv:
@@ -141,6 +142,38 @@ def test_store_kv_cache(slot_dtype, block_size, dtype):
             fv[s] = value[t]
     assert torch.equal(k_cache, exp_k)
     assert torch.equal(v_cache, exp_v)
+
+
+def test_store_kv_cache_fp8():
+    """An e4m3 cache (kv_cache_dtype="fp8", scale 1): the reference's saturating cast."""
+    from minivllm.model.attention import store_kv_reference
+
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache = make_cache(6, 4, 2, 32, torch.float8_e4m3fn, gen)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    key = (torch.randn(9, 2, 32, generator=gen) * 100).to(torch.bfloat16).to(DEVICE)
+    value = torch.randn(9, 2, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
+    value[0, 0, :3] = torch.tensor([600.0, -1e4, 0.001])
+    slots = torch.randperm(24, generator=gen)[:9]
+    slots[4] = -1
+    slots = slots.to(DEVICE)
+    src_k, src_v = k_cache.float(), v_cache.float()
+    store_kv_reference(key, value, want_k, want_v, slots)
+    store_kv_reference(key.float(), value.float(), src_k, src_v, slots)
+    store_kv_cache(key, value, k_cache, v_cache, slots)
+    assert_e4m3_matches(k_cache, want_k, src_k)
+    assert_e4m3_matches(v_cache, want_v, src_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_reads_an_fp8_cache(dtype):
+    """Prefill, chunked prefill and split decode over e4m3 K/V, the products in q's dtype:
+    as close to the dense reference (of the same e4m3 values) as with a cache in q's
+    dtype."""
+    run_case([5, 37, 20], [5, 12, 1], 4, 2, 16, 4, dtype, seed=21,
+             cache_dtype=torch.float8_e4m3fn)
+    run_case([37, 5, 64], [1, 1, 1], 4, 1, 32, 16, dtype, seed=22, check_decode_direct=True,
+             num_splits=3, cache_dtype=torch.float8_e4m3fn)
 
 
 def test_store_kv_cache_all_padding_and_empty():
@@ -392,6 +425,15 @@ def test_gpu_realistic_prefill_and_chunked(dtype, hq, hkv, d):
 def test_gpu_realistic_decode(dtype, hq, hkv, d, batch, ctx):
     seq_lens = [max(1, ctx - 37 * i) for i in range(batch)]
     run_case(seq_lens, [1] * batch, hq, hkv, d, 16, dtype, seed=12)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("batch,ctx", [(1, 8192), (64, 1000)])
+def test_gpu_realistic_decode_fp8_cache(batch, ctx):
+    seq_lens = [max(1, ctx - 37 * i) for i in range(batch)]
+    run_case(seq_lens, [1] * batch, 32, 8, 128, 16, torch.bfloat16, seed=13,
+             cache_dtype=torch.float8_e4m3fn)
 
 
 @pytest.mark.gpu

@@ -143,6 +143,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.device.type == "cpu" and 1 < hidden.shape[0] <= 16:
+            # A few rows (a verification, a small batch) on the CPU: MKL's sgemm for
+            # hidden @ W^T re-packs the whole vocabulary's weights each call, W @ hidden^T
+            # streams them: SmolLM2's head at 5 rows 39 -> 27 ms (docs/decisions.md).
+            return (self.lm_head.weight @ hidden.t()).t().contiguous()
         return self.lm_head(hidden)
 
     # ---- weights --------------------------------------------------------------------

@@ -180,11 +180,6 @@ class ModelRunner:
         self.startup["weights_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.kv_dtype = engine_cfg.kv_dtype(dtype)
-        if self.kv_dtype == torch.float8_e4m3fn and attention_backend != "torch":
-            raise ValueError("kv_cache_dtype='fp8' is read by the reference attention only so "
-                             "far, not by the Triton kernels: set "
-                             "MINIVLLM_ATTENTION_BACKEND=torch (eager, no CUDA graphs on a "
-                             "GPU) or leave kv_cache_dtype='auto'.")
         self.num_blocks = self._decide_num_blocks()
         self.kv_cache = KVCache(model_cfg, self.num_blocks, self.block_size, self.kv_dtype,
                                 device)
