@@ -64,7 +64,7 @@ def main() -> None:
             ms = step_ms(runner.graph_runner, batch, context, bs, args.iters)
             rows.append({"kv_cache_dtype": kv, "batch": batch, "context": context,
                          "ms_per_step": round(ms, 3), "kv_cache_tokens": capacity,
-                         "kv_cache_gb": round(runner.kv_cache.nbytes() / 1e9, 2)})
+                         "kv_cache_gb": round(runner.kv_cache.nbytes / 1e9, 2)})
             print(rows[-1], flush=True)
         del llm, runner
         torch.cuda.empty_cache()
