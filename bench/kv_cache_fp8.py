@@ -12,6 +12,9 @@ Usage: python -m bench.kv_cache_fp8 [--model llama-3.1-8b] [--points 1x8192,64x1
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -36,38 +39,44 @@ def step_ms(graph_runner, batch: int, context: int, block_size: int, iters: int)
     return 1000 * (time.perf_counter() - start) / iters
 
 
+def measure(model: str, kv: str, points: list[tuple[int, int]], iters: int) -> list[dict]:
+    from minivllm import LLM
+
+    max_batch = max(b for b, _ in points)
+    max_ctx = max(c for _, c in points)
+    llm = LLM(str(CONFIGS / f"{model}.json"), load_format="dummy", dtype="bfloat16",
+              skip_tokenizer_init=True, seed=0, kv_cache_dtype=kv,
+              max_model_len=max_ctx + 16, max_num_seqs=max_batch, gpu_memory_utilization=0.9)
+    runner = llm.engine.runner
+    bs = llm.engine.config.block_size
+    rows = []
+    for batch, context in points:
+        ms = step_ms(runner.graph_runner, batch, context, bs, iters)
+        rows.append({"kv_cache_dtype": kv, "batch": batch, "context": context,
+                     "ms_per_step": round(ms, 3), "kv_cache_tokens": runner.num_blocks * bs,
+                     "kv_cache_gb": round(runner.kv_cache.nbytes / 1e9, 2)})
+        print(rows[-1], file=sys.stderr, flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--points", default="1x8192,64x1024,64x8192")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child's cache dtype
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-
-    import torch
-
-    from minivllm import LLM
-
     points = [tuple(int(v) for v in p.split("x")) for p in args.points.split(",")]
-    max_batch = max(b for b, _ in points)
-    max_ctx = max(c for _, c in points)
+    if args.one:
+        print(json.dumps(measure(args.model, args.one, points, args.iters)))
+        return
     rows = []
-    for kv in ("auto", "fp8"):
-        llm = LLM(str(CONFIGS / f"{args.model}.json"), load_format="dummy", dtype="bfloat16",
-                  skip_tokenizer_init=True, seed=0, kv_cache_dtype=kv,
-                  max_model_len=max_ctx + 16, max_num_seqs=max_batch,
-                  gpu_memory_utilization=0.9)
-        runner = llm.engine.runner
-        bs = llm.engine.config.block_size
-        capacity = runner.num_blocks * bs
-        for batch, context in points:
-            ms = step_ms(runner.graph_runner, batch, context, bs, args.iters)
-            rows.append({"kv_cache_dtype": kv, "batch": batch, "context": context,
-                         "ms_per_step": round(ms, 3), "kv_cache_tokens": capacity,
-                         "kv_cache_gb": round(runner.kv_cache.nbytes / 1e9, 2)})
-            print(rows[-1], flush=True)
-        del llm, runner
-        torch.cuda.empty_cache()
+    for kv in ("auto", "fp8"):  # each in a process of its own: the GPU's memory back after
+        out = subprocess.run([sys.executable, "-m", "bench.kv_cache_fp8", "--model", args.model,
+                              "--points", args.points, "--iters", str(args.iters), "--one", kv],
+                             check=True, stdout=subprocess.PIPE, text=True).stdout
+        rows += json.loads(out.strip().splitlines()[-1])
     base = {(r["batch"], r["context"]): r["ms_per_step"] for r in rows
             if r["kv_cache_dtype"] == "auto"}
     for r in rows:
