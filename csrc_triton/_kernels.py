@@ -97,6 +97,7 @@ def _attn_tiles(
         v = tl.load(v_cache_ptr + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + kvh * stride_vch
                     + offs_d[None, :] * stride_vcd, mask=ld_mask, other=0.0)
         if k_cache_ptr.dtype.element_ty.is_fp8():  # half the bytes; the products in q's dtype
+            # (fp16 for a bf16 model: see the kernels' q)
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         if DOT_FP32:
@@ -207,7 +208,9 @@ def _prefill_kernel(
                 mask=q_mask, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-    elif not k_cache_ptr.dtype.element_ty.is_fp8():
+    elif k_cache_ptr.dtype.element_ty.is_fp8():
+        q = q.to(tl.float16)  # e4m3 -> fp16 is one instruction per pair; -> bf16 is not
+    else:
         q = q.to(k_cache_ptr.dtype.element_ty)
     q_pos = ctx + tok
 
@@ -288,7 +291,9 @@ def _decode_split_kernel(
                 mask=qo_mask, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-    elif not k_cache_ptr.dtype.element_ty.is_fp8():
+    elif k_cache_ptr.dtype.element_ty.is_fp8():
+        q = q.to(tl.float16)  # e4m3 -> fp16 is one instruction per pair; -> bf16 is not
+    else:
         q = q.to(k_cache_ptr.dtype.element_ty)
     q_pos = tl.zeros([BLOCK_G], dtype=tl.int32)  # unused (CAUSAL=False)
 
