@@ -826,12 +826,18 @@ class Report:
     # -- minivllm vs vLLM --
 
     def newest_vs_vllm(self) -> list[Result]:
-        """The newest vs_vllm run of each model (GPU runs first)."""
-        by_model: dict[str, Result] = {}
+        """The newest vs_vllm run of each model and variant (GPU runs first): a run of only
+        quantized engines ("W1 fp8" rows) does not stand in for the unquantized one."""
+        def variant(r: Result) -> str:
+            if any((r.data.get("offline") or {}).values()):
+                return ""
+            return ",".join(sorted(r.data.get("offline_quantized") or {}))
+
+        newest: dict[tuple[str, str], Result] = {}
         for r in sorted(self.res.vs_vllm, key=lambda r: (bool(r.env.get("gpu")), r.date,
                                                          str(r.path))):
-            by_model[r.data.get("model", "?")] = r
-        return list(by_model.values())
+            newest[r.data.get("model", "?"), variant(r)] = r
+        return list(newest.values())
 
     def vs_vllm(self) -> None:
         self.h(2, "minivllm against vLLM (each workload's two engines in one device call)")
