@@ -1,5 +1,5 @@
 """The e4m3 cast of the KV-cache stores (kv_cache_dtype="fp8", scale 1), shared by
-_kernels.py and fused.py. Loaded through _interpret.jit_helpers, so that a module's
+_kernels.py and fused.py (and quant_gemm.py's activations, interpreted). Loaded through _interpret.jit_helpers, so that a module's
 interpreted copy calls an interpreted copy of it."""
 
 import triton

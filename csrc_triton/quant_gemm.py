@@ -1,4 +1,5 @@
-"""Weight-only quantized GEMM: y = x @ dequant(W)^T (+ bias), reading the packed weights.
+"""Weight-only quantized GEMM: y = x @ dequant(W)^T (+ bias), reading the packed weights;
+and the per-token fp8 quantization of W8A8's activations.
 
 Public API (re-exported by ``csrc_triton``)
 -------------------------------------------
@@ -7,18 +8,17 @@ int8_gemm(x, qweight, scale, bias=None) -> y
 fp8_weight_gemm(x, qweight, scale, bias=None) -> y
     qweight float8_e4m3fn [N, K], scale fp32 [N]: the same with fp8 weights (small M).
 int4_gemm(x, qweight, scale, zero, group_size, bias=None) -> y
-    qweight uint8 [N, ceil(K/2)] (two weights per byte, the even input in the low
-    nibble), scale fp32 / zero uint8 [N, ceil(K/group_size)]:
-    W[n, k] = (q[n, k] - zero[n, k // g]) * scale[n, k // g].
+    qweight uint8 in int4_layout's blocks (two weights per byte), scale fp32 / zero uint8
+    [N, ceil(K/group_size)]: W[n, k] = (q[n, k] - zero[n, k // g]) * scale[n, k // g].
+fp8_quantize_rows(x) -> (e4m3 [M, K], fp32 scale [M, 1])
 
-x is [M, K] in fp32, fp16 or bf16; y has x's dtype. Each program dequantizes a [BLOCK_N,
-BLOCK_K] tile of W in registers (to x's dtype, as a dequantize-then-matmul would round
-it) and multiplies it into an fp32 accumulator, so the weights cross memory in their
-packed size: at small M, where a matmul only streams its weights, that is the whole
-speed-up. Small M also splits K across programs (partial sums in fp32, added in a fixed
-order: deterministic), so an 8B model's narrow projections still fill the GPU. A single
-row of int4 (batch-1 decode) goes to a GEMV kernel that multiplies element-wise in fp32
-instead of through tensor cores.
+x is [M, K] in fp32, fp16 or bf16; y has x's dtype. A single row (batch-1 decode) goes to
+a GEMV kernel: element-wise fp32 products over the whole of K in one program, the scale
+and bias applied before y is written. More rows go to a tensor-core kernel: each program
+dequantizes a [BLOCK_N, BLOCK_K] tile of W in registers (to x's dtype, as a
+dequantize-then-matmul would round it) into an fp32 accumulator, and small M splits K
+across programs (partial sums in fp32, added in a fixed order: deterministic). Either way
+the weights cross memory in their packed size, which at small M is the whole speed-up.
 
 Launches are free of host syncs and their grids depend only on shapes (CUDA-graph safe).
 CPU tensors run the kernels through Triton's interpreter (tests only), as in fused.py.
@@ -34,20 +34,12 @@ import triton
 import triton.language as tl
 
 from csrc_triton import _sm_count
+from csrc_triton._interpret import jit_helpers
 from csrc_triton.int4_layout import int4_half, int4_packed_bytes
 
+_fp8_cast = jit_helpers("_fp8_cast")
+
 __all__ = ["int8_gemm", "int4_gemm", "fp8_weight_gemm", "fp8_quantize_rows"]
-
-
-@triton.jit
-def _fp8_e4m3_to_f32(b):
-    """e4m3fn bytes (uint8) -> fp32 by bit arithmetic (the interpreter has no fp8 type):
-    sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal."""
-    sign = tl.where((b & 0x80) != 0, -1.0, 1.0)
-    e = ((b >> 3) & 0xF).to(tl.int32)
-    m = (b & 0x7).to(tl.float32)
-    normal = (1.0 + m / 8.0) * tl.exp2((e - 7).to(tl.float32))
-    return sign * tl.where(e == 0, m / 8.0 * 0.015625, normal)
 
 
 # Integer codes to fp32 without I2F (a quarter-rate instruction, the int4 GEMV's limit):
@@ -129,8 +121,6 @@ def _wq_gemm_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, stride_
                         mask=n_ok[:, None] & k_ok[None, :], other=0)
             if FORMAT == 0:
                 w = q.to(tl.float32)  # exact; the per-channel scale is applied at the end
-            elif INTERPRETED:
-                w = _fp8_e4m3_to_f32(q)
             else:
                 w = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             if DOT_FP32:
@@ -196,8 +186,6 @@ def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, 
                         mask=n_ok[:, None] & (k < K)[None, :], other=0)
             if FORMAT == 0:
                 w = (q.to(tl.int32) + _MAGIC_S).to(tl.float32, bitcast=True) - 12582912.0
-            elif INTERPRETED:
-                w = _fp8_e4m3_to_f32(q)
             else:
                 w = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             xk = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
@@ -210,19 +198,6 @@ def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, 
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
-def _e4m3_bits(v):
-    """fp32 within +-448 -> e4m3fn codes (int32), rounded to nearest, ties to even, by bit
-    arithmetic (for the interpreter, which has no fp8 type). n = |v| in units of e4m3's
-    last place there; the code is n below 2^-6 (subnormal) and (e + 6) * 8 + n above,
-    which also carries a mantissa rounded up to 8 into the exponent."""
-    a = tl.abs(v)
-    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    ulp = tl.exp2((tl.maximum(e, -6) - 3).to(tl.float32))
-    n = ((a / ulp + 12582912.0) - 12582912.0).to(tl.int32)
-    return tl.where(v < 0, 0x80, 0) | (tl.maximum(e + 6, 0) * 8 + n)
 
 
 @triton.jit
@@ -242,8 +217,8 @@ def _fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, BLOCK_K: 
         x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0)
         # div_rn: torch divides exactly; the default division is approximate.
         v = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale), -448.0), 448.0)
-        if INTERPRETED:
-            q = _e4m3_bits(v).to(tl.uint8)
+        if INTERPRETED:  # its own cast mis-rounds (see _fp8_cast)
+            q = _fp8_cast.to_cache(v, tl.float8e4nv).to(tl.uint8, bitcast=True)
         else:
             q = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         tl.store(q_ptr + row * stride_qm + k0 + offs, q, mask=k0 + offs < K)

@@ -236,7 +236,7 @@ def test_server_with_quantization(tiny_chat_dir, method):
 @pytest.mark.parametrize("M,N,K", [(1, 40, 200), (1, 24, 77), (5, 24, 77), (19, 33, 256)])
 def test_triton_kernels_match_the_reference(M, N, K):
     """The GPU kernels (here under Triton's interpreter) against the dequantized matmul:
-    int8, fp8 weights (decoded bit by bit here) and int4 (short last group, odd K), with a
+    int8, fp8 weights and int4 (short last group, odd K), with a
     bias, split K included."""
     import csrc_triton
 
@@ -278,8 +278,8 @@ def test_fp8_bytes_decode_exactly_in_the_kernel():
 
 
 def test_fp8_row_quantization_kernel_matches_torch():
-    """The W8A8 activations' kernel (interpreted here, its e4m3 rounding in bit
-    arithmetic) gives torch's bytes and scales: random rows of several magnitudes, a row
+    """The W8A8 activations' kernel (interpreted here, its e4m3 rounding in fp32 first)
+    gives torch's bytes and scales: random rows of several magnitudes, a row
     of zeros, subnormals, ties and values rounding up into the next binade."""
     import csrc_triton
 
