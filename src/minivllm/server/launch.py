@@ -79,9 +79,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "(dequantize, then matmul).")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                         help="The KV cache's element type: auto (the model's dtype) or fp8 "
-                             "(e4m3, half the bytes of bf16: twice the tokens). fp8 runs on "
-                             "the reference attention only so far "
-                             "(MINIVLLM_ATTENTION_BACKEND=torch on a GPU).")
+                             "(e4m3 with a scale of 1, half the bytes of bf16: twice the "
+                             "tokens).")
     parser.add_argument("--speculative-config", type=_json_object, default=None,
                         metavar="JSON",
                         help='Speculative decoding, as vLLM\'s: e.g. \'{"method": "ngram", '

@@ -180,6 +180,10 @@ class ModelRunner:
         self.startup["weights_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.kv_dtype = engine_cfg.kv_dtype(dtype)
+        if (self.kv_dtype == torch.float8_e4m3fn and device.type == "cuda"
+                and torch.cuda.get_device_capability(device) < (8, 9)):
+            raise ValueError("kv_cache_dtype='fp8' needs a GPU with fp8 (compute capability "
+                             "8.9 or newer) for its kernels; leave kv_cache_dtype='auto'.")
         self.num_blocks = self._decide_num_blocks()
         self.kv_cache = KVCache(model_cfg, self.num_blocks, self.block_size, self.kv_dtype,
                                 device)
