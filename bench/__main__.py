@@ -7,6 +7,9 @@ Commands (each a thin wrapper; `python -m bench COMMAND --help` shows its flags)
   serve-report  Markdown tables from serve JSON files                        bench.serve_report
   w3-gpu        budgeted W3 parts for the H200 (minivllm, offline, HF serve)     bench.w3_gpu
   w4            W4 on the CPU: SmolLM2-135M, minivllm vs HF generate             bench.w4_cpu
+  w7            W7 speculative decoding on SmolLM2-135M (CPU or GPU)            bench.w7_spec
+  quant-accuracy  each quantization's perplexity and agreement on SmolLM2   bench.quant_accuracy
+  kv-fp8        the fp8 KV cache's capacity and decode step time (GPU)      bench.kv_cache_fp8
   kernels       Triton kernels vs the torch reference, speed (CUDA)       bench/kernel_check.py
   lm-eval       lm-eval local-completions against minivllm serve (CPU)   bench.lm_eval_check
   w3-gpu-run    W3 on a GPU in one call (W3_SMOKE=1: on a CPU)          bench/run_w3_gpu.sh
@@ -38,6 +41,9 @@ COMMANDS = {
     "w3-gpu": ("bench.w3_gpu", "argv"),
     "gpu-check": ("bench.gpu_check", "sys.argv"),
     "w4": ("bench.w4_cpu", "sys.argv"),
+    "w7": ("bench.w7_spec", "sys.argv"),
+    "quant-accuracy": ("bench.quant_accuracy", "sys.argv"),
+    "kv-fp8": ("bench.kv_cache_fp8", "sys.argv"),
     "kernels": (str(BENCH_DIR / "kernel_check.py"), "script"),
     "lm-eval": ("bench.lm_eval_check", "argv"),
     "w3-gpu-run": (str(BENCH_DIR / "run_w3_gpu.sh"), "bash"),
