@@ -1,6 +1,7 @@
 """The e4m3 cast of the KV-cache stores (kv_cache_dtype="fp8", scale 1), shared by
-_kernels.py and fused.py (and quant_gemm.py's activations, interpreted). Loaded through _interpret.jit_helpers, so that a module's
-interpreted copy calls an interpreted copy of it."""
+_kernels.py and fused.py (and by quant_gemm.py's activations when interpreted). Loaded
+through _interpret.jit_helpers, so that a module's interpreted copy calls an interpreted
+copy of it."""
 
 import triton
 import triton.language as tl

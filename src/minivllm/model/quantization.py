@@ -10,11 +10,11 @@ Methods (vLLM's names):
         scale and a zero point (asymmetric, round to nearest); two weights per byte,
         in blocks laid out for the kernels (int4_half).
 
-On a GPU, int8 and int4 go through Triton kernels that read the packed weights
-(csrc_triton/quant_gemm.py). Every method also runs through a reference path (the weight
-dequantized, then an fp32 matmul), which is what the CPU uses: slow, exact to the stored
-numbers, and what the kernels are tested against. Only the decoder layers' projections are quantized; the
-embeddings and the LM head keep the model's dtype (as vLLM does).
+On a GPU, int8, int4 and fp8's small steps go through Triton kernels that read the
+packed weights (csrc_triton/quant_gemm.py). Every method also runs through a reference
+path (the weight dequantized, then an fp32 matmul), which is what the CPU uses: slow,
+exact to the stored numbers, and what the kernels are tested against. Only the decoder layers' projections
+are quantized; the embeddings and the LM head keep the model's dtype (as vLLM does).
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ import torch
 from torch import nn
 
 import csrc_triton
-from csrc_triton.int4_layout import int4_half, int4_packed_bytes, pack_int4, unpack_int4  # noqa: F401
+# The packed int4 layout's helpers, also used from here by the loaders and tests.
+from csrc_triton.int4_layout import (int4_half, int4_packed_bytes, pack_int4,  # noqa: F401
+                                     unpack_int4)
 
 METHODS = ("fp8", "int8", "int4")
 CHECKPOINT_METHODS = ("gptq", "awq")  # read from a quantized checkpoint (prequantized.py)
