@@ -8,8 +8,8 @@ paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
 paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale,
                        max_seq_len, out=None, num_splits=None)
 decode_num_splits(num_seqs, num_kv_heads, max_seq_len, device=None)
-int8_gemm(x, qweight, scale, bias=None), int4_gemm(x, qweight, scale, zero, group_size,
-          bias=None): weight-only quantized matmuls (quant_gemm.py)
+int8_gemm, int4_gemm, fp8_weight_gemm, fp8_quantize_rows: weight-only quantized
+          matmuls and W8A8's activation quantization (quant_gemm.py)
 
 KV cache layout (per layer): ``k_cache``/``v_cache`` of shape
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; a token's slot is

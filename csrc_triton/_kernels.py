@@ -27,7 +27,6 @@ from csrc_triton._interpret import jit_helpers
 _fp8_cast = jit_helpers("_fp8_cast")
 
 
-
 @triton.jit
 def _store_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,

@@ -81,8 +81,7 @@ def _int4_tile(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, k0, stride_wn, stride_s
 def _wq_gemm_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, stride_xm,
                     stride_wn, stride_sn, stride_os, stride_om, k_per_split,
                     FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
-                    INTERPRETED: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
     """FORMAT 0: int8, 1: fp8 e4m3 (both with a per-channel scale applied at the end),
     2: int4 (two per byte, groups with scale and zero point)."""
     pid_m = tl.program_id(0)
@@ -310,8 +309,7 @@ def _launch_gemm(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
         x, w, scale, zero if zero is not None else scale, partial, M, N, K, x.stride(0),
         w.stride(0), scale.stride(0) if fmt == "int4" else 0, partial.stride(0),
         partial.stride(1), k_per_split, FORMAT=_FORMATS[fmt], GROUP=group, BLOCK_M=bm,
-        BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=x.dtype == torch.float32 or interpreted,
-        INTERPRETED=interpreted, **opts)
+        BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=x.dtype == torch.float32 or interpreted, **opts)
     return partial[0] if split == 1 else partial.sum(0)
 
 

@@ -19,7 +19,7 @@ inputs:
        [groups, out / 8], both packed along the output dimension in the order
        AWQ_ORDER (nibble i of word c is output 8c + AWQ_ORDER[i]).
 Weight (k, n) = (q - zero) * scale of its group, as in the int4 layout (which holds it
-as [out, in / 2] bytes with [out, groups] scales and zero points).
+as csrc_triton/int4_layout.py's bytes, [out, groups] scales and zero points).
 """
 
 from __future__ import annotations
