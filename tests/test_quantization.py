@@ -356,3 +356,92 @@ def test_fp8_kv_cache(tiny_model_dirs, monkeypatch):
     assert kernels.engine.scheduler.pool.all_free()
     with pytest.raises(ValueError, match="kv_cache_dtype must be"):
         LLM(str(tiny_model_dirs["qwen3"]), kv_cache_dtype="int8", **kw)
+
+def _gemv_weights(linear: torch.nn.Linear, fmt: str):
+    """GemvWeights of linear in fmt ("w16": the linear itself), and the weight they give."""
+    import csrc_triton
+
+    if fmt == "w16":
+        return (csrc_triton.GemvWeights("w16", linear.weight.detach(), None, None,
+                                        linear.in_features, linear.bias.detach()),
+                linear.weight.detach().float())
+    layer = QuantizedLinear.from_linear(linear, fmt)
+    return layer.gemv_weights(), layer.dequantized_weight()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K", [200, 77])
+def test_single_row_gemv_prologues(dtype, K):
+    """The batch-1 projections with the kernel before them inside (interpreted here): the
+    norm (with and without a residual) and silu * up give the separate fused kernels'
+    inputs, then the format's matmul; the new residual is fused_add_rms_norm's, exactly."""
+    import csrc_triton
+
+    torch.manual_seed(11)
+    linear = torch.nn.Linear(K, 24, bias=True).to(dtype)
+    x, res = torch.randn(1, K).to(dtype), torch.randn(1, K).to(dtype)
+    norm_w = (torch.rand(K) + 0.5).to(dtype)
+    gate_up = (torch.randn(1, 2 * K) * 3).to(dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
+    for fmt in ("int8", "fp8", "int4") + (("w16",) if dtype != torch.float32 else ()):
+        wts, w = _gemv_weights(linear, fmt)
+
+        def project(h):
+            return (h.float() @ w.t() + linear.bias.detach().float()).to(dtype)
+
+        h, want_res = csrc_triton.fused_add_rms_norm(x, res.clone(), norm_w, 1e-6)
+        y, new_res = csrc_triton.rms_norm_gemv(x, res, norm_w, 1e-6, wts)
+        assert torch.equal(new_res, want_res) and new_res.data_ptr() != res.data_ptr()
+        torch.testing.assert_close(y, project(h), **tol)
+        y, same = csrc_triton.rms_norm_gemv(x, None, norm_w, 1e-6, wts)
+        assert torch.equal(same, x)
+        torch.testing.assert_close(y, project(csrc_triton.rms_norm(x, norm_w, 1e-6)), **tol)
+        y = csrc_triton.silu_mul_gemv(gate_up, wts)
+        torch.testing.assert_close(y, project(csrc_triton.silu_and_mul(gate_up)), **tol)
+
+
+def test_single_row_gemv_prologue_values_are_the_fused_kernels():
+    """Through the identity (16-bit weights: every product exact) the GEMV's output is its
+    prologue's values: silu * up bit for bit, the norm within one bf16 step (its sum of
+    squares is added in another order)."""
+    import csrc_triton
+
+    torch.manual_seed(12)
+    K = 96
+    eye = torch.eye(K, dtype=torch.bfloat16)
+    wts = csrc_triton.GemvWeights("w16", eye, None, None, K, None)
+    gate_up = (torch.randn(1, 2 * K) * 4).to(torch.bfloat16)
+    assert torch.equal(csrc_triton.silu_mul_gemv(gate_up, wts),
+                       csrc_triton.silu_and_mul(gate_up))
+    x, res = torch.randn(1, K).to(torch.bfloat16), torch.randn(1, K).to(torch.bfloat16)
+    norm_w = (torch.rand(K) + 0.5).to(torch.bfloat16)
+    y, _ = csrc_triton.rms_norm_gemv(x, res, norm_w, 1e-6, wts)
+    want, _ = csrc_triton.fused_add_rms_norm(x, res.clone(), norm_w, 1e-6)
+    step = want.float().abs() * 2.0 ** -7
+    assert ((y.float() - want.float()).abs() <= step).all()
+
+
+@pytest.mark.parametrize("method,dtype", [("int4", "float32"), (None, "bfloat16")])
+def test_single_row_gemv_in_the_engine(tiny_model_dirs, monkeypatch, method, dtype):
+    """One sequence through the GPU model path (Triton's interpreter here): its decode
+    steps take the projections with the norms and silu * up inside, and give the tokens
+    of the separate kernels (MINIVLLM_SINGLE_ROW_GEMV=0)."""
+    pytest.importorskip("triton")
+    import csrc_triton
+
+    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "triton")
+    monkeypatch.setenv("MINIVLLM_FUSED_OPS", "1")
+    prompt = random_prompts(1, 256, 7, 7, seed=14)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    kw = dict(skip_tokenizer_init=True, max_model_len=64, block_size=8, max_num_seqs=2,
+              quantization=method, dtype=dtype, enforce_eager=True)
+    calls = []
+    real = csrc_triton.rms_norm_gemv
+    monkeypatch.setattr(csrc_triton, "rms_norm_gemv", lambda *a: calls.append(1) or real(*a))
+    got = LLM(str(tiny_model_dirs["qwen2"]), **kw).generate(prompt, params, use_tqdm=False)
+    assert len(calls) >= 2 * 4  # two per layer and decode step
+    monkeypatch.setenv("MINIVLLM_SINGLE_ROW_GEMV", "0")
+    calls.clear()
+    want = LLM(str(tiny_model_dirs["qwen2"]), **kw).generate(prompt, params, use_tqdm=False)
+    assert not calls
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
