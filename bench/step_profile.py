@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--workload", default="W5")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--quantization", default=None, help="e.g. fp8, int4 (minivllm's names)")
     ap.add_argument("--work", default="/tmp/minivllm-profile")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -33,7 +34,7 @@ def main() -> None:
 
     folder, cfg = model_folder(args.model, False, Path(args.work))
     w = workloads(False, cfg["vocab_size"])[args.workload.upper()]
-    engine = MinivllmEngine(folder, False)
+    engine = MinivllmEngine(folder, False, quantization=args.quantization)
     engine.generate(w.warm_up())
     engine.generate(w.requests(0, args.requests))  # every shape compiled and warm
     reqs = w.requests(1, args.requests)
@@ -53,6 +54,7 @@ def main() -> None:
              "calls": len(v), "us_per_call": round(1e3 * sum(v) / len(v), 2)} for k, v in top]
     tokens = sum(len(p) for p, _ in reqs) + sum(o for _, o in reqs)
     record = {"benchmark": "step_profile", "model": args.model, "workload": args.workload,
+              "quantization": args.quantization,
               "requests": len(reqs), "tokens": tokens, "wall_ms": round(wall * 1e3, 2),
               "kernel_ms": round(busy, 2), "gpu_busy": round(busy / (wall * 1e3), 3),
               "environment": environment(), "top_kernels": rows}
