@@ -10,8 +10,6 @@ paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale,
 decode_num_splits(num_seqs, num_kv_heads, max_seq_len, device=None)
 int8_gemm, int4_gemm, fp8_weight_gemm, fp8_quantize_rows: weight-only quantized
           matmuls and W8A8's activation quantization (quant_gemm.py)
-rms_norm_gemv, silu_mul_gemv (GemvWeights): a batch-1 projection with the norm or the
-          SwiGLU product before it in the same launch (quant_gemm.py)
 
 KV cache layout (per layer): ``k_cache``/``v_cache`` of shape
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; a token's slot is
@@ -390,8 +388,7 @@ __all__ += list(_FUSED_EXPORTS)
 
 
 # weight-only quantized GEMMs (csrc_triton/quant_gemm.py), imported the same way
-_QUANT_EXPORTS = ("int8_gemm", "int4_gemm", "fp8_weight_gemm", "fp8_quantize_rows",
-                  "GemvWeights", "rms_norm_gemv", "silu_mul_gemv")
+_QUANT_EXPORTS = ("int8_gemm", "int4_gemm", "fp8_weight_gemm", "fp8_quantize_rows")
 __all__ += list(_QUANT_EXPORTS)
 
 

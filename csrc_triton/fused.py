@@ -26,7 +26,7 @@ module's kernels (compiled, or interpreted if ``TRITON_INTERPRET=1`` was set
 when it was imported); CPU tensors always use a second copy of this file
 loaded under ``TRITON_INTERPRET=1`` (Triton's interpreter; slow, tests only).
 Under the interpreter bf16 casts truncate instead of rounding, so the kernels
-round to bf16 by hand there (``_numerics.rne_bf16``); compiled kernels use the native
+round to bf16 by hand there (``_rne_bf16``); compiled kernels use the native
 round-to-nearest-even conversion.  Compiled launches pass
 ``enable_fp_fusion=False`` so no multiply-add is contracted into an FMA that
 PyTorch would not use.
@@ -46,8 +46,10 @@ from csrc_triton._interpret import jit_helpers
 
 _fp8_cast = jit_helpers("_fp8_cast")
 
-_numerics = jit_helpers("_numerics")
-_round, _row_sum, _inv_rms = _numerics.round_to, _numerics.sum_last, _numerics.inv_rms
+try:  # CUDA's own expf/rsqrtf (what PyTorch's CUDA kernels call)
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - very old triton
+    libdevice = None
 
 __all__ = [
     "rms_norm",
@@ -70,6 +72,58 @@ _ROPE_TILE = {True: 8192, False: 2048}
 # ============================================================================
 # kernels
 # ============================================================================
+@triton.jit
+def _rne_bf16(x):
+    """fp32 -> the nearest-even bf16 value, kept in fp32 (exactly convertible
+    to bf16 afterwards, even by the interpreter's truncating cast)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _round(x, DT: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Round fp32 ``x`` to dtype code DT (0 fp32: no-op, 1 fp16, 2 bf16),
+    returning fp32: what PyTorch's ``op(...).to(dtype)`` would hold."""
+    y = x
+    if DT == 1:
+        y = x.to(tl.float16).to(tl.float32)
+    if DT == 2:
+        if INTERPRETED:
+            y = _rne_bf16(x)
+        else:
+            y = x.to(tl.bfloat16).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _row_sum(x, INTERPRETED: tl.constexpr):
+    """Sum over axis 1.  Under the interpreter, tl.sum is unusable when
+    triton itself was imported without TRITON_INTERPRET=1 (it is then a
+    compiled-only @jit helper), so reduce with our own combine function."""
+    if INTERPRETED:
+        s = tl.reduce(x, 1, _add)
+    else:
+        s = tl.sum(x, axis=1)
+    return s
+
+
+@triton.jit
+def _inv_rms(sumsq, eps, inv_d, d_f, INTERPRETED: tl.constexpr):
+    """rsqrt(mean(x^2) + eps) as PyTorch computes it: on CPU mean = sum / n
+    and rsqrt = 1 / sqrt; on CUDA mean = sum * (1/n) and rsqrt = rsqrtf."""
+    if INTERPRETED:
+        r = 1.0 / tl.sqrt(sumsq / d_f + eps)
+    else:
+        r = libdevice.rsqrt(sumsq * inv_d + eps)
+    return r
+
+
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
@@ -219,7 +273,12 @@ def _silu_and_mul_kernel(
     row = x_ptr + t * sx_t
     g = tl.load(row + offs * sx_d, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(row + (offs + I) * sx_d, mask=mask, other=0.0).to(tl.float32)
-    s = _round(_numerics.silu(g, INTERPRETED), DT, INTERPRETED)
+    # F.silu: x / (1 + exp(-x)) in fp32 (CUDA: expf and an IEEE division)
+    if INTERPRETED:
+        s = g / (1.0 + tl.exp(-g))
+    else:
+        s = tl.math.div_rn(g, 1.0 + libdevice.exp(-g))
+    s = _round(s, DT, INTERPRETED)
     y = _round(s * u, DT, INTERPRETED)
     tl.store(out_ptr + t * so_t + offs * so_d, y.to(out_ptr.dtype.element_ty), mask=mask)
 

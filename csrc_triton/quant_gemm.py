@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import NamedTuple
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -40,10 +38,8 @@ from csrc_triton._interpret import jit_helpers
 from csrc_triton.int4_layout import int4_half, int4_packed_bytes
 
 _fp8_cast = jit_helpers("_fp8_cast")
-_numerics = jit_helpers("_numerics")
 
-__all__ = ["int8_gemm", "int4_gemm", "fp8_weight_gemm", "fp8_quantize_rows", "GemvWeights",
-           "rms_norm_gemv", "silu_mul_gemv"]
+__all__ = ["int8_gemm", "int4_gemm", "fp8_weight_gemm", "fp8_quantize_rows"]
 
 
 # Integer codes to fp32 without I2F (a quarter-rate instruction, the int4 GEMV's limit):
@@ -138,66 +134,23 @@ def _wq_gemm_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, stride_
 
 
 @triton.jit
-def _gemv_input(x_ptr, res_ptr, norm_w_ptr, k, K, rstd, PROLOGUE: tl.constexpr,
-                HAS_RES: tl.constexpr, X_DT: tl.constexpr, INTERPRETED: tl.constexpr):
-    """The GEMV's inputs k (any shape of offsets) in fp32, after its prologue, rounded
-    where PyTorch's separate ops round (fused.py's kernels give the same values):
-    PROLOGUE 0 x itself; 1 RMSNorm of x (+ residual) with the inverse root rstd;
-    2 silu(gate) * up of x = [gate | up] (2 K values)."""
-    ok = k < K
-    if PROLOGUE == 2:
-        g = tl.load(x_ptr + k, mask=ok, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + K + k, mask=ok, other=0.0).to(tl.float32)
-        s = _numerics.round_to(_numerics.silu(g, INTERPRETED), X_DT, INTERPRETED)
-        v = _numerics.round_to(s * u, X_DT, INTERPRETED)
-    else:
-        v = tl.load(x_ptr + k, mask=ok, other=0.0).to(tl.float32)
-        if PROLOGUE == 1:
-            if HAS_RES:
-                r = tl.load(res_ptr + k, mask=ok, other=0.0).to(tl.float32)
-                v = _numerics.round_to(r + v, X_DT, INTERPRETED)
-            n = _numerics.round_to(v * rstd, X_DT, INTERPRETED)
-            w = tl.load(norm_w_ptr + k, mask=ok, other=0.0).to(tl.float32)
-            v = _numerics.round_to(w * n, X_DT, INTERPRETED)
-    return v
+def _add(a, b):
+    return a + b
 
 
 @triton.jit
-def _wq_gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, scale_ptr, zero_ptr,
-                    bias_ptr, out_ptr, N, K, stride_wn, stride_sn, eps, inv_k, k_f,
-                    FORMAT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr,
-                    X_DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, stride_wn,
+                    stride_sn, FORMAT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     INTERPRETED: tl.constexpr):
-    """One row of x against BLOCK_N rows of weights (batch-1 decode), the whole of K in
-    one program: products accumulated element-wise in fp32 and summed over K once at the
-    end, the scale and bias applied and y written in x's dtype (no partial sums and no
-    second kernel). Tensor cores would pad the one row to 16 and shuffle operands for
-    nothing: the weights are only streamed. FORMAT 0 int8, 1 fp8, 2 int4, 3 the model's
-    own 16-bit weights. The prologue (see _gemv_input) folds the kernel before the
-    projection into it: one launch fewer, at batch 1 a chain of latency-bound ones."""
+    """One row of x against BLOCK_N rows of quantized weights (batch-1 decode), the whole
+    of K in one program: products accumulated element-wise in fp32 and summed over K once
+    at the end, the scale and bias applied and y written in x's dtype (no partial sums
+    and no second kernel). Tensor cores would pad the one row to 16 and shuffle operands
+    for nothing: the weights are only streamed."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    rstd = 0.0
-    if PROLOGUE == 1:
-        # RMSNorm's inverse root over the row x (+ residual, rounded as PyTorch's add), as
-        # fused.py's norm computes it. With a residual, program 0 also stores the sum (the
-        # new residual, in a buffer of its own: the other programs still read the old).
-        offs = tl.arange(0, BLOCK_K)
-        sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + offs
-            v = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            if HAS_RES:
-                r = tl.load(res_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                v = _numerics.round_to(r + v, X_DT, INTERPRETED)
-                first = (k * 0 + pid) == 0  # (a scalar in a mask trips the interpreter)
-                tl.store(res_out_ptr + k, v.to(res_out_ptr.dtype.element_ty),
-                         mask=(k < K) & first)
-            sq += v * v
-        rstd = _numerics.inv_rms(_numerics.sum_last(sq[None, :], INTERPRETED), eps, inv_k,
-                                 k_f, INTERPRETED)
     if FORMAT == 2:
         # A tile of BLOCK_K inputs is BLOCKS packed blocks: bytes [BLOCK_N, BLOCKS, HALF].
         BLOCKS: tl.constexpr = BLOCK_K // (2 * HALF)
@@ -216,13 +169,11 @@ def _wq_gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, scale_ptr, z
             z = tl.load(zero_ptr + sz, mask=sz_ok, other=0).to(tl.float32)
             lo, hi = _int4_codes(b, z[:, :, None])
             k_lo = blk[:, None] * (2 * HALF) + offs_j[None, :]
-            x_lo = _gemv_input(x_ptr, res_ptr, norm_w_ptr, k_lo, K, rstd, PROLOGUE, HAS_RES,
-                               X_DT, INTERPRETED)
-            x_hi = _gemv_input(x_ptr, res_ptr, norm_w_ptr, k_lo + HALF, K, rstd, PROLOGUE,
-                               HAS_RES, X_DT, INTERPRETED)
+            x_lo = tl.load(x_ptr + k_lo, mask=k_lo < K, other=0.0).to(tl.float32)
+            x_hi = tl.load(x_ptr + k_lo + HALF, mask=k_lo + HALF < K, other=0.0).to(tl.float32)
             acc += (lo * x_lo[None, :, :] + hi * x_hi[None, :, :]) * s[:, :, None]
-        if INTERPRETED:  # tl.sum is a compiled-only helper here (see _numerics.sum_last)
-            y = tl.reduce(tl.reduce(acc, 2, _numerics.add), 1, _numerics.add)
+        if INTERPRETED:  # tl.sum is a compiled-only helper here (see fused.py's _row_sum)
+            y = tl.reduce(tl.reduce(acc, 2, _add), 1, _add)
         else:
             y = tl.sum(tl.sum(acc, axis=2), axis=1)
     else:
@@ -234,16 +185,15 @@ def _wq_gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, scale_ptr, z
                         mask=n_ok[:, None] & (k < K)[None, :], other=0)
             if FORMAT == 0:
                 w = (q.to(tl.int32) + _MAGIC_S).to(tl.float32, bitcast=True) - 12582912.0
-            elif FORMAT == 1:
-                w = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             else:
-                w = q.to(tl.float32)
-            xk = _gemv_input(x_ptr, res_ptr, norm_w_ptr, k, K, rstd, PROLOGUE, HAS_RES, X_DT,
-                             INTERPRETED)
+                w = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            xk = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
             acc += w * xk[None, :]
-        y = _numerics.sum_last(acc, INTERPRETED)
-        if FORMAT != 3:
-            y = y * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
+        if INTERPRETED:
+            y = tl.reduce(acc, 1, _add)
+        else:
+            y = tl.sum(acc, axis=1)
+        y = y * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -316,20 +266,7 @@ def _config(M: int, N: int, K: int, device: torch.device, interpreted: bool):
     return 128, 128, 64, 1, 8, 3
 
 
-_FORMATS = {"int8": 0, "fp8": 1, "int4": 2, "w16": 3}
-_X_DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # _numerics.round_to's codes
-
-
-class GemvWeights(NamedTuple):
-    """A projection's weights as the GEMV kernel reads them. fmt "int8", "fp8", "int4" (as
-    int8_gemm, fp8_weight_gemm, int4_gemm take them) or "w16": the model's own fp16/bf16
-    weight [N, K] (scale and zero None)."""
-    fmt: str
-    weight: torch.Tensor
-    scale: torch.Tensor | None
-    zero: torch.Tensor | None
-    group: int  # int4's group size
-    bias: torch.Tensor | None
+_FORMATS = {"int8": 0, "fp8": 1, "int4": 2}
 
 
 def gemv_config(fmt: str, half: int, interpreted: bool = False):
@@ -341,62 +278,18 @@ def gemv_config(fmt: str, half: int, interpreted: bool = False):
     return bn, bk, warps
 
 
-def _launch_gemv(mod, interpreted: bool, x: torch.Tensor, K: int, wts: GemvWeights,
-                 prologue: int = 0, residual=None, residual_out=None, norm_weight=None,
-                 eps: float = 0.0, config=None) -> torch.Tensor:
-    fmt = wts.fmt
-    w = wts.weight.view(torch.uint8) if fmt == "fp8" else wts.weight
-    N = w.shape[0]
-    half = int4_half(wts.group, K) if fmt == "int4" else 0
-    bn, bk, warps = config or gemv_config(fmt, half, interpreted)
+def _launch_gemv(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
+                 scale: torch.Tensor, zero, bias, fmt: str, group: int, half: int, N: int,
+                 config) -> torch.Tensor:
+    bn, bk, warps = config
     out = torch.empty((1, N), dtype=x.dtype, device=x.device)
-    some = wts.scale if wts.scale is not None else w  # a pointer for the unused arguments
     opts = {} if interpreted else {"num_warps": warps, "num_stages": 2}
     mod._wq_gemv_kernel[(triton.cdiv(N, bn),)](
-        x, some if residual is None else residual, some if residual_out is None else residual_out,
-        some if norm_weight is None else norm_weight, w, some,
-        some if wts.zero is None else wts.zero, some if wts.bias is None else wts.bias,
-        out, N, K, w.stride(0), wts.scale.stride(0) if fmt == "int4" else 0, float(eps),
-        float(np.float32(1.0) / np.float32(K)), float(K),
-        FORMAT=_FORMATS[fmt], GROUP=wts.group, HALF=half, HAS_BIAS=wts.bias is not None,
-        PROLOGUE=prologue, HAS_RES=residual is not None, X_DT=_X_DT[x.dtype], BLOCK_N=bn,
+        x, w, scale, zero if zero is not None else scale, bias if bias is not None else scale,
+        out, N, x.shape[1], w.stride(0), scale.stride(0) if fmt == "int4" else 0,
+        FORMAT=_FORMATS[fmt], GROUP=group, HALF=half, HAS_BIAS=bias is not None, BLOCK_N=bn,
         BLOCK_K=bk, INTERPRETED=interpreted, **opts)
     return out
-
-
-def _single_row(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
-    if x.numel() != width:
-        raise ValueError(f"{what} must be one row of {width}, got {tuple(x.shape)}")
-    return x.reshape(1, width).contiguous()
-
-
-def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                  eps: float, wts: GemvWeights) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row (batch-1 decode): new_residual = residual + x (x alone without a residual),
-    y = norm(new_residual) @ W^T (+ bias) in one launch; fused.py's fused_add_rms_norm and
-    a projection, the same rounding. Returns (y [1, N], new_residual [1, K]), the latter
-    a new tensor (the residual is read by every program, so it is not updated in place)."""
-    K = norm_weight.shape[0]
-    x = _single_row(x, K, "x")
-    if norm_weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
-        raise TypeError("rms_norm_gemv: x, residual and the norm's weight need one dtype")
-    mod, interpreted = _kernels_for(x.device)
-    if residual is None:
-        y = _launch_gemv(mod, interpreted, x, K, wts, 1, norm_weight=norm_weight, eps=eps)
-        return y, x
-    residual = _single_row(residual, K, "residual")
-    new_residual = torch.empty_like(residual)
-    y = _launch_gemv(mod, interpreted, x, K, wts, 1, residual, new_residual, norm_weight, eps)
-    return y, new_residual
-
-
-def silu_mul_gemv(gate_up: torch.Tensor, wts: GemvWeights) -> torch.Tensor:
-    """One row [gate | up] of 2 K values: (silu(gate) * up) @ W^T (+ bias) in one launch;
-    fused.py's silu_and_mul and a projection, the same rounding."""
-    K = gate_up.shape[-1] // 2
-    x = _single_row(gate_up, 2 * K, "gate_up")
-    mod, interpreted = _kernels_for(x.device)
-    return _launch_gemv(mod, interpreted, x, K, wts, 2)
 
 
 def _launch_gemm(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
@@ -428,8 +321,8 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero, f
     w = qweight.view(torch.uint8) if fmt == "fp8" else qweight
     half = int4_half(group, x.shape[1]) if fmt == "int4" else 0
     if x.shape[0] == 1:
-        return _launch_gemv(mod, interpreted, x, x.shape[1],
-                            GemvWeights(fmt, qweight, scale, zero, group, bias))
+        return _launch_gemv(mod, interpreted, x, w, scale, zero, bias, fmt, group, half, N,
+                            gemv_config(fmt, half, interpreted))
     y = _launch_gemm(mod, interpreted, x, w, scale, zero, fmt, group, half, N)
     if bias is not None:
         y = y + bias.float()

@@ -33,33 +33,6 @@ def test_kernels_match_the_reference(dtype, M, N, K):
         assert err < tol, (method, M, float(err))
 
 
-@pytest.mark.parametrize("N,K", [(6144, 4096), (200, 4160), (4096, 14336)])
-def test_single_row_gemv_prologues_compiled(N, K):
-    """The batch-1 GEMV with the norm or silu * up inside, compiled: within bf16 rounding
-    of the separate kernels and the matmul, for each format; the new residual exact."""
-    import csrc_triton
-    from test_quantization import _gemv_weights
-
-    torch.manual_seed(1)
-    linear = torch.nn.Linear(K, N, bias=True, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
-    res = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
-    norm_w = (torch.rand(K, device="cuda") + 0.5).to(torch.bfloat16)
-    gate_up = torch.randn(1, 2 * K, device="cuda", dtype=torch.bfloat16) * 3
-    for fmt in ("w16", "int8", "fp8", "int4"):
-        wts, w = _gemv_weights(linear, fmt)
-
-        def project(h):
-            return h.float() @ w.t() + linear.bias.float()
-
-        h, want_res = csrc_triton.fused_add_rms_norm(x, res.clone(), norm_w, 1e-6)
-        y, new_res = csrc_triton.rms_norm_gemv(x, res, norm_w, 1e-6, wts)
-        assert torch.equal(new_res, want_res)
-        for got, want in ((y, project(h)),
-                          (csrc_triton.silu_mul_gemv(gate_up, wts),
-                           project(csrc_triton.silu_and_mul(gate_up)))):
-            err = (got.float() - want).norm() / want.norm()
-            assert err < 1e-2, (fmt, float(err))
 
 
 @pytest.mark.parametrize("M,K", [(1, 4096), (300, 4160)])

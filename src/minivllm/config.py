@@ -38,13 +38,6 @@ def pipelining_enabled() -> bool:
     return _env_flag("MINIVLLM_PIPELINE", True)
 
 
-def single_row_gemv_enabled() -> bool:
-    """MINIVLLM_SINGLE_ROW_GEMV=0: a one-token step on the GPU runs each norm and SwiGLU
-    product as a kernel of its own before the projection, instead of inside the
-    projection's GEMV kernel (csrc_triton.rms_norm_gemv / silu_mul_gemv)."""
-    return _env_flag("MINIVLLM_SINGLE_ROW_GEMV", True)
-
-
 def decode_prelude_enabled() -> bool:
     """MINIVLLM_DECODE_PRELUDE=0: no split-K GEMM before each decode graph replay (see
     cuda_graph_runner.make_prelude). It kept the H200's graph kernels close together, W2

@@ -14,8 +14,6 @@ from torch import nn
 
 import csrc_triton
 
-from ..config import single_row_gemv_enabled
-
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -96,39 +94,10 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.fused_ops = fused_ops
-        self.single_row_gemv = fused_ops and single_row_gemv_enabled()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act_and_down(self.gate_up_proj(x))
-
-    def act_and_down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up, then the down projection; one kernel for a single token on
-        the GPU (see single_row_gemv)."""
+        gate_up = self.gate_up_proj(x)
         if self.fused_ops:
-            wts = single_row_gemv(self.down_proj, gate_up) if self.single_row_gemv else None
-            if wts is not None:
-                return csrc_triton.silu_mul_gemv(gate_up, wts)
             return self.down_proj(csrc_triton.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
-
-
-def single_row_gemv(proj: nn.Module, x: torch.Tensor):
-    """proj's weights for csrc_triton's GEMV kernels (GemvWeights) when x is a single
-    token and proj has 16-bit or quantized weights, so that the kernel before
-    the projection can run inside it (rms_norm_gemv, silu_mul_gemv); else None. The
-    layers ask only where the fused kernels run (on a CPU: tests, under Triton's
-    interpreter) and MINIVLLM_SINGLE_ROW_GEMV is on (config.single_row_gemv_enabled). fp32
-    weights keep cuBLAS (the fp32 parity path), and torch.compile traces its own way."""
-    if x.shape[0] != 1:
-        return None
-    if torch.compiler.is_compiling():
-        return None
-    gemv_weights = getattr(proj, "gemv_weights", None)
-    if gemv_weights is not None:  # a QuantizedLinear
-        return gemv_weights()
-    if (isinstance(proj, nn.Linear) and proj.weight.dtype in (torch.float16, torch.bfloat16)
-            and proj.weight.dtype == x.dtype):
-        return csrc_triton.GemvWeights("w16", proj.weight, None, None, proj.in_features,
-                                       proj.bias)
-    return None

@@ -19,7 +19,7 @@ import csrc_triton
 
 from ..config import ModelConfig
 from .attention import AttentionMetadata, PagedAttention
-from .layers import GatedMLP, RMSNorm, RotaryEmbedding, single_row_gemv
+from .layers import GatedMLP, RMSNorm, RotaryEmbedding
 from .prequantized import PackedParts
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -48,11 +48,7 @@ class DecoderAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        return self.from_qkv(self.qkv_proj(x), positions, kv_cache, meta)
-
-    def from_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                 meta: AttentionMetadata) -> torch.Tensor:
-        """Attention and the output projection, from the q/k/v projection's output."""
+        qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -86,19 +82,6 @@ def add_and_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
     return norm(residual), residual
 
 
-def norm_and_project(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
-                     proj: nn.Module, fused_ops: bool, gemv: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """add_and_norm, then proj. Returns (projected, residual). With `gemv`, a single token
-    on the GPU (batch-1 decode) takes one kernel, the norm inside the projection's GEMV:
-    at batch 1 a step is a chain of latency-bound launches."""
-    wts = single_row_gemv(proj, x) if gemv else None
-    if wts is not None:
-        return csrc_triton.rms_norm_gemv(x, residual, norm.weight, norm.eps, wts)
-    h, residual = add_and_norm(x, residual, norm, fused_ops)
-    return proj(h), residual
-
-
 class DecoderLayer(nn.Module):
     """Carries the residual stream separately (vLLM's layout) so the residual add and
     the next norm can be one fused kernel: layer i adds its input to the residual."""
@@ -115,13 +98,10 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        gemv = self.fused_ops and self.mlp.single_row_gemv
-        qkv, residual = norm_and_project(x, residual, self.input_layernorm,
-                                         self.self_attn.qkv_proj, self.fused_ops, gemv)
-        h = self.self_attn.from_qkv(qkv, positions, kv_cache, meta)
-        gate_up, residual = norm_and_project(h, residual, self.post_attention_layernorm,
-                                             self.mlp.gate_up_proj, self.fused_ops, gemv)
-        return self.mlp.act_and_down(gate_up), residual
+        h, residual = add_and_norm(x, residual, self.input_layernorm, self.fused_ops)
+        h = self.self_attn(h, positions, kv_cache, meta)
+        h, residual = add_and_norm(h, residual, self.post_attention_layernorm, self.fused_ops)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):

@@ -194,13 +194,6 @@ class QuantizedLinear(nn.Module):
                                    self.group_size)
         return self.qweight.float() * self.scale[:, None]
 
-    def gemv_weights(self) -> csrc_triton.GemvWeights:
-        """The weights as the single-row GEMV kernels take them (model/layers.py's
-        single_row_gemv): what forward() runs for one token, with a prologue."""
-        return csrc_triton.GemvWeights(self.method, self.qweight, self.scale,
-                                       getattr(self, "zero", None), self.group_size,
-                                       self.bias)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_cuda:
             return self.reference(x)
