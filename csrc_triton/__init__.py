@@ -10,6 +10,7 @@ paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale,
 decode_num_splits(num_seqs, num_kv_heads, max_seq_len, device=None)
 int8_gemm, int4_gemm, fp8_weight_gemm, fp8_quantize_rows: weight-only quantized
           matmuls and W8A8's activation quantization (quant_gemm.py)
+linear_gemv: a single row against 16-bit weights, the same GEMV kernel (quant_gemm.py)
 
 KV cache layout (per layer): ``k_cache``/``v_cache`` of shape
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; a token's slot is
@@ -388,7 +389,8 @@ __all__ += list(_FUSED_EXPORTS)
 
 
 # weight-only quantized GEMMs (csrc_triton/quant_gemm.py), imported the same way
-_QUANT_EXPORTS = ("int8_gemm", "int4_gemm", "fp8_weight_gemm", "fp8_quantize_rows")
+_QUANT_EXPORTS = ("int8_gemm", "int4_gemm", "fp8_weight_gemm", "fp8_quantize_rows",
+                  "linear_gemv")
 __all__ += list(_QUANT_EXPORTS)
 
 

@@ -263,9 +263,9 @@ def _decode_split_kernel(
     its log2-sum-exp go to part_o [S, Hq, NUM_SPLITS, D] / part_lse
     [S, Hq, NUM_SPLITS] for _decode_reduce_kernel.
 
-    FUSED_REDUCE: no second kernel. Each program counts itself done on an int32
-    counter per (sequence, kv head) (counters_ptr, zero before the launch); the one
-    that completes the count reads every split's partials and writes the output,
+    FUSED_REDUCE: no second kernel. Each program with tokens counts itself done on an
+    int32 counter per (sequence, kv head) (counters_ptr, zero before the launch); the one
+    that completes the count reads every used split's partials and writes the output,
     then sets the counter back to zero for the next launch. At batch 1 a decode
     step is a chain of latency-bound launches, and this removes one per layer.
     """
@@ -277,6 +277,11 @@ def _decode_split_kernel(
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
+    # Splits past the sequence's end have nothing to add: they leave at once (no partials,
+    # no count), and the splits that saw tokens (one for an empty row) are combined.
+    n_used = tl.maximum(tl.cdiv(seq_len, tl.maximum(chunk, 1)), 1)
+    if split >= n_used:
+        return
 
     offs_g = tl.arange(0, BLOCK_G)
     g_valid = offs_g < GQA
@@ -321,7 +326,7 @@ def _decode_split_kernel(
             tl.debug_barrier()
             counter = counters_ptr + seq64 * tl.num_programs(1) + kvh
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if done == NUM_SPLITS - 1:
+            if done == n_used - 1:
                 _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, seq64, head, offs_d,
                                 g_valid, qo_mask, chunk, seq_len, stride_ot, stride_oh,
                                 stride_od, NUM_Q_HEADS, HEAD_DIM, BLOCK_G, BLOCK_D,

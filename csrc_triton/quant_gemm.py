@@ -11,6 +11,8 @@ int4_gemm(x, qweight, scale, zero, group_size, bias=None) -> y
     qweight uint8 in int4_layout's blocks (two weights per byte), scale fp32 / zero uint8
     [N, ceil(K/group_size)]: W[n, k] = (q[n, k] - zero[n, k // g]) * scale[n, k // g].
 fp8_quantize_rows(x) -> (e4m3 [M, K], fp32 scale [M, 1])
+linear_gemv(x, weight, bias=None) -> y
+    one row x [1, K] against a 16-bit weight [N, K] through the same GEMV kernel.
 
 x is [M, K] in fp32, fp16 or bf16; y has x's dtype. A single row (batch-1 decode) goes to
 a GEMV kernel: element-wise fp32 products over the whole of K in one program, the scale
@@ -39,7 +41,7 @@ from csrc_triton.int4_layout import int4_half, int4_packed_bytes
 
 _fp8_cast = jit_helpers("_fp8_cast")
 
-__all__ = ["int8_gemm", "int4_gemm", "fp8_weight_gemm", "fp8_quantize_rows"]
+__all__ = ["int8_gemm", "int4_gemm", "fp8_weight_gemm", "fp8_quantize_rows", "linear_gemv"]
 
 
 # Integer codes to fp32 without I2F (a quarter-rate instruction, the int4 GEMV's limit):
@@ -147,7 +149,8 @@ def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, 
     of K in one program: products accumulated element-wise in fp32 and summed over K once
     at the end, the scale and bias applied and y written in x's dtype (no partial sums
     and no second kernel). Tensor cores would pad the one row to 16 and shuffle operands
-    for nothing: the weights are only streamed."""
+    for nothing: the weights are only streamed. FORMAT 0 int8, 1 fp8, 2 int4, 3 16-bit
+    weights (the model's own, no scale)."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -185,15 +188,18 @@ def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, 
                         mask=n_ok[:, None] & (k < K)[None, :], other=0)
             if FORMAT == 0:
                 w = (q.to(tl.int32) + _MAGIC_S).to(tl.float32, bitcast=True) - 12582912.0
-            else:
+            elif FORMAT == 1:
                 w = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                w = q.to(tl.float32)
             xk = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
             acc += w * xk[None, :]
         if INTERPRETED:
             y = tl.reduce(acc, 1, _add)
         else:
             y = tl.sum(acc, axis=1)
-        y = y * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
+        if FORMAT != 3:
+            y = y * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -266,13 +272,24 @@ def _config(M: int, N: int, K: int, device: torch.device, interpreted: bool):
     return 128, 128, 64, 1, 8, 3
 
 
-_FORMATS = {"int8": 0, "fp8": 1, "int4": 2}
+_FORMATS = {"int8": 0, "fp8": 1, "int4": 2, "w16": 3}
 
 
-def gemv_config(fmt: str, half: int, interpreted: bool = False):
-    """(BLOCK_N, BLOCK_K, num_warps) of the GEMV kernel: 8 rows, 1,024 inputs a step
-    (int4: whole packed blocks of 2 * half)."""
-    bn, bk, warps = (4, 64, 1) if interpreted else (8, 1024, 4)
+def gemv_config(fmt: str, half: int, N: int, K: int, interpreted: bool = False):
+    """(BLOCK_N, BLOCK_K, num_warps) of the GEMV kernel. 8-bit weights: 8 rows, 1,024
+    inputs a step, 4 warps; with more outputs than inputs (many short rows) 4 rows, 512
+    inputs, 2 warps. 16-bit: 16 rows, 1,024 inputs, 8 warps. int4: 8 rows, whole packed
+    blocks of 2 * half, at least 1,024 inputs. From a sweep of 7 configurations over
+    Llama-3.1-8B's projections on the H200, their weights cycling through copies larger
+    than L2 (docs/decisions.md)."""
+    if interpreted:
+        bn, bk, warps = 4, 64, 1
+    elif fmt == "w16":
+        bn, bk, warps = 16, 1024, 8
+    elif fmt != "int4" and N > K:
+        bn, bk, warps = 4, 512, 2
+    else:
+        bn, bk, warps = 8, 1024, 4
     if fmt == "int4":
         bk = max(bk, 2 * half)
     return bn, bk, warps
@@ -322,7 +339,7 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero, f
     half = int4_half(group, x.shape[1]) if fmt == "int4" else 0
     if x.shape[0] == 1:
         return _launch_gemv(mod, interpreted, x, w, scale, zero, bias, fmt, group, half, N,
-                            gemv_config(fmt, half, interpreted))
+                            gemv_config(fmt, half, N, x.shape[1], interpreted))
     y = _launch_gemm(mod, interpreted, x, w, scale, zero, fmt, group, half, N)
     if bias is not None:
         y = y + bias.float()
@@ -358,6 +375,24 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                          f"{tuple(scale.shape)} do not fit {K} inputs in groups of {group_size}")
     return _launch(x, qweight, scale, zero, "int4", group_size, N, bias).reshape(
         *x.shape[:-1], N)
+
+
+def linear_gemv(x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T (+ bias) for a single row x [1, K] and a 16-bit weight [N, K] of x's
+    dtype: the GEMV kernel with the weights as they are (batch-1 decode, where cuBLAS's
+    GEMM is slower on some shapes: model/layers.py's Linear says which)."""
+    N, K = weight.shape
+    if x.shape[-1] != K or x.numel() != K:
+        raise ValueError(f"linear_gemv takes one row of {K} inputs, got {tuple(x.shape)}")
+    if weight.dtype not in (torch.float16, torch.bfloat16) or x.dtype != weight.dtype:
+        raise TypeError(f"linear_gemv needs 16-bit weights of x's dtype, got {weight.dtype} "
+                        f"and {x.dtype}")
+    x = x.reshape(1, K).contiguous()
+    mod, interpreted = _kernels_for(x.device)
+    out = _launch_gemv(mod, interpreted, x, weight, weight, None, bias, "w16", K, 0, N,
+                       gemv_config("w16", 0, N, K, interpreted))
+    return out.reshape(*x.shape[:-1], N)
 
 
 def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -152,3 +152,12 @@ def test_speculative_decoding_on_the_gpu(config_path, tmp_path, monkeypatch, met
     assert runs[0][:8] == want[:8]
     assert runs[0] == runs[1]  # the seeded sampled ones too
     assert [len(t[0]) for t in runs[0][8:]] == [30, 30]
+
+
+def test_two_stage_argmax_on_the_gpu():
+    from minivllm.worker.sampler import argmax_rows
+
+    x = torch.randn(9, 128256, device="cuda").to(torch.bfloat16)
+    x[1, 3] = x[1, 128000] = 60.0
+    x[2] = 1.0
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))

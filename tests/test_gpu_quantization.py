@@ -35,6 +35,23 @@ def test_kernels_match_the_reference(dtype, M, N, K):
 
 
 
+@pytest.mark.parametrize("N,K", [(4096, 4096), (4096, 14336), (6144, 4096), (200, 4160)])
+def test_linear_gemv_compiled(N, K):
+    """16-bit weights through the GEMV kernel (batch-1 o and down projections) against
+    cuBLAS, and the decoder projection class choosing it for one row only."""
+    import csrc_triton
+    from minivllm.model.layers import Linear
+
+    torch.manual_seed(2)
+    linear = Linear(K, N, bias=True, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    want = torch.nn.functional.linear(x, linear.weight, linear.bias).float()
+    got = csrc_triton.linear_gemv(x, linear.weight, linear.bias).float()
+    assert (got - want).norm() / want.norm() < 1e-2
+    linear.fused_ops = True
+    assert torch.equal(linear(x), csrc_triton.linear_gemv(x, linear.weight, linear.bias)) == (N <= K)
+
+
 @pytest.mark.parametrize("M,K", [(1, 4096), (300, 4160)])
 def test_fp8_row_quantization_is_torchs(M, K):
     import csrc_triton

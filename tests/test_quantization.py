@@ -261,6 +261,26 @@ def test_triton_kernels_match_the_reference(M, N, K):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("N,K", [(24, 200), (40, 77)])
+def test_linear_gemv_with_16_bit_weights(N, K):
+    """The GEMV kernel with the model's own weights (interpreted here), as batch-1 decode
+    uses it for projections with no more outputs than inputs: F.linear within rounding."""
+    import csrc_triton
+
+    torch.manual_seed(8)
+    for dtype in (torch.bfloat16, torch.float16):
+        linear = torch.nn.Linear(K, N, bias=True).to(dtype)
+        x = torch.randn(1, K).to(dtype)
+        want = (x.float() @ linear.weight.float().t() + linear.bias.float())
+        got = csrc_triton.linear_gemv(x, linear.weight, linear.bias)
+        assert got.dtype == dtype and got.shape == (1, N)
+        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(csrc_triton.linear_gemv(x, linear.weight).float(),
+                                   want - linear.bias.float(), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError):
+        csrc_triton.linear_gemv(torch.randn(2, K).to(torch.bfloat16), linear.weight.bfloat16())
+
+
 def test_fp8_bytes_decode_exactly_in_the_kernel():
     """Every e4m3 value (normal, subnormal, signed zero; NaN left out) through the
     weight-only fp8 kernel, as the identity's product: exactly torch's own decoding."""

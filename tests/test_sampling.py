@@ -243,3 +243,21 @@ def test_logit_bias(llm):
     banned = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5,
                           ignore_eos=True, logit_bias={free[0]: -100.0}), use_tqdm=False)
     assert banned[0].outputs[0].token_ids[0] != free[0]
+
+
+@pytest.mark.parametrize("vocab", [128256, 151936, 49152, 32000, 1000])
+def test_two_stage_argmax_is_argmax(vocab):
+    """The chunked argmax of the graphed steps: the first index of each row's maximum,
+    ties across and within chunks, infinities and constant rows included."""
+    from minivllm.worker.sampler import argmax_rows
+
+    torch.manual_seed(0)
+    x = torch.randn(6, vocab).to(torch.bfloat16)
+    x[1, 7] = x[1, vocab - 3] = 100.0            # tie across chunks: the first
+    x[2] = 0.0                                    # all equal: index 0
+    x[3, vocab // 2] = x[3, vocab // 2 + 1] = float("inf")  # tie inside a chunk
+    x[4, vocab - 1] = 50.0                        # the very last index
+    want = x.argmax(dim=-1)
+    assert torch.equal(argmax_rows(x, two_stage=True), want)
+    assert torch.equal(argmax_rows(x.float(), two_stage=True), want)
+    assert torch.equal(argmax_rows(x), want)

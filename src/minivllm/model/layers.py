@@ -86,13 +86,33 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+class Linear(nn.Linear):
+    """A decoder projection: nn.Linear, except that with the fused kernels on (fused_ops) a
+    single row (batch-1 decode) of 16-bit weights with no more outputs than inputs goes
+    to the Triton GEMV kernel (csrc_triton.linear_gemv) instead of cuBLAS. On the H200,
+    Llama-3.1-8B's o and down projections took 10.0 and 28.6 us there against cuBLAS's
+    13.3 and 31.1; its q/k/v and gate/up projections (more outputs than inputs) were no
+    faster (docs/decisions.md)."""
+
+    fused_ops = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.fused_ops and x.shape[0] == 1 and self.out_features <= self.in_features
+                and x.is_cuda and x.dtype == self.weight.dtype
+                and x.dtype in (torch.float16, torch.bfloat16)
+                and not torch.compiler.is_compiling()):
+            return csrc_triton.linear_gemv(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
 class GatedMLP(nn.Module):
     """SwiGLU MLP with the gate and up projections fused into one matmul."""
 
     def __init__(self, hidden: int, intermediate: int, fused_ops: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
+        self.down_proj.fused_ops = self.gate_up_proj.fused_ops = fused_ops
         self.fused_ops = fused_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

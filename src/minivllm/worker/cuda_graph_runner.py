@@ -22,6 +22,7 @@ import torch
 from ..config import decode_prelude_enabled
 from ..model.attention import AttentionMetadata
 from .compilation import compile_step
+from .sampler import argmax_rows
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +202,7 @@ class DecodeGraphRunner:
         hidden = self.model(input_ids, positions, self.kv_layers, meta)
         logits = self.model.compute_logits(hidden)
         self.logits_out[:batch].copy_(logits)
-        self.greedy_out[:batch].copy_(logits.argmax(dim=-1))
+        self.greedy_out[:batch].copy_(argmax_rows(logits))
 
     @torch.inference_mode()
     def capture(self) -> float:

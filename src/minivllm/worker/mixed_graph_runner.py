@@ -27,6 +27,7 @@ import torch
 
 from ..model.attention import AttentionMetadata
 from .cuda_graph_runner import PackedArrays, bucket_for
+from .sampler import argmax_rows
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ class MixedGraphRunner:
         r = self._rows(t)
         logits = self.model.compute_logits(hidden[self.rows[:r]])
         self.logits_out[:r].copy_(logits)
-        self.greedy_out[:r].copy_(logits.argmax(dim=-1))
+        self.greedy_out[:r].copy_(argmax_rows(logits))
 
     @torch.inference_mode()
     def capture(self) -> float:

@@ -25,7 +25,7 @@ from ..model.quantization import QuantizedLinear, check_device
 from .cuda_graph_runner import DecodeGraphRunner
 from .kv_cache import KVCache, cpu_num_blocks, gpu_num_blocks
 from .mixed_graph_runner import MixedGraphRunner
-from .sampler import Sampler, SamplerOutput
+from .sampler import Sampler, SamplerOutput, argmax_rows
 
 logger = logging.getLogger(__name__)
 
@@ -393,7 +393,7 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers,
                             inputs.meta)
         logits = self.model.compute_logits(hidden[inputs.sample_indices]).float()
-        return logits, logits.argmax(dim=-1)
+        return logits, argmax_rows(logits)
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
         if (self.graph_runner is not None and batch.is_decode_only

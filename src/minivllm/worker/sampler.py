@@ -41,6 +41,26 @@ class SamplingRow(Protocol):
     def num_output_tokens(self) -> int: ...
 
 
+def argmax_rows(logits: torch.Tensor, two_stage: bool | None = None) -> torch.Tensor:
+    """logits.argmax(dim=-1) of [rows, vocab] logits, the first index of each row's maximum.
+    A long row on a GPU (two_stage None: decided by the device) is reduced in two stages,
+    the maximum of each of up to 64 equal chunks, then of those: torch's argmax takes one
+    thread block a row, 28 us for Llama-3.1-8B's 128,256 logits at batch 1 on the H200
+    (docs/decisions.md)."""
+    rows, vocab = logits.shape
+    chunks = 64
+    while chunks > 1 and vocab % chunks:
+        chunks //= 2
+    if two_stage is None:
+        two_stage = logits.is_cuda and vocab >= 16384
+    if not two_stage or chunks < 8:
+        return logits.argmax(dim=-1)
+    # First maximum within each chunk; the first chunk holding the row's maximum.
+    best, where = logits.reshape(rows, chunks, vocab // chunks).max(dim=-1)
+    chunk = best.argmax(dim=-1, keepdim=True)
+    return (chunk * (vocab // chunks) + where.gather(1, chunk)).squeeze(1)
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
@@ -89,7 +109,7 @@ class Sampler:
         if all(greedy):
             if greedy_tokens is not None and not changed:
                 return greedy_tokens
-            return logits.argmax(dim=-1)
+            return argmax_rows(logits)
         return self._sample_random(logits, rows, greedy, drafts, draft_probs)
 
     # ---- steps --------------------------------------------------------------------------
@@ -137,7 +157,7 @@ class Sampler:
                        greedy: list[bool], drafts: list[int] | None = None,
                        draft_probs: torch.Tensor | None = None) -> torch.Tensor:
         greedy_t = torch.tensor(greedy, device=logits.device)
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = argmax_rows(logits)
         probs = self._probs(logits, rows, greedy)
         sampled = self._race(probs, rows)
         if drafts is not None:
@@ -175,10 +195,10 @@ class Sampler:
         self._apply_bans(logits, rows)
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
-            return logits.argmax(dim=-1).tolist(), None
+            return argmax_rows(logits).tolist(), None
         probs = self._probs(logits, rows, greedy)
         tokens = torch.where(torch.tensor(greedy, device=logits.device),
-                             logits.argmax(dim=-1), self._race(probs, rows))
+                             argmax_rows(logits), self._race(probs, rows))
         return tokens.tolist(), probs
 
     def _draw(self, out: torch.Tensor, rows: list[SamplingRow], kind: str) -> torch.Tensor:
