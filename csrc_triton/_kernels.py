@@ -126,14 +126,6 @@ def _attn_tiles(
 
 
 @triton.jit
-def _split_chunk(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 MIN_CHUNK: tl.constexpr):
-    """Context positions per decode split of a sequence: an equal share, whole kv tiles,
-    at least MIN_CHUNK (a multiple of BLOCK_N), so a short context takes few splits."""
-    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK)
-
-
-@triton.jit
 def _tile_owner(query_start_loc_ptr, tile, num_seqs, GQA: tl.constexpr, BLOCK_M: tl.constexpr):
     """The sequence whose tiles include `tile`: the last i with first_tile(i) <= tile,
     first_tile(i) = qsl[i] * GQA // BLOCK_M + i (binary search; strictly increasing in i).
@@ -258,8 +250,7 @@ def _decode_split_kernel(
     stride_bts, stride_btn,
     NUM_Q_HEADS: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, DOT_FP32: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, FUSED_REDUCE: tl.constexpr,
 ):
     """Flash-decoding, one query token per sequence.
 
@@ -283,7 +274,7 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    chunk = _split_chunk(seq_len, NUM_SPLITS, BLOCK_N, MIN_CHUNK)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
     # Splits past the sequence's end have nothing to add: they leave at once (no partials,
@@ -384,13 +375,13 @@ def _decode_reduce_kernel(
     stride_ot, stride_oh, stride_od,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """Combine the NUM_SPLITS partial results of one (sequence, query head)."""
     seq = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    chunk = _split_chunk(seq_len, NUM_SPLITS, BLOCK_N, MIN_CHUNK)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     n_used = tl.cdiv(seq_len, tl.maximum(chunk, 1))  # splits that saw >= 1 token
     if n_used <= 1:
         return  # the split kernel wrote the output itself
