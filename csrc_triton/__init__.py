@@ -29,6 +29,7 @@ size, the head counts and ``num_splits`` / ``max_seq_len``).
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import torch
