@@ -911,7 +911,8 @@ class Report:
             self.p(f"\n{provenance(r.env, None, self.src(r))}")
         for r in self.res.profiles:
             d = r.data
-            self.p(f"\n{d.get('model')} {d.get('workload')} x{d.get('requests')}: wall "
+            quant = f" ({d['quantization']})" if d.get("quantization") else ""
+            self.p(f"\n{d.get('model')}{quant} {d.get('workload')} x{d.get('requests')}: wall "
                    f"{d.get('wall_ms')} ms, kernels {d.get('kernel_ms')} ms "
                    f"({100 * d.get('gpu_busy', 0):.0f}% busy).\n")
             self.p(table(["kernel", "share", "ms", "calls", "us per call"],
