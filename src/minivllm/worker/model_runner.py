@@ -556,6 +556,10 @@ def fused_ops_work(device: torch.device, dtype: torch.dtype) -> bool:
         q_ref, k_ref = rope(pos, q, k)
         torch.testing.assert_close(q2, q_ref, **tol)
         torch.testing.assert_close(k2, k_ref, **tol)
+        if dtype in (torch.float16, torch.bfloat16):  # layers.Linear's batch-1 GEMV
+            w = torch.randn(24, 64, device=device, generator=g).to(dtype)
+            torch.testing.assert_close(csrc_triton.linear_gemv(x[:1], w),
+                                       torch.nn.functional.linear(x[:1], w), **tol)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return True
