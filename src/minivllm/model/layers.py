@@ -94,7 +94,10 @@ class Linear(nn.Linear):
     13.3 and 31.1; its q/k/v and gate/up projections (more outputs than inputs) were no
     faster (docs/decisions.md)."""
 
-    fused_ops = False
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 fused_ops: bool = False, device=None, dtype=None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.fused_ops = fused_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.fused_ops and x.shape[0] == 1 and self.out_features <= self.in_features
@@ -110,9 +113,8 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, fused_ops: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = Linear(intermediate, hidden, bias=False)
-        self.down_proj.fused_ops = self.gate_up_proj.fused_ops = fused_ops
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False, fused_ops=fused_ops)
+        self.down_proj = Linear(intermediate, hidden, bias=False, fused_ops=fused_ops)
         self.fused_ops = fused_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -37,9 +37,8 @@ class DecoderAttention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
-                               bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.qkv_proj.fused_ops = self.o_proj.fused_ops = fused_ops
+                               bias=cfg.qkv_bias, fused_ops=fused_ops)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False, fused_ops=fused_ops)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)

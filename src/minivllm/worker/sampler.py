@@ -48,12 +48,12 @@ def argmax_rows(logits: torch.Tensor, two_stage: bool | None = None) -> torch.Te
     thread block a row, 28 us for Llama-3.1-8B's 128,256 logits at batch 1 on the H200
     (docs/decisions.md)."""
     rows, vocab = logits.shape
-    chunks = 64
-    while chunks > 1 and vocab % chunks:
-        chunks //= 2
     if two_stage is None:
         two_stage = logits.is_cuda and vocab >= 16384
-    if not two_stage or chunks < 8:
+    chunks = 64 if two_stage else 1
+    while chunks > 1 and vocab % chunks:
+        chunks //= 2
+    if chunks < 8:
         return logits.argmax(dim=-1)
     # First maximum within each chunk; the first chunk holding the row's maximum.
     best, where = logits.reshape(rows, chunks, vocab // chunks).max(dim=-1)
