@@ -202,11 +202,16 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
     return int(max(1, min(by_len, by_occ, _MAX_SPLITS)))
 
 
-def _decode_config(head_dim: int, dtype: torch.dtype, interpreted: bool):
+def _decode_config(head_dim: int, dtype: torch.dtype, interpreted: bool,
+                   cache_dtype: torch.dtype | None = None):
     # Tuned on an H200 (triton 3.6): the kernel is bandwidth-bound and not
-    # very sensitive; fp32 (FMA dots) needs fewer stages to avoid spills.
+    # very sensitive; fp32 (FMA dots) needs fewer stages to avoid spills. An e4m3
+    # cache is bound by instructions per tile (conversions, softmax), which longer
+    # tiles amortize: 128 tokens ran batch 64 x context 8192 25% faster than 64.
     if interpreted:
         return dict(BLOCK_N=16, num_warps=4, num_stages=1)
+    if cache_dtype == torch.float8_e4m3fn and head_dim <= 128:
+        return dict(BLOCK_N=128, num_warps=4, num_stages=3)
     if dtype == torch.float32:
         return dict(BLOCK_N=64 if head_dim <= 128 else 32, num_warps=4, num_stages=2)
     if head_dim <= 64:
@@ -245,7 +250,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_splits = int(max(1, num_splits))
     interpreted = _uses_interpreter(q.device)
     kern = _kernels_for(q.device)
-    cfg = _decode_config(D, q.dtype, interpreted)
+    cfg = _decode_config(D, q.dtype, interpreted, k_cache.dtype)
     block_d = _next_pow2(max(D, 16))
     block_g = max(16, _next_pow2(gqa))
     if num_splits > 1:

@@ -87,18 +87,43 @@ def _attn_tiles(
             n_valid = pos < hi
             blk = tl.load(bt_row_ptr + (pos // BLOCK_SIZE) * stride_btn, mask=n_valid, other=0).to(tl.int64)
             ld_mask = n_valid[:, None] & d_mask[None, :]
+            vt_mask = d_mask[:, None] & n_valid[None, :]
+        elif BLOCK_D == HEAD_DIM:
+            blk = tl.load(bt_row_ptr + (pos // BLOCK_SIZE) * stride_btn).to(tl.int64)
+            ld_mask = None  # whole tiles load unmasked (masks cost the fp8 tiles ~20%)
+            vt_mask = None
         else:
             blk = tl.load(bt_row_ptr + (pos // BLOCK_SIZE) * stride_btn).to(tl.int64)
             ld_mask = d_mask[None, :]
-        off = (pos % BLOCK_SIZE).to(tl.int64)
-        k = tl.load(k_cache_ptr + blk[:, None] * stride_kcb + off[:, None] * stride_kcs + kvh * stride_kch
-                    + offs_d[None, :] * stride_kcd, mask=ld_mask, other=0.0)
-        v = tl.load(v_cache_ptr + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + kvh * stride_vch
-                    + offs_d[None, :] * stride_vcd, mask=ld_mask, other=0.0)
+            vt_mask = d_mask[:, None]
+        # 64-bit block offsets, 32-bit offsets inside a block (fewer address instructions)
+        off = pos % BLOCK_SIZE
+        k_row = blk * stride_kcb + (off * stride_kcs + kvh * stride_kch)
+        v_row = blk * stride_vcb + (off * stride_vcs + kvh * stride_vch)
+        k_ptrs = k_cache_ptr + k_row[:, None] + offs_d[None, :] * stride_kcd
+        if ld_mask is None:
+            k = tl.load(k_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=ld_mask, other=0.0)
+        if v_cache_ptr.dtype.element_ty.is_fp8():
+            # Stored with its tokens contiguous (worker/kv_cache.value_cache): loaded as
+            # [D, N], converted, then transposed, so that Triton keeps the tokens as the
+            # contiguous dimension of the dot's operand (loaded [N, D], the kernel read
+            # the tile from shared memory a byte at a time).
+            vt_ptrs = v_cache_ptr + v_row[None, :] + offs_d[:, None] * stride_vcd
+            if ld_mask is None:
+                vt = tl.load(vt_ptrs)
+            else:
+                vt = tl.load(vt_ptrs, mask=vt_mask, other=0.0)
+            v = tl.trans(vt.to(q.dtype))
+        elif ld_mask is None:
+            v = tl.load(v_cache_ptr + v_row[:, None] + offs_d[None, :] * stride_vcd)
+        else:
+            v = tl.load(v_cache_ptr + v_row[:, None] + offs_d[None, :] * stride_vcd,
+                        mask=ld_mask, other=0.0)
         if k_cache_ptr.dtype.element_ty.is_fp8():  # half the bytes; the products in q's dtype
             # (fp16 for a bf16 model: see the kernels' q)
             k = k.to(q.dtype)
-            v = v.to(q.dtype)
         if DOT_FP32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -305,8 +330,15 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     bt_row_ptr = block_tables_ptr + seq64 * stride_bts
+    # Whole tiles unmasked, then the tail: per-token masks on every tile cost the e4m3
+    # cache's kernel (bound by instructions, not bytes) about a fifth of its time.
+    full_hi = lo + (hi - lo) // BLOCK_N * BLOCK_N
     acc, m_i, l_i = _attn_tiles(
-        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, stride_btn, kvh, lo, hi, qk_scale,
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, stride_btn, kvh, lo, full_hi, qk_scale,
+        stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, False, False, DOT_FP32)
+    acc, m_i, l_i = _attn_tiles(
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, stride_btn, kvh, full_hi, hi, qk_scale,
         stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
         HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, False, DOT_FP32)
 

@@ -29,9 +29,24 @@ TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 # helpers
 # ----------------------------------------------------------------------------
 def make_cache(num_blocks, block_size, hkv, d, dtype, gen):
-    k = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype).to(DEVICE)
-    v = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype).to(DEVICE)
+    """K and V in the engine's layouts (an e4m3 V cache is a transposed view)."""
+    from minivllm.worker.kv_cache import value_cache
+
+    shape = (num_blocks, block_size, hkv, d)
+    k = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    v = value_cache(shape, dtype, torch.device(DEVICE))
+    v.copy_(torch.randn(shape, generator=gen).to(dtype))
     return k, v
+
+
+def test_fp8_value_cache_is_stored_transposed():
+    """[blocks, block_size, Hkv, D] to its users, tokens contiguous in memory for e4m3;
+    the model dtype's V cache is plain."""
+    from minivllm.worker.kv_cache import value_cache
+
+    v = value_cache((3, 16, 2, 8), torch.float8_e4m3fn, torch.device("cpu"))
+    assert v.shape == (3, 16, 2, 8) and v.stride() == (256, 1, 128, 16)
+    assert value_cache((3, 16, 2, 8), torch.bfloat16, torch.device("cpu")).is_contiguous()
 
 
 def make_block_tables(seq_lens, block_size, num_blocks, gen, max_blocks=None):

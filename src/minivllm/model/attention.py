@@ -63,8 +63,9 @@ def store_kv_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
     key, value = key[valid], value[valid]
     if k_cache.dtype == FP8:  # scale 1: values past e4m3's range saturate
         key, value = key.clamp(-FP8_MAX, FP8_MAX), value.clamp(-FP8_MAX, FP8_MAX)
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = key.to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = value.to(v_cache.dtype)
+    blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
+    k_cache[blocks, offsets] = key.to(k_cache.dtype)  # (an fp8 V cache is a transposed view)
+    v_cache[blocks, offsets] = value.to(v_cache.dtype)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
