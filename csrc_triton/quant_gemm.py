@@ -9,7 +9,8 @@ fp8_weight_gemm(x, qweight, scale, bias=None) -> y
     qweight float8_e4m3fn [N, K], scale fp32 [N]: the same with fp8 weights (small M).
 int4_gemm(x, qweight, scale, zero, group_size, bias=None) -> y
     qweight uint8 in int4_layout's blocks (two weights per byte), scale fp32 / zero uint8
-    [N, ceil(K/group_size)]: W[n, k] = (q[n, k] - zero[n, k // g]) * scale[n, k // g].
+    (or fp32, for a grid whose zero points have fractions) [N, ceil(K/group_size)]:
+    W[n, k] = (q[n, k] - zero[n, k // g]) * scale[n, k // g].
 fp8_quantize_rows(x) -> (e4m3 [M, K], fp32 scale [M, 1])
 linear_gemv(x, weight, bias=None) -> y
     one row x [1, K] against a 16-bit weight [N, K] through the same GEMV kernel.
@@ -52,20 +53,26 @@ _MAGIC_S = tl.constexpr(0x4B400000)  # 1.5 * 2^23: bits(1.5 * 2^23 + s) = _MAGIC
 
 
 @triton.jit
-def _int4_codes(b, z):
+def _int4_codes(b, z, FLOAT_ZERO: tl.constexpr):
     """Packed bytes (uint8) -> (low nibble - z, high nibble - z) in fp32, z already fp32.
     Each code goes into the mantissa of 2^23 and 2^23 + z is subtracted: integer logic and
-    one add per weight, where a conversion instruction (I2F) runs at a quarter rate."""
+    one add per weight, where a conversion instruction (I2F) runs at a quarter rate. A
+    zero point with a fraction (FLOAT_ZERO: a checkpoint's own grid) would be rounded
+    to an integer in 2^23 + z, so there 2^23 and z are subtracted one after the other."""
     b = b.to(tl.int32)
-    z = z + 8388608.0
-    lo = ((b & 0xF) | _MAGIC_U).to(tl.float32, bitcast=True) - z
-    hi = ((b >> 4) | _MAGIC_U).to(tl.float32, bitcast=True) - z
+    if FLOAT_ZERO:
+        lo = (((b & 0xF) | _MAGIC_U).to(tl.float32, bitcast=True) - 8388608.0) - z
+        hi = (((b >> 4) | _MAGIC_U).to(tl.float32, bitcast=True) - 8388608.0) - z
+    else:
+        z = z + 8388608.0
+        lo = ((b & 0xF) | _MAGIC_U).to(tl.float32, bitcast=True) - z
+        hi = ((b >> 4) | _MAGIC_U).to(tl.float32, bitcast=True) - z
     return lo, hi
 
 
 @triton.jit
 def _int4_tile(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, k0, stride_wn, stride_sn,
-               GROUP: tl.constexpr, HALF: tl.constexpr):
+               GROUP: tl.constexpr, HALF: tl.constexpr, FLOAT_ZERO: tl.constexpr):
     """One packed block of rows offs_n: inputs k0 .. k0 + 2 HALF (k0 a multiple of 2 HALF),
     as (code - zero) of its first half and of its second, and the rows' scales for the
     block's group. Blocks past K are zero padding in the packed rows."""
@@ -75,7 +82,7 @@ def _int4_tile(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, k0, stride_wn, stride_s
     g = k0 // GROUP
     s = tl.load(scale_ptr + offs_n * stride_sn + g, mask=n_ok, other=0.0)
     z = tl.load(zero_ptr + offs_n * stride_sn + g, mask=n_ok, other=0).to(tl.float32)
-    q_lo, q_hi = _int4_codes(b, z[:, None])
+    q_lo, q_hi = _int4_codes(b, z[:, None], FLOAT_ZERO)
     return q_lo, q_hi, s
 
 
@@ -83,7 +90,8 @@ def _int4_tile(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, k0, stride_wn, stride_s
 def _wq_gemm_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, stride_xm,
                     stride_wn, stride_sn, stride_os, stride_om, k_per_split,
                     FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+                    FLOAT_ZERO: tl.constexpr):
     """FORMAT 0: int8, 1: fp8 e4m3 (both with a per-channel scale applied at the end),
     2: int4 (two per byte, groups with scale and zero point)."""
     pid_m = tl.program_id(0)
@@ -99,7 +107,8 @@ def _wq_gemm_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, stride_
         if FORMAT == 2:
             # A packed block per step (BLOCK_K = 2 HALF): a product for each half.
             q_lo, q_hi, s = _int4_tile(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, k0,
-                                       stride_wn, stride_sn, GROUP, BLOCK_K // 2)
+                                       stride_wn, stride_sn, GROUP, BLOCK_K // 2,
+                                       FLOAT_ZERO)
             w_lo = q_lo * s[:, None]
             w_hi = q_hi * s[:, None]
             k_lo = k0 + tl.arange(0, BLOCK_K // 2)
@@ -144,7 +153,7 @@ def _add(a, b):
 def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, stride_wn,
                     stride_sn, FORMAT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    INTERPRETED: tl.constexpr):
+                    INTERPRETED: tl.constexpr, FLOAT_ZERO: tl.constexpr):
     """One row of x against BLOCK_N rows of quantized weights (batch-1 decode), the whole
     of K in one program: products accumulated element-wise in fp32 and summed over K once
     at the end, the scale and bias applied and y written in x's dtype (no partial sums
@@ -170,7 +179,7 @@ def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, 
             sz_ok = n_ok[:, None] & blk_ok[None, :]
             s = tl.load(scale_ptr + sz, mask=sz_ok, other=0.0)
             z = tl.load(zero_ptr + sz, mask=sz_ok, other=0).to(tl.float32)
-            lo, hi = _int4_codes(b, z[:, :, None])
+            lo, hi = _int4_codes(b, z[:, :, None], FLOAT_ZERO)
             k_lo = blk[:, None] * (2 * HALF) + offs_j[None, :]
             x_lo = tl.load(x_ptr + k_lo, mask=k_lo < K, other=0.0).to(tl.float32)
             x_hi = tl.load(x_ptr + k_lo + HALF, mask=k_lo + HALF < K, other=0.0).to(tl.float32)
@@ -295,6 +304,11 @@ def gemv_config(fmt: str, half: int, N: int, K: int, interpreted: bool = False):
     return bn, bk, warps
 
 
+def _float_zero(zero) -> bool:
+    """int4 zero points with fractions (a checkpoint's own grid), not integer codes."""
+    return zero is not None and zero.dtype.is_floating_point
+
+
 def _launch_gemv(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
                  scale: torch.Tensor, zero, bias, fmt: str, group: int, half: int, N: int,
                  config) -> torch.Tensor:
@@ -305,7 +319,7 @@ def _launch_gemv(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
         x, w, scale, zero if zero is not None else scale, bias if bias is not None else scale,
         out, N, x.shape[1], w.stride(0), scale.stride(0) if fmt == "int4" else 0,
         FORMAT=_FORMATS[fmt], GROUP=group, HALF=half, HAS_BIAS=bias is not None, BLOCK_N=bn,
-        BLOCK_K=bk, INTERPRETED=interpreted, **opts)
+        BLOCK_K=bk, INTERPRETED=interpreted, FLOAT_ZERO=_float_zero(zero), **opts)
     return out
 
 
@@ -326,7 +340,8 @@ def _launch_gemm(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
         x, w, scale, zero if zero is not None else scale, partial, M, N, K, x.stride(0),
         w.stride(0), scale.stride(0) if fmt == "int4" else 0, partial.stride(0),
         partial.stride(1), k_per_split, FORMAT=_FORMATS[fmt], GROUP=group, BLOCK_M=bm,
-        BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=x.dtype == torch.float32 or interpreted, **opts)
+        BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=x.dtype == torch.float32 or interpreted,
+        FLOAT_ZERO=_float_zero(zero), **opts)
     return partial[0] if split == 1 else partial.sum(0)
 
 

@@ -173,3 +173,15 @@ def sse_events(resp) -> list:
             data = line[len("data: "):]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+
+def q4_1_weight(out_f: int, in_f: int, seed: int = 0) -> torch.Tensor:
+    """Floats on llama.cpp's Q4_1 grid: per block of 32 inputs an fp16 minimum m and step
+    d = (max - min) / 15 (so codes 0 and 15 both occur), w = m + q d; blocks spanning 0,
+    as trained weights' do."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (out_f, in_f // 32, 32), generator=g)
+    q[..., 0], q[..., 1] = 0, 15
+    d = (torch.rand(out_f, in_f // 32, 1, generator=g) * 0.01 + 1e-3).half().float()
+    m = (-d * (5 + 5 * torch.rand(out_f, in_f // 32, 1, generator=g))).half().float()
+    return (m + q * d).reshape(out_f, in_f)

@@ -9,7 +9,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.model.quantization import GROUP_SIZE, METHODS, QuantizedLinear
-from conftest import GPU_TEST_CONFIG as CONFIG, random_prompts
+from conftest import GPU_TEST_CONFIG as CONFIG, q4_1_weight, random_prompts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -33,6 +33,21 @@ def test_kernels_match_the_reference(dtype, M, N, K):
         assert err < tol, (method, M, float(err))
 
 
+@pytest.mark.parametrize("M", [1, 5, 300])
+def test_int4_own_grid_compiled(M):
+    """A Q4_1-grid weight (float zero points, groups of 32) in bf16, through the compiled
+    int4 kernels: the grid's own numbers (kept from the bf16 copy), so the product is
+    the bf16 matmul's within bf16 rounding."""
+    w = q4_1_weight(384, 4096).to("cuda", torch.bfloat16)
+    linear = torch.nn.Linear(4096, 384, bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(w)
+    layer = QuantizedLinear.from_linear(linear, "int4")
+    assert layer.group_size == 32 and layer.zero.dtype == torch.float32
+    x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
+    got, want = layer(x).float(), (x.float() @ w.float().t())
+    assert (got - want).norm() / want.norm() < 1e-2
+    assert (got - layer.reference(x).float()).norm() / want.norm() < 1e-2
 
 
 @pytest.mark.parametrize("N,K", [(4096, 4096), (4096, 14336), (6144, 4096), (200, 4160)])

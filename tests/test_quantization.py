@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from minivllm import LLM, SamplingParams
-from minivllm.model.quantization import (FP8, GROUP_SIZE, METHODS, QuantizedLinear,
-                                         dequantize_int4, int4_half, int4_packed_bytes,
-                                         pack_int4, quantize_activations_fp8,
-                                         quantize_fp8,
+from minivllm.model.quantization import (FP8, GROUP_SIZE, METHODS, OWN_GRID_GROUP,
+                                         QuantizedLinear, dequantize_int4, int4_half,
+                                         int4_packed_bytes, own_int4_grid, pack_int4,
+                                         quantize_activations_fp8, quantize_fp8,
                                          quantize_int4, quantize_int8, unpack_int4)
 from minivllm.server.testing import ServerThread, make_tiny_chat_model
-from conftest import random_prompts
+from conftest import q4_1_weight, random_prompts
 
 
 def weights(out_f: int, in_f: int, seed: int = 0) -> torch.Tensor:
@@ -56,6 +56,37 @@ def test_int4_round_trip_within_half_a_step(in_f):
     last = w[:, (groups - 1) * GROUP_SIZE:]
     span = last.amax(1).clamp(min=0) - last.amin(1).clamp(max=0)
     assert torch.allclose(scale[:, -1], span / 15)
+
+
+def test_int4_keeps_a_weights_own_4_bit_grid():
+    """A weight already on a 4-bit grid (a Q4_1 GGUF converted to floats) is stored on
+    that grid, groups of 32 with float zero points: the same numbers back, through the
+    reference and the kernels; bf16 copies of it too. Other weights get groups of 128."""
+    import csrc_triton
+
+    w = q4_1_weight(24, 256)
+    packed, scale, zero = own_int4_grid(w)
+    assert zero.dtype == torch.float32 and scale.shape == (24, 256 // OWN_GRID_GROUP)
+    deq = dequantize_int4(packed, scale, zero, 256, OWN_GRID_GROUP)
+    torch.testing.assert_close(deq, w, rtol=0, atol=1e-6)
+    assert own_int4_grid(w.bfloat16()) is not None
+    assert own_int4_grid(weights(24, 256)) is None
+    assert own_int4_grid(w[:, :250]) is None  # not whole groups of 32
+
+    linear = torch.nn.Linear(256, 24, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(w)
+    layer = QuantizedLinear.from_linear(linear, "int4")
+    assert layer.group_size == OWN_GRID_GROUP
+    for rows in (1, 5):
+        x = torch.randn(rows, 256)
+        torch.testing.assert_close(layer.reference(x), x @ w.t(), rtol=1e-5, atol=1e-5)
+        got = csrc_triton.int4_gemm(x, layer.qweight, layer.scale, layer.zero,
+                                    layer.group_size)
+        torch.testing.assert_close(got, x @ w.t(), rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        linear.weight.copy_(weights(24, 256))
+    assert QuantizedLinear.from_linear(linear, "int4").group_size == GROUP_SIZE
 
 
 def test_fp8_round_trip_within_e4m3_precision():

@@ -8,7 +8,9 @@ Methods (vLLM's names):
   int8  weight-only int8, one scale per output channel (symmetric).
   int4  weight-only 4 bits, groups of GROUP_SIZE along the input dimension, each with a
         scale and a zero point (asymmetric, round to nearest); two weights per byte,
-        in blocks laid out for the kernels (int4_half).
+        in blocks laid out for the kernels (int4_half). A weight that already lies on a
+        4-bit grid (a checkpoint stored in 4 bits, e.g. GGUF's Q4_1, converted to floats)
+        keeps that grid instead: groups of 32, a float zero point each (own_int4_grid).
 
 On a GPU, int8, int4 and fp8's small steps go through Triton kernels that read the
 packed weights (csrc_triton/quant_gemm.py). Every method also runs through a reference
@@ -90,6 +92,33 @@ def quantize_int4(w: torch.Tensor, group_size: int = GROUP_SIZE
     return pack_int4(q, int4_half(group_size, in_f)), scale, zero.to(torch.uint8)
 
 
+OWN_GRID_GROUP = 32  # GGUF's 4-bit blocks
+_OWN_GRID_TOLERANCE = 0.2  # of a step: bf16 copies of the values pass (their rounding
+# reaches ~0.1 step), other weights do not (each value off by up to half a step)
+
+
+def own_int4_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(packed, fp32 scales, fp32 zero points) when every group of 32 inputs of w holds
+    values evenly spaced in 15 steps from its minimum to its maximum, as a checkpoint
+    quantized to 4 bits with a minimum and a step per block (llama.cpp's Q4_1) is after
+    conversion to floats; None otherwise. Re-quantizing such weights onto another 4-bit
+    grid (groups of 128 with an integer zero point) adds a second rounding: +57.6%
+    perplexity on the default model, whose GGUF is Q4_1, against none on its own grid."""
+    out_f, in_f = w.shape
+    if in_f % OWN_GRID_GROUP:
+        return None
+    for rows in (slice(0, 8), slice(None)):  # random weights fail on the first rows
+        g = w[rows].float().reshape(-1, in_f // OWN_GRID_GROUP, OWN_GRID_GROUP)
+        lo, hi = g.amin(dim=2), g.amax(dim=2)
+        scale = torch.where(hi > lo, (hi - lo) / 15.0, lo.abs().clamp(min=1.0))
+        steps = (g - lo[..., None]) / scale[..., None]
+        q = steps.round()
+        if (steps - q).abs().amax() > _OWN_GRID_TOLERANCE:
+            return None
+    q = q.reshape(out_f, in_f).to(torch.uint8)
+    return pack_int4(q, int4_half(OWN_GRID_GROUP, in_f)), scale, -lo / scale
+
+
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                     in_features: int, group_size: int = GROUP_SIZE) -> torch.Tensor:
     q = unpack_int4(packed, in_features, int4_half(group_size, in_features)).float()
@@ -162,7 +191,10 @@ class QuantizedLinear(nn.Module):
             layer.register_buffer("qweight", q)
             layer.register_buffer("scale", scale)
         else:
-            packed, scale, zero = quantize_int4(w)
+            own = own_int4_grid(w)
+            if own is not None:
+                layer.group_size = OWN_GRID_GROUP
+            packed, scale, zero = own if own is not None else quantize_int4(w)
             layer.register_buffer("qweight", packed)
             layer.register_buffer("scale", scale)
             layer.register_buffer("zero", zero)
