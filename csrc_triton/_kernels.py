@@ -88,39 +88,33 @@ def _attn_tiles(
             blk = tl.load(bt_row_ptr + (pos // BLOCK_SIZE) * stride_btn, mask=n_valid, other=0).to(tl.int64)
             ld_mask = n_valid[:, None] & d_mask[None, :]
             vt_mask = d_mask[:, None] & n_valid[None, :]
+            other = 0.0
         elif BLOCK_D == HEAD_DIM:
             blk = tl.load(bt_row_ptr + (pos // BLOCK_SIZE) * stride_btn).to(tl.int64)
-            ld_mask = None  # whole tiles load unmasked (masks cost the fp8 tiles ~20%)
+            ld_mask = None  # whole tiles load unmasked (masks cost the e4m3 tiles most)
             vt_mask = None
+            other = None
         else:
             blk = tl.load(bt_row_ptr + (pos // BLOCK_SIZE) * stride_btn).to(tl.int64)
             ld_mask = d_mask[None, :]
             vt_mask = d_mask[:, None]
+            other = 0.0
         # 64-bit block offsets, 32-bit offsets inside a block (fewer address instructions)
         off = pos % BLOCK_SIZE
         k_row = blk * stride_kcb + (off * stride_kcs + kvh * stride_kch)
         v_row = blk * stride_vcb + (off * stride_vcs + kvh * stride_vch)
-        k_ptrs = k_cache_ptr + k_row[:, None] + offs_d[None, :] * stride_kcd
-        if ld_mask is None:
-            k = tl.load(k_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=ld_mask, other=0.0)
+        k = tl.load(k_cache_ptr + k_row[:, None] + offs_d[None, :] * stride_kcd,
+                    mask=ld_mask, other=other)
         if v_cache_ptr.dtype.element_ty.is_fp8():
             # Stored with its tokens contiguous (worker/kv_cache.value_cache): loaded as
-            # [D, N], converted, then transposed, so that Triton keeps the tokens as the
-            # contiguous dimension of the dot's operand (loaded [N, D], the kernel read
-            # the tile from shared memory a byte at a time).
-            vt_ptrs = v_cache_ptr + v_row[None, :] + offs_d[:, None] * stride_vcd
-            if ld_mask is None:
-                vt = tl.load(vt_ptrs)
-            else:
-                vt = tl.load(vt_ptrs, mask=vt_mask, other=0.0)
+            # [D, N], converted, then transposed, so that the tokens stay the contiguous
+            # dimension of the dot's operand (docs/decisions.md, "FP8 KV cache").
+            vt = tl.load(v_cache_ptr + v_row[None, :] + offs_d[:, None] * stride_vcd,
+                         mask=vt_mask, other=other)
             v = tl.trans(vt.to(q.dtype))
-        elif ld_mask is None:
-            v = tl.load(v_cache_ptr + v_row[:, None] + offs_d[None, :] * stride_vcd)
         else:
             v = tl.load(v_cache_ptr + v_row[:, None] + offs_d[None, :] * stride_vcd,
-                        mask=ld_mask, other=0.0)
+                        mask=ld_mask, other=other)
         if k_cache_ptr.dtype.element_ty.is_fp8():  # half the bytes; the products in q's dtype
             # (fp16 for a bf16 model: see the kernels' q)
             k = k.to(q.dtype)
@@ -330,8 +324,9 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     bt_row_ptr = block_tables_ptr + seq64 * stride_bts
-    # Whole tiles unmasked, then the tail: per-token masks on every tile cost the e4m3
-    # cache's kernel (bound by instructions, not bytes) about a fifth of its time.
+    # Whole tiles unmasked, then the tail: with per-token masks on every tile the e4m3
+    # cache's kernel (bound by instructions, not bytes) took 859 us a layer at batch 64,
+    # context 8192, against 412 (docs/decisions.md).
     full_hi = lo + (hi - lo) // BLOCK_N * BLOCK_N
     acc, m_i, l_i = _attn_tiles(
         acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, stride_btn, kvh, lo, full_hi, qk_scale,

@@ -192,9 +192,10 @@ class QuantizedLinear(nn.Module):
             layer.register_buffer("scale", scale)
         else:
             own = own_int4_grid(w)
-            if own is not None:
-                layer.group_size = OWN_GRID_GROUP
-            packed, scale, zero = own if own is not None else quantize_int4(w)
+            if own is None:
+                packed, scale, zero = quantize_int4(w)
+            else:
+                (packed, scale, zero), layer.group_size = own, OWN_GRID_GROUP
             layer.register_buffer("qweight", packed)
             layer.register_buffer("scale", scale)
             layer.register_buffer("zero", zero)

@@ -4,11 +4,13 @@ Each layer has its own K and V tensors of shape [num_blocks, block_size, Hkv, D]
 layout the attention kernels read in place (they take every stride as an argument).
 An e4m3 V cache is stored transposed, [num_blocks, Hkv, D, block_size] in memory, and
 handed out as a view of that shape: a tile of V then has its tokens contiguous, the order
-the P x V product wants its operand in; 8-bit tiles cannot be transposed on the way from
-shared memory (ldmatrix's transpose is 16-bit only), and loaded byte by byte they made the
-fp8 decode kernel slower than bf16's (docs/decisions.md, "FP8 KV cache"). Separate tensors rather than views of one big
-allocation: the compiled decode step mutates them through a custom op, and mutated graph
-inputs that alias one another take a slow and fragile path in torch.compile.
+the P x V product wants its operand in. 8-bit tiles cannot be transposed on the way from
+shared memory (ldmatrix's transpose is 16-bit only); read byte by byte they made the fp8
+decode kernel slower than bf16's (docs/decisions.md, "FP8 KV cache").
+
+Separate tensors rather than views of one big allocation: the compiled decode step
+mutates them through a custom op, and mutated graph inputs that alias one another take a
+slow and fragile path in torch.compile.
 """
 
 from __future__ import annotations
