@@ -36,6 +36,8 @@ def _run(config_path, monkeypatch, env: dict, prompts, params, **kw):
     ("decode graphs", {"MINIVLLM_PIPELINE": "0"}, {"max_graph_tokens": 0}),
     ("mixed graphs", {"MINIVLLM_PIPELINE": "0"}, {}),
     ("pipelined", {"MINIVLLM_PIPELINE": "1"}, {}),
+    # Steps past 64 tokens run eagerly through the mixed-step runner, launched ahead.
+    ("long steps pipelined", {"MINIVLLM_PIPELINE": "1"}, {"max_graph_tokens": 64}),
     ("no prefix cache", {}, {"enable_prefix_caching": False}),
 ])
 def test_fast_paths_match_eager(config_path, monkeypatch, name, env, kw):

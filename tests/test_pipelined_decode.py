@@ -109,13 +109,16 @@ def test_pipelined_streaming_text_and_stop_strings(tiny_text_model_dir, monkeypa
 
 
 def _with_mixed_runner(llm, max_tokens=32):
+    """The mixed-step runner as the engine builds it on a GPU: graph buckets up to
+    max_tokens (run eagerly here), longer steps up to the token budget."""
     from minivllm.worker.mixed_graph_runner import MixedGraphRunner
 
     runner, cfg = llm.engine.runner, llm.engine.config
     runner.mixed_runner = MixedGraphRunner(
         runner.model, runner.kv_cache.layers, max_tokens=max_tokens, max_seqs=cfg.max_num_seqs,
         max_blocks=cfg.max_blocks_per_seq(), max_model_len=cfg.max_model_len,
-        device=torch.device("cpu"), use_graphs=False)
+        device=torch.device("cpu"), use_graphs=False,
+        max_eager_tokens=cfg.max_num_batched_tokens)
     mixed_ahead = []
     orig = runner._launch_mixed
     runner._launch_mixed = lambda batch, prev: mixed_ahead.append(prev is not None) or orig(
@@ -146,7 +149,7 @@ def test_new_requests_join_pending_decodes_in_a_mixed_step(tiny_model_dirs, monk
     """Requests arriving while decode steps are in flight join them in a mixed step that is
     launched ahead too (its decode rows read their tokens on the device): the outputs equal
     step-by-step decoding's, with stops, seeded sampling, a prompt longer than the largest
-    bucket (that step reads the pending step first) and a request that is not pipelinable."""
+    bucket (an eager step, launched ahead too) and a request that is not pipelinable."""
     prompts = random_prompts(9, 256, 3, 14, seed=41)
     long_prompt = random_prompts(1, 256, 40, 40, seed=42)[0]  # > 32 tokens: no mixed graph
     free = _llm(tiny_model_dirs["llama"], monkeypatch, False)[0].generate(
@@ -225,3 +228,34 @@ def test_requests_one_after_another_behind_a_pending_step(tiny_model_dirs, monke
         assert llm.engine.scheduler.pool.all_free()
     assert results[True] == results[False]
     assert any(launches)
+
+
+def test_long_prompts_launched_ahead_across_chunks(tiny_model_dirs, monkeypatch):
+    """Prompts longer than the graph buckets and the token budget: their steps run eagerly
+    through the mixed-step runner and are launched ahead of the pending step, also when a
+    prompt is split over steps (a sequence between chunks knows its last token, so the
+    next chunk needs nothing from the pending step). Outputs equal step-by-step decoding's;
+    a prompt's chunks and the decodes of prompts already done share steps."""
+    prompts = random_prompts(5, 256, 50, 90, seed=47)
+    params = [SamplingParams(temperature=0.0, max_tokens=1 + 4 * i, ignore_eos=True)
+              for i in range(4)] + [SamplingParams(temperature=0.8, seed=2, max_tokens=6,
+                                                   ignore_eos=True)]
+    results, kinds = {}, {}
+    for pipelined in (False, True):
+        llm, _ = _llm(tiny_model_dirs["qwen3"], monkeypatch, pipelined,
+                      max_num_batched_tokens=64)
+        mixed_ahead = _with_mixed_runner(llm, max_tokens=16)
+        runner = llm.engine.runner
+        seen = kinds[pipelined] = []
+        orig = runner.mixed_runner.run
+        runner.mixed_runner.run = lambda host, *a: seen.append(
+            (len(host.input_ids), bool(a and a[0]))) or orig(host, *a)
+        results[pipelined] = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.scheduler.pool.all_free()
+    for want, got in zip(results[False], results[True]):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert PLACEHOLDER_TOKEN not in got.outputs[0].token_ids
+    long_steps = [fix for n, fix in kinds[True] if n > 16]
+    assert len(long_steps) >= 4 and any(mixed_ahead)
+    # Some long steps took decode tokens from the pending step on the device.
+    assert any(long_steps)

@@ -474,14 +474,18 @@ class LLMEngine:
 
     def _pipeline_can_continue(self) -> bool:
         """Whether the next batch can be launched before the pending step is read: every
-        running sequence was in that step and can pipeline, and any request that may be
-        admitted now can join them in a mixed step launched ahead (a fresh one that can
-        pipeline; a preempted one still waits for its in-flight token). Checked before
-        scheduling, since scheduling over placeholders commits to it; a batch that then
-        cannot be launched ahead reads the pending step first (step's fallback)."""
+        running sequence can pipeline and either was sampled in that step or, with the
+        mixed-step runner, knows its last token (a long prompt between chunks), and any
+        request that may be admitted now can join them in a mixed step launched ahead (a
+        fresh one that can pipeline; a preempted one still waits for its in-flight
+        token). Checked before scheduling, since scheduling over placeholders commits to
+        it; a batch that then cannot be launched ahead reads the pending step first
+        (step's fallback)."""
         sched = self.scheduler
-        if not all(s.seq_id in self._pending.rows and self._seq_can_pipeline(s)
-                   for s in sched.running):
+        rows, mixed = self._pending.rows, self.runner.mixed_runner is not None
+        if not all(self._seq_can_pipeline(s) and (
+                s.seq_id in rows or (mixed and s.token_ids[-1] != PLACEHOLDER_TOKEN))
+                for s in sched.running):
             return False
         if self.speculative is not None:
             threshold = self.draft_policy.threshold(len(sched.running))

@@ -2,7 +2,8 @@
 
 With MINIVLLM_ENGINE_TRACE=PATH the engine process records, per loop iteration, when it
 woke, how many commands it read, how long its step took and what the step was (the model
-runner's path: decode_graph, decode_pipelined, mixed_graph or eager; tokens; sequences),
+runner's path: decode_graph, decode_pipelined, mixed_graph, mixed_pipelined, long (a step
+past the graphs, run eagerly), long_pipelined or eager; tokens; sequences),
 and for every added request how long it took from the frontend's arrival stamp to the
 engine reading it. The JSON is written to PATH when the engine process ends. Timestamps
 are time.monotonic(), which is system-wide on Linux, so a benchmark can cut the trace

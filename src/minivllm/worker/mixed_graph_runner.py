@@ -14,8 +14,10 @@ step's sampled tokens (`device_tokens`), and the host staging alternates between
 so that filling one step's inputs never overwrites a set whose copies may not have run.
 
 Small steps dominate serving (a few new prompts joining a batch of decodes): these run as
-one replay instead of hundreds of eager launches. Larger steps (long prompts) run eagerly,
-where the launch cost is amortized over many tokens.
+one replay instead of hundreds of eager launches. Larger steps (long prompts, up to the
+step budget) run eagerly, where the launch cost is amortized over many tokens, but through
+the same staging, so that they too can be launched before the previous step is read back:
+the host then plans the next long step while the device runs this one.
 """
 
 from __future__ import annotations
@@ -71,35 +73,52 @@ class _MixedStaging:
             self._recorded = True
 
 
+class _StepBuffers:
+    """The device arrays a step reads (`buf`; the graphs capture their addresses) and two
+    sets of host staging for them, alternating: filling one step's inputs must not
+    overwrite a set whose copies may not have run yet."""
+
+    def __init__(self, t: int, s: int, r: int, max_blocks: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.staging = [_MixedStaging(t, s, r, max_blocks, pin) for _ in range(2)]
+        self.turn = 0
+        self.buf = _step_arrays(t, s, r, max_blocks, device=device)
+
+    def next_staging(self) -> _MixedStaging:
+        staging = self.staging[self.turn]
+        self.turn ^= 1
+        staging.wait()
+        return staging
+
+
 class MixedGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_layers, *, max_tokens: int, max_seqs: int,
                  max_blocks: int, max_model_len: int, device: torch.device,
-                 use_graphs: bool, max_rows: int | None = None) -> None:
-        """max_rows: the most sampled rows a step has (default max_seqs: one per sequence;
-        a speculative step samples 1 + k per sequence)."""
+                 use_graphs: bool, max_rows: int | None = None,
+                 max_eager_tokens: int | None = None) -> None:
+        """max_tokens: the largest graph bucket; max_eager_tokens: the largest step, run
+        eagerly past the buckets (default max_tokens: none). max_rows: the most sampled
+        rows a step has (default max_seqs: one per sequence; a speculative step samples
+        1 + k per sequence)."""
         self.model = model
         self.kv_layers = kv_layers
         self.max_model_len = max_model_len
         self.device = device
         self.buckets = mixed_buckets(max_tokens)
-        self.max_tokens = self.buckets[-1]
+        self.max_graph_tokens = self.buckets[-1]
+        self.max_tokens = max(self.max_graph_tokens, max_eager_tokens or 0)
         self.max_seqs = max_seqs
         self.max_rows = min(self.max_tokens, max_rows or max_seqs)
         self.use_graphs = use_graphs and device.type == "cuda"
-        t, s, r = self.max_tokens, max_seqs, self.max_rows
-        pin = device.type == "cuda"
-        # Two sets of host staging (pinned on a GPU), alternating; device buffers the graphs
-        # read.
-        self._staging = [_MixedStaging(t, s, r, max_blocks, pin) for _ in range(2)]
-        self._turn = 0
-        # The device buffers the graphs read; self.ids, .pos, ... are views of them.
-        self.buf = _step_arrays(t, s, r, max_blocks, device=device)
-        for name in ("ids", "pos", "slots", "qsl", "lens", "tables", "rows", "fix_pos",
-                     "fix_rows"):
-            setattr(self, name, getattr(self.buf, name))
+        s, r = max_seqs, self.max_rows
+        # Bucketed steps read `graph_io.buf`; longer ones have buffers of their own, so a
+        # graph step's upload stays its bucket's size.
+        self.graph_io = _StepBuffers(self.max_graph_tokens, s, min(r, self.max_graph_tokens),
+                                     max_blocks, device)
+        self.eager_io = (_StepBuffers(self.max_tokens, s, r, max_blocks, device)
+                         if self.max_tokens > self.max_graph_tokens else None)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # Shared by every bucket's graph (kept out of the graphs' pool; see
-        # DecodeGraphRunner).
+        # Shared by every step (kept out of the graphs' pool; see DecodeGraphRunner).
         vocab = model.config.vocab_size
         self.logits_out = torch.empty(r, vocab, dtype=torch.float32, device=device)
         self.greedy_out = torch.empty(r, dtype=torch.long, device=device)
@@ -115,12 +134,28 @@ class MixedGraphRunner:
         return min(t, self.max_rows)
 
     def _step(self, t: int) -> None:
+        """A bucket's step, as its graph captures it: every sequence slot, bounds for the
+        query and context lengths."""
+        b = self.graph_io.buf
         meta = AttentionMetadata(
-            slot_mapping=self.slots[:t], query_start_loc=self.qsl, seq_lens=self.lens,
-            block_tables=self.tables, max_query_len=t, max_seq_len=self.max_model_len)
-        hidden = self.model(self.ids[:t], self.pos[:t], self.kv_layers, meta)
-        r = self._rows(t)
-        logits = self.model.compute_logits(hidden[self.rows[:r]])
+            slot_mapping=b.slots[:t], query_start_loc=b.qsl, seq_lens=b.lens,
+            block_tables=b.tables, max_query_len=t, max_seq_len=self.max_model_len)
+        self._forward(b, t, meta, self._rows(t))
+
+    def _eager_step(self, host) -> None:
+        """A step past the buckets, unpadded: its own tokens, sequences, sampled rows and
+        lengths (the attention picks its tiles by them, as for any eager step)."""
+        b = self.eager_io.buf
+        t, n = len(host.input_ids), len(host.seq_lens)
+        meta = AttentionMetadata(
+            slot_mapping=b.slots[:t], query_start_loc=b.qsl[:n + 1], seq_lens=b.lens[:n],
+            block_tables=b.tables[:n], max_query_len=host.max_query_len,
+            max_seq_len=max(host.seq_lens))
+        self._forward(b, t, meta, len(host.sample_indices))
+
+    def _forward(self, b, t: int, meta: AttentionMetadata, r: int) -> None:
+        hidden = self.model(b.ids[:t], b.pos[:t], self.kv_layers, meta)
+        logits = self.model.compute_logits(hidden[b.rows[:r]])
         self.logits_out[:r].copy_(logits)
         self.greedy_out[:r].copy_(argmax_rows(logits))
 
@@ -148,7 +183,7 @@ class MixedGraphRunner:
         secs = time.perf_counter() - start
         self.timings["capture_s"] = secs - warm
         logger.info("Mixed steps: %d CUDA graphs (%d..%d tokens) in %.1fs: warm-up %.1fs, "
-                    "capture %.1fs.", len(self.graphs), self.buckets[0], self.max_tokens,
+                    "capture %.1fs.", len(self.graphs), self.buckets[0], self.max_graph_tokens,
                     secs, warm, secs - warm)
         return secs
 
@@ -160,10 +195,10 @@ class MixedGraphRunner:
         tokens[rows[i]], a token of the previous step still on the device (the host list
         holds a placeholder there)."""
         n_tok, n_seq, n_rows = len(host.input_ids), len(host.seq_lens), len(host.sample_indices)
-        t = bucket_for(n_tok, self.buckets)
-        staging = self._staging[self._turn]
-        self._turn ^= 1
-        staging.wait()
+        graphed = n_tok <= self.max_graph_tokens
+        t = bucket_for(n_tok, self.buckets) if graphed else n_tok
+        io = self.graph_io if graphed else self.eager_io
+        staging = io.next_staging()
         st = staging.arrays
         st.ids_np[:n_tok] = host.input_ids
         st.pos_np[:n_tok] = host.positions
@@ -185,12 +220,19 @@ class MixedGraphRunner:
             k = len(positions)
             st.fix_pos_np[:k] = positions
             st.fix_rows_np[:k] = rows
-        st.copy_to(self.buf, n_seq)
+        b = io.buf
+        st.copy_to(b, n_seq)
         if device_tokens is not None:
-            self.ids.index_copy_(0, self.fix_pos[:k], prev.index_select(0, self.fix_rows[:k]))
+            b.ids.index_copy_(0, b.fix_pos[:k], prev.index_select(0, b.fix_rows[:k]))
         staging.copied()
-        if t in self.graphs:
+        if not graphed:
+            self._eager_step(host)
+        elif t in self.graphs:
             self.graphs[t].replay()
         else:
             self._step(t)
         return self.logits_out[:n_rows], self.greedy_out[:n_rows]
+
+    def is_graphed(self, num_tokens: int) -> bool:
+        """Whether a step of num_tokens replays a graph (else it runs eagerly)."""
+        return num_tokens <= self.max_graph_tokens

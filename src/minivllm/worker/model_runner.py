@@ -232,7 +232,8 @@ class ModelRunner:
                 self.model, self.kv_cache.layers, max_tokens=max_tokens,
                 max_seqs=cfg.max_num_seqs, max_blocks=cfg.max_blocks_per_seq(),
                 max_model_len=cfg.max_model_len, device=self.device, use_graphs=True,
-                max_rows=cfg.max_num_seqs * (1 + cfg.num_speculative_tokens))
+                max_rows=cfg.max_num_seqs * (1 + cfg.num_speculative_tokens),
+                max_eager_tokens=cfg.max_num_batched_tokens)
             self.mixed_runner.capture()
             for part, secs in self.mixed_runner.timings.items():
                 self.startup[f"mixed_{part}"] = secs
@@ -404,7 +405,8 @@ class ModelRunner:
         if (self.mixed_runner is not None and not host.prompt_lp_spans and host.sample_indices
                 and self.mixed_runner.can_run(len(host.input_ids), len(host.seq_lens),
                                               len(host.sample_indices))):
-            self.last_step = ("mixed_graph", len(host.input_ids), len(host.seq_lens))
+            kind = "mixed_graph" if self.mixed_runner.is_graphed(len(host.input_ids)) else "long"
+            self.last_step = (kind, len(host.input_ids), len(host.seq_lens))
             logits, greedy = self.mixed_runner.run(host)
             draft_probs = host.draft_prob_rows(self.model_cfg.vocab_size, self.device)
             return StepResult(host.row_seqs, self.sampler(logits, host.row_seqs, greedy,
@@ -448,6 +450,14 @@ class ModelRunner:
         if not batch.is_decode_only:
             return self._launch_mixed(batch, prev)
         seqs = batch.seqs
+        rows = None
+        if prev is not None:
+            rows = [prev.rows.get(s.seq_id) for s in seqs]
+            if None in rows:
+                # A sequence whose last token is known (one that was not in prev, e.g. its
+                # prompt's last chunk ran earlier): the decode graphs take every row's
+                # token from prev, the mixed-step graphs only the placeholders'.
+                return self._launch_mixed(batch, prev)
         self.last_step = ("decode_pipelined", len(seqs), len(seqs))
         lens = [len(s.token_ids) for s in seqs]
         tables = [s.block_table for s in seqs]
@@ -455,7 +465,6 @@ class ModelRunner:
             logits, greedy = self.graph_runner.run([s.token_ids[-1] for s in seqs], lens,
                                                    tables)
         else:
-            rows = [prev.rows[s.seq_id] for s in seqs]
             logits, greedy = self.graph_runner.run(None, lens, tables,
                                                    (prev.device_tokens, rows))
         return self._new_pending(seqs, logits, greedy)
@@ -490,7 +499,8 @@ class ModelRunner:
                     rows.append(prev.rows[seq.seq_id])
             if positions:
                 fix = (prev.device_tokens, positions, rows)
-        self.last_step = ("mixed_pipelined", len(host.input_ids), len(host.seq_lens))
+        kind = "mixed" if self.mixed_runner.is_graphed(len(host.input_ids)) else "long"
+        self.last_step = (kind + "_pipelined", len(host.input_ids), len(host.seq_lens))
         logits, greedy = self.mixed_runner.run(host, fix)
         return self._new_pending(host.row_seqs, logits, greedy)
 
