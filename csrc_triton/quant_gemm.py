@@ -287,14 +287,14 @@ _FORMATS = {"int8": 0, "fp8": 1, "int4": 2, "w16": 3}
 def gemv_config(fmt: str, half: int, N: int, K: int, interpreted: bool = False):
     """(BLOCK_N, BLOCK_K, num_warps) of the GEMV kernel. 8-bit weights: 8 rows, 1,024
     inputs a step, 4 warps; with more outputs than inputs (many short rows) 4 rows, 512
-    inputs, 2 warps. 16-bit: 16 rows, 1,024 inputs, 8 warps. int4: 8 rows, whole packed
-    blocks of 2 * half, at least 1,024 inputs. From a sweep of 7 configurations over
+    inputs, 2 warps. 16-bit: 4 rows, 2,048 inputs (fewer for a shorter row), 4 warps.
+    int4: 8 rows, whole packed blocks of 2 * half, at least 1,024 inputs. From sweeps over
     Llama-3.1-8B's projections on the H200, their weights cycling through copies larger
-    than L2 (docs/decisions.md)."""
+    than L2 (docs/decisions.md, bench/diagnostics/gemv_sweep.py)."""
     if interpreted:
         bn, bk, warps = 4, 64, 1
     elif fmt == "w16":
-        bn, bk, warps = 16, 1024, 8
+        bn, bk, warps = 4, min(2048, max(64, triton.next_power_of_2(K))), 4
     elif fmt != "int4" and N > K:
         bn, bk, warps = 4, 512, 2
     else:

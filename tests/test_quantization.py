@@ -295,7 +295,7 @@ def test_triton_kernels_match_the_reference(M, N, K):
 @pytest.mark.parametrize("N,K", [(24, 200), (40, 77)])
 def test_linear_gemv_with_16_bit_weights(N, K):
     """The GEMV kernel with the model's own weights (interpreted here), as batch-1 decode
-    uses it for projections with no more outputs than inputs: F.linear within rounding."""
+    uses it for every projection: F.linear within rounding."""
     import csrc_triton
 
     torch.manual_seed(8)
