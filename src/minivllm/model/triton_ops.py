@@ -30,8 +30,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     max_seq_len: int) -> torch.Tensor:
     # The output is always a fresh contiguous tensor, in the real op and in the fake one:
     # empty_like(q) would copy q's strides, and under torch.compile q can be a strided view,
-    # so the compiler would read a contiguous result with the wrong strides.
-    out = q.new_zeros(q.shape) if max_query_len > 1 else q.new_empty(q.shape)
+    # so the compiler would read a contiguous result with the wrong strides. Rows of no
+    # sequence (a graph's padding) stay unwritten: every later op is row by row, and only
+    # real rows are stored in the cache or sampled (zeroing them was 1% of W5's kernels).
+    out = q.new_empty(q.shape)
     return csrc_triton.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                        query_start_loc, scale, max_query_len, max_seq_len,
                                        out=out)
@@ -51,7 +53,7 @@ def paged_attention_counted(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, seq_lens: torch.Tensor,
                             query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                             max_seq_len: int, decode_counters: torch.Tensor) -> torch.Tensor:
-    out = q.new_zeros(q.shape) if max_query_len > 1 else q.new_empty(q.shape)
+    out = q.new_empty(q.shape)  # see paged_attention
     return csrc_triton.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                        query_start_loc, scale, max_query_len, max_seq_len,
                                        out=out, decode_counters=decode_counters)
