@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import orjson
 from fastapi import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from ..engine.async_llm_engine import (AsyncLLMEngine, EngineDeadError, EngineShuttingDownError,
                                        EngineStepError, QueueFullError, RequestAbortedError,
@@ -29,6 +29,7 @@ from ..outputs import Logprob, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import render_chat
 from .protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from .sse import SSEResponse
 
 logger = logging.getLogger(__name__)
 
@@ -311,9 +312,7 @@ class OpenAIServing:
                    prompts, params, default_max_tokens=req.max_tokens is None)
         watcher = await self.start(job, raw_request)
         if req.stream:
-            return StreamingResponse(self._completion_stream(job, req, watcher),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return SSEResponse(self._completion_stream(job, req, watcher))
         try:
             finals = await self._collect(job)
         finally:
@@ -469,9 +468,7 @@ class OpenAIServing:
                 p.get("text", "") for p in (content or []) if isinstance(p, dict))
         watcher = await self.start(job, raw_request)
         if req.stream:
-            return StreamingResponse(self._chat_stream(job, req, watcher, echo_text),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return SSEResponse(self._chat_stream(job, req, watcher, echo_text))
         try:
             [final] = await self._collect(job)
         finally:
