@@ -175,7 +175,12 @@ async def main_async(args) -> list[dict]:
     engine = FakeEngine(tok, 4096, len(tok))
     app = build_app(engine, served_model_names=["m"], max_num_seqs=256,
                     generation_config="vllm")
-    gc.freeze()  # as the server does once built
+    try:  # as the server does once built
+        from minivllm.server.launch import prepare_frontend_gc
+        prepare_frontend_gc()
+    except ImportError:  # a tree from before it (an A/B against an older commit)
+        gc.collect()
+        gc.freeze()
     await level(app, engine, 8, 16, args)  # warm-up
     out = []
     for c in args.concurrency:
