@@ -6,7 +6,7 @@ thread of this process (the default) or by a process of its own (engine_process=
 
     asyncio handler --(commands: add / abort / call / stop)--> engine owner
     engine owner --(one batch of events per iteration, one call_soon_threadsafe per
-                    event loop)--> per-request asyncio queues
+                    event loop)--> per-request streams (RequestStream)
 
 so requests that arrive while a step runs all land in the next step's batch. With the
 thread, the engine's Python work shares the GIL with the event loop; with the process it

@@ -60,3 +60,5 @@ class SSEResponse(Response):
             await body_send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await self.chunks.aclose()  # type: ignore[attr-defined]
+        if self.background is not None:  # FastAPI's BackgroundTasks, as Response runs them
+            await self.background()
