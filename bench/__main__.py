@@ -5,6 +5,8 @@ Commands (each a thin wrapper; `python -m bench COMMAND --help` shows its flags)
   gpu-check     correctness, W1, W2, decode sweep, HF generate peers (GPU)     bench.gpu_check
   serve         W3 HTTP client against any OpenAI-compatible server(s)        bench.serve_bench
   serve-report  Markdown tables from serve JSON files                        bench.serve_report
+  frontend-cpu  the HTTP frontend's CPU per streamed request and chunk (CPU)  bench.frontend_cpu
+  frontend-micro  the same in one process: app + frontend, fake engine    bench.frontend_micro
   w3-gpu        budgeted W3 parts for the H200 (minivllm, offline, HF serve)     bench.w3_gpu
   w4            W4 on the CPU: SmolLM2-135M, minivllm vs HF generate             bench.w4_cpu
   w7            W7 speculative decoding on SmolLM2-135M (CPU or GPU)            bench.w7_spec
@@ -38,6 +40,8 @@ COMMANDS = {
     "report": ("bench.report", "argv"),
     "serve": ("bench.serve_bench", "argv"),
     "serve-report": ("bench.serve_report", "argv"),
+    "frontend-cpu": ("bench.frontend_cpu", "argv"),
+    "frontend-micro": ("bench.frontend_micro", "argv"),
     "w3-gpu": ("bench.w3_gpu", "argv"),
     "gpu-check": ("bench.gpu_check", "sys.argv"),
     "w4": ("bench.w4_cpu", "sys.argv"),

@@ -6,7 +6,7 @@ thread of this process (the default) or by a process of its own (engine_process=
 
     asyncio handler --(commands: add / abort / call / stop)--> engine owner
     engine owner --(one batch of events per iteration, one call_soon_threadsafe per
-                    event loop)--> per-request asyncio queues
+                    event loop)--> per-request streams (RequestStream)
 
 so requests that arrive while a step runs all land in the next step's batch. With the
 thread, the engine's Python work shares the GIL with the event loop; with the process it
@@ -33,6 +33,7 @@ only the engine is installed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import copy
 import itertools
@@ -97,43 +98,73 @@ class StatLogger(Protocol):
 
 
 class RequestStream:
-    """The consumer side of one request: an asyncio queue the engine thread feeds."""
+    """The consumer side of one request: the items its engine owner delivered, on the
+    consumer's event loop. A deque and one waiter future rather than an asyncio.Queue: a
+    streamed chunk waits here once per step, and the queue's bookkeeping (a future per
+    get, its wake-up list) was a visible part of the frontend's per-chunk CPU."""
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self.loop = loop
         # RequestOutputs (engine thread), DecodedOutputs (engine process) or an error.
-        self.queue: asyncio.Queue[RequestOutput | DecodedOutput | BaseException] = \
-            asyncio.Queue()
+        self._items: collections.deque[RequestOutput | DecodedOutput | BaseException] = \
+            collections.deque()
+        self._waiter: asyncio.Future | None = None
         self.finished = False  # the last item was taken (a finished output or an error)
         self._holds_reservation = False  # counts in the engine's waiting/in-flight numbers
         self.started = False   # the first output was delivered
 
-    def _take(self, item: RequestOutput | DecodedOutput | BaseException) -> RequestOutput:
+    def _put(self, item: RequestOutput | DecodedOutput | BaseException) -> None:
+        """On the stream's loop: queue an item and wake the consumer."""
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        while not self._items:
+            waiter = self._waiter = self.loop.create_future()
+            try:
+                await waiter
+            finally:
+                if self._waiter is waiter:
+                    self._waiter = None
+
+    def _take(self, item: RequestOutput | DecodedOutput | BaseException
+              ) -> RequestOutput | DecodedOutput:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
         if item.finished:
             self.finished = True
-        return materialize(item)
+        return item
 
     async def get(self) -> RequestOutput:
         """The next output (raises the request's error, if it failed)."""
         if self.finished:
             raise StopAsyncIteration
-        return self._take(await self.queue.get())
+        await self._wait()
+        return materialize(self._take(self._items.popleft()))
 
-    async def get_latest(self) -> RequestOutput:
-        """Wait for an output, then skip to the newest one already queued. Outputs are
-        cumulative (full text, all tokens and logprobs so far), so nothing is lost, and
-        only the newest is built (see DecodedOutput)."""
+    async def get_latest_item(self) -> RequestOutput | DecodedOutput:
+        """Wait for an output, then skip to the newest one already queued, without
+        building it: a DecodedOutput (engine process; `materialize()` builds it) or a
+        RequestOutput. Outputs are cumulative (full text, all tokens and logprobs so far),
+        so nothing is lost. A finished output or an error is never skipped."""
         if self.finished:
             raise StopAsyncIteration
-        item = await self.queue.get()
-        while not self.queue.empty() and not isinstance(item, BaseException) \
-                and not item.finished:
-            item = self.queue.get_nowait()
+        await self._wait()
+        items = self._items
+        item = items.popleft()
+        while items and not isinstance(item, BaseException) and not item.finished:
+            item = items.popleft()
         return self._take(item)
+
+    async def get_latest(self) -> RequestOutput:
+        """get_latest_item(), built into its RequestOutput."""
+        return materialize(await self.get_latest_item())
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -474,7 +505,7 @@ class AsyncLLMEngine:
                 if final:
                     stream._holds_reservation = False
             stream.started = True
-            stream.queue.put_nowait(item)
+            stream._put(item)
 
     def _dispatch(self, events: list, snapshot: dict, outputs: list | None) -> None:
         """One engine iteration's events -> futures, streams and stat loggers. Runs on the

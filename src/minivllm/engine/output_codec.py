@@ -144,16 +144,27 @@ class DecodedOutput:
     def outputs(self) -> list[CompletionOutput]:
         return self.materialize().outputs
 
+    @property
+    def prompt_logprobs(self) -> list | None:
+        return self._plp[:self._num_plp] if self._plp is not None else None
+
+    def sample_outputs(self) -> list[CompletionOutput]:
+        """The samples as CompletionOutputs, without the RequestOutput around them (a
+        server stream needs only these)."""
+        return [CompletionOutput(index, text, ids[:n], cum_lp,
+                                 lps[:n_lps] if lps is not None else None, finish, stop)
+                for index, text, ids, n, lps, n_lps, cum_lp, finish, stop in self._samples]
+
     def materialize(self) -> RequestOutput:
-        outputs = [CompletionOutput(index=index, text=text, token_ids=ids[:n],
-                                    cumulative_logprob=cum_lp,
-                                    logprobs=lps[:n_lps] if lps is not None else None,
-                                    finish_reason=finish, stop_reason=stop)
-                   for index, text, ids, n, lps, n_lps, cum_lp, finish, stop in self._samples]
-        plp = self._plp[:self._num_plp] if self._plp is not None else None
-        return RequestOutput(self.request_id, self._prompt[0], self._prompt[1], outputs,
-                             self.finished, plp, self.metrics, self._num_cached,
-                             self._extra or {})
+        return RequestOutput(self.request_id, self._prompt[0], self._prompt[1],
+                             self.sample_outputs(), self.finished, self.prompt_logprobs,
+                             self.metrics, self._num_cached, self._extra or {})
+
+
+def sample_outputs(item) -> list[CompletionOutput]:
+    """A stream item's samples: a DecodedOutput's built alone, a RequestOutput's as they
+    are."""
+    return item.sample_outputs() if type(item) is DecodedOutput else item.outputs
 
 
 def materialize(item):

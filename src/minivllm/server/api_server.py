@@ -33,6 +33,7 @@ from .protocol import (ChatCompletionRequest, ChatCompletionResponse, Completion
                        ModelList, RequestError, TokenizeRequest, TokenizeResponse,
                        TokenizerInfoResponse, VersionResponse)
 from .serving import RECEIVED_AT, OpenAIServing, OrjsonResponse, error_response
+from .sse import RawSendMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +157,9 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(ReceivedAtMiddleware)  # added last: the outermost, runs first
+    # Outside even Starlette's error middleware: the server's own `send`, for SSE bodies.
+    build_stack = app.build_middleware_stack
+    app.build_middleware_stack = lambda: RawSendMiddleware(build_stack())
 
     # ---- errors -------------------------------------------------------------------------
 

@@ -130,6 +130,26 @@ def engine_config_from_args(args: argparse.Namespace):
         kv_cache_dtype=args.kv_cache_dtype)
 
 
+# The cyclic GC's thresholds in an HTTP frontend process (Python's: 700, 10, 10). With 256
+# streams in flight each holds ~190 tracked objects (coroutines of the ASGI stack, cells,
+# outputs), which young collections keep promoting: a full collection of ~50k objects
+# (~25 ms on the CPU VM) came every ~130 requests, and GC took ~500 us per request. Fewer,
+# larger young collections let most of a request's objects die before they are promoted
+# (bench.frontend_micro, docs/decisions.md).
+FRONTEND_GC_THRESHOLDS = (5000, 50, 10)
+
+
+def prepare_frontend_gc() -> None:
+    """Once the server is built: freeze what is alive (see freeze_startup_objects), then
+    the frontend's GC thresholds."""
+    import gc
+
+    from ..engine.llm_engine import freeze_startup_objects
+
+    freeze_startup_objects()
+    gc.set_threshold(*FRONTEND_GC_THRESHOLDS)
+
+
 def _json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -182,7 +202,6 @@ def _listening_socket(host: str, port: int):
 def _api_server_process(args: argparse.Namespace, connection, sock) -> None:
     """Main of an extra API server process: a frontend attached to the engine process."""
     from ..engine.async_llm_engine import AsyncLLMEngine
-    from ..engine.llm_engine import freeze_startup_objects
     from ..thread_names import set_os_thread_name
 
     set_os_thread_name(multiprocessing.current_process().name)  # minivllm-api-N
@@ -191,7 +210,7 @@ def _api_server_process(args: argparse.Namespace, connection, sock) -> None:
     engine = AsyncLLMEngine.attach(connection,
                                    max_waiting_requests=args.max_waiting_requests or None)
     server, _ = build_server(args, engine)
-    freeze_startup_objects()
+    prepare_frontend_gc()
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:
@@ -216,8 +235,7 @@ def run_server(args: argparse.Namespace) -> None:
                  f"orjson): {e}")
     except (ValueError, FileNotFoundError, OSError) as e:
         sys.exit(f"minivllm serve: {e}")
-    from ..engine.llm_engine import freeze_startup_objects
-    freeze_startup_objects()  # the server process's own objects (see the function)
+    prepare_frontend_gc()  # the server process's own objects, then its GC thresholds
     names = server.config.app.state.serving.served_model_names
     log.info("Serving %s (max_model_len %d) on http://%s:%d", names[0], engine.max_model_len,
              args.host, args.port)

@@ -20,15 +20,17 @@ from dataclasses import dataclass, field
 
 import orjson
 from fastapi import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from ..engine.async_llm_engine import (AsyncLLMEngine, EngineDeadError, EngineShuttingDownError,
                                        EngineStepError, QueueFullError, RequestAbortedError,
                                        RequestStream)
+from ..engine.output_codec import DecodedOutput, materialize, sample_outputs
 from ..outputs import Logprob, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import render_chat
 from .protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from .sse import SSEResponse
 
 logger = logging.getLogger(__name__)
 
@@ -130,17 +132,20 @@ class _Job:
         return [f"{self.request_id}-{i}" for i in range(len(self.prompts))]
 
 
-async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, newest output) as each stream advances, until all are finished."""
+async def merge_streams(streams: list[RequestStream]
+                        ) -> AsyncIterator[tuple[int, RequestOutput | DecodedOutput]]:
+    """(prompt index, newest output) as each stream advances, until all are finished. The
+    outputs are stream items, not built (see RequestStream.get_latest_item): take their
+    samples with sample_outputs(), or materialize() one."""
     if len(streams) == 1:
         s = streams[0]
         while not s.finished:
-            yield 0, await s.get_latest()
+            yield 0, await s.get_latest_item()
         return
     tasks: dict[asyncio.Task, int] = {}
     try:
         for i, s in enumerate(streams):
-            tasks[asyncio.ensure_future(s.get_latest())] = i
+            tasks[asyncio.ensure_future(s.get_latest_item())] = i
         while tasks:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for t in sorted(done, key=lambda t: tasks[t]):
@@ -148,7 +153,7 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
                 out = t.result()
                 yield i, out
                 if not streams[i].finished:
-                    tasks[asyncio.ensure_future(streams[i].get_latest())] = i
+                    tasks[asyncio.ensure_future(streams[i].get_latest_item())] = i
     finally:
         for t in tasks:
             t.cancel()
@@ -311,9 +316,7 @@ class OpenAIServing:
                    prompts, params, default_max_tokens=req.max_tokens is None)
         watcher = await self.start(job, raw_request)
         if req.stream:
-            return StreamingResponse(self._completion_stream(job, req, watcher),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return SSEResponse(self._completion_stream(job, req, watcher))
         try:
             finals = await self._collect(job)
         finally:
@@ -387,7 +390,7 @@ class OpenAIServing:
         try:
             async for pi, out in merge_streams(job.streams):
                 prompt = job.prompts[pi]
-                for o in out.outputs:
+                for o in sample_outputs(out):
                     ci = pi * n + o.index
                     st = states[ci]
                     if st.done:
@@ -447,6 +450,7 @@ class OpenAIServing:
         try:
             async for i, out in merge_streams(job.streams):
                 finals[i] = out
+            finals = [materialize(out) for out in finals]
         except (EngineStepError, EngineDeadError, RequestAbortedError) as e:
             raise RequestError(_engine_error_message(e), 500, err_type="server_error") from e
         return finals  # type: ignore[return-value]
@@ -469,9 +473,7 @@ class OpenAIServing:
                 p.get("text", "") for p in (content or []) if isinstance(p, dict))
         watcher = await self.start(job, raw_request)
         if req.stream:
-            return StreamingResponse(self._chat_stream(job, req, watcher, echo_text),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return SSEResponse(self._chat_stream(job, req, watcher, echo_text))
         try:
             [final] = await self._collect(job)
         finally:
@@ -539,7 +541,7 @@ class OpenAIServing:
                     yield chunk({"index": i, "delta": {"content": echo_text},
                                  "logprobs": None, "finish_reason": None})
             async for _, out in merge_streams(job.streams):
-                for o in out.outputs:
+                for o in sample_outputs(out):
                     st = states[o.index]
                     if st.done:
                         continue
