@@ -1,0 +1,190 @@
+"""Probe: how fast can Triton's causal attention be on this GPU when a prompt's K/V are
+read contiguously through TMA tensor descriptors instead of through the paged cache?
+
+W5's prefill attention (2 prompts x 4,096 tokens a step) runs the paged kernel at
+~280-310 TFLOP/s; cuDNN's SDPA on contiguous K/V reaches ~460 on the same shape. This
+times, on W5's shapes for each model's head layout: the engine's paged kernel
+(csrc_triton.paged_attention), a contiguous-K/V kernel here in several tile
+configurations (with and without Triton's warp specialization), and torch SDPA (cuDNN,
+flash). Each output is checked against SDPA.
+
+    python -m bench.diagnostics.fresh_attention_probe --out FILE [--tiny]
+
+--tiny runs the contiguous kernel on a tiny shape (Triton's interpreter on a CPU too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+SHAPES = {  # (q heads, kv heads, head dim)
+    "qwen3-0.6b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128), "qwen2.5-0.5b": (14, 2, 64)}
+
+
+@triton.jit
+def _fresh_causal_kernel(q_desc, k_desc, v_desc, o_desc, qk_scale, T,
+                         NUM_HEADS: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         WARP_SPEC: tl.constexpr):
+    """Causal attention of equal-length sequences laid flat ([B * T, heads * D]), every
+    key contiguous: one program per (BLOCK_M query tile, sequence x head), the heaviest
+    tiles first. Off-diagonal key tiles unmasked, the diagonal ones masked."""
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    seq = bh // NUM_HEADS
+    head = bh % NUM_HEADS
+    kv_col = (head // GQA) * HEAD_DIM
+    base = seq * T
+    q_row0 = tile * BLOCK_M
+    q = q_desc.load([base + q_row0, head * HEAD_DIM])
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for start in tl.range(0, q_row0, BLOCK_N, warp_specialize=WARP_SPEC):
+        k = k_desc.load([base + start, kv_col])
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = v_desc.load([base + start, kv_col])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    offs_m = q_row0 + tl.arange(0, BLOCK_M)
+    for start in range(q_row0, q_row0 + BLOCK_M, BLOCK_N):
+        k = k_desc.load([base + start, kv_col])
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        keep = (start + tl.arange(0, BLOCK_N))[None, :] <= offs_m[:, None]
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = v_desc.load([base + start, kv_col])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    o_desc.store([base + q_row0, head * HEAD_DIM], (acc / l_i[:, None]).to(q.dtype))
+
+
+def fresh_causal(q, k, v, block_m: int, block_n: int, warps: int, stages: int,
+                 warp_spec: bool = False) -> torch.Tensor:
+    """q [B*T, H, D], k/v [B*T, Hkv, D] (B sequences of T tokens each, T % block_m == 0)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows, H, D = q.shape
+    Hkv = k.shape[1]
+    T = rows // B_GLOBAL[0]
+    o = torch.empty_like(q)
+    q2, k2, v2, o2 = (t.reshape(rows, -1) for t in (q, k, v, o))
+    qd = TensorDescriptor.from_tensor(q2, [block_m, D])
+    kd = TensorDescriptor.from_tensor(k2, [block_n, D])
+    vd = TensorDescriptor.from_tensor(v2, [block_n, D])
+    od = TensorDescriptor.from_tensor(o2, [block_m, D])
+    grid = (T // block_m, B_GLOBAL[0] * H)
+    opts = {} if q.device.type == "cpu" else {"num_warps": warps, "num_stages": stages}
+    _fresh_causal_kernel[grid](qd, kd, vd, od, D ** -0.5 * math.log2(math.e), T,
+                               NUM_HEADS=H, GQA=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m,
+                               BLOCK_N=block_n, WARP_SPEC=warp_spec, **opts)
+    return o
+
+
+B_GLOBAL = [1]
+
+
+def sdpa_reference(q, k, v, B: int) -> torch.Tensor:
+    rows, H, D = q.shape
+    T = rows // B
+    g = H // k.shape[1]
+    qh = q.view(B, T, H, D).transpose(1, 2).float()
+    kh = k.view(B, T, -1, D).repeat_interleave(g, dim=2).transpose(1, 2).float()
+    vh = v.view(B, T, -1, D).repeat_interleave(g, dim=2).transpose(1, 2).float()
+    o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+    return o.transpose(1, 2).reshape(rows, H, D)
+
+
+def _bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--tiny", action="store_true")
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.tiny:
+        B_GLOBAL[0] = 2
+        q, k, v = (torch.randn(64, h, 32, device=dev) for h in (4, 2, 2))
+        ref = sdpa_reference(q, k, v, 2)
+        got = fresh_causal(q, k, v, 16, 16, 4, 2)
+        print("tiny max err", (got.float() - ref).abs().max().item())
+        return
+    import csrc_triton
+
+    B, T = 2, 4096
+    B_GLOBAL[0] = B
+    rows_out = []
+    for model, (H, Hkv, D) in SHAPES.items():
+        torch.manual_seed(0)
+        q = torch.randn(B * T, H, D, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(B * T, Hkv, D, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(B * T, Hkv, D, device=dev, dtype=torch.bfloat16)
+        ref = sdpa_reference(q, k, v, B)
+        flops = 4 * B * H * D * T * T / 2
+        # The engine's paged kernel on the same prompts (blocks of 16, in order).
+        bs = 16
+        nblk = B * T // bs
+        kc = k.view(nblk, bs, Hkv, D).contiguous()
+        vc = v.view(nblk, bs, Hkv, D).contiguous()
+        tables = torch.arange(nblk, device=dev, dtype=torch.int32).view(B, T // bs)
+        lens = torch.full((B,), T, device=dev, dtype=torch.int32)
+        qsl = torch.arange(0, B * T + 1, T, device=dev, dtype=torch.int32)
+
+        def paged():
+            return csrc_triton.paged_attention(q, kc, vc, tables, lens, qsl, D ** -0.5, T, T)
+
+        variants = [("paged (engine)", paged)]
+        for bm, bn, w, st, ws in [(128, 128, 8, 3, False), (128, 64, 8, 3, False),
+                                  (128, 64, 4, 3, False), (128, 128, 8, 2, False),
+                                  (64, 64, 4, 3, False), (128, 128, 8, 3, True),
+                                  (128, 64, 4, 3, True), (128, 128, 4, 2, True)]:
+            variants.append((f"fresh {bm}x{bn} w{w} s{st}{' ws' if ws else ''}",
+                             lambda bm=bm, bn=bn, w=w, st=st, ws=ws:
+                             fresh_causal(q, k, v, bm, bn, w, st, ws)))
+        g = H // Hkv
+        qh = q.view(B, T, H, D).transpose(1, 2)
+        kh = k.view(B, T, Hkv, D).repeat_interleave(g, dim=2).transpose(1, 2).contiguous()
+        vh = v.view(B, T, Hkv, D).repeat_interleave(g, dim=2).transpose(1, 2).contiguous()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        for name, be in (("sdpa cudnn", SDPBackend.CUDNN_ATTENTION),
+                         ("sdpa flash", SDPBackend.FLASH_ATTENTION)):
+            def run(be=be):
+                with sdpa_kernel(be):
+                    return torch.nn.functional.scaled_dot_product_attention(
+                        qh, kh, vh, is_causal=True).transpose(1, 2).reshape(B * T, H, D)
+            variants.append((name, run))
+        for name, fn in variants:
+            try:
+                out = fn()
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                ms = _bench(fn)
+                row = {"model": model, "variant": name, "ms": round(ms, 4),
+                       "TFLOPs": round(flops / ms / 1e9, 1), "rel_err": err}
+            except Exception as e:  # noqa: BLE001 - a variant that does not compile
+                row = {"model": model, "variant": name, "error": repr(e)[:300]}
+            rows_out.append(row)
+            print(row, flush=True)
+    if args.out:
+        from bench.common import environment
+        json.dump({"benchmark": "fresh_attention_probe", "environment": environment(),
+                   "B": B, "T": T, "rows": rows_out}, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
