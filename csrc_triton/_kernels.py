@@ -432,3 +432,62 @@ def _decode_reduce_kernel(
     res = tl.sum(o * w[:, None], 0) / denom
     tl.store(out_ptr + seq64 * stride_ot + h * stride_oh + offs_d * stride_od,
              res.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def _softmax_step(acc, m_i, l_i, q, k, v, qk_scale, keep, MASKED: tl.constexpr):
+    """One key tile of the online softmax: acc, m_i, l_i updated with keys k and values v
+    (keep: the [rows, keys] positions that count, when MASKED)."""
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED:
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, m_new, l_i
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _fresh_prefill_kernel(
+    q_desc, k_desc, v_desc, out_ptr, query_start_loc_ptr, num_seqs, qk_scale,
+    stride_ot, stride_oh,
+    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Causal attention of prompts with nothing cached before them, their K/V read from
+    the step's own (rotated) k and v rather than through the paged cache: contiguous
+    rows, so whole tiles come through TMA tensor descriptors (q_desc [T, Hq * D], k_desc /
+    v_desc [T, Hkv * D], blocks of BLOCK_M / BLOCK_N rows x HEAD_DIM).
+
+    query_start_loc_ptr: the prompts' first rows (absolute rows of q, num_seqs + 1
+    entries). grid = (rows // BLOCK_M + num_seqs + 1, Hq): one program per (row tile, query
+    head); prompt i owns the tiles from qsl[i] // BLOCK_M + i on (see _tile_owner), the
+    heaviest first. Off-diagonal key tiles are whole and unmasked; the diagonal ones are
+    masked causally, which also hides rows of the next prompt. Output rows past a
+    prompt's end are not stored."""
+    tile = tl.num_programs(0) - 1 - tl.program_id(0) + tl.load(query_start_loc_ptr) // BLOCK_M
+    head = tl.program_id(1)
+    seq = _tile_owner(query_start_loc_ptr, tile, num_seqs, 1, BLOCK_M)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_end = tl.load(query_start_loc_ptr + seq + 1)
+    row0 = q_start + (tile - (q_start // BLOCK_M + seq)) * BLOCK_M
+    if row0 >= q_end:
+        return
+    kv_col = (head // GQA) * HEAD_DIM
+    q = q_desc.load([row0, head * HEAD_DIM])
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    for start in range(q_start, row0, BLOCK_N):
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k_desc.load([start, kv_col]),
+                                      v_desc.load([start, kv_col]), qk_scale, None, False)
+    for start in range(row0, tl.minimum(row0 + BLOCK_M, q_end), BLOCK_N):
+        keep = (start + tl.arange(0, BLOCK_N))[None, :] <= rows[:, None]
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k_desc.load([start, kv_col]),
+                                      v_desc.load([start, kv_col]), qk_scale, keep, True)
+    offs_d = tl.arange(0, HEAD_DIM)
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=(rows < q_end)[:, None])

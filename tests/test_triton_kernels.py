@@ -513,3 +513,55 @@ def test_gpu_decode_cuda_graph():
         ref = ref_attention(q, k_cache, v_cache, bt, sl, qsl, d ** -0.5)
         assert torch.isfinite(out.float()).all()
         assert rel_err(out, ref) < 2e-2
+
+
+def fresh_tail_case(seq_lens, q_lens, fresh_seq, hq, hkv, d, dtype, seed=0):
+    """A step whose sequences from fresh_seq on are whole prompts: their K/V also as the
+    step's own k / v rows (v a strided view of a fused qkv row, as the model has it), and
+    the paged cache holding the same values. paged_attention_fresh_tail against the dense
+    reference and against paged_attention."""
+    gen = torch.Generator().manual_seed(seed)
+    bs = 4
+    num_blocks = sum(-(-s // bs) for s in seq_lens) + 2
+    k_cache, v_cache = make_cache(num_blocks, bs, hkv, d, dtype, gen)
+    bt = make_block_tables(seq_lens, bs, num_blocks, gen)
+    T = sum(q_lens)
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=gen).to(dtype).to(DEVICE)
+    q = qkv[:, :hq * d].reshape(T, hq, d).contiguous()
+    k = qkv[:, hq * d:(hq + hkv) * d].reshape(T, hkv, d).contiguous()
+    v = qkv[:, (hq + hkv) * d:].view(T, hkv, d)
+    qsl_list = [0] + torch.tensor(q_lens).cumsum(0).tolist()
+    for i in range(len(seq_lens)):  # the step's rows of every sequence are in the cache
+        ctx = seq_lens[i] - q_lens[i]
+        for j in range(q_lens[i]):
+            p = ctx + j
+            blk, off = bt[i, p // bs].item(), p % bs
+            k_cache[blk, off] = k[qsl_list[i] + j]
+            v_cache[blk, off] = v[qsl_list[i] + j]
+    qsl = torch.tensor(qsl_list, dtype=torch.int32, device=DEVICE)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = d ** -0.5
+    ref = ref_attention(q, k_cache, v_cache, bt, sl, qsl, scale)
+    paged = paged_attention(q, k_cache, v_cache, bt, sl, qsl, scale, max(q_lens), max(seq_lens))
+    out = csrc_triton.paged_attention_fresh_tail(
+        q, k, v, k_cache, v_cache, bt, sl, qsl, scale, max(seq_lens), fresh_seq,
+        qsl_list[fresh_seq], max(q_lens[:fresh_seq], default=0))
+    assert rel_err(out, ref) < TOL[dtype]
+    assert rel_err(out, paged.float()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("seq_lens,q_lens,fresh_seq", [
+    ([9, 40, 37, 50], [1, 12, 37, 50], 2),   # a decode row and a later chunk, then 2 prompts
+    ([37, 16, 21], [37, 16, 21], 0),          # prompts only, one a whole tile
+    ([30, 5], [1, 5], 1),                     # one short prompt behind a decode row
+])
+def test_fresh_tail_attention(seq_lens, q_lens, fresh_seq):
+    fresh_tail_case(seq_lens, q_lens, fresh_seq, 4, 2, 16, torch.float32)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (16, 8, 128)])
+def test_gpu_fresh_tail_attention(dtype, hq, hkv, d):
+    fresh_tail_case([1030, 700, 4096, 333], [1, 128, 4096, 333], 2, hq, hkv, d, dtype, seed=3)

@@ -27,7 +27,8 @@ import time
 
 import torch
 
-from ..model.attention import AttentionMetadata
+from ..config import fresh_attention_enabled
+from ..model.attention import AttentionMetadata, with_fresh_tail
 from .cuda_graph_runner import PackedArrays, bucket_for
 from .sampler import argmax_rows
 
@@ -110,6 +111,7 @@ class MixedGraphRunner:
         self.max_seqs = max_seqs
         self.max_rows = min(self.max_tokens, max_rows or max_seqs)
         self.use_graphs = use_graphs and device.type == "cuda"
+        self.fresh_attention = fresh_attention_enabled()
         s, r = max_seqs, self.max_rows
         # Bucketed steps read `graph_io.buf`; longer ones have buffers of their own, so a
         # graph step's upload stays its bucket's size.
@@ -151,6 +153,8 @@ class MixedGraphRunner:
             slot_mapping=b.slots[:t], query_start_loc=b.qsl[:n + 1], seq_lens=b.lens[:n],
             block_tables=b.tables[:n], max_query_len=host.max_query_len,
             max_seq_len=max(host.seq_lens))
+        if self.fresh_attention:
+            with_fresh_tail(meta, host.query_start_loc, host.seq_lens)
         self._forward(b, t, meta, len(host.sample_indices))
 
     def _forward(self, b, t: int, meta: AttentionMetadata, r: int) -> None:

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 
 from ..config import (EngineConfig, ModelConfig, compile_enabled, cuda_graphs_enabled,
-                      fused_ops_enabled)
+                      fresh_attention_enabled, fused_ops_enabled)
 from ..engine.scheduler import ScheduledBatch
 from ..engine.sequence import Sequence
-from ..model.attention import AttentionMetadata
+from ..model.attention import AttentionMetadata, with_fresh_tail
 from ..model.loader import load_model
 from ..model.quantization import QuantizedLinear, check_device
 from .cuda_graph_runner import DecodeGraphRunner
@@ -361,6 +361,8 @@ class ModelRunner:
             query_start_loc_host=h.query_start_loc,
             seq_lens_host=h.seq_lens,
         )
+        if fresh_attention_enabled():
+            with_fresh_tail(meta, h.query_start_loc, h.seq_lens)
         return ModelInputs(
             input_ids=_long_tensor(h.input_ids, dev),
             positions=_long_tensor(h.positions, dev),
