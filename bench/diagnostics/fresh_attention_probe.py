@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from csrc_triton._kernels import _softmax_step
+
 SHAPES = {  # (q heads, kv heads, head dim)
     "qwen3-0.6b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128), "qwen2.5-0.5b": (14, 2, 64)}
 
@@ -34,7 +36,8 @@ def _fresh_causal_kernel(q_desc, k_desc, v_desc, o_desc, qk_scale, T,
                          WARP_SPEC: tl.constexpr):
     """Causal attention of equal-length sequences laid flat ([B * T, heads * D]), every
     key contiguous: one program per (BLOCK_M query tile, sequence x head), the heaviest
-    tiles first. Off-diagonal key tiles unmasked, the diagonal ones masked."""
+    tiles first. Off-diagonal key tiles unmasked, the diagonal ones masked (the engine's
+    _fresh_prefill_kernel is the ragged form of this)."""
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
     seq = bh // NUM_HEADS
@@ -47,28 +50,15 @@ def _fresh_causal_kernel(q_desc, k_desc, v_desc, o_desc, qk_scale, T,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for start in tl.range(0, q_row0, BLOCK_N, warp_specialize=WARP_SPEC):
-        k = k_desc.load([base + start, kv_col])
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = v_desc.load([base + start, kv_col])
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k_desc.load([base + start, kv_col]),
+                                      v_desc.load([base + start, kv_col]), qk_scale, None,
+                                      False)
     offs_m = q_row0 + tl.arange(0, BLOCK_M)
     for start in range(q_row0, q_row0 + BLOCK_M, BLOCK_N):
-        k = k_desc.load([base + start, kv_col])
-        s = tl.dot(q, tl.trans(k)) * qk_scale
         keep = (start + tl.arange(0, BLOCK_N))[None, :] <= offs_m[:, None]
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = v_desc.load([base + start, kv_col])
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k_desc.load([base + start, kv_col]),
+                                      v_desc.load([base + start, kv_col]), qk_scale, keep,
+                                      True)
     o_desc.store([base + q_row0, head * HEAD_DIM], (acc / l_i[:, None]).to(q.dtype))
 
 
@@ -149,7 +139,11 @@ def main() -> None:
         def paged():
             return csrc_triton.paged_attention(q, kc, vc, tables, lens, qsl, D ** -0.5, T, T)
 
-        variants = [("paged (engine)", paged)]
+        def fresh_engine():  # the engine's form: ragged tiles, masked stores
+            return csrc_triton.paged_attention_fresh_tail(
+                q, k, v, kc, vc, tables, lens, qsl, D ** -0.5, T, 0, 0, 0)
+
+        variants = [("paged (engine)", paged), ("fresh (engine)", fresh_engine)]
         for bm, bn, w, st, ws in [(128, 128, 8, 3, False), (128, 64, 8, 3, False),
                                   (128, 64, 4, 3, False), (128, 128, 8, 2, False),
                                   (64, 64, 4, 3, False), (128, 128, 8, 3, True),
