@@ -41,8 +41,8 @@ def pipelining_enabled() -> bool:
 def fresh_attention_enabled() -> bool:
     """MINIVLLM_FRESH_ATTENTION=1: in eager (long) steps, prompts with nothing cached
     before them attend over their own contiguous K/V through TMA descriptors instead of
-    the paged cache (csrc_triton.paged_attention_fresh_tail). Off until an end-to-end A/B
-    on a GPU: the kernel alone ran 1.26-1.46x the paged one (docs/performance.md)."""
+    the paged cache (csrc_triton.paged_attention_fresh_tail). Off: its probe kernel ran
+    1.26-1.46x the paged one, but the engine's form made W5 slower (docs/decisions.md)."""
     return _env_flag("MINIVLLM_FRESH_ATTENTION", False)
 
 
