@@ -7,10 +7,6 @@ paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                 scale, max_query_len, max_seq_len, out=None)
 paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale,
                        max_seq_len, out=None, num_splits=None)
-paged_attention_fresh_tail(q, k, v, k_cache, v_cache, block_tables, seq_lens,
-                           query_start_loc, scale, max_seq_len, fresh_seq, fresh_token,
-                           head_max_query_len, out=None)
-    the same function, the trailing prompts with nothing cached read from k / v
 decode_num_splits(num_seqs, num_kv_heads, max_seq_len, device=None)
 int8_gemm, int4_gemm, fp8_weight_gemm, fp8_quantize_rows: weight-only quantized
           matmuls and W8A8's activation quantization (quant_gemm.py)
@@ -42,8 +38,6 @@ __all__ = [
     "store_kv_cache",
     "paged_attention",
     "paged_attention_decode",
-    "paged_attention_fresh_tail",
-    "fresh_attention_supported",
     "decode_num_splits",
 ]
 
@@ -355,66 +349,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                           long_query=int(max_query_len) >= 2048)
     _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, cfg)
     return out
-
-
-# Tiles of the contiguous-K/V kernel: 64 x 64, 4 warps, 3 stages won its probe on W5's
-# shapes for head_dim 64 and 128 (bench/diagnostics/fresh_attention_probe.py).
-_FRESH_TILE = 64
-
-
-def fresh_attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether paged_attention_fresh_tail can run: 16-bit q on a GPU (fp32 only under the
-    interpreter), a 16-bit cache (an fp8 cache's prompts are read back as stored, so they
-    stay on the paged path), a power-of-two head_dim."""
-    D = q.shape[-1]
-    interpreted = _uses_interpreter(q.device)
-    return (D >= 16 and D & (D - 1) == 0 and k_cache.dtype == q.dtype
-            and (q.dtype in (torch.float16, torch.bfloat16)
-                 or (interpreted and q.dtype == torch.float32)))
-
-
-def paged_attention_fresh_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                               query_start_loc: torch.Tensor, scale: float,
-                               max_seq_len: int, fresh_seq: int, fresh_token: int,
-                               head_max_query_len: int,
-                               out: torch.Tensor | None = None) -> torch.Tensor:
-    """paged_attention's function for a step whose sequences from `fresh_seq` on (their
-    rows from `fresh_token` on) are whole prompts with nothing cached before them: those
-    attend over this step's own k / v ([T, Hkv, D], rows contiguous in the last two
-    dims; the cache holds the same values), the sequences before them (decode rows,
-    later chunks; their longest query `head_max_query_len`) through the paged cache.
-    Python ints only: eager steps (the descriptors are made per call)."""
-    T, Hq, D, bs, Hkv = _check_attention_shapes(q, k_cache, v_cache)
-    if out is None:
-        out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
-    if fresh_seq > 0:
-        paged_attention(q[:fresh_token], k_cache, v_cache, block_tables[:fresh_seq],
-                        seq_lens[:fresh_seq], query_start_loc[:fresh_seq + 1], scale,
-                        head_max_query_len, max_seq_len, out=out[:fresh_token])
-    num_seqs = seq_lens.shape[0] - fresh_seq
-    if num_seqs > 0:
-        _launch_fresh(q, k, v, query_start_loc[fresh_seq:], num_seqs, T - fresh_token,
-                      scale, out)
-    return out
-
-
-def _launch_fresh(q, k, v, query_start_loc, num_seqs: int, num_tokens: int, scale: float,
-                  out: torch.Tensor) -> None:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    T, Hq, D = q.shape
-    Hkv = k.shape[1]
-    interpreted = _uses_interpreter(q.device)
-    tile = 16 if interpreted else _FRESH_TILE
-    if q.stride(-1) != 1 or q.stride(1) != D:
-        q = q.contiguous()
-    descs = [TensorDescriptor.from_tensor(t.reshape(T, -1), [tile, D]) for t in (q, k, v)]
-    opts = {} if interpreted else {"num_warps": 4, "num_stages": 3}
-    _kernels_for(q.device)._fresh_prefill_kernel[(num_tokens // tile + num_seqs + 1, Hq)](
-        *descs, out, query_start_loc, num_seqs, float(scale) * _LOG2E, out.stride(0),
-        out.stride(1), GQA=Hq // Hkv, HEAD_DIM=D, BLOCK_M=tile, BLOCK_N=tile, **opts)
 
 
 def _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,

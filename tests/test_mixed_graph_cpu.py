@@ -66,36 +66,3 @@ def test_small_buckets_project_only_their_rows(tiny_model_dirs):
     assert 16 in [min(b for b in mixed_buckets(32) if b >= c) for c in calls]
     for w, g in zip(want, got):
         assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
-
-
-def test_fresh_prompts_attend_over_their_own_kv(tiny_model_dirs, monkeypatch):
-    """MINIVLLM_FRESH_ATTENTION=1: eager steps' whole prompts attend over the step's own
-    k / v (the contiguous-K/V kernel, interpreted here) and the rest through the paged
-    cache: the tokens of the paged path, with prompts past the graph buckets, chunks and
-    pipelined steps."""
-    pytest.importorskip("triton")
-    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "triton")
-    import csrc_triton
-
-    prompts = random_prompts(3, 256, 20, 34, seed=53)
-    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    kw = dict(skip_tokenizer_init=True, max_model_len=96, block_size=4, max_num_seqs=4,
-              max_num_batched_tokens=48)
-    want = LLM(str(tiny_model_dirs["qwen3"]), **kw).generate(prompts, params, use_tqdm=False)
-    monkeypatch.setenv("MINIVLLM_FRESH_ATTENTION", "1")
-    calls = []
-    orig = csrc_triton.paged_attention_fresh_tail
-    monkeypatch.setattr(csrc_triton, "paged_attention_fresh_tail",
-                        lambda *a, **k: calls.append(a[11]) or orig(*a, **k))
-    llm = LLM(str(tiny_model_dirs["qwen3"]), **kw)
-    runner, cfg = llm.engine.runner, llm.engine.config
-    runner.mixed_runner = MixedGraphRunner(
-        runner.model, runner.kv_cache.layers, max_tokens=16, max_seqs=cfg.max_num_seqs,
-        max_blocks=cfg.max_blocks_per_seq(), max_model_len=cfg.max_model_len,
-        device=torch.device("cpu"), use_graphs=False,
-        max_eager_tokens=cfg.max_num_batched_tokens)
-    got = llm.generate(prompts, params, use_tqdm=False)
-    assert calls  # some steps took the contiguous path
-    for w, g in zip(want, got):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids
-    assert llm.engine.scheduler.pool.all_free()

@@ -11,6 +11,9 @@ flash). Each output is checked against SDPA.
     python -m bench.diagnostics.fresh_attention_probe --out FILE [--tiny]
 
 --tiny runs the contiguous kernel on a tiny shape (Triton's interpreter on a CPU too).
+The engine's ragged form of this kernel (prompts of any length beside paged sequences in
+one step) was built and lost its W5 A/B; it is in git history at commit cf2563f
+(csrc_triton.paged_attention_fresh_tail, docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -23,10 +26,22 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton._kernels import _softmax_step
-
 SHAPES = {  # (q heads, kv heads, head dim)
     "qwen3-0.6b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128), "qwen2.5-0.5b": (14, 2, 64)}
+
+
+@triton.jit
+def _softmax_step(acc, m_i, l_i, q, k, v, qk_scale, keep, MASKED: tl.constexpr):
+    """One key tile of the online softmax (keep: the [rows, keys] that count, if MASKED)."""
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED:
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -36,8 +51,7 @@ def _fresh_causal_kernel(q_desc, k_desc, v_desc, o_desc, qk_scale, T,
                          WARP_SPEC: tl.constexpr):
     """Causal attention of equal-length sequences laid flat ([B * T, heads * D]), every
     key contiguous: one program per (BLOCK_M query tile, sequence x head), the heaviest
-    tiles first. Off-diagonal key tiles unmasked, the diagonal ones masked (the engine's
-    _fresh_prefill_kernel is the ragged form of this)."""
+    tiles first. Off-diagonal key tiles unmasked, the diagonal ones masked."""
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
     seq = bh // NUM_HEADS
@@ -139,11 +153,7 @@ def main() -> None:
         def paged():
             return csrc_triton.paged_attention(q, kc, vc, tables, lens, qsl, D ** -0.5, T, T)
 
-        def fresh_engine():  # the engine's form: ragged tiles, masked stores
-            return csrc_triton.paged_attention_fresh_tail(
-                q, k, v, kc, vc, tables, lens, qsl, D ** -0.5, T, 0, 0, 0)
-
-        variants = [("paged (engine)", paged), ("fresh (engine)", fresh_engine)]
+        variants = [("paged (engine)", paged)]
         for bm, bn, w, st, ws in [(128, 128, 8, 3, False), (128, 64, 8, 3, False),
                                   (128, 64, 4, 3, False), (128, 128, 8, 2, False),
                                   (64, 64, 4, 3, False), (128, 128, 8, 3, True),

@@ -38,14 +38,6 @@ def pipelining_enabled() -> bool:
     return _env_flag("MINIVLLM_PIPELINE", True)
 
 
-def fresh_attention_enabled() -> bool:
-    """MINIVLLM_FRESH_ATTENTION=1: in eager (long) steps, prompts with nothing cached
-    before them attend over their own contiguous K/V through TMA descriptors instead of
-    the paged cache (csrc_triton.paged_attention_fresh_tail). Off: its probe kernel ran
-    1.26-1.46x the paged one, but the engine's form made W5 slower (docs/decisions.md)."""
-    return _env_flag("MINIVLLM_FRESH_ATTENTION", False)
-
-
 def decode_prelude_enabled() -> bool:
     """MINIVLLM_DECODE_PRELUDE=0: no split-K GEMM before each decode graph replay (see
     cuda_graph_runner.make_prelude). It kept the H200's graph kernels close together, W2

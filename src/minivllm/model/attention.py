@@ -41,43 +41,14 @@ class AttentionMetadata:
     # int32 zeros, >= num_seqs x num_kv_heads: the Triton decode kernel then combines its
     # KV splits itself instead of in a second kernel (csrc_triton.paged_attention_decode).
     decode_counters: torch.Tensor | None = None
-    # Eager steps with MINIVLLM_FRESH_ATTENTION=1 (see with_fresh_tail): the sequences from
-    # fresh_seqs_from on (rows from fresh_tokens_from on) are whole prompts with nothing
-    # cached, which the Triton backend attends over the step's own k / v; the longest
-    # query before them is head_max_query_len.
-    fresh_seqs_from: int | None = None
-    fresh_tokens_from: int = 0
-    head_max_query_len: int = 0
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
 
 
-def with_fresh_tail(meta: AttentionMetadata, query_start_loc: list[int],
-                    seq_lens: list[int]) -> AttentionMetadata:
-    """Mark the trailing run of sequences that are whole prompts (no cached context: the
-    scheduler puts new prompts after running sequences) on an eager step's metadata."""
-    i = len(seq_lens)
-    while i > 0 and seq_lens[i - 1] == query_start_loc[i] - query_start_loc[i - 1]:
-        i -= 1
-    if i < len(seq_lens):
-        meta.fresh_seqs_from, meta.fresh_tokens_from = i, query_start_loc[i]
-        meta.head_max_query_len = max((query_start_loc[j + 1] - query_start_loc[j]
-                                       for j in range(i)), default=0)
-    return meta
-
-
 def _triton_attention(triton_ops, q, k_cache, v_cache, meta: AttentionMetadata,
-                      scale: float, k: torch.Tensor | None = None,
-                      v: torch.Tensor | None = None) -> torch.Tensor:
-    if meta.fresh_seqs_from is not None and k is not None:
-        import csrc_triton
-        if csrc_triton.fresh_attention_supported(q, k_cache):
-            return triton_ops.paged_attention_fresh_tail(
-                q, k, v, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                meta.query_start_loc, scale, meta.max_seq_len, meta.fresh_seqs_from,
-                meta.fresh_tokens_from, meta.head_max_query_len)
+                      scale: float) -> torch.Tensor:
     args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             scale, meta.max_query_len, meta.max_seq_len)
     if meta.decode_counters is not None:
@@ -178,17 +149,16 @@ class PagedAttention(nn.Module):
         if self.backend == "triton":
             from . import triton_ops
             triton_ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            return _triton_attention(triton_ops, q, k_cache, v_cache, meta, self.scale, k, v)
+            return _triton_attention(triton_ops, q, k_cache, v_cache, meta, self.scale)
         store_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention_reference(q, k_cache, v_cache, meta, self.scale)
 
     def attend(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-               meta: AttentionMetadata, k: torch.Tensor | None = None,
-               v: torch.Tensor | None = None) -> torch.Tensor:
+               meta: AttentionMetadata) -> torch.Tensor:
         """Attention only, for callers that already stored this step's K/V (the fused
-        rotary kernel does); k / v, the step's own, serve prompts with nothing cached."""
+        rotary kernel does)."""
         k_cache, v_cache = kv_cache
         if self.backend == "triton":
             from . import triton_ops
-            return _triton_attention(triton_ops, q, k_cache, v_cache, meta, self.scale, k, v)
+            return _triton_attention(triton_ops, q, k_cache, v_cache, meta, self.scale)
         return paged_attention_reference(q, k_cache, v_cache, meta, self.scale)

@@ -60,7 +60,7 @@ class DecoderAttention(nn.Module):
                 q_norm_weight=self.q_norm.weight if self.qk_norm else None,
                 k_norm_weight=self.k_norm.weight if self.qk_norm else None, eps=self.eps,
                 v=v, k_cache=kv_cache[0], v_cache=kv_cache[1], slot_mapping=meta.slot_mapping)
-            out = self.attn.attend(q, kv_cache, meta, k, v)
+            out = self.attn.attend(q, kv_cache, meta)
         else:
             if self.qk_norm:
                 q = self.q_norm(q)

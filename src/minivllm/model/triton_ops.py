@@ -63,22 +63,3 @@ def paged_attention_counted(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
       max_seq_len, decode_counters):
     return q.new_empty(q.shape)
-
-
-# Eager steps only (Python ints, descriptors made per call): see AttentionMetadata.fresh_*.
-@torch.library.custom_op("minivllm::paged_attention_fresh_tail", mutates_args=())
-def paged_attention_fresh_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                               query_start_loc: torch.Tensor, scale: float, max_seq_len: int,
-                               fresh_seq: int, fresh_token: int,
-                               head_max_query_len: int) -> torch.Tensor:
-    return csrc_triton.paged_attention_fresh_tail(
-        q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-        max_seq_len, fresh_seq, fresh_token, head_max_query_len, out=q.new_empty(q.shape))
-
-
-@paged_attention_fresh_tail.register_fake
-def _(q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len,
-      fresh_seq, fresh_token, head_max_query_len):
-    return q.new_empty(q.shape)

@@ -27,8 +27,7 @@ import time
 
 import torch
 
-from ..config import fresh_attention_enabled
-from ..model.attention import AttentionMetadata, with_fresh_tail
+from ..model.attention import AttentionMetadata
 from .cuda_graph_runner import PackedArrays, bucket_for
 from .sampler import argmax_rows
 
@@ -111,7 +110,6 @@ class MixedGraphRunner:
         self.max_seqs = max_seqs
         self.max_rows = min(self.max_tokens, max_rows or max_seqs)
         self.use_graphs = use_graphs and device.type == "cuda"
-        self.fresh_attention = fresh_attention_enabled()
         s, r = max_seqs, self.max_rows
         # Bucketed steps read `graph_io.buf`; longer ones have buffers of their own, so a
         # graph step's upload stays its bucket's size.
@@ -153,8 +151,6 @@ class MixedGraphRunner:
             slot_mapping=b.slots[:t], query_start_loc=b.qsl[:n + 1], seq_lens=b.lens[:n],
             block_tables=b.tables[:n], max_query_len=host.max_query_len,
             max_seq_len=max(host.seq_lens))
-        if self.fresh_attention:
-            with_fresh_tail(meta, host.query_start_loc, host.seq_lens)
         self._forward(b, t, meta, len(host.sample_indices))
 
     def _forward(self, b, t: int, meta: AttentionMetadata, r: int) -> None:
@@ -199,7 +195,7 @@ class MixedGraphRunner:
         tokens[rows[i]], a token of the previous step still on the device (the host list
         holds a placeholder there)."""
         n_tok, n_seq, n_rows = len(host.input_ids), len(host.seq_lens), len(host.sample_indices)
-        graphed = n_tok <= self.max_graph_tokens
+        graphed = self.is_graphed(n_tok)
         t = bucket_for(n_tok, self.buckets) if graphed else n_tok
         io = self.graph_io if graphed else self.eager_io
         staging = io.next_staging()

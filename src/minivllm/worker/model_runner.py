@@ -16,10 +16,10 @@ import numpy as np
 import torch
 
 from ..config import (EngineConfig, ModelConfig, compile_enabled, cuda_graphs_enabled,
-                      fresh_attention_enabled, fused_ops_enabled)
+                      fused_ops_enabled)
 from ..engine.scheduler import ScheduledBatch
 from ..engine.sequence import Sequence
-from ..model.attention import AttentionMetadata, with_fresh_tail
+from ..model.attention import AttentionMetadata
 from ..model.loader import load_model
 from ..model.quantization import QuantizedLinear, check_device
 from .cuda_graph_runner import DecodeGraphRunner
@@ -361,8 +361,6 @@ class ModelRunner:
             query_start_loc_host=h.query_start_loc,
             seq_lens_host=h.seq_lens,
         )
-        if fresh_attention_enabled():
-            with_fresh_tail(meta, h.query_start_loc, h.seq_lens)
         return ModelInputs(
             input_ids=_long_tensor(h.input_ids, dev),
             positions=_long_tensor(h.positions, dev),
@@ -454,11 +452,12 @@ class ModelRunner:
         seqs = batch.seqs
         rows = None
         if prev is not None:
-            rows = [prev.rows.get(s.seq_id) for s in seqs]
-            if None in rows:
-                # A sequence whose last token is known (one that was not in prev, e.g. its
-                # prompt's last chunk ran earlier): the decode graphs take every row's
-                # token from prev, the mixed-step graphs only the placeholders'.
+            try:
+                rows = [prev.rows[s.seq_id] for s in seqs]
+            except KeyError:
+                # A sequence not in prev knows its last token (a prompt's one-token last
+                # chunk): the decode graphs take every row's token from prev, the
+                # mixed-step graphs only the placeholders'.
                 return self._launch_mixed(batch, prev)
         self.last_step = ("decode_pipelined", len(seqs), len(seqs))
         lens = [len(s.token_ids) for s in seqs]
