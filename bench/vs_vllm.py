@@ -78,7 +78,7 @@ class MinivllmEngine:
     name = "minivllm"
 
     def __init__(self, folder: Path, smoke: bool, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", block_size: int | None = None) -> None:
         from minivllm import LLM
 
         kw = dict(device="cpu", dtype="float32", max_model_len=1024) if smoke else dict(
@@ -86,6 +86,8 @@ class MinivllmEngine:
         self.settings = {"load_format": "dummy", "skip_tokenizer_init": True, "seed": 0, **kw}
         if quantization:
             self.settings["quantization"] = quantization
+        if block_size:
+            self.settings["block_size"] = block_size
         if kv_cache_dtype != "auto":
             self.settings["kv_cache_dtype"] = kv_cache_dtype
         self.llm = LLM(str(folder), **self.settings)
@@ -107,7 +109,7 @@ class VllmEngine:
     name = "vllm"
 
     def __init__(self, folder: Path, smoke: bool, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", block_size: int | None = None) -> None:
         if smoke:
             raise SystemExit("vLLM needs a GPU: no smoke run")
         from vllm import LLM
@@ -117,6 +119,8 @@ class VllmEngine:
                          "seed": 0, "generation_config": "vllm"}
         if quantization:
             self.settings["quantization"] = quantization
+        if block_size:
+            self.settings["block_size"] = block_size
         if kv_cache_dtype != "auto":
             self.settings["kv_cache_dtype"] = kv_cache_dtype
         self.llm = LLM(model=str(folder), **self.settings)
@@ -161,7 +165,8 @@ def run_offline(args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     # A quantized run's file and rows carry its method ("fp8", "kv-fp8", "fp8+kv-fp8").
     label = "+".join(([args.quantization] if args.quantization else [])
-                     + ([f"kv-{args.kv_cache_dtype}"] if args.kv_cache_dtype != "auto" else []))
+                     + ([f"kv-{args.kv_cache_dtype}"] if args.kv_cache_dtype != "auto" else [])
+                     + ([f"block{args.block_size}"] if args.block_size else []))
     suffix = f"_{label}" if label else ""
     path = out_dir / f"offline_{args.engine}{suffix}.json"
     folder, cfg = model_folder(args.model, args.smoke, Path(args.work))
@@ -174,7 +179,8 @@ def run_offline(args) -> int:
         path.write_text(json.dumps(record, indent=1))
 
     t0 = time.perf_counter()
-    engine = ENGINES[args.engine](folder, args.smoke, args.quantization, args.kv_cache_dtype)
+    engine = ENGINES[args.engine](folder, args.smoke, args.quantization, args.kv_cache_dtype,
+                                  args.block_size)
     record.update(startup_s=round(time.perf_counter() - t0, 1), settings=engine.settings,
                   version=engine.version())
     log(f"{args.engine} {args.model}: engine ready in {record['startup_s']} s")
@@ -315,6 +321,9 @@ def main(argv=None) -> int:
     off.add_argument("--kv-cache-dtype", default="auto",
                      help="both engines' KV cache dtype (auto or fp8); with it the file is "
                           "offline_ENGINE_kv-fp8.json (or _METHOD+kv-fp8)")
+    off.add_argument("--block-size", type=int, default=None,
+                     help="the KV cache's tokens per block (default: the engine's); with it "
+                          "the file is offline_ENGINE_blockN.json")
     mg = sub.add_parser("merge", help="DIR/vs_vllm.json from the run's files")
     mg.add_argument("folder")
     args = p.parse_args(argv)

@@ -317,7 +317,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                     max_seq_len: int, out: torch.Tensor | None = None,
-                    decode_counters: torch.Tensor | None = None) -> torch.Tensor:
+                    decode_counters: torch.Tensor | None = None,
+                    use_tma: bool | None = None) -> torch.Tensor:
     """Ragged causal attention over the paged KV cache (prefill, chunked
     prefill, decode, or a mix of them).
 
@@ -329,7 +330,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q's dtype.  Rows of ``out`` that belong to no sequence are not written.
     Dispatches to :func:`paged_attention_decode` when ``max_query_len == 1``
     and there is one query row per sequence (``decode_counters`` goes with it, as
-    its ``counters``).
+    its ``counters``). ``use_tma``: see :func:`_launch_prefill`.
     """
     T, Hq, D, bs, Hkv = _check_attention_shapes(q, k_cache, v_cache)
     num_seqs = seq_lens.shape[0]
@@ -347,14 +348,39 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cfg = _prefill_config(rows, D, q.dtype, interpreted,
                           long_ctx=int(max_seq_len) >= 2 * int(max_query_len),
                           long_query=int(max_query_len) >= 2048)
-    _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, cfg)
+    _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, cfg,
+                    use_tma)
     return out
 
 
+def _tma_tiles_fit(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> bool:
+    """Whether the prefill kernel can load its K/V tiles whole through tensor descriptors:
+    16-bit caches laid out [blocks, block_size, heads, dim] contiguously (an e4m3 V cache is
+    stored transposed), each tile inside one block, head_dim a power of two."""
+    bs, D = k_cache.shape[1], k_cache.shape[3]
+    return (k_cache.dtype in (torch.bfloat16, torch.float16) and v_cache.dtype == k_cache.dtype
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and bs % block_n == 0 and D == _next_pow2(D) and D >= 16)
+
+
+def _tma_available(device: torch.device) -> bool:
+    """Hopper or newer, and a Triton with host-side tensor descriptors."""
+    if device.type != "cuda" or _uses_interpreter(device):
+        return False
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                    cfg: dict) -> None:
+                    cfg: dict, use_tma: bool | None = None) -> None:
     """The prefill kernel's launch with an explicit tile config (bench/attention_tuning.py
-    sweeps configs through it)."""
+    sweeps configs through it). use_tma: load K/V tiles through tensor descriptors (None:
+    wherever the GPU and the cache allow it; True under the interpreter for tests)."""
     T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -362,6 +388,20 @@ def _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     interpreted = _uses_interpreter(q.device)
     kern = _kernels_for(q.device)
     block_d = _next_pow2(max(D, 16))
+    fits = _tma_tiles_fit(k_cache, v_cache, cfg["BLOCK_N"])
+    if use_tma is None:
+        use_tma = fits and _tma_available(q.device)
+    elif use_tma and not fits:
+        raise ValueError("the cache does not allow whole-tile descriptor loads "
+                         f"(dtype {k_cache.dtype}, block_size {k_cache.shape[1]}, "
+                         f"BLOCK_N {cfg['BLOCK_N']})")
+    descs = {}
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        flat = (k_cache.shape[0] * k_cache.shape[1], Hkv * D)
+        descs = dict(k_desc=TensorDescriptor.from_tensor(k_cache.view(flat), [cfg["BLOCK_N"], D]),
+                     v_desc=TensorDescriptor.from_tensor(v_cache.view(flat), [cfg["BLOCK_N"], D]),
+                     USE_TMA=True)
     # Tiles of the whole batch (every sequence's rows, plus one spare tile per sequence:
     # see _kernels._tile_owner), not cdiv(rows, BLOCK_M) x num_seqs: a mixed step's
     # decode rows and a graph's padding sequences no longer launch empty tiles.
@@ -375,7 +415,7 @@ def _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
         DOT_FP32=_dot_fp32(q.dtype, interpreted),
         HEAVY_FIRST=cfg.get("HEAVY_FIRST", False),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **descs,
     )
 
 

@@ -71,19 +71,35 @@ def _attn_tiles(
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr,
+    k_desc=None, v_desc=None, USE_TMA: tl.constexpr = False,
 ):
     """Online-softmax accumulation over kv positions [lo, hi), tile by tile.
 
     MASKED: positions >= hi are masked (and not loaded); CAUSAL additionally
     masks kv positions > q_pos[row].  Without MASKED every position in
     [lo, hi) must be valid for every row (hi - lo a multiple of BLOCK_N).
+
+    USE_TMA: each tile lies inside one block (BLOCK_SIZE % BLOCK_N == 0, lo a multiple
+    of BLOCK_N) and is loaded whole through the tensor descriptors k_desc / v_desc over
+    the cache seen as [num_blocks * BLOCK_SIZE, num_kv_heads * HEAD_DIM]: one block-table
+    entry and one bulk copy per tile instead of a gather of per-token addresses. A
+    masked tile's rows past hi are still in the sequence's own (zero-initialized) block;
+    their keys are masked and their values zeroed.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
-        if MASKED:
+        if USE_TMA:
+            page = tl.load(bt_row_ptr + (start // BLOCK_SIZE) * stride_btn)
+            row = page * BLOCK_SIZE + start % BLOCK_SIZE
+            k = k_desc.load([row, kvh * HEAD_DIM])
+            v = v_desc.load([row, kvh * HEAD_DIM])
+            if MASKED:
+                n_valid = pos < hi
+                v = tl.where(n_valid[:, None], v, 0.0)
+        elif MASKED:
             n_valid = pos < hi
             blk = tl.load(bt_row_ptr + (pos // BLOCK_SIZE) * stride_btn, mask=n_valid, other=0).to(tl.int64)
             ld_mask = n_valid[:, None] & d_mask[None, :]
@@ -99,22 +115,23 @@ def _attn_tiles(
             ld_mask = d_mask[None, :]
             vt_mask = d_mask[:, None]
             other = 0.0
-        # 64-bit block offsets, 32-bit offsets inside a block (fewer address instructions)
-        off = pos % BLOCK_SIZE
-        k_row = blk * stride_kcb + (off * stride_kcs + kvh * stride_kch)
-        v_row = blk * stride_vcb + (off * stride_vcs + kvh * stride_vch)
-        k = tl.load(k_cache_ptr + k_row[:, None] + offs_d[None, :] * stride_kcd,
-                    mask=ld_mask, other=other)
-        if v_cache_ptr.dtype.element_ty.is_fp8():
-            # Stored with its tokens contiguous (worker/kv_cache.value_cache): loaded as
-            # [D, N], converted, then transposed, so that the tokens stay the contiguous
-            # dimension of the dot's operand (docs/decisions.md, "FP8 KV cache").
-            vt = tl.load(v_cache_ptr + v_row[None, :] + offs_d[:, None] * stride_vcd,
-                         mask=vt_mask, other=other)
-            v = tl.trans(vt.to(q.dtype))
-        else:
-            v = tl.load(v_cache_ptr + v_row[:, None] + offs_d[None, :] * stride_vcd,
+        if not USE_TMA:
+            # 64-bit block offsets, 32-bit offsets inside a block (fewer address instructions)
+            off = pos % BLOCK_SIZE
+            k_row = blk * stride_kcb + (off * stride_kcs + kvh * stride_kch)
+            v_row = blk * stride_vcb + (off * stride_vcs + kvh * stride_vch)
+            k = tl.load(k_cache_ptr + k_row[:, None] + offs_d[None, :] * stride_kcd,
                         mask=ld_mask, other=other)
+            if v_cache_ptr.dtype.element_ty.is_fp8():
+                # Stored with its tokens contiguous (worker/kv_cache.value_cache): loaded as
+                # [D, N], converted, then transposed, so that the tokens stay the contiguous
+                # dimension of the dot's operand (docs/decisions.md, "FP8 KV cache").
+                vt = tl.load(v_cache_ptr + v_row[None, :] + offs_d[:, None] * stride_vcd,
+                             mask=vt_mask, other=other)
+                v = tl.trans(vt.to(q.dtype))
+            else:
+                v = tl.load(v_cache_ptr + v_row[:, None] + offs_d[None, :] * stride_vcd,
+                            mask=ld_mask, other=other)
         if k_cache_ptr.dtype.element_ty.is_fp8():  # half the bytes; the products in q's dtype
             # (fp16 for a bf16 model: see the kernels' q)
             k = k.to(q.dtype)
@@ -179,6 +196,7 @@ def _prefill_kernel(
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr, HEAVY_FIRST: tl.constexpr,
+    k_desc=None, v_desc=None, USE_TMA: tl.constexpr = False,
 ):
     """Varlen causal attention over the paged cache.
 
@@ -245,11 +263,11 @@ def _prefill_kernel(
     acc, m_i, l_i = _attn_tiles(
         acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, stride_btn, kvh, 0, full_end, qk_scale,
         stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, False, False, DOT_FP32)
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, False, False, DOT_FP32, k_desc, v_desc, USE_TMA)
     acc, m_i, l_i = _attn_tiles(
         acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, stride_btn, kvh, full_end, kv_end, qk_scale,
         stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, True, DOT_FP32)
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, True, DOT_FP32, k_desc, v_desc, USE_TMA)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]

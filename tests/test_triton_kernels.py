@@ -102,7 +102,8 @@ def rel_err(out, ref):
 
 
 def run_case(seq_lens, q_lens, hq, hkv, d, block_size, dtype, seed=0, num_blocks=None,
-             fused_qkv=False, check_decode_direct=False, num_splits=None, cache_dtype=None):
+             fused_qkv=False, check_decode_direct=False, num_splits=None, cache_dtype=None,
+             use_tma=None):
     gen = torch.Generator().manual_seed(seed)
     need = sum(-(-s // block_size) for s in seq_lens)
     num_blocks = num_blocks or need + 3
@@ -122,7 +123,8 @@ def run_case(seq_lens, q_lens, hq, hkv, d, block_size, dtype, seed=0, num_blocks
     if check_decode_direct:
         out = paged_attention_decode(q, k_cache, v_cache, bt, sl, scale, max(seq_lens), num_splits=num_splits)
     else:
-        out = paged_attention(q, k_cache, v_cache, bt, sl, qsl, scale, max(q_lens), max(seq_lens))
+        out = paged_attention(q, k_cache, v_cache, bt, sl, qsl, scale, max(q_lens), max(seq_lens),
+                              use_tma=use_tma)
     assert out.shape == (T, hq, d) and out.dtype == dtype
     assert torch.isfinite(out.float()).all()
     err = rel_err(out, ref)
@@ -258,6 +260,32 @@ def test_random_mixed_batches(seed, hq, hkv, d, block_size, dtype):
     # the same contexts decoded (one query each), several splits
     run_case(seq_lens, [1] * n, hq, hkv, d, block_size, dtype, seed=seed + 100,
              check_decode_direct=True, num_splits=3)
+
+
+@pytest.mark.parametrize("hq,hkv,d,block_size,dtype", [
+    (4, 2, 32, 16, torch.bfloat16), (3, 1, 16, 32, torch.float16), (2, 2, 64, 16, torch.float16)])
+def test_prefill_tiles_through_tensor_descriptors(hq, hkv, d, block_size, dtype):
+    """K/V tiles loaded whole through descriptors over the flat cache (one block-table
+    entry a tile): ragged prompts, prompts after a cached prefix, decode rows, and
+    sequences ending mid-block (the tile's rows past the end masked, their values zeroed)."""
+    if DEVICE == "cuda":  # tiles of 64 keys on the GPU
+        block_size *= 4
+    seq_lens, q_lens = [37, 1, 50, 16, 20], [37, 1, 13, 16, 1]
+    run_case(seq_lens, q_lens, hq, hkv, d, block_size, dtype, seed=5, use_tma=True)
+    # NaN in a block's rows past the sequence's end must not reach the output.
+    gen = torch.Generator().manual_seed(6)
+    k_cache, v_cache = make_cache(2, block_size, hkv, d, dtype, gen)
+    k_cache[1, 5:], v_cache[1, 5:] = float("nan"), float("nan")
+    bt = torch.tensor([[1]], dtype=torch.int32, device=DEVICE)
+    sl = torch.tensor([5], dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(5, hq, d, generator=gen).to(dtype).to(DEVICE)
+    out = paged_attention(q, k_cache, v_cache, bt, sl, qsl, d ** -0.5, 5, 5, use_tma=True)
+    ref = ref_attention(q, k_cache, v_cache, bt, sl, qsl, d ** -0.5)
+    assert torch.isfinite(out.float()).all() and rel_err(out, ref) < TOL[dtype]
+    if DEVICE == "cpu":  # the descriptor path needs each tile inside one block
+        with pytest.raises(ValueError, match="whole-tile descriptor loads"):
+            run_case([20], [20], 2, 1, 16, 8, torch.float16, use_tma=True)
 
 
 def test_prefill_non_identity_tables_and_out_arg():

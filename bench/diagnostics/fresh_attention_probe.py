@@ -141,23 +141,38 @@ def main() -> None:
         v = torch.randn(B * T, Hkv, D, device=dev, dtype=torch.bfloat16)
         ref = sdpa_reference(q, k, v, B)
         flops = 4 * B * H * D * T * T / 2
-        # The engine's paged kernel on the same prompts (blocks of 16, in order).
-        bs = 16
-        nblk = B * T // bs
-        kc = k.view(nblk, bs, Hkv, D).contiguous()
-        vc = v.view(nblk, bs, Hkv, D).contiguous()
-        tables = torch.arange(nblk, device=dev, dtype=torch.int32).view(B, T // bs)
+        # The engine's paged kernel on the same prompts (blocks in order), through its
+        # per-token gather and through tensor descriptors (whole tiles inside a block).
         lens = torch.full((B,), T, device=dev, dtype=torch.int32)
         qsl = torch.arange(0, B * T + 1, T, device=dev, dtype=torch.int32)
+        variants = []
+        default_cfg = csrc_triton._prefill_config(T * H // Hkv, D, q.dtype, False,
+                                                  long_query=True)
+        for bs in (16, 64, 128):
+            nblk = B * T // bs
+            kc = k.view(nblk, bs, Hkv, D).contiguous()
+            vc = v.view(nblk, bs, Hkv, D).contiguous()
+            tables = torch.arange(nblk, device=dev, dtype=torch.int32).view(B, T // bs)
+            cfgs = [default_cfg] + ([] if bs < 64 else [
+                {**default_cfg, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
+                for bm, bn, w, st in [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4),
+                                      (128, 128, 8, 2), (64, 128, 4, 2)]
+                if bs % bn == 0])
+            for cfg in cfgs:
+                for tma in ((False, True) if bs % cfg["BLOCK_N"] == 0 else (False,)):
+                    if tma and not csrc_triton._tma_tiles_fit(kc, vc, cfg["BLOCK_N"]):
+                        continue
+                    name = (f"paged bs{bs} {'tma' if tma else 'gather'} {cfg['BLOCK_M']}x"
+                            f"{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
+                            f"{' (default)' if cfg is default_cfg else ''}")
 
-        def paged():
-            return csrc_triton.paged_attention(q, kc, vc, tables, lens, qsl, D ** -0.5, T, T)
-
-        variants = [("paged (engine)", paged)]
-        for bm, bn, w, st, ws in [(128, 128, 8, 3, False), (128, 64, 8, 3, False),
-                                  (128, 64, 4, 3, False), (128, 128, 8, 2, False),
-                                  (64, 64, 4, 3, False), (128, 128, 8, 3, True),
-                                  (128, 64, 4, 3, True), (128, 128, 4, 2, True)]:
+                    def paged(kc=kc, vc=vc, tables=tables, cfg=cfg, tma=tma):
+                        out = torch.empty_like(q)
+                        csrc_triton._launch_prefill(q, kc, vc, tables, lens, qsl, D ** -0.5,
+                                                    out, cfg, use_tma=tma)
+                        return out
+                    variants.append((name, paged))
+        for bm, bn, w, st, ws in [(128, 128, 8, 3, False), (64, 64, 4, 3, False)]:
             variants.append((f"fresh {bm}x{bn} w{w} s{st}{' ws' if ws else ''}",
                              lambda bm=bm, bn=bn, w=w, st=st, ws=ws:
                              fresh_causal(q, k, v, bm, bn, w, st, ws)))
