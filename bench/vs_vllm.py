@@ -68,7 +68,7 @@ def workloads(smoke: bool, vocab: int) -> dict[str, Workload]:
                 "W6": Workload("W6", "output_tok_per_s", 2, (256, 256), (4, 4), 1, vocab)}
     return {"W1": Workload("W1", "output_tok_per_s", 256, (100, 1024), (100, 1024), 2, vocab),
             "W2": Workload("W2", "output_tok_per_s", 1, (128, 128), (256, 256), 3, vocab),
-            "W5": Workload("W5", "prompt_tok_per_s", 32, (4096, 4096), (1, 1), 2, vocab),
+            "W5": Workload("W5", "prompt_tok_per_s", 32, (4096, 4096), (1, 1), 5, vocab),
             "W6": Workload("W6", "output_tok_per_s", 64, (8192, 8192), (256, 256), 1, vocab)}
 
 

@@ -363,17 +363,23 @@ def _tma_tiles_fit(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -
             and bs % block_n == 0 and D == _next_pow2(D) and D >= 16)
 
 
+_tma_cache: dict = {}
+
+
 def _tma_available(device: torch.device) -> bool:
     """Hopper or newer, and a Triton with host-side tensor descriptors."""
     if device.type != "cuda" or _uses_interpreter(device):
         return False
-    if torch.cuda.get_device_capability(device)[0] < 9:
-        return False
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _tma_cache.get(idx)
+    if ok is None:
+        try:
+            from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+            ok = torch.cuda.get_device_capability(idx)[0] >= 9
+        except ImportError:
+            ok = False
+        _tma_cache[idx] = ok
+    return ok
 
 
 def _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,

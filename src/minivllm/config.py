@@ -221,7 +221,9 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
-    block_size: int = 16
+    # Tokens per KV-cache block; None: 64 on a GPU (a prefill tile of 64 keys then lies in one
+    # block and loads whole, docs/decisions.md "KV blocks of 64 tokens"), 16 on a CPU.
+    block_size: int | None = None
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # overrides memory-based sizing (tests, benchmarks)
     enforce_eager: bool = False
@@ -248,7 +250,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        if self.block_size is not None and (self.block_size < 1
+                                            or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
@@ -274,8 +277,10 @@ class EngineConfig:
         """The most drafts a sequence verifies per step (0 without speculation)."""
         return (self.speculative_config or {}).get("num_speculative_tokens", 0)
 
-    def finalize(self, model_config: ModelConfig) -> None:
-        """Fill in the limits that depend on the model."""
+    def finalize(self, model_config: ModelConfig, device: torch.device) -> None:
+        """Fill in the limits that depend on the model and the device."""
+        if self.block_size is None:
+            self.block_size = 64 if device.type == "cuda" else 16
         if self.max_model_len is None:
             self.max_model_len = model_config.max_position_embeddings
         if self.max_model_len < 1:

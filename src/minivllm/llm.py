@@ -28,7 +28,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
                  dtype: str = "auto", max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 block_size: int = 16, gpu_memory_utilization: float = 0.9,
+                 block_size: int | None = None, gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False, load_format: str = "auto", seed: int = 0,
                  device: str = "auto", skip_tokenizer_init: bool = False,
                  generation_config: str = "auto", **kwargs) -> None:

@@ -57,8 +57,8 @@ class LLMEngine:
         self.config = config
         model_path, config_path, self.model_config = read_model_config(config.model)
         self.model_path = model_path
-        config.finalize(self.model_config)
         self.device = resolve_device(config.device)
+        config.finalize(self.model_config, self.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, self.device)
 
         self.tokenizer = None

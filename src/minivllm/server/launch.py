@@ -45,7 +45,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="Most sequences in one batch (default 256).")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="Token budget of one step (default: max(8192, max-num-seqs)).")
-    parser.add_argument("--block-size", type=int, default=16, help="KV-cache block size.")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="Tokens per KV-cache block (default: 64 on a GPU, 16 on a CPU).")
     parser.add_argument("--num-kv-blocks", type=int, default=None,
                         help="Fix the number of KV-cache blocks (default: from memory).")
     parser.add_argument("--dtype", default="auto",
