@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--quantization", default=None, help="e.g. fp8, int4 (minivllm's names)")
+    ap.add_argument("--block-size", type=int, default=None, help="KV-cache block size")
     ap.add_argument("--work", default="/tmp/minivllm-profile")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -34,7 +35,8 @@ def main() -> None:
 
     folder, cfg = model_folder(args.model, False, Path(args.work))
     w = workloads(False, cfg["vocab_size"])[args.workload.upper()]
-    engine = MinivllmEngine(folder, False, quantization=args.quantization)
+    engine = MinivllmEngine(folder, False, quantization=args.quantization,
+                            block_size=args.block_size)
     engine.generate(w.warm_up())
     engine.generate(w.requests(0, args.requests))  # every shape compiled and warm
     reqs = w.requests(1, args.requests)
