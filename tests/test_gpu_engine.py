@@ -61,7 +61,7 @@ def test_preemption_on_the_gpu(config_path, monkeypatch):
         want = _run(config_path, m, {}, prompts, params)
     llm = LLM(str(config_path), load_format="dummy", dtype="float32", device="cuda",
               skip_tokenizer_init=True, max_model_len=128, max_num_seqs=16,
-              num_kv_blocks=24)
+              num_kv_blocks=24, block_size=16)  # 384 tokens for 10 sequences of up to 100
     got = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params,
                                                                   use_tqdm=False)]
     assert llm.engine.scheduler.num_preemptions > 0
