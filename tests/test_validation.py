@@ -91,6 +91,26 @@ def test_engine_config_errors(tiny_model_dirs):
             block_size=4, num_kv_blocks=4)
 
 
+def test_block_size_defaults_by_device():
+    """Blocks of 64 on a GPU (prefill key tiles then load whole), 16 on a CPU; a block
+    size given stays as given."""
+    import torch
+
+    from minivllm.config import EngineConfig, ModelConfig
+
+    mc = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 64,
+                                "hidden_size": 32, "num_hidden_layers": 1,
+                                "num_attention_heads": 2, "intermediate_size": 64,
+                                "max_position_embeddings": 128})
+    for device, want in (("cpu", 16), ("cuda", 64)):
+        cfg = EngineConfig()
+        cfg.finalize(mc, torch.device(device))
+        assert cfg.block_size == want
+    cfg = EngineConfig(block_size=8)
+    cfg.finalize(mc, torch.device("cuda"))
+    assert cfg.block_size == 8
+
+
 def test_generate_input_forms(llm):
     params = SamplingParams(temperature=0.0, max_tokens=3)
     a = llm.generate([5, 6, 7], params, use_tqdm=False)

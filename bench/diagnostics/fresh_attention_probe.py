@@ -1,19 +1,17 @@
-"""Probe: how fast can Triton's causal attention be on this GPU when a prompt's K/V are
-read contiguously through TMA tensor descriptors instead of through the paged cache?
+"""Probe: how fast is Triton's causal attention on this GPU on W5's shapes (2 prompts x
+4,096 tokens, bf16), by how its K/V tiles are read?
 
-W5's prefill attention (2 prompts x 4,096 tokens a step) runs the paged kernel at
-~280-310 TFLOP/s; cuDNN's SDPA on contiguous K/V reaches ~460 on the same shape. This
-times, on W5's shapes for each model's head layout: the engine's paged kernel
-(csrc_triton.paged_attention), a contiguous-K/V kernel here in several tile
-configurations (with and without Triton's warp specialization), and torch SDPA (cuDNN,
-flash). Each output is checked against SDPA.
+Times, for each model's head layout: the engine's paged kernel (csrc_triton) at KV blocks of
+16, 64 and 128 tokens, gathering each tile token by token through the block table or (where
+a tile lies inside one block) loading it whole through TMA descriptors, in several tile
+configurations; a kernel here over contiguous K/V (the prompts' own k and v) through
+descriptors; and torch SDPA (cuDNN, flash). Each output is checked against SDPA.
 
     python -m bench.diagnostics.fresh_attention_probe --out FILE [--tiny]
 
 --tiny runs the contiguous kernel on a tiny shape (Triton's interpreter on a CPU too).
-The engine's ragged form of this kernel (prompts of any length beside paged sequences in
-one step) was built and lost its W5 A/B; it is in git history at commit cf2563f
-(csrc_triton.paged_attention_fresh_tail, docs/decisions.md).
+Results: docs/decisions.md, "KV blocks of 64 tokens" and "Fresh prompts' attention from
+their own K/V" (the engine form of the contiguous kernel, at commit cf2563f).
 """
 
 from __future__ import annotations
@@ -47,8 +45,7 @@ def _softmax_step(acc, m_i, l_i, q, k, v, qk_scale, keep, MASKED: tl.constexpr):
 @triton.jit
 def _fresh_causal_kernel(q_desc, k_desc, v_desc, o_desc, qk_scale, T,
                          NUM_HEADS: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         WARP_SPEC: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Causal attention of equal-length sequences laid flat ([B * T, heads * D]), every
     key contiguous: one program per (BLOCK_M query tile, sequence x head), the heaviest
     tiles first. Off-diagonal key tiles unmasked, the diagonal ones masked."""
@@ -63,7 +60,7 @@ def _fresh_causal_kernel(q_desc, k_desc, v_desc, o_desc, qk_scale, T,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for start in tl.range(0, q_row0, BLOCK_N, warp_specialize=WARP_SPEC):
+    for start in range(0, q_row0, BLOCK_N):
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k_desc.load([base + start, kv_col]),
                                       v_desc.load([base + start, kv_col]), qk_scale, None,
                                       False)
@@ -76,8 +73,7 @@ def _fresh_causal_kernel(q_desc, k_desc, v_desc, o_desc, qk_scale, T,
     o_desc.store([base + q_row0, head * HEAD_DIM], (acc / l_i[:, None]).to(q.dtype))
 
 
-def fresh_causal(q, k, v, block_m: int, block_n: int, warps: int, stages: int,
-                 warp_spec: bool = False) -> torch.Tensor:
+def fresh_causal(q, k, v, block_m: int, block_n: int, warps: int, stages: int) -> torch.Tensor:
     """q [B*T, H, D], k/v [B*T, Hkv, D] (B sequences of T tokens each, T % block_m == 0)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -94,7 +90,7 @@ def fresh_causal(q, k, v, block_m: int, block_n: int, warps: int, stages: int,
     opts = {} if q.device.type == "cpu" else {"num_warps": warps, "num_stages": stages}
     _fresh_causal_kernel[grid](qd, kd, vd, od, D ** -0.5 * math.log2(math.e), T,
                                NUM_HEADS=H, GQA=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m,
-                               BLOCK_N=block_n, WARP_SPEC=warp_spec, **opts)
+                               BLOCK_N=block_n, **opts)
     return o
 
 
@@ -172,10 +168,9 @@ def main() -> None:
                                                     out, cfg, use_tma=tma)
                         return out
                     variants.append((name, paged))
-        for bm, bn, w, st, ws in [(128, 128, 8, 3, False), (64, 64, 4, 3, False)]:
-            variants.append((f"fresh {bm}x{bn} w{w} s{st}{' ws' if ws else ''}",
-                             lambda bm=bm, bn=bn, w=w, st=st, ws=ws:
-                             fresh_causal(q, k, v, bm, bn, w, st, ws)))
+        for bm, bn, w, st in [(128, 128, 8, 3), (64, 64, 4, 3)]:
+            variants.append((f"fresh {bm}x{bn} w{w} s{st}",
+                             lambda bm=bm, bn=bn, w=w, st=st: fresh_causal(q, k, v, bm, bn, w, st)))
         g = H // Hkv
         qh = q.view(B, T, H, D).transpose(1, 2)
         kh = k.view(B, T, Hkv, D).repeat_interleave(g, dim=2).transpose(1, 2).contiguous()
