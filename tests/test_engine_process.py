@@ -165,3 +165,52 @@ def test_engine_process_step_trace(chat_dir, tmp_path, monkeypatch):
     window = engine_trace.summarize(trace, t0, t1)
     assert 0 < window["iterations"] <= whole["iterations"]
     assert engine_trace.summarize(trace, t1 + 100, t1 + 200) == {"iterations": 0}
+
+
+def test_outputs_wait_for_the_frontend_to_answer(chat_dir):
+    """Flow control over the raw pipe: with MAX_UNANSWERED messages unanswered, a
+    frontend's new outputs wait in the engine process until it answers ("ack"); then one
+    message carries each waiting request once, with every token since its last message."""
+    import multiprocessing
+
+    from minivllm.engine.engine_process import MAX_UNANSWERED, engine_process_main
+    from minivllm.engine.output_codec import OutputDecoder, decode_events
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=engine_process_main, args=(_config(chat_dir), [child]),
+                       daemon=True)
+    proc.start()
+    child.close()
+    try:
+        assert parent.poll(120) and parent.recv()[0] == "ready"
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        parent.send(("add", "r0", None, params, [1, 5, 9, 200], time.monotonic()))
+        decoder = OutputDecoder()
+
+        def outputs(msg):
+            assert msg[0] == "events"
+            return [ev[1] for ev in decode_events(msg[1], decoder) if ev[0] == "output"]
+
+        sent = []  # the messages sent before any answer: MAX_UNANSWERED of them
+        while parent.poll(3.0):  # the request runs to its end meanwhile
+            sent.append(parent.recv())
+        assert len(sent) == MAX_UNANSWERED and sent[0][1][0][0] == "added"
+        got = [out for msg in sent for out in outputs(msg)]
+        assert got and not got[-1].finished
+        parent.send(("ack",))
+        assert parent.poll(30)
+        later = outputs(parent.recv())
+        assert [o.request_id for o in later] == ["r0"] and later[0].finished
+        final = later[0].outputs[0].token_ids
+        assert len(final) == 12 and len(final) - len(got[-1].outputs[0].token_ids) >= 2
+        assert final[:len(got[-1].outputs[0].token_ids)] == got[-1].outputs[0].token_ids
+        parent.send(("stop",))
+        while True:
+            assert parent.poll(30)
+            if parent.recv()[0] == "stopped":
+                break
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()

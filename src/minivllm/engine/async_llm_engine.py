@@ -491,8 +491,10 @@ class AsyncLLMEngine:
 
     # ---- delivery -----------------------------------------------------------------------
 
-    def _deliver(self, items: list[tuple[RequestStream, Any]]) -> None:
-        """On the stream's event loop: queue the items and settle the reservations."""
+    def _deliver(self, items: list[tuple[RequestStream, Any]],
+                 then: Callable[[], None] | None = None) -> None:
+        """On the stream's event loop: queue the items and settle the reservations; then
+        `then()` (the engine process's acknowledgement)."""
         for stream, item in items:
             holds = stream._holds_reservation
             final = isinstance(item, BaseException) or item.finished
@@ -506,10 +508,14 @@ class AsyncLLMEngine:
                     stream._holds_reservation = False
             stream.started = True
             stream._put(item)
+        if then is not None:
+            then()
 
-    def _dispatch(self, events: list, snapshot: dict, outputs: list | None) -> None:
+    def _dispatch(self, events: list, snapshot: dict, outputs: list | None,
+                  then: Callable[[], None] | None = None) -> None:
         """One engine iteration's events -> futures, streams and stat loggers. Runs on the
-        engine thread or the receiver thread (one of them, never both)."""
+        engine thread or the receiver thread (one of them, never both). `then` runs once
+        the streams' event loop has taken the outputs (at once if there are none)."""
         # Publish before delivering, so a client that got its last token reads metrics
         # that already count it.
         self.snapshot = snapshot
@@ -559,18 +565,22 @@ class AsyncLLMEngine:
             now = time.monotonic()
             for sl in self.stat_loggers:
                 _safe(sl.on_step, now, outputs)
-        self._flush(deliveries)
+        self._flush(deliveries, then)
 
-    def _flush(self, deliveries: list) -> None:
-        """Hand outputs to their event loops: one call_soon_threadsafe per loop."""
+    def _flush(self, deliveries: list, then: Callable[[], None] | None = None) -> None:
+        """Hand outputs to their event loops: one call_soon_threadsafe per loop; `then`
+        after the last loop's."""
         if not deliveries:
+            if then is not None:
+                then()
             return
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for stream, item in deliveries:
             by_loop.setdefault(stream.loop, []).append((stream, item))
-        for loop, items in by_loop.items():
+        last = len(by_loop) - 1
+        for i, (loop, items) in enumerate(by_loop.items()):
             try:
-                loop.call_soon_threadsafe(self._deliver, items)
+                loop.call_soon_threadsafe(self._deliver, items, then if i == last else None)
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
 
@@ -692,7 +702,7 @@ class AsyncLLMEngine:
                     _, wire, snapshot, stepped = msg
                     events = decode_events(wire, decoder)
                     outputs = [ev[1] for ev in events if ev[0] == "output"] if stepped else None
-                    self._dispatch(events, snapshot, outputs)
+                    self._dispatch(events, snapshot, outputs, self._acknowledge)
                 elif msg[0] == "stopped":
                     self._fail_all(EngineDeadError("The engine has stopped."))
                     return
@@ -708,6 +718,15 @@ class AsyncLLMEngine:
                 conn.close()
             except OSError:
                 pass
+
+
+    def _acknowledge(self) -> None:
+        """Tell the engine process that this frontend took its last message (its flow
+        control: engine_process.run_engine_process)."""
+        try:
+            self._send(("ack",))
+        except EngineDeadError:
+            pass
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, *, result=None,

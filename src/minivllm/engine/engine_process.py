@@ -17,6 +17,9 @@ from .step_trace import StepTrace
 
 logger = logging.getLogger(__name__)
 
+# Messages a frontend may have unanswered before its outputs wait (see run_engine_process).
+MAX_UNANSWERED = 2
+
 
 def _picklable_error(e: BaseException) -> BaseException:
     import pickle
@@ -41,7 +44,15 @@ def run_engine_process(config, conns, log_level: int = logging.INFO) -> None:
     loop iterations that concern it (its requests' events, answers to its commands), and
     ("stopped",) once it has said "stop". A request's events go to the frontend that added
     it; a frontend that stops or goes away has its requests aborted. The process ends
-    when no frontend is left."""
+    when no frontend is left.
+
+    Flow control: a frontend answers each "events" message with ("ack",) once its event
+    loop has taken the message's outputs. While MAX_UNANSWERED messages are unanswered,
+    that frontend's new outputs wait here (OutputBuffer); the next message carries each
+    waiting request once, with every token since its last message. A frontend that keeps up gets every
+    step; one that falls behind (hundreds of streams on one event loop) gets fewer,
+    larger messages instead of a backlog of per-step ones to decode and deliver one by
+    one. Events other than outputs (added, aborted, failed, called) go out at once."""
     import signal
     from multiprocessing.connection import wait
 
@@ -65,6 +76,7 @@ def run_engine_process(config, conns, log_level: int = logging.INFO) -> None:
     encoder = OutputEncoder()
     owner: dict[str, int] = {}  # request id -> index of the frontend that added it
     live = set(range(len(conns)))
+    held = {k: OutputBuffer() for k in live}
     trace = StepTrace.from_env()
     runner = getattr(core.engine, "runner", None)
     try:
@@ -76,7 +88,11 @@ def run_engine_process(config, conns, log_level: int = logging.INFO) -> None:
             for k in sorted(live):
                 try:
                     while conns[k].poll(0):
-                        commands.append((k, conns[k].recv()))
+                        command = conns[k].recv()
+                        if command[0] == "ack":
+                            held[k].unanswered -= 1
+                        else:
+                            commands.append((k, command))
                 except (EOFError, OSError):
                     leaving.append((k, False))  # gone without a word: nobody to answer
             out: dict[int, list] = {k: [] for k in live}
@@ -100,7 +116,7 @@ def run_engine_process(config, conns, log_level: int = logging.INFO) -> None:
                     core.abort(rid, events)
                 _route(events, owner, k, out)
                 if answer:
-                    _send_quietly(conns[k], ("events", _wire(out[k], encoder),
+                    _send_quietly(conns[k], ("events", _wire(held[k].take(out[k]), encoder),
                                              core.snapshot(), False))
                     _send_quietly(conns[k], ("stopped",))
                 live.discard(k)
@@ -118,9 +134,17 @@ def run_engine_process(config, conns, log_level: int = logging.INFO) -> None:
             snapshot = core.snapshot()
             busy = set(owner.values())
             for k in live:
-                if out[k] or k in spoke or (outputs is not None and k in busy):
-                    conns[k].send(("events", _wire(out[k], encoder), snapshot,
-                                   outputs is not None))
+                buf = held[k]
+                buf.stepped |= outputs is not None
+                if (buf.unanswered >= MAX_UNANSWERED and k not in spoke
+                        and buf.only_outputs(out[k])):
+                    buf.hold(out[k])  # the frontend is behind on its messages
+                elif out[k] or k in spoke or buf.waiting or (outputs is not None
+                                                             and k in busy):
+                    stepped, buf.stepped = buf.stepped, False
+                    conns[k].send(("events", _wire(buf.take(out[k]), encoder), snapshot,
+                                   stepped))
+                    buf.unanswered += 1
         core.abort_all([])
     except (BrokenPipeError, ConnectionResetError):
         return  # a frontend went away mid-send; the others see EOF when this process ends
@@ -134,6 +158,38 @@ def run_engine_process(config, conns, log_level: int = logging.INFO) -> None:
                 trace.dump()
             except OSError as e:
                 logger.warning("Could not write the engine trace: %r", e)
+
+
+class OutputBuffer:
+    """One frontend's outputs waiting for it to answer its messages (see
+    run_engine_process): the newest output event of each request, in the order they
+    first waited. An output event names its Request, whose state only grows, so the one
+    encoded last carries everything since the request's previous message."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, tuple] = {}
+        self.unanswered = 0    # messages sent and not yet answered with "ack"
+        self.stepped = False   # a step ran since the last message (its outputs go to the
+        # frontend's stat loggers)
+
+    @staticmethod
+    def only_outputs(events: list) -> bool:
+        return all(ev[0] == "output" for ev in events)
+
+    def hold(self, events: list) -> None:
+        for ev in events:
+            self.waiting[ev[1].request_id] = ev
+
+    def take(self, events: list) -> list:
+        """The waiting outputs, then `events` (this iteration's, in their order): a request
+        with an output among `events` sends that one only, after anything this iteration
+        did to it before (its "added" first)."""
+        if not self.waiting:
+            return events
+        fresh = {ev[1].request_id for ev in events if ev[0] == "output"}
+        merged = [ev for rid, ev in self.waiting.items() if rid not in fresh] + events
+        self.waiting = {}
+        return merged
 
 
 def _route(events: list, owner: dict[str, int], default: int | None,
