@@ -600,7 +600,8 @@ class Report:
         series = {k: sorted(v, key=lambda lv: lv["concurrency"]) for k, v in series.items() if v}
         if series and plots:
             self.w3_plots(run, series, cap)
-        self.w3_ratios(targets, env, headline=run not in {r.run for r in self.res.vs_vllm})
+        self.w3_ratios(targets, env, headline=run not in {r.run for r in self.res.vs_vllm},
+                       run=run)
         self.w3_ramp(rs, targets)
 
     def w3_engine_trace(self, targets: list) -> None:
@@ -713,7 +714,8 @@ class Report:
             self.p(f"![W3 {what}]({name})")
         self.p(f"\n{cap}")
 
-    def w3_ratios(self, targets: list, env: dict, headline: bool = True) -> None:
+    def w3_ratios(self, targets: list, env: dict, headline: bool = True,
+                  run: Path | None = None) -> None:
         """headline=False: a vs-vLLM run (its own headline rows, per model)."""
         by = {t["label"]: {lv["concurrency"]: lv for lv in t.get("levels", [])
                            if lv.get("output_tok_per_s")} for t, _ in targets}
@@ -759,7 +761,8 @@ class Report:
                    f"{fmt(head['offline'])} tok/s = {100 * share:.0f}% ({verdict}; target: "
                    f"within 20%).")
         elif env.get("gpu"):
-            self.not_measured(f"server vs offline engine at concurrency {c}",
+            where = f" in `{rel(run, self.base)}`" if run is not None else ""
+            self.not_measured(f"server vs offline engine at concurrency {c}{where}",
                               "the run lacks one of the two")
         if not headline:
             return
