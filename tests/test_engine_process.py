@@ -178,8 +178,9 @@ def test_outputs_wait_for_the_frontend_to_answer(chat_dir):
 
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe(duplex=True)
-    proc = ctx.Process(target=engine_process_main, args=(_config(chat_dir), [child]),
-                       daemon=True)
+    config = EngineConfig(model=str(chat_dir), max_model_len=4096, max_num_seqs=4,
+                          num_kv_blocks=300)
+    proc = ctx.Process(target=engine_process_main, args=(config, [child]), daemon=True)
     proc.start()
     child.close()
     try:
@@ -205,6 +206,18 @@ def test_outputs_wait_for_the_frontend_to_answer(chat_dir):
         final = later[0].outputs[0].token_ids
         assert len(final) == 12 and len(final) - len(got[-1].outputs[0].token_ids) >= 2
         assert final[:len(got[-1].outputs[0].token_ids)] == got[-1].outputs[0].token_ids
+        # Aborted while its outputs wait: the abort's final output only, not a waiting
+        # output that would read as finished.
+        for _ in range(MAX_UNANSWERED):  # every message so far answered
+            parent.send(("ack",))
+        params = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
+        parent.send(("add", "r1", None, params, [1, 5, 9, 200], time.monotonic()))
+        sent = [parent.recv() for _ in range(MAX_UNANSWERED)]
+        assert sent[0][1][0][:2] == ("added", "r1") and not parent.poll(0.2)
+        parent.send(("abort", ["r1"]))
+        assert parent.poll(30)
+        events = parent.recv()[1]
+        assert [ev[0] for ev in events] == ["aborted"] and events[0][1] == "r1"
         parent.send(("stop",))
         while True:
             assert parent.poll(30)

@@ -181,12 +181,15 @@ class OutputBuffer:
             self.waiting[ev[1].request_id] = ev
 
     def take(self, events: list) -> list:
-        """The waiting outputs, then `events` (this iteration's, in their order): a request
+        """The waiting outputs, then `events` (this iteration's, in their order). A request
         with an output among `events` sends that one only, after anything this iteration
-        did to it before (its "added" first)."""
+        did to it before (its "added" first); an aborted or failed one sends none (its
+        final output or error says it all; encoded now, the waiting output would read as
+        a finish)."""
         if not self.waiting:
             return events
-        fresh = {ev[1].request_id for ev in events if ev[0] == "output"}
+        fresh = {ev[1].request_id if ev[0] == "output" else ev[1] for ev in events
+                 if ev[0] in ("output", "aborted", "failed")}
         merged = [ev for rid, ev in self.waiting.items() if rid not in fresh] + events
         self.waiting = {}
         return merged
