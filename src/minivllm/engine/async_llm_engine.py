@@ -494,22 +494,25 @@ class AsyncLLMEngine:
     def _deliver(self, items: list[tuple[RequestStream, Any]],
                  then: Callable[[], None] | None = None) -> None:
         """On the stream's event loop: queue the items and settle the reservations; then
-        `then()` (the engine process's acknowledgement)."""
-        for stream, item in items:
-            holds = stream._holds_reservation
-            final = isinstance(item, BaseException) or item.finished
-            if holds and (final or not stream.started):
-                with self._count_lock:
-                    if not stream.started:
-                        self._num_not_started -= 1
+        `then()` (the engine process's acknowledgement: sent whatever happens here, or
+        the engine would hold this frontend's outputs for good)."""
+        try:
+            for stream, item in items:
+                holds = stream._holds_reservation
+                final = isinstance(item, BaseException) or item.finished
+                if holds and (final or not stream.started):
+                    with self._count_lock:
+                        if not stream.started:
+                            self._num_not_started -= 1
+                        if final:
+                            self._num_in_flight -= 1
                     if final:
-                        self._num_in_flight -= 1
-                if final:
-                    stream._holds_reservation = False
-            stream.started = True
-            stream._put(item)
-        if then is not None:
-            then()
+                        stream._holds_reservation = False
+                stream.started = True
+                stream._put(item)
+        finally:
+            if then is not None:
+                then()
 
     def _dispatch(self, events: list, snapshot: dict, outputs: list | None,
                   then: Callable[[], None] | None = None) -> None:
