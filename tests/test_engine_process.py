@@ -167,14 +167,14 @@ def test_engine_process_step_trace(chat_dir, tmp_path, monkeypatch):
     assert engine_trace.summarize(trace, t1 + 100, t1 + 200) == {"iterations": 0}
 
 
-def test_outputs_wait_for_the_frontend_to_answer(chat_dir):
-    """Flow control over the raw pipe: with MAX_UNANSWERED messages unanswered, a
-    frontend's new outputs wait in the engine process until it answers ("ack"); then one
-    message carries each waiting request once, with every token since its last message."""
+MAX_UNANSWERED = 2  # config.max_unanswered_outputs()'s default
+
+
+def _raw_engine_process(chat_dir):
+    """The engine process on a pipe end of its own (no AsyncLLMEngine), once ready."""
     import multiprocessing
 
-    from minivllm.engine.engine_process import MAX_UNANSWERED, engine_process_main
-    from minivllm.engine.output_codec import OutputDecoder, decode_events
+    from minivllm.engine.engine_process import engine_process_main
 
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe(duplex=True)
@@ -183,8 +183,27 @@ def test_outputs_wait_for_the_frontend_to_answer(chat_dir):
     proc = ctx.Process(target=engine_process_main, args=(config, [child]), daemon=True)
     proc.start()
     child.close()
+    assert parent.poll(120) and parent.recv()[0] == "ready"
+    return parent, proc
+
+
+def _stop_raw(parent, proc) -> None:
+    parent.send(("stop",))
+    while parent.poll(30) and parent.recv()[0] != "stopped":
+        pass
+    proc.join(30)
+    if proc.is_alive():
+        proc.kill()
+
+
+def test_outputs_wait_for_the_frontend_to_answer(chat_dir):
+    """Flow control over the raw pipe: with MAX_UNANSWERED (2) messages unanswered, a
+    frontend's new outputs wait in the engine process until it answers ("ack"); then one
+    message carries each waiting request once, with every token since its last message."""
+    from minivllm.engine.output_codec import OutputDecoder, decode_events
+
+    parent, proc = _raw_engine_process(chat_dir)
     try:
-        assert parent.poll(120) and parent.recv()[0] == "ready"
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         parent.send(("add", "r0", None, params, [1, 5, 9, 200], time.monotonic()))
         decoder = OutputDecoder()
@@ -218,12 +237,30 @@ def test_outputs_wait_for_the_frontend_to_answer(chat_dir):
         assert parent.poll(30)
         events = parent.recv()[1]
         assert [ev[0] for ev in events] == ["aborted"] and events[0][1] == "r1"
-        parent.send(("stop",))
-        while True:
-            assert parent.poll(30)
-            if parent.recv()[0] == "stopped":
-                break
     finally:
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
+        _stop_raw(parent, proc)
+
+
+def test_outputs_never_wait_with_max_unanswered_0(chat_dir, monkeypatch):
+    """MINIVLLM_MAX_UNANSWERED=0 (an A/B's other side): every step's outputs are sent,
+    answered or not."""
+    monkeypatch.setenv("MINIVLLM_MAX_UNANSWERED", "0")
+    parent, proc = _raw_engine_process(chat_dir)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        parent.send(("add", "r0", None, params, [1, 5, 9, 200], time.monotonic()))
+        sent = []
+        while parent.poll(3.0):
+            sent.append(parent.recv())
+        assert len(sent) >= 11  # "added" with the first token, then a message a step
+    finally:
+        _stop_raw(parent, proc)
+
+
+def test_max_unanswered_must_be_a_whole_number(monkeypatch):
+    from minivllm.config import max_unanswered_outputs
+
+    assert max_unanswered_outputs() == MAX_UNANSWERED
+    monkeypatch.setenv("MINIVLLM_MAX_UNANSWERED", "-1")
+    with pytest.raises(ValueError, match="whole number"):
+        max_unanswered_outputs()

@@ -46,6 +46,18 @@ def decode_prelude_enabled() -> bool:
     return _env_flag("MINIVLLM_DECODE_PRELUDE", True)
 
 
+def max_unanswered_outputs() -> int:
+    """MINIVLLM_MAX_UNANSWERED=N: how many output messages a server frontend may leave
+    unanswered before the engine process keeps its outputs back (engine_process.OutputBuffer;
+    default 2). 0 never keeps them back: every step's outputs are sent (for an A/B)."""
+    value = os.environ.get("MINIVLLM_MAX_UNANSWERED", "").strip()
+    if not value:
+        return 2
+    if not value.isdigit():
+        raise ValueError(f"MINIVLLM_MAX_UNANSWERED must be a whole number, got {value!r}.")
+    return int(value)
+
+
 def attention_backend(device: torch.device) -> str:
     """MINIVLLM_ATTENTION_BACKEND=torch|triton; default: triton on CUDA, torch elsewhere.
     (triton on a CPU runs the kernels in Triton's interpreter: for tests only.)"""

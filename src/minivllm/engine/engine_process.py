@@ -10,15 +10,13 @@ from __future__ import annotations
 import logging
 import time
 
+from ..config import max_unanswered_outputs
 from .engine_core import EngineCore
 from .llm_engine import LLMEngine, freeze_startup_objects
 from .output_codec import OutputEncoder, encode_events
 from .step_trace import StepTrace
 
 logger = logging.getLogger(__name__)
-
-# Messages a frontend may have unanswered before its outputs wait (see run_engine_process).
-MAX_UNANSWERED = 2
 
 
 def _picklable_error(e: BaseException) -> BaseException:
@@ -47,12 +45,13 @@ def run_engine_process(config, conns, log_level: int = logging.INFO) -> None:
     when no frontend is left.
 
     Flow control: a frontend answers each "events" message with ("ack",) once its event
-    loop has taken the message's outputs. While MAX_UNANSWERED messages are unanswered,
-    that frontend's new outputs wait here (OutputBuffer); the next message carries each
-    waiting request once, with every token since its last message. A frontend that keeps up gets every
-    step; one that falls behind (hundreds of streams on one event loop) gets fewer,
-    larger messages instead of a backlog of per-step ones to decode and deliver one by
-    one. Events other than outputs (added, aborted, failed, called) go out at once."""
+    loop has taken the message's outputs. While `max_unanswered` messages are unanswered
+    (config.max_unanswered_outputs(): 2; 0 for never), that frontend's new outputs wait
+    here (OutputBuffer); the next message carries each waiting request once, with every
+    token since its last message. A frontend that keeps up gets every step; one that
+    falls behind (hundreds of streams on one event loop) gets fewer, larger messages
+    instead of a backlog of per-step ones to decode and deliver one by one. Events other
+    than outputs (added, aborted, failed, called) go out at once."""
     import signal
     from multiprocessing.connection import wait
 
@@ -77,6 +76,7 @@ def run_engine_process(config, conns, log_level: int = logging.INFO) -> None:
     owner: dict[str, int] = {}  # request id -> index of the frontend that added it
     live = set(range(len(conns)))
     held = {k: OutputBuffer() for k in live}
+    max_unanswered = max_unanswered_outputs() or float("inf")
     trace = StepTrace.from_env()
     runner = getattr(core.engine, "runner", None)
     try:
@@ -136,7 +136,7 @@ def run_engine_process(config, conns, log_level: int = logging.INFO) -> None:
             for k in live:
                 buf = held[k]
                 buf.stepped |= outputs is not None
-                if (buf.unanswered >= MAX_UNANSWERED and k not in spoke
+                if (buf.unanswered >= max_unanswered and k not in spoke
                         and buf.only_outputs(out[k])):
                     buf.hold(out[k])  # the frontend is behind on its messages
                 elif out[k] or k in spoke or buf.waiting or (outputs is not None
