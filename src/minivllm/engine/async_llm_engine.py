@@ -722,7 +722,6 @@ class AsyncLLMEngine:
             except OSError:
                 pass
 
-
     def _acknowledge(self) -> None:
         """Tell the engine process that this frontend took its last message (its flow
         control: engine_process.run_engine_process)."""
