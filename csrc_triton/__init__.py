@@ -95,6 +95,13 @@ def _uses_interpreter(device: torch.device) -> bool:
     return device.type == "cpu" or _is_interpreted(_default_module())
 
 
+def _pdl_args(device: torch.device) -> dict:
+    """The PDL argument and launch option of a kernel on `device` (see _pdl.py)."""
+    from ._pdl import enabled, launch_options
+    pdl = enabled(device, _uses_interpreter(device))
+    return {"PDL": pdl, **launch_options(pdl)} if pdl else {}
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
@@ -175,7 +182,7 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         NUM_KV_HEADS=H, HEAD_DIM=D, BLOCK_SIZE=bs, BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=num_warps,
+        num_warps=num_warps, **_pdl_args(key.device),
     )
 
 
@@ -272,7 +279,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_G=block_g, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
         NUM_SPLITS=num_splits, DOT_FP32=_dot_fp32(q.dtype, interpreted),
         FUSED_REDUCE=fused,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_pdl_args(q.device),
     )
     if num_splits > 1 and not fused:
         kern._decode_reduce_kernel[(B, Hq)](
@@ -280,7 +287,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             out.stride(0), out.stride(1), out.stride(2),
             NUM_Q_HEADS=Hq, HEAD_DIM=D, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
             NUM_SPLITS=num_splits, BLOCK_S=_next_pow2(num_splits),
-            num_warps=1 if interpreted else 4,
+            num_warps=1 if interpreted else 4, **_pdl_args(q.device),
         )
     return out
 
@@ -422,6 +429,7 @@ def _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         DOT_FP32=_dot_fp32(q.dtype, interpreted),
         HEAVY_FIRST=cfg.get("HEAVY_FIRST", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **descs,
+        **_pdl_args(q.device),
     )
 
 

@@ -25,6 +25,7 @@ import triton.language as tl
 from csrc_triton._interpret import jit_helpers
 
 _fp8_cast = jit_helpers("_fp8_cast")
+_pdl = jit_helpers("_pdl")
 
 
 @triton.jit
@@ -35,8 +36,9 @@ def _store_kv_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    _pdl.wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -196,7 +198,7 @@ def _prefill_kernel(
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr, HEAVY_FIRST: tl.constexpr,
-    k_desc=None, v_desc=None, USE_TMA: tl.constexpr = False,
+    k_desc=None, v_desc=None, USE_TMA: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Varlen causal attention over the paged cache.
 
@@ -214,6 +216,7 @@ def _prefill_kernel(
     HEAVY_FIRST: programs run in reverse tile order. A sequence's last row tiles attend
     to the most keys; started first, they leave short tiles for the tail of the launch.
     """
+    _pdl.wait_for_previous(PDL)  # before the early return below (see _pdl)
     tile = tl.program_id(0)
     if HEAVY_FIRST:
         tile = tl.num_programs(0) - 1 - tile
@@ -288,6 +291,7 @@ def _decode_split_kernel(
     NUM_Q_HEADS: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, FUSED_REDUCE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Flash-decoding, one query token per sequence.
 
@@ -306,6 +310,7 @@ def _decode_split_kernel(
     then sets the counter back to zero for the next launch. At batch 1 a decode
     step is a chain of latency-bound launches, and this removes one per layer.
     """
+    _pdl.wait_for_previous(PDL)  # before the early return below (see _pdl)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -420,9 +425,10 @@ def _decode_reduce_kernel(
     stride_ot, stride_oh, stride_od,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Combine the NUM_SPLITS partial results of one (sequence, query head)."""
+    _pdl.wait_for_previous(PDL)
     seq = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)

@@ -43,8 +43,10 @@ import triton
 import triton.language as tl
 
 from csrc_triton._interpret import jit_helpers
+from csrc_triton._pdl import enabled as pdl_enabled, launch_options as pdl_options
 
 _fp8_cast = jit_helpers("_fp8_cast")
+_pdl = jit_helpers("_pdl")
 
 try:  # CUDA's own expf/rsqrtf (what PyTorch's CUDA kernels call)
     from triton.language.extra import libdevice
@@ -134,8 +136,10 @@ def _rms_norm_kernel(
     sro_t, sro_r, sro_d,
     HAS_RES: tl.constexpr, X_DT: tl.constexpr, OUT_DT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # x viewed as [T, R, D]; program (t, rb) normalizes rows t, rb*BLOCK_R.. over D.
+    _pdl.wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
@@ -213,8 +217,9 @@ def _rotary_kernel(
     HAS_NORM: tl.constexpr, DT: tl.constexpr, STORE_KV: tl.constexpr,
     CACHE_BLOCK_SIZE: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    _pdl.wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     # Out-of-range positions are clamped (no host check: CUDA-graph safe).
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -266,7 +271,9 @@ def _silu_and_mul_kernel(
     x_ptr, out_ptr, I,
     sx_t, sx_d, so_t, so_d,
     DT: tl.constexpr, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    _pdl.wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -315,10 +322,12 @@ def _kernels_for(device: torch.device):
     return mod, _is_interpreted(mod)
 
 
-def _launch_opts(interpreted: bool, num_warps: int) -> dict:
+def _launch_opts(interpreted: bool, num_warps: int, device: torch.device) -> dict:
+    """Launch options, and the PDL argument (docs: csrc_triton/_pdl.py)."""
     if interpreted:
         return {}
-    return {"num_warps": num_warps, "enable_fp_fusion": False}
+    pdl = pdl_enabled(device)
+    return {"num_warps": num_warps, "enable_fp_fusion": False, "PDL": pdl, **pdl_options(pdl)}
 
 
 # ============================================================================
@@ -391,7 +400,7 @@ def _rms_launch(x, residual, weight, eps, out, residual_out):
         ro3.stride(0), ro3.stride(1), ro3.stride(2),
         HAS_RES=residual is not None, X_DT=_dt(x.dtype, "x"), OUT_DT=_dt(out.dtype, "out"),
         BLOCK_R=block_r, BLOCK_D=block_d, INTERPRETED=interp,
-        **_launch_opts(interp, _warps(block_r * block_d)),
+        **_launch_opts(interp, _warps(block_r * block_d), x.device),
     )
 
 
@@ -565,7 +574,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         HQ=Hq, HKV=Hkv, HALF=half, HAS_NORM=has_norm, DT=_dt(q.dtype, "q"),
         STORE_KV=store_kv, CACHE_BLOCK_SIZE=k_cache.shape[1] if store_kv else 1,
         BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv, BLOCK_HALF=block_half, INTERPRETED=interp,
-        **_launch_opts(interp, _warps(2 * max(block_hq, block_hkv) * block_half)),
+        **_launch_opts(interp, _warps(2 * max(block_hq, block_hkv) * block_half), q.device),
     )
     return q_out, k_out
 
@@ -598,6 +607,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     mod._silu_and_mul_kernel[(T, triton.cdiv(I, block))](
         x, out, I, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         DT=_dt(x.dtype, "x"), BLOCK=block, INTERPRETED=interp,
-        **_launch_opts(interp, _warps(block)),
+        **_launch_opts(interp, _warps(block), x.device),
     )
     return out

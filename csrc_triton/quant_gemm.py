@@ -38,9 +38,11 @@ import triton.language as tl
 
 from csrc_triton import _sm_count
 from csrc_triton._interpret import jit_helpers
+from csrc_triton._pdl import enabled as pdl_enabled, launch_options as pdl_options
 from csrc_triton.int4_layout import int4_half, int4_packed_bytes
 
 _fp8_cast = jit_helpers("_fp8_cast")
+_pdl = jit_helpers("_pdl")
 
 __all__ = ["int8_gemm", "int4_gemm", "fp8_weight_gemm", "fp8_quantize_rows", "linear_gemv"]
 
@@ -91,9 +93,10 @@ def _wq_gemm_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, stride_
                     stride_wn, stride_sn, stride_os, stride_om, k_per_split,
                     FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
-                    FLOAT_ZERO: tl.constexpr):
+                    FLOAT_ZERO: tl.constexpr, PDL: tl.constexpr = False):
     """FORMAT 0: int8, 1: fp8 e4m3 (both with a per-channel scale applied at the end),
     2: int4 (two per byte, groups with scale and zero point)."""
+    _pdl.wait_for_previous(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -150,59 +153,97 @@ def _add(a, b):
 
 
 @triton.jit
+def _gemv_weights(w_ptr, offs_n, n_ok, k, K, stride_wn):
+    """The codes of rows offs_n at inputs k (8 or 16 bits each)."""
+    return tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :],
+                   mask=n_ok[:, None] & (k < K)[None, :], other=0)
+
+
+@triton.jit
+def _gemv_add(acc, q, x_ptr, k, K, FORMAT: tl.constexpr):
+    """acc + the products of codes q (inputs k) with x, element-wise in fp32."""
+    if FORMAT == 0:
+        w = (q.to(tl.int32) + _MAGIC_S).to(tl.float32, bitcast=True) - 12582912.0
+    elif FORMAT == 1:
+        w = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        w = q.to(tl.float32)
+    xk = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    return acc + w * xk[None, :]
+
+
+@triton.jit
+def _int4_gemv_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, k0, K, stride_wn, stride_sn,
+                       GROUP: tl.constexpr, HALF: tl.constexpr, BLOCKS: tl.constexpr):
+    """BLOCKS packed blocks of rows offs_n from input k0: bytes [BLOCK_N, BLOCKS, HALF],
+    and each block's scale and zero point [BLOCK_N, BLOCKS]."""
+    blk = k0 // (2 * HALF) + tl.arange(0, BLOCKS)
+    blk_ok = blk * (2 * HALF) < K
+    byte = blk[:, None] * HALF + tl.arange(0, HALF)[None, :]
+    b = tl.load(w_ptr + offs_n[:, None, None] * stride_wn + byte[None, :, :],
+                mask=n_ok[:, None, None] & blk_ok[None, :, None], other=0)
+    sz = offs_n[:, None] * stride_sn + (blk * (2 * HALF) // GROUP)[None, :]
+    sz_ok = n_ok[:, None] & blk_ok[None, :]
+    s = tl.load(scale_ptr + sz, mask=sz_ok, other=0.0)
+    z = tl.load(zero_ptr + sz, mask=sz_ok, other=0)
+    return b, s, z
+
+
+@triton.jit
+def _int4_gemv_add(acc, b, s, z, x_ptr, k0, K, HALF: tl.constexpr, BLOCKS: tl.constexpr,
+                   FLOAT_ZERO: tl.constexpr):
+    """acc + the products of the packed blocks from input k0 with x: each byte's low
+    nibble times input j of its block, its high nibble times input HALF + j."""
+    lo, hi = _int4_codes(b, z.to(tl.float32)[:, :, None], FLOAT_ZERO)
+    blk = k0 // (2 * HALF) + tl.arange(0, BLOCKS)
+    k_lo = blk[:, None] * (2 * HALF) + tl.arange(0, HALF)[None, :]
+    x_lo = tl.load(x_ptr + k_lo, mask=k_lo < K, other=0.0).to(tl.float32)
+    x_hi = tl.load(x_ptr + k_lo + HALF, mask=k_lo + HALF < K, other=0.0).to(tl.float32)
+    return acc + (lo * x_lo[None, :, :] + hi * x_hi[None, :, :]) * s[:, :, None]
+
+
+@triton.jit
 def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, stride_wn,
                     stride_sn, FORMAT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    INTERPRETED: tl.constexpr, FLOAT_ZERO: tl.constexpr):
+                    INTERPRETED: tl.constexpr, FLOAT_ZERO: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """One row of x against BLOCK_N rows of quantized weights (batch-1 decode), the whole
     of K in one program: products accumulated element-wise in fp32 and summed over K once
     at the end, the scale and bias applied and y written in x's dtype (no partial sums
     and no second kernel). Tensor cores would pad the one row to 16 and shuffle operands
     for nothing: the weights are only streamed. FORMAT 0 int8, 1 fp8, 2 int4, 3 16-bit
-    weights (the model's own, no scale)."""
+    weights (the model's own, no scale). The first tile of weights is loaded before
+    waiting for the previous kernel (PDL), which wrote x."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     if FORMAT == 2:
-        # A tile of BLOCK_K inputs is BLOCKS packed blocks: bytes [BLOCK_N, BLOCKS, HALF].
+        # A tile of BLOCK_K inputs is BLOCKS packed blocks.
         BLOCKS: tl.constexpr = BLOCK_K // (2 * HALF)
-        offs_b = tl.arange(0, BLOCKS)
-        offs_j = tl.arange(0, HALF)
-        acc = tl.zeros((BLOCK_N, BLOCKS, HALF), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            blk = k0 // (2 * HALF) + offs_b
-            blk_ok = blk * (2 * HALF) < K
-            byte = blk[:, None] * HALF + offs_j[None, :]
-            b = tl.load(w_ptr + offs_n[:, None, None] * stride_wn + byte[None, :, :],
-                        mask=n_ok[:, None, None] & blk_ok[None, :, None], other=0)
-            sz = offs_n[:, None] * stride_sn + (blk * (2 * HALF) // GROUP)[None, :]
-            sz_ok = n_ok[:, None] & blk_ok[None, :]
-            s = tl.load(scale_ptr + sz, mask=sz_ok, other=0.0)
-            z = tl.load(zero_ptr + sz, mask=sz_ok, other=0).to(tl.float32)
-            lo, hi = _int4_codes(b, z[:, :, None], FLOAT_ZERO)
-            k_lo = blk[:, None] * (2 * HALF) + offs_j[None, :]
-            x_lo = tl.load(x_ptr + k_lo, mask=k_lo < K, other=0.0).to(tl.float32)
-            x_hi = tl.load(x_ptr + k_lo + HALF, mask=k_lo + HALF < K, other=0.0).to(tl.float32)
-            acc += (lo * x_lo[None, :, :] + hi * x_hi[None, :, :]) * s[:, :, None]
+        b, s, z = _int4_gemv_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, 0, K,
+                                     stride_wn, stride_sn, GROUP, HALF, BLOCKS)
+        _pdl.wait_for_previous(PDL)
+        acc = _int4_gemv_add(tl.zeros((BLOCK_N, BLOCKS, HALF), dtype=tl.float32), b, s, z,
+                             x_ptr, 0, K, HALF, BLOCKS, FLOAT_ZERO)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            b, s, z = _int4_gemv_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, k0, K,
+                                         stride_wn, stride_sn, GROUP, HALF, BLOCKS)
+            acc = _int4_gemv_add(acc, b, s, z, x_ptr, k0, K, HALF, BLOCKS, FLOAT_ZERO)
         if INTERPRETED:  # tl.sum is a compiled-only helper here (see fused.py's _row_sum)
             y = tl.reduce(tl.reduce(acc, 2, _add), 1, _add)
         else:
             y = tl.sum(tl.sum(acc, axis=2), axis=1)
     else:
         offs_k = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        q = _gemv_weights(w_ptr, offs_n, n_ok, offs_k, K, stride_wn)
+        _pdl.wait_for_previous(PDL)
+        acc = _gemv_add(tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32), q, x_ptr, offs_k, K,
+                        FORMAT)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             k = k0 + offs_k
-            q = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :],
-                        mask=n_ok[:, None] & (k < K)[None, :], other=0)
-            if FORMAT == 0:
-                w = (q.to(tl.int32) + _MAGIC_S).to(tl.float32, bitcast=True) - 12582912.0
-            elif FORMAT == 1:
-                w = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            else:
-                w = q.to(tl.float32)
-            xk = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            acc += w * xk[None, :]
+            acc = _gemv_add(acc, _gemv_weights(w_ptr, offs_n, n_ok, k, K, stride_wn), x_ptr,
+                            k, K, FORMAT)
         if INTERPRETED:
             y = tl.reduce(acc, 1, _add)
         else:
@@ -216,9 +257,10 @@ def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, 
 
 @triton.jit
 def _fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr,
-                     INTERPRETED: tl.constexpr):
+                     INTERPRETED: tl.constexpr, PDL: tl.constexpr = False):
     """One row of x: its absolute maximum, then x / scale in e4m3 (as bytes) with scale =
     max / 448, the per-token quantization of W8A8 in one kernel."""
+    _pdl.wait_for_previous(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_K)
     amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -314,12 +356,13 @@ def _launch_gemv(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
                  config) -> torch.Tensor:
     bn, bk, warps = config
     out = torch.empty((1, N), dtype=x.dtype, device=x.device)
-    opts = {} if interpreted else {"num_warps": warps, "num_stages": 2}
+    pdl = pdl_enabled(x.device, interpreted)
+    opts = {} if interpreted else {"num_warps": warps, "num_stages": 2, **pdl_options(pdl)}
     mod._wq_gemv_kernel[(triton.cdiv(N, bn),)](
         x, w, scale, zero if zero is not None else scale, bias if bias is not None else scale,
         out, N, x.shape[1], w.stride(0), scale.stride(0) if fmt == "int4" else 0,
         FORMAT=_FORMATS[fmt], GROUP=group, HALF=half, HAS_BIAS=bias is not None, BLOCK_N=bn,
-        BLOCK_K=bk, INTERPRETED=interpreted, FLOAT_ZERO=_float_zero(zero), **opts)
+        BLOCK_K=bk, INTERPRETED=interpreted, FLOAT_ZERO=_float_zero(zero), PDL=pdl, **opts)
     return out
 
 
@@ -335,13 +378,14 @@ def _launch_gemm(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
     split = triton.cdiv(K, k_per_split)
     partial = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
-    opts = {} if interpreted else {"num_warps": warps, "num_stages": stages}
+    pdl = pdl_enabled(x.device, interpreted)
+    opts = {} if interpreted else {"num_warps": warps, "num_stages": stages, **pdl_options(pdl)}
     mod._wq_gemm_kernel[grid](
         x, w, scale, zero if zero is not None else scale, partial, M, N, K, x.stride(0),
         w.stride(0), scale.stride(0) if fmt == "int4" else 0, partial.stride(0),
         partial.stride(1), k_per_split, FORMAT=_FORMATS[fmt], GROUP=group, BLOCK_M=bm,
         BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=x.dtype == torch.float32 or interpreted,
-        FLOAT_ZERO=_float_zero(zero), **opts)
+        FLOAT_ZERO=_float_zero(zero), PDL=pdl, **opts)
     return partial[0] if split == 1 else partial.sum(0)
 
 
@@ -421,7 +465,8 @@ def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((M, 1), dtype=torch.float32, device=x.device)
     bk = 64 if interpreted else min(2048, triton.next_power_of_2(K))
-    opts = {} if interpreted else {"num_warps": 4}
+    pdl = pdl_enabled(x.device, interpreted)
+    opts = {} if interpreted else {"num_warps": 4, **pdl_options(pdl)}
     mod._fp8_rows_kernel[(M,)](x, q.view(torch.uint8), scale, K, x.stride(0), K,
-                               BLOCK_K=bk, INTERPRETED=interpreted, **opts)
+                               BLOCK_K=bk, INTERPRETED=interpreted, PDL=pdl, **opts)
     return q, scale

@@ -575,3 +575,83 @@ def test_gpu_decode_cuda_graph():
         ref = ref_attention(q, k_cache, v_cache, bt, sl, qsl, d ** -0.5)
         assert torch.isfinite(out.float()).all()
         assert rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("weights", ["bf16", "fp8", "int4"])
+def test_gpu_kernels_launched_early_equal_plain_launches_in_a_graph(weights, monkeypatch):
+    """Programmatic dependent launch (csrc_triton/_pdl.py): four decoder layers at batch 1
+    (norm, projections through the GEMV, rotary with the K/V store, decode attention, SiLU),
+    every buffer reused by each layer so that a kernel starting early would read stale
+    inputs or overwrite what the one before still reads. Captured in a CUDA graph with PDL
+    and replayed on new inputs, the output equals the same chain launched plainly."""
+    from csrc_triton import (fp8_weight_gemm, fused_add_rms_norm, int4_gemm, linear_gemv,
+                             rotary_embedding, silu_and_mul)
+    from csrc_triton import _pdl
+    from minivllm.model.quantization import GROUP_SIZE, quantize_fp8, quantize_int4
+
+    gen = torch.Generator().manual_seed(21)
+    dt, hidden, inter, hq, hkv, d, bs = torch.bfloat16, 512, 1024, 8, 2, 64, 16
+    dev = torch.device(DEVICE)
+
+    def rand(*shape, s=1.0):
+        return (torch.randn(*shape, generator=gen) * s).to(dt).to(dev)
+
+    def linear(n, k):
+        w = rand(n, k, s=k ** -0.5)
+        if weights == "bf16":
+            return lambda x: linear_gemv(x, w)
+        if weights == "fp8":
+            q, scale = quantize_fp8(w)
+            return lambda x: fp8_weight_gemm(x, q, scale)
+        q, scale, zero = quantize_int4(w)
+        return lambda x: int4_gemm(x, q, scale, zero, GROUP_SIZE)
+
+    layers = [dict(norm1=rand(hidden), norm2=rand(hidden), qkv=linear((hq + 2 * hkv) * d, hidden),
+                   o=linear(hidden, hq * d), gate_up=linear(2 * inter, hidden),
+                   down=linear(hidden, inter)) for _ in range(4)]
+    k_cache, v_cache = make_cache(64, bs, hkv, d, dt, gen)
+    bt = make_block_tables([700], bs, 64, gen)
+    seq_lens = torch.tensor([700], dtype=torch.int32, device=dev)
+    slot = torch.tensor([int(bt[0, 699 // bs]) * bs + 699 % bs], device=dev)
+    pos = torch.tensor([699], device=dev)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    ang = torch.outer(torch.arange(1024).float(), inv)
+    cos, sin = torch.cat([ang.cos()] * 2, 1).to(dev), torch.cat([ang.sin()] * 2, 1).to(dev)
+    counters = torch.zeros(hkv, dtype=torch.int32, device=dev)
+    x_in = rand(1, hidden)
+    residual = torch.empty_like(x_in)
+
+    def chain():
+        residual.copy_(x_in)
+        h = torch.zeros_like(x_in)
+        for layer in layers:
+            x, _ = fused_add_rms_norm(h, residual, layer["norm1"], 1e-6)
+            qkv = layer["qkv"](x).view(1, hq + 2 * hkv, d)
+            q, k, v = qkv.split([hq, hkv, hkv], dim=1)
+            q, _ = rotary_embedding(pos, q, k, cos, sin, v=v, k_cache=k_cache,
+                                    v_cache=v_cache, slot_mapping=slot)
+            attn = paged_attention_decode(q, k_cache, v_cache, bt, seq_lens, d ** -0.5, 1024,
+                                          num_splits=4, counters=counters)
+            h = layer["o"](attn.reshape(1, hq * d))
+            x, _ = fused_add_rms_norm(h, residual, layer["norm2"], 1e-6)
+            h = layer["down"](silu_and_mul(layer["gate_up"](x)))
+        return residual + h
+
+    monkeypatch.setenv("MINIVLLM_PDL", "1")
+    assert _pdl.enabled(dev), "this test needs a GPU of compute capability 9 or more"
+    chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        early = chain()
+    for _ in range(3):
+        x_in.copy_(rand(1, hidden))
+        graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setenv("MINIVLLM_PDL", "0")
+        plain = chain()
+        monkeypatch.setenv("MINIVLLM_PDL", "1")
+        assert torch.isfinite(plain.float()).all()
+        assert torch.equal(early, plain)
