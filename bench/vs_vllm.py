@@ -78,7 +78,8 @@ class MinivllmEngine:
     name = "minivllm"
 
     def __init__(self, folder: Path, smoke: bool, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto", block_size: int | None = None) -> None:
+                 kv_cache_dtype: str = "auto", block_size: int | None = None,
+                 max_graph_tokens: int | None = None) -> None:
         from minivllm import LLM
 
         kw = dict(device="cpu", dtype="float32", max_model_len=1024) if smoke else dict(
@@ -88,6 +89,8 @@ class MinivllmEngine:
             self.settings["quantization"] = quantization
         if block_size:
             self.settings["block_size"] = block_size
+        if max_graph_tokens is not None:
+            self.settings["max_graph_tokens"] = max_graph_tokens
         if kv_cache_dtype != "auto":
             self.settings["kv_cache_dtype"] = kv_cache_dtype
         self.llm = LLM(str(folder), **self.settings)
@@ -109,7 +112,10 @@ class VllmEngine:
     name = "vllm"
 
     def __init__(self, folder: Path, smoke: bool, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto", block_size: int | None = None) -> None:
+                 kv_cache_dtype: str = "auto", block_size: int | None = None,
+                 max_graph_tokens: int | None = None) -> None:
+        if max_graph_tokens is not None:
+            raise SystemExit("--max-graph-tokens is minivllm's setting")
         if smoke:
             raise SystemExit("vLLM needs a GPU: no smoke run")
         from vllm import LLM
@@ -166,7 +172,9 @@ def run_offline(args) -> int:
     # A quantized run's file and rows carry its method ("fp8", "kv-fp8", "fp8+kv-fp8").
     label = "+".join(([args.quantization] if args.quantization else [])
                      + ([f"kv-{args.kv_cache_dtype}"] if args.kv_cache_dtype != "auto" else [])
-                     + ([f"block{args.block_size}"] if args.block_size else []))
+                     + ([f"block{args.block_size}"] if args.block_size else [])
+                     + ([f"graphs{args.max_graph_tokens}"]
+                        if args.max_graph_tokens is not None else []))
     suffix = f"_{label}" if label else ""
     path = out_dir / f"offline_{args.engine}{suffix}.json"
     folder, cfg = model_folder(args.model, args.smoke, Path(args.work))
@@ -180,7 +188,7 @@ def run_offline(args) -> int:
 
     t0 = time.perf_counter()
     engine = ENGINES[args.engine](folder, args.smoke, args.quantization, args.kv_cache_dtype,
-                                  args.block_size)
+                                  args.block_size, args.max_graph_tokens)
     record.update(startup_s=round(time.perf_counter() - t0, 1), settings=engine.settings,
                   version=engine.version())
     log(f"{args.engine} {args.model}: engine ready in {record['startup_s']} s")
@@ -324,6 +332,9 @@ def main(argv=None) -> int:
     off.add_argument("--block-size", type=int, default=None,
                      help="the KV cache's tokens per block (default: the engine's); with it "
                           "the file is offline_ENGINE_blockN.json")
+    off.add_argument("--max-graph-tokens", type=int, default=None,
+                     help="minivllm's largest prefill/mixed-step graph (default: its own); "
+                          "with it the file is offline_minivllm_graphsN.json")
     mg = sub.add_parser("merge", help="DIR/vs_vllm.json from the run's files")
     mg.add_argument("folder")
     args = p.parse_args(argv)

@@ -13,6 +13,10 @@ def test_mixed_buckets():
     assert mixed_buckets(512) == [16, 32, 64, 128, 256, 512]
     assert mixed_buckets(100) == [16, 32, 64, 100]
     assert mixed_buckets(8) == [8]
+    # Past 1,024 tokens, steps of 512.
+    assert mixed_buckets(8192) == [16, 32, 64, 128, 256, 512, 1024] + [
+        512 * k for k in range(3, 17)]
+    assert mixed_buckets(2300)[-3:] == [1536, 2048, 2300]
 
 
 def _attach(llm, max_tokens):
@@ -66,3 +70,24 @@ def test_small_buckets_project_only_their_rows(tiny_model_dirs):
     assert 16 in [min(b for b in mixed_buckets(32) if b >= c) for c in calls]
     for w, g in zip(want, got):
         assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+
+
+def test_long_steps_replay_only_when_padded_little(tiny_model_dirs):
+    """Past 1,024 tokens a step replays its bucket's graph only if the padding is at most a
+    sixteenth of its tokens; otherwise it runs eagerly, unpadded. Both give the outputs of
+    the engine without the runner."""
+    kw = dict(skip_tokenizer_init=True, max_model_len=2048, max_num_batched_tokens=2048,
+              max_num_seqs=4)
+    llm = LLM(str(tiny_model_dirs["qwen3"]), **kw)
+    calls = _attach(llm, 2048)
+    runner = llm.engine.runner.mixed_runner
+    assert [runner.is_graphed(n) for n in (1000, 1024, 1025, 1500, 1536, 1900, 2048)] == [
+        True, True, False, True, True, False, True]
+    plain = LLM(str(tiny_model_dirs["qwen3"]), **kw)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    for length in (1500, 1100):  # one replayed (bucket 1536), one eager (it would pad 436)
+        prompt = random_prompts(1, 256, length, length, seed=length)
+        want = plain.generate(prompt, params, use_tqdm=False)
+        got = llm.generate(prompt, params, use_tqdm=False)
+        assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert calls[0] == 1500 and 1100 in calls

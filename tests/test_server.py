@@ -779,9 +779,11 @@ def test_cli_serve_subprocess_and_sigint(tiny_chat_dir):
     assert (args.host, args.port, args.model) == ("127.0.0.1", 8000, None)
     cfg = engine_config_from_args(add_serve_arguments(argparse.ArgumentParser()).parse_args(
         ["--model", "m", "--max-model-len", "64", "--max-num-seqs", "4", "--dtype", "float32",
-         "--block-size", "32", "--seed", "3", "--enforce-eager", "--load-format", "dummy"]))
+         "--block-size", "32", "--seed", "3", "--enforce-eager", "--load-format", "dummy",
+         "--max-graph-tokens", "512"]))
     assert (cfg.model, cfg.max_model_len, cfg.max_num_seqs, cfg.block_size, cfg.seed,
-            cfg.enforce_eager, cfg.load_format) == ("m", 64, 4, 32, 3, True, "dummy")
+            cfg.enforce_eager, cfg.load_format, cfg.max_graph_tokens) == (
+        "m", 64, 4, 32, 3, True, "dummy", 512)
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

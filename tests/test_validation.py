@@ -111,6 +111,28 @@ def test_block_size_defaults_by_device():
     assert cfg.block_size == 8
 
 
+def test_graph_tokens_default_to_the_step_budget():
+    """Prefill and mixed steps replay graphs up to the step budget, at most 8192 tokens (a
+    budget of a whole long context would capture dozens); a limit given stays; a negative
+    one is an error."""
+    import torch
+
+    from minivllm.config import EngineConfig, ModelConfig
+
+    mc = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 64,
+                                "hidden_size": 32, "num_hidden_layers": 1,
+                                "num_attention_heads": 2, "intermediate_size": 64,
+                                "max_position_embeddings": 32768})
+    for kw, want in (({}, 8192), ({"max_num_batched_tokens": 2048}, 2048),
+                     ({"enable_chunked_prefill": False}, 8192),
+                     ({"max_graph_tokens": 1024}, 1024), ({"max_graph_tokens": 0}, 0)):
+        cfg = EngineConfig(**kw)
+        cfg.finalize(mc, torch.device("cuda"))
+        assert cfg.max_graph_tokens == want, kw
+    with pytest.raises(ValueError, match="max_graph_tokens"):
+        EngineConfig(max_graph_tokens=-1).finalize(mc, torch.device("cuda"))
+
+
 def test_generate_input_forms(llm):
     params = SamplingParams(temperature=0.0, max_tokens=3)
     a = llm.generate([5, 6, 7], params, use_tqdm=False)

@@ -246,8 +246,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     max_cudagraph_batch_size: int | None = None
-    # Prefill/mixed steps of up to this many tokens replay CUDA graphs too (0: never).
-    max_graph_tokens: int = 1024
+    # Prefill/mixed steps of up to this many tokens replay CUDA graphs too (None: up to the
+    # step budget, at most 8192; 0: never). Longer steps run eagerly.
+    max_graph_tokens: int | None = None
     trust_remote_code: bool = False  # accepted for vLLM compatibility; nothing remote runs
     # Sampling defaults for the fields a request leaves unset (vLLM's --generation-config):
     # "auto": the model folder's generation_config.json; "vllm": none; or a folder.
@@ -305,6 +306,12 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs so every "
                              "running sequence can decode each step.")
+        if self.max_graph_tokens is None:
+            # Each bucket of 1,024 tokens is another graph: a budget of a whole context
+            # (chunked prefill off) would capture dozens.
+            self.max_graph_tokens = min(self.max_num_batched_tokens, 8192)
+        elif self.max_graph_tokens < 0:
+            raise ValueError(f"max_graph_tokens must be >= 0, got {self.max_graph_tokens}.")
 
     def max_blocks_per_seq(self) -> int:
         return math.ceil(self.max_model_len / self.block_size)

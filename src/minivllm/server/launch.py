@@ -55,6 +55,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="Share of GPU memory for weights, activations and KV cache.")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="No CUDA graphs.")
+    parser.add_argument("--max-graph-tokens", type=int, default=None,
+                        help="Prefill and mixed steps of up to this many tokens replay CUDA "
+                             "graphs (default: the step budget, at most 8192; 0: none).")
     parser.add_argument("--load-format", default="auto",
                         choices=["auto", "safetensors", "gguf", "dummy"],
                         help="dummy: random weights from config.json alone.")
@@ -123,7 +126,8 @@ def engine_config_from_args(args: argparse.Namespace):
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
-        enforce_eager=args.enforce_eager, load_format=args.load_format, seed=args.seed,
+        enforce_eager=args.enforce_eager, max_graph_tokens=args.max_graph_tokens,
+        load_format=args.load_format, seed=args.seed,
         device=args.device, skip_tokenizer_init=args.skip_tokenizer_init,
         enable_prefix_caching=args.enable_prefix_caching,
         generation_config=args.generation_config,

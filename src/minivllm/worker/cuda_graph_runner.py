@@ -129,23 +129,30 @@ class DecodeInputs:
             torch.index_select(prev, 0, self.index[:n], out=self.input_ids[:n])
 
 
+# The prelude's GEMM takes this many rows of the down projection: as many as the whole
+# did for the graphs, at a fraction of its bytes (bench/results/2026-12-02-h200-kernels-
+# launched-early/prelude-rows/).
+PRELUDE_ROWS = 256
+
+
 def make_prelude(model: torch.nn.Module, device: torch.device):
     """What DecodeGraphRunner.run launches before each graph replay: the first layer's
-    down projection on a zero row, output discarded.
+    down projection, its first PRELUDE_ROWS rows, on a zero row, output discarded.
 
     On the H200 a captured graph's kernels follow each other ~0.1 us apart while fewer
     than ~7 regular (non-graph) kernels have been launched since the last cuBLAS split-K
     GEMM, and ~0.45 us apart after that, whatever those kernels are. The engine launches a
     few between replays (token gather, sampling, prefill), so without this its replays ran
     in the slow state: ~90 us more per batch-1 step of 261 kernels. A memset, fill,
-    elementwise, Triton or non-split GEMM launch does not restore it; this GEMM (the
-    shape of the model's own split-K kernel) does, for ~7 us of device time. Why the
-    hardware behaves so is not known (docs/performance.md, "Graph replays slow down after
-    regular launches"). None for a quantized model (its projections are not cuBLAS GEMMs).
+    elementwise, Triton or non-split GEMM launch does not restore it; this split-K GEMM
+    does. Why the hardware behaves so is not known (docs/performance.md, "Graph replays
+    slow down after regular launches"). None for a quantized model (its projections are
+    not cuBLAS GEMMs).
     """
     weight = getattr(model.model.layers[0].mlp.down_proj, "weight", None)  # no bias
     if weight is None:
         return None  # a quantized projection: its GEMM is not cuBLAS's split-K kernel
+    weight = weight[:PRELUDE_ROWS]
     x = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=device)
     linear = torch.nn.functional.linear  # the module's own call, without its hook checks
     return lambda: linear(x, weight)

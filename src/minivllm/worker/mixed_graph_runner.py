@@ -13,11 +13,12 @@ reach the host: the decode rows' input tokens are then gathered on the device fr
 step's sampled tokens (`device_tokens`), and the host staging alternates between two sets
 so that filling one step's inputs never overwrites a set whose copies may not have run.
 
-Small steps dominate serving (a few new prompts joining a batch of decodes): these run as
-one replay instead of hundreds of eager launches. Larger steps (long prompts, up to the
-step budget) run eagerly, where the launch cost is amortized over many tokens, but through
-the same staging, so that they too can be launched before the previous step is read back:
-the host then plans the next long step while the device runs this one.
+A step is one replay instead of ~300 eager launches, which cost the host ~26 ms on the
+H200 whatever the step's size: small steps (a few new prompts joining a batch of decodes)
+dominate serving, and long ones (prompts of thousands of tokens, up to the step budget)
+were host-bound on small models. Steps that would be padded too much (see
+MAX_LONG_PADDING) and steps past the largest bucket run eagerly, unpadded, through staging
+of their own, and are launched before the previous step is read back like any other.
 """
 
 from __future__ import annotations
@@ -34,12 +35,23 @@ from .sampler import argmax_rows
 logger = logging.getLogger(__name__)
 
 
+# Buckets double up to DOUBLING_LIMIT tokens, then grow by LONG_BUCKET_STEP. A step of up
+# to DOUBLING_LIMIT tokens always replays its bucket's graph; a longer one does only if the
+# bucket pads it by at most 1/MAX_LONG_PADDING of its tokens, else it runs eagerly,
+# unpadded: where the GPU is the limit (an 8B model) padding costs its share of the step,
+# where the host is (a 0.5B model) the eager step's ~300 launches cost more.
+DOUBLING_LIMIT = 1024
+LONG_BUCKET_STEP = 512
+MAX_LONG_PADDING = 16
+
+
 def mixed_buckets(max_tokens: int) -> list[int]:
-    """Token buckets: powers of two from 16, the last one max_tokens itself."""
+    """Token buckets: powers of two from 16 to DOUBLING_LIMIT, then multiples of
+    LONG_BUCKET_STEP; the last one max_tokens itself."""
     sizes, b = [], 16
     while b < max_tokens:
         sizes.append(b)
-        b *= 2
+        b = b * 2 if b < DOUBLING_LIMIT else b + LONG_BUCKET_STEP
     return sizes + [max_tokens]
 
 
@@ -111,12 +123,13 @@ class MixedGraphRunner:
         self.max_rows = min(self.max_tokens, max_rows or max_seqs)
         self.use_graphs = use_graphs and device.type == "cuda"
         s, r = max_seqs, self.max_rows
-        # Bucketed steps read `graph_io.buf`; longer ones have buffers of their own, so a
+        # Bucketed steps read `graph_io.buf`; eager ones have buffers of their own, so a
         # graph step's upload stays its bucket's size.
         self.graph_io = _StepBuffers(self.max_graph_tokens, s, min(r, self.max_graph_tokens),
                                      max_blocks, device)
         self.eager_io = (_StepBuffers(self.max_tokens, s, r, max_blocks, device)
-                         if self.max_tokens > self.max_graph_tokens else None)
+                         if self.max_tokens > min(self.max_graph_tokens, DOUBLING_LIMIT)
+                         else None)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # Shared by every step (kept out of the graphs' pool; see DecodeGraphRunner).
         vocab = model.config.vocab_size
@@ -172,6 +185,9 @@ class MixedGraphRunner:
         self.timings = {"warm_up_s": warm}
         if not self.use_graphs:
             return warm
+        # The warm-up's activations go back to the device: the graphs' pool, captured next,
+        # needs as much again, and the KV cache was sized for one step's activations.
+        torch.cuda.empty_cache()
         pool = None
         for t in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph()
@@ -235,4 +251,7 @@ class MixedGraphRunner:
 
     def is_graphed(self, num_tokens: int) -> bool:
         """Whether a step of num_tokens replays a graph (else it runs eagerly)."""
-        return num_tokens <= self.max_graph_tokens
+        if num_tokens > self.max_graph_tokens:
+            return False
+        padding = bucket_for(num_tokens, self.buckets) - num_tokens
+        return num_tokens <= DOUBLING_LIMIT or padding * MAX_LONG_PADDING <= num_tokens
