@@ -73,9 +73,10 @@ def test_small_buckets_project_only_their_rows(tiny_model_dirs):
 
 
 def test_long_steps_replay_only_when_padded_little(tiny_model_dirs):
-    """Past 1,024 tokens a step replays its bucket's graph only if the padding is at most a
-    sixteenth of its tokens; otherwise it runs eagerly, unpadded. Both give the outputs of
-    the engine without the runner."""
+    """Past 1,024 tokens a step replays its bucket's graph if the padding is at most a
+    sixteenth of its tokens (or if start-up measured that bucket's replay to beat an eager
+    step's launches: never on a CPU); otherwise it runs eagerly, unpadded. Both give the
+    outputs of the engine without the runner."""
     kw = dict(skip_tokenizer_init=True, max_model_len=2048, max_num_batched_tokens=2048,
               max_num_seqs=4)
     llm = LLM(str(tiny_model_dirs["qwen3"]), **kw)
@@ -83,6 +84,10 @@ def test_long_steps_replay_only_when_padded_little(tiny_model_dirs):
     runner = llm.engine.runner.mixed_runner
     assert [runner.is_graphed(n) for n in (1000, 1024, 1025, 1500, 1536, 1900, 2048)] == [
         True, True, False, True, True, False, True]
+    assert not runner.replay_pays  # measured on a GPU only
+    runner.replay_pays.add(1536)
+    assert runner.is_graphed(1025) and not runner.is_graphed(1900)
+    runner.replay_pays.clear()
     plain = LLM(str(tiny_model_dirs["qwen3"]), **kw)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     for length in (1500, 1100):  # one replayed (bucket 1536), one eager (it would pad 436)

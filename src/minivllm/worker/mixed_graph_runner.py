@@ -36,10 +36,12 @@ logger = logging.getLogger(__name__)
 
 
 # Buckets double up to DOUBLING_LIMIT tokens, then grow by LONG_BUCKET_STEP. A step of up
-# to DOUBLING_LIMIT tokens always replays its bucket's graph; a longer one does only if the
-# bucket pads it by at most 1/MAX_LONG_PADDING of its tokens, else it runs eagerly,
-# unpadded: where the GPU is the limit (an 8B model) padding costs its share of the step,
-# where the host is (a 0.5B model) the eager step's ~300 launches cost more.
+# to DOUBLING_LIMIT tokens always replays its bucket's graph. A longer one replays it where
+# that was measured to pay (`capture`: the bucket's replay takes less time than the host
+# needs to launch an eager step, as for a small model's, whose ~300 launches cost more than
+# its GPU work), or where the bucket pads it by at most 1/MAX_LONG_PADDING of its tokens;
+# otherwise it runs eagerly, unpadded (an 8B model's long step: its GPU work hides the
+# launches, and padding would cost its share of the step).
 DOUBLING_LIMIT = 1024
 LONG_BUCKET_STEP = 512
 MAX_LONG_PADDING = 16
@@ -131,6 +133,7 @@ class MixedGraphRunner:
                          if self.max_tokens > min(self.max_graph_tokens, DOUBLING_LIMIT)
                          else None)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replay_pays: set[int] = set()  # long buckets whose replay beats an eager step
         # Shared by every step (kept out of the graphs' pool; see DecodeGraphRunner).
         vocab = model.config.vocab_size
         self.logits_out = torch.empty(r, vocab, dtype=torch.float32, device=device)
@@ -175,7 +178,8 @@ class MixedGraphRunner:
     @torch.inference_mode()
     def capture(self) -> float:
         """Warm up every bucket (Triton compiles per tile shape), then capture, largest
-        first, all graphs in one memory pool. Warm-up inputs are all padding."""
+        first, all graphs in one memory pool. Warm-up inputs are all padding. Then time an
+        eager step's launches and each long bucket's replay (see DOUBLING_LIMIT)."""
         start = time.perf_counter()
         for t in reversed(self.buckets):
             self._step(t)
@@ -196,12 +200,38 @@ class MixedGraphRunner:
             pool = pool or graph.pool()
             self.graphs[t] = graph
         torch.cuda.synchronize(self.device)
+        launch_s = self._time_long_replays()
         secs = time.perf_counter() - start
         self.timings["capture_s"] = secs - warm
         logger.info("Mixed steps: %d CUDA graphs (%d..%d tokens) in %.1fs: warm-up %.1fs, "
-                    "capture %.1fs.", len(self.graphs), self.buckets[0], self.max_graph_tokens,
-                    secs, warm, secs - warm)
+                    "capture %.1fs. An eager step's launches take %.1f ms; %d of the %d "
+                    "buckets past %d tokens replay faster and take any step.", len(self.graphs),
+                    self.buckets[0], self.max_graph_tokens, secs, warm, secs - warm,
+                    launch_s * 1e3, len(self.replay_pays),
+                    sum(t > DOUBLING_LIMIT for t in self.buckets), DOUBLING_LIMIT)
         return secs
+
+    def _time_long_replays(self) -> float:
+        """Fill replay_pays: the long buckets whose replay (all padding: the GEMMs' work
+        for every token, which is what padding costs) takes less time than the host takes
+        to launch an eager step. Returns that launch time (the least of three; the kernels
+        are compiled by now, and the idle GPU keeps up with a 16-token step)."""
+        def seconds(fn, wait: bool) -> float:
+            torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
+            fn()
+            if wait:
+                torch.cuda.synchronize(self.device)
+            return time.perf_counter() - t0
+
+        launch_s = min(seconds(lambda: self._step(self.buckets[0]), wait=False)
+                       for _ in range(3))
+        for t in self.buckets:
+            if t > DOUBLING_LIMIT:
+                self.graphs[t].replay()  # the first replay also uploads the graph
+                if seconds(self.graphs[t].replay, wait=True) < launch_s:
+                    self.replay_pays.add(t)
+        return launch_s
 
     @torch.inference_mode()
     def run(self, host, device_tokens: tuple[torch.Tensor, list[int], list[int]] | None = None,
@@ -253,5 +283,6 @@ class MixedGraphRunner:
         """Whether a step of num_tokens replays a graph (else it runs eagerly)."""
         if num_tokens > self.max_graph_tokens:
             return False
-        padding = bucket_for(num_tokens, self.buckets) - num_tokens
-        return num_tokens <= DOUBLING_LIMIT or padding * MAX_LONG_PADDING <= num_tokens
+        bucket = bucket_for(num_tokens, self.buckets)
+        return (num_tokens <= DOUBLING_LIMIT or bucket in self.replay_pays
+                or (bucket - num_tokens) * MAX_LONG_PADDING <= num_tokens)
