@@ -156,10 +156,22 @@ def test_speculative_decoding_on_the_gpu(config_path, tmp_path, monkeypatch, met
     assert [len(t[0]) for t in runs[0][8:]] == [30, 30]
 
 
-def test_two_stage_argmax_on_the_gpu():
+def test_argmax_kernel_on_the_gpu():
+    """The graphed steps' argmax (csrc_triton.argmax_rows) at Llama-3.1-8B's and Qwen's
+    vocabulary sizes, in a CUDA graph too."""
     from minivllm.worker.sampler import argmax_rows
 
-    x = torch.randn(9, 128256, device="cuda").to(torch.bfloat16)
-    x[1, 3] = x[1, 128000] = 60.0
-    x[2] = 1.0
-    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    for vocab in (128256, 151936):
+        x = torch.randn(9, vocab, device="cuda").to(torch.bfloat16)
+        x[1, 3] = x[1, vocab - 256] = 60.0
+        x[2] = 1.0
+        x[3, 77] = float("nan")
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+        out = torch.empty(9, dtype=torch.long, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            argmax_rows(x, out=out)
+        x.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, x.argmax(dim=-1))

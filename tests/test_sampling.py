@@ -245,19 +245,44 @@ def test_logit_bias(llm):
     assert banned[0].outputs[0].token_ids[0] != free[0]
 
 
-@pytest.mark.parametrize("vocab", [128256, 151936, 49152, 32000, 1000])
-def test_two_stage_argmax_is_argmax(vocab):
-    """The chunked argmax of the graphed steps: the first index of each row's maximum,
-    ties across and within chunks, infinities and constant rows included."""
+@pytest.mark.parametrize("vocab", [5000, 1000])  # 5 chunks and 1; realistic sizes: GPU tests
+def test_argmax_kernel_is_argmax(vocab):
+    """The two-stage argmax kernel of the graphed steps (csrc_triton.argmax_rows, under
+    Triton's interpreter here): the first index of each row's maximum, ties across and
+    within chunks, infinities, NaN, constant rows included; `out` is written."""
+    pytest.importorskip("triton")
+    from csrc_triton import argmax_rows as argmax_kernel
     from minivllm.worker.sampler import argmax_rows
 
     torch.manual_seed(0)
-    x = torch.randn(6, vocab).to(torch.bfloat16)
+    x = torch.randn(7, vocab).to(torch.bfloat16)
     x[1, 7] = x[1, vocab - 3] = 100.0            # tie across chunks: the first
     x[2] = 0.0                                    # all equal: index 0
     x[3, vocab // 2] = x[3, vocab // 2 + 1] = float("inf")  # tie inside a chunk
     x[4, vocab - 1] = 50.0                        # the very last index
+    x[5] = float("-inf")
+    x[6, vocab // 3] = x[6, 5] = float("nan")     # NaN counts as the largest
     want = x.argmax(dim=-1)
-    assert torch.equal(argmax_rows(x, two_stage=True), want)
-    assert torch.equal(argmax_rows(x.float(), two_stage=True), want)
+    assert torch.equal(argmax_kernel(x), want)
+    out = torch.full((7,), -1, dtype=torch.long)
+    assert argmax_kernel(x.float(), out) is out and torch.equal(out, want)
     assert torch.equal(argmax_rows(x), want)
+
+
+def test_decode_slots_kernel_matches_torch():
+    """The decode rows' positions and KV slots in one kernel (csrc_triton.decode_slots),
+    against the PyTorch ops of the eager decode step; a row of length 0 gets slot -1."""
+    pytest.importorskip("triton")
+    from csrc_triton import decode_slots
+
+    g = torch.Generator().manual_seed(3)
+    lens = torch.tensor([5, 0, 17, 1, 64, 65, 1000], dtype=torch.int32)
+    tables = torch.randint(0, 500, (7, 80), generator=g, dtype=torch.int32)
+    positions = torch.full((9,), 7, dtype=torch.long)
+    slots = torch.full((9,), 7, dtype=torch.long)
+    decode_slots(lens, tables, 16, positions, slots)
+    want_pos = (lens.long() - 1).clamp(min=0)
+    blocks = tables.gather(1, (want_pos // 16)[:, None]).squeeze(1).long()
+    want_slots = torch.where(lens > 0, blocks * 16 + want_pos % 16, -1)
+    assert torch.equal(positions[:7], want_pos) and torch.equal(slots[:7], want_slots)
+    assert positions[7:].tolist() == [7, 7] and slots[7:].tolist() == [7, 7]

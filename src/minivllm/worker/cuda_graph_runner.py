@@ -188,28 +188,44 @@ class DecodeGraphRunner:
             self.max_batch * model.config.num_kv_heads, dtype=torch.int32, device=device)
         self.logits_out = torch.empty(self.max_batch, vocab, dtype=torch.float32, device=device)
         self.greedy_out = torch.empty(self.max_batch, dtype=torch.long, device=device)
+        # A decode step's query offsets are 0, 1, ..., batch: one buffer for every step.
+        self.query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32,
+                                            device=device)
         self.prelude = (make_prelude(model, device)
                         if self.use_graphs and decode_prelude_enabled() else None)
 
-    def _decode_step(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
-                     block_tables: torch.Tensor) -> None:
-        """One decode step; its logits and argmax land in logits_out / greedy_out."""
+    def _positions_and_slots(self, seq_lens: torch.Tensor, block_tables: torch.Tensor):
+        """Each row's position (seq_len - 1) and KV slot (-1 for a padding row): one Triton
+        kernel in the graphs (csrc_triton.decode_slots), PyTorch ops elsewhere (a CPU,
+        torch.compile)."""
+        if self.use_graphs and not self.compiled:
+            from csrc_triton import decode_slots
+            batch = seq_lens.shape[0]
+            positions = torch.empty(batch, dtype=torch.long, device=seq_lens.device)
+            slots = torch.empty(batch, dtype=torch.long, device=seq_lens.device)
+            decode_slots(seq_lens, block_tables, self.block_size, positions, slots)
+            return positions, slots
         bs = self.block_size
         positions = (seq_lens.long() - 1).clamp(min=0)
         block_ids = block_tables.gather(1, (positions // bs)[:, None]).squeeze(1).long()
         slots = torch.where(seq_lens > 0, block_ids * bs + positions % bs,
                             torch.full_like(positions, -1))
+        return positions, slots
+
+    def _decode_step(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
+                     block_tables: torch.Tensor) -> None:
+        """One decode step; its logits and argmax land in logits_out / greedy_out."""
+        positions, slots = self._positions_and_slots(seq_lens, block_tables)
         batch = input_ids.shape[0]
         meta = AttentionMetadata(
-            slot_mapping=slots,
-            query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=input_ids.device),
+            slot_mapping=slots, query_start_loc=self.query_start_loc[:batch + 1],
             seq_lens=seq_lens, block_tables=block_tables,
             max_query_len=1, max_seq_len=self.max_model_len,
             decode_counters=self.decode_counters)
         hidden = self.model(input_ids, positions, self.kv_layers, meta)
         logits = self.model.compute_logits(hidden)
         self.logits_out[:batch].copy_(logits)
-        self.greedy_out[:batch].copy_(argmax_rows(logits))
+        argmax_rows(logits, out=self.greedy_out[:batch])
 
     @torch.inference_mode()
     def capture(self) -> float:

@@ -173,7 +173,7 @@ class MixedGraphRunner:
         hidden = self.model(b.ids[:t], b.pos[:t], self.kv_layers, meta)
         logits = self.model.compute_logits(hidden[b.rows[:r]])
         self.logits_out[:r].copy_(logits)
-        self.greedy_out[:r].copy_(argmax_rows(logits))
+        argmax_rows(logits, out=self.greedy_out[:r])
 
     @torch.inference_mode()
     def capture(self) -> float:

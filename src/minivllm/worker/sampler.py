@@ -41,24 +41,19 @@ class SamplingRow(Protocol):
     def num_output_tokens(self) -> int: ...
 
 
-def argmax_rows(logits: torch.Tensor, two_stage: bool | None = None) -> torch.Tensor:
-    """logits.argmax(dim=-1) of [rows, vocab] logits, the first index of each row's maximum.
-    A long row on a GPU (two_stage None: decided by the device) is reduced in two stages,
-    the maximum of each of up to 64 equal chunks, then of those: torch's argmax takes one
-    thread block a row, 28 us for Llama-3.1-8B's 128,256 logits at batch 1 on the H200
+def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits.argmax(dim=-1) of [rows, vocab] logits, the first index of each row's maximum
+    (into `out` when given). A long row on a GPU goes to csrc_triton.argmax_rows (two
+    stages, launched early; not inside torch.compile): torch's argmax takes one thread
+    block a row, 28 us for Llama-3.1-8B's 128,256 logits at batch 1 on the H200
     (docs/decisions.md)."""
-    rows, vocab = logits.shape
-    if two_stage is None:
-        two_stage = logits.is_cuda and vocab >= 16384
-    chunks = 64 if two_stage else 1
-    while chunks > 1 and vocab % chunks:
-        chunks //= 2
-    if chunks < 8:
+    if (logits.is_cuda and logits.shape[-1] >= 16384 and logits.stride(-1) == 1
+            and not torch.compiler.is_compiling()):
+        from csrc_triton import argmax_rows as argmax_kernel
+        return argmax_kernel(logits, out)
+    if out is None:
         return logits.argmax(dim=-1)
-    # First maximum within each chunk; the first chunk holding the row's maximum.
-    best, where = logits.reshape(rows, chunks, vocab // chunks).max(dim=-1)
-    chunk = best.argmax(dim=-1, keepdim=True)
-    return (chunk * (vocab // chunks) + where.gather(1, chunk)).squeeze(1)
+    return torch.argmax(logits, dim=-1, out=out)
 
 
 @dataclass
