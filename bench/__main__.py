@@ -15,6 +15,7 @@ Commands (each a thin wrapper; `python -m bench COMMAND --help` shows its flags)
   kernels       Triton kernels vs the torch reference, speed (CUDA)       bench/kernel_check.py
   lm-eval       lm-eval local-completions against minivllm serve (CPU)   bench.lm_eval_check
   w3-gpu-run    W3 on a GPU in one call (W3_SMOKE=1: on a CPU)          bench/run_w3_gpu.sh
+  offline-ab    minivllm variants on W1/W2/W5/W6, fresh processes, interleaved  bench.offline_ab
 
 Examples:
   python -m bench report
@@ -51,6 +52,7 @@ COMMANDS = {
     "kernels": (str(BENCH_DIR / "kernel_check.py"), "script"),
     "lm-eval": ("bench.lm_eval_check", "argv"),
     "w3-gpu-run": (str(BENCH_DIR / "run_w3_gpu.sh"), "bash"),
+    "offline-ab": ("bench.offline_ab", "argv"),
 }
 
 

@@ -48,3 +48,27 @@ def test_offline_merge_and_report(tmp_path):
     assert "## minivllm against vLLM" in md
     assert "| W1 | output_tok_per_s |" in md
     assert "qwen2.5-0.5b-instruct W1, output tok/s | vLLM | not measured" in md
+
+
+def test_offline_ab_interleaves_variants(tmp_path):
+    """bench/offline_ab.py: each variant in processes of its own, in turn, with its
+    environment and flags; every process's best repetition in ab.json and the table."""
+    from bench import offline_ab
+
+    assert offline_ab.parse_variant("g;MINIVLLM_PDL=0 X=1;--max-graph-tokens 0") == {
+        "label": "g", "env": {"MINIVLLM_PDL": "0", "X": "1"},
+        "flags": ["--max-graph-tokens", "0"]}
+    out = tmp_path / "ab"
+    assert offline_ab.main(["--smoke", "--workloads", "w2", "--processes", "1",
+                            "--variant", "eager-steps;;--max-graph-tokens 0",
+                            "--variant", "plain;MINIVLLM_PDL=0", "--out", str(out),
+                            "--work", str(tmp_path / "work")]) == 0
+    ab = json.loads((out / "ab.json").read_text())
+    assert list(ab["runs"]) == ["eager-steps", "plain"]
+    for label in ("eager-steps", "plain"):
+        (run,) = ab["runs"][label]
+        assert run["rc"] == 0 and run["best"]["W2"] > 0
+    graphs = json.loads(next((out / "eager-steps" / "p0").glob("*.json")).read_text())
+    assert graphs["settings"]["max_graph_tokens"] == 0
+    with pytest.raises(SystemExit, match="label"):
+        offline_ab.parse_variant(";X=1")
