@@ -307,8 +307,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs so every "
                              "running sequence can decode each step.")
         if self.max_graph_tokens is None:
-            # Each bucket of 1,024 tokens is another graph: a budget of a whole context
-            # (chunked prefill off) would capture dozens.
+            # Past 1,024 tokens every 512 more is another graph: a budget of a whole
+            # context (chunked prefill off) would capture hundreds.
             self.max_graph_tokens = min(self.max_num_batched_tokens, 8192)
         elif self.max_graph_tokens < 0:
             raise ValueError(f"max_graph_tokens must be >= 0, got {self.max_graph_tokens}.")
