@@ -33,6 +33,28 @@ def load_interpreted_copy(path: str, module_name: str) -> ModuleType:
 
 
 _helper_copies: dict[str, ModuleType] = {}
+_kernel_modules: dict[tuple[str, bool], tuple[ModuleType, bool]] = {}
+
+
+def _interpreted(mod: ModuleType) -> bool:
+    return any(type(v).__name__ == "InterpretedFunction" for v in vars(mod).values())
+
+
+def kernels_for(module_name: str, device) -> tuple[ModuleType, bool]:
+    """(the kernel module `module_name` for tensors on `device`, whether its kernels are
+    interpreted): the module itself for CUDA tensors (interpreted already if
+    TRITON_INTERPRET=1 was set when it was imported), an interpreted copy of it, loaded
+    once, for CPU tensors. Looked up once per module and kind of device (every launch
+    asks)."""
+    key = (module_name, device.type == "cpu")
+    found = _kernel_modules.get(key)
+    if found is None:
+        mod = sys.modules[module_name]
+        if key[1] and not _interpreted(mod):
+            mod = load_interpreted_copy(os.path.abspath(mod.__file__),
+                                        module_name + "_interpreted")
+        found = _kernel_modules[key] = (mod, _interpreted(mod))
+    return found
 
 
 def jit_helpers(name: str) -> ModuleType:

@@ -34,15 +34,12 @@ PyTorch would not use.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from csrc_triton._interpret import jit_helpers
+from csrc_triton._interpret import jit_helpers, kernels_for
 from csrc_triton._pdl import enabled as pdl_enabled, launch_options as pdl_options
 
 _fp8_cast = jit_helpers("_fp8_cast")
@@ -293,33 +290,9 @@ def _silu_and_mul_kernel(
 # ============================================================================
 # module selection (compiled for CUDA, interpreted for CPU)
 # ============================================================================
-_interp_mod = None
-
-
-def _is_interpreted(mod) -> bool:
-    return type(mod._rms_norm_kernel).__name__ == "InterpretedFunction"
-
-
-def _interpreted_module():
-    """This file's kernels built under TRITON_INTERPRET=1 (for CPU tensors)."""
-    global _interp_mod
-    if _interp_mod is not None:
-        return _interp_mod
-    self_mod = sys.modules[__name__]
-    if _is_interpreted(self_mod):
-        _interp_mod = self_mod
-        return self_mod
-    from csrc_triton._interpret import load_interpreted_copy
-    pkg = __name__.rpartition(".")[0]
-    iname = (pkg + "." if pkg else "") + "_fused_interpreted"
-    _interp_mod = load_interpreted_copy(os.path.abspath(__file__), iname)
-    return _interp_mod
-
-
 def _kernels_for(device: torch.device):
     """(kernel module, interpreted?) for tensors on ``device``."""
-    mod = _interpreted_module() if device.type == "cpu" else sys.modules[__name__]
-    return mod, _is_interpreted(mod)
+    return kernels_for(__name__, device)
 
 
 def _launch_opts(interpreted: bool, num_warps: int, device: torch.device) -> dict:

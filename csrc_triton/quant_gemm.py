@@ -29,15 +29,12 @@ CPU tensors run the kernels through Triton's interpreter (tests only), as in fus
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 import triton
 import triton.language as tl
 
 from csrc_triton import _sm_count
-from csrc_triton._interpret import jit_helpers
+from csrc_triton._interpret import jit_helpers, kernels_for
 from csrc_triton._pdl import enabled as pdl_enabled, launch_options as pdl_options
 from csrc_triton.int4_layout import int4_half, int4_packed_bytes
 
@@ -280,32 +277,8 @@ def _fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, BLOCK_K: 
         tl.store(q_ptr + row * stride_qm + k0 + offs, q, mask=k0 + offs < K)
 
 
-# ---- module selection (compiled for CUDA, interpreted for CPU), as in fused.py -------
-
-_interp_mod = None
-
-
-def _is_interpreted(mod) -> bool:
-    return type(mod._wq_gemm_kernel).__name__ == "InterpretedFunction"
-
-
-def _interpreted_module():
-    global _interp_mod
-    if _interp_mod is None:
-        self_mod = sys.modules[__name__]
-        if _is_interpreted(self_mod):
-            _interp_mod = self_mod
-        else:
-            from csrc_triton._interpret import load_interpreted_copy
-            pkg = __name__.rpartition(".")[0]
-            _interp_mod = load_interpreted_copy(os.path.abspath(__file__),
-                                                (pkg + "." if pkg else "") + "_quant_interpreted")
-    return _interp_mod
-
-
 def _kernels_for(device: torch.device):
-    mod = _interpreted_module() if device.type == "cpu" else sys.modules[__name__]
-    return mod, _is_interpreted(mod)
+    return kernels_for(__name__, device)
 
 
 def _config(M: int, N: int, K: int, device: torch.device, interpreted: bool):

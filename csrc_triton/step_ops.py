@@ -22,14 +22,11 @@ CPU tensors run the kernels through Triton's interpreter (tests only), as in fus
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 import triton
 import triton.language as tl
 
-from csrc_triton._interpret import jit_helpers
+from csrc_triton._interpret import jit_helpers, kernels_for
 from csrc_triton._pdl import enabled as pdl_enabled, launch_options as pdl_options
 
 _pdl = jit_helpers("_pdl")
@@ -104,32 +101,9 @@ def _decode_slots_kernel(lens_ptr, tables_ptr, pos_ptr, slots_ptr, B, stride_t,
     tl.store(slots_ptr + r, slot, mask=ok)
 
 
-# ---- module selection (compiled for CUDA, interpreted for CPU), as in fused.py -------
-
-_interp_mod = None
-
-
-def _is_interpreted(mod) -> bool:
-    return type(mod._chunk_argmax_kernel).__name__ == "InterpretedFunction"
-
-
-def _interpreted_module():
-    global _interp_mod
-    if _interp_mod is None:
-        self_mod = sys.modules[__name__]
-        if _is_interpreted(self_mod):
-            _interp_mod = self_mod
-        else:
-            from csrc_triton._interpret import load_interpreted_copy
-            pkg = __name__.rpartition(".")[0]
-            _interp_mod = load_interpreted_copy(os.path.abspath(__file__),
-                                                (pkg + "." if pkg else "") + "_step_interpreted")
-    return _interp_mod
-
-
 def _kernels_for(device: torch.device):
-    mod = _interpreted_module() if device.type == "cpu" else sys.modules[__name__]
-    interpreted = _is_interpreted(mod)
+    """(module, interpreted, PDL argument and launch option) for tensors on `device`."""
+    mod, interpreted = kernels_for(__name__, device)
     pdl = pdl_enabled(device, interpreted)
     return mod, interpreted, {"PDL": pdl, **pdl_options(pdl)} if pdl else {}
 
