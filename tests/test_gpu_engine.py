@@ -54,6 +54,35 @@ def test_fast_paths_match_eager(config_path, monkeypatch, name, env, kw):
     assert got == want, name
 
 
+def test_long_steps_replay_graphs_on_the_gpu(tmp_path, monkeypatch):
+    """Steps of 1,100 to 3,072 tokens: with buckets past 1,024 tokens, a tiny model's replay
+    is measured faster than an eager step's launches, so its long steps replay graphs
+    (padded); the tokens are the eager engine's."""
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps({**CONFIG, "max_position_embeddings": 4096}))
+    prompts = random_prompts(4, 4096, 1100, 2900, seed=43)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    kw = dict(load_format="dummy", dtype="float32", device="cuda", skip_tokenizer_init=True,
+              max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=3072,
+              num_kv_blocks=256)
+    with monkeypatch.context() as m:
+        m.setenv("MINIVLLM_FUSED_OPS", "0")
+        eager = LLM(str(config_path), enforce_eager=True, **kw)
+        want = [o.outputs[0].token_ids for o in eager.generate(prompts, params,
+                                                                use_tqdm=False)]
+        del eager
+    llm = LLM(str(config_path), **kw)
+    runner = llm.engine.runner.mixed_runner
+    assert runner.buckets[-4:] == [1536, 2048, 2560, 3072]
+    assert runner.replay_pays  # a 4-layer model: its replays beat ~60 Python launches
+    steps = []
+    orig = runner.run
+    runner.run = lambda host, *a: steps.append(len(host.input_ids)) or orig(host, *a)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert any(n > 1024 and runner.is_graphed(n) for n in steps), steps
+
+
 def test_preemption_on_the_gpu(config_path, monkeypatch):
     prompts = random_prompts(10, 4096, 20, 60, seed=42)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
