@@ -286,3 +286,32 @@ def test_decode_slots_kernel_matches_torch():
     want_slots = torch.where(lens > 0, blocks * 16 + want_pos % 16, -1)
     assert torch.equal(positions[:7], want_pos) and torch.equal(slots[:7], want_slots)
     assert positions[7:].tolist() == [7, 7] and slots[7:].tolist() == [7, 7]
+
+
+def test_sampler_reads_model_dtype_logits_only_when_it_must():
+    """The graphs hand the sampler logits in the model's dtype. Greedy rows with the
+    graph's argmax and nothing that edits logits take that argmax without reading them;
+    a logit bias makes the sampler read them (in fp32); a seeded random row draws the same
+    token from bf16 logits as from their fp32 copy."""
+    from types import SimpleNamespace
+
+    from minivllm.worker.sampler import Sampler
+
+    def row(params):
+        return SimpleNamespace(params=params, generator=None, prompt_token_ids=[1, 2],
+                               output_token_ids=[3], num_output_tokens=1)
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 300).to(torch.bfloat16)
+    stale = torch.tensor([5, 7])  # not the argmax: shows whether the logits were read
+    sampler = Sampler(300, torch.device("cpu"))
+    greedy = SamplingParams(temperature=0.0)
+    assert sampler(logits, [row(greedy)] * 2, stale).token_ids == [5, 7]
+    biased = SamplingParams(temperature=0.0, logit_bias={11: 100.0})
+    assert sampler(logits, [row(biased), row(greedy)], stale).token_ids == [
+        11, int(logits[1].float().argmax())]
+    assert logits.dtype == torch.bfloat16  # edited in an fp32 copy, not in place
+    seeded = SamplingParams(temperature=1.0, seed=3)
+    draws = [Sampler(300, torch.device("cpu"))(x, [row(seeded)]).token_ids
+             for x in (logits[:1], logits[:1].float())]
+    assert draws[0] == draws[1]

@@ -142,13 +142,19 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """The head's logits in the model's dtype, into `out` when given (a graph's output
+        buffer: no copy after)."""
         if hidden.device.type == "cpu" and 1 < hidden.shape[0] <= 16:
             # A few rows (a verification, a small batch) on the CPU: MKL's sgemm for
             # hidden @ W^T re-packs the whole vocabulary's weights each call, W @ hidden^T
             # streams them: SmolLM2's head at 5 rows 39 -> 27 ms (docs/decisions.md).
-            return (self.lm_head.weight @ hidden.t()).t().contiguous()
-        return self.lm_head(hidden)
+            logits = (self.lm_head.weight @ hidden.t()).t()
+            return logits.contiguous() if out is None else out.copy_(logits)
+        if out is None:
+            return self.lm_head(hidden)
+        return torch.mm(hidden, self.lm_head.weight.t(), out=out)
 
     # ---- weights --------------------------------------------------------------------
 

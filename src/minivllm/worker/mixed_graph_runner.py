@@ -136,7 +136,8 @@ class MixedGraphRunner:
         self.replay_pays: set[int] = set()  # long buckets whose replay beats an eager step
         # Shared by every step (kept out of the graphs' pool; see DecodeGraphRunner).
         vocab = model.config.vocab_size
-        self.logits_out = torch.empty(r, vocab, dtype=torch.float32, device=device)
+        self.logits_out = torch.empty(r, vocab, dtype=model.lm_head.weight.dtype,
+                                      device=device)
         self.greedy_out = torch.empty(r, dtype=torch.long, device=device)
         self.timings: dict[str, float] = {}
 
@@ -171,8 +172,7 @@ class MixedGraphRunner:
 
     def _forward(self, b, t: int, meta: AttentionMetadata, r: int) -> None:
         hidden = self.model(b.ids[:t], b.pos[:t], self.kv_layers, meta)
-        logits = self.model.compute_logits(hidden[b.rows[:r]])
-        self.logits_out[:r].copy_(logits)
+        logits = self.model.compute_logits(hidden[b.rows[:r]], out=self.logits_out[:r])
         argmax_rows(logits, out=self.greedy_out[:r])
 
     @torch.inference_mode()

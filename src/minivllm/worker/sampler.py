@@ -78,10 +78,11 @@ class Sampler:
         """greedy_tokens: argmax of these logits if the caller already has it (the
         decode graph computes it); used when nothing below changes the logits.
         drafts: per row, the draft token proposed at that position (-1: none);
-        draft_probs: the proposer's distribution per row (None: one-hot at the draft)."""
-        logits = logits.float()
+        draft_probs: the proposer's distribution per row (None: one-hot at the draft).
+        logits may be in the model's dtype: they are read in fp32."""
         want_logprobs = [r.params.logprobs is not None for r in rows]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        raw_logprobs = (torch.log_softmax(logits.float(), dim=-1) if any(want_logprobs)
+                        else None)
         sampled = self._sample(logits, rows, greedy_tokens, drafts, draft_probs)
         token_ids = sampled.tolist()
         lp_out: list = [None] * logits.shape[0]
@@ -93,19 +94,31 @@ class Sampler:
                          greedy_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The sampled ids as a device tensor, without waiting for them (pipelined
         decoding; rows must not ask for logprobs)."""
-        return self._sample(logits.float(), rows, greedy_tokens)
+        return self._sample(logits, rows, greedy_tokens)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow],
                 greedy_tokens: torch.Tensor | None, drafts: list[int] | None = None,
                 draft_probs: torch.Tensor | None = None) -> torch.Tensor:
+        greedy = [r.params.greedy for r in rows]
+        if (all(greedy) and greedy_tokens is not None
+                and not any(self._may_edit(r) for r in rows)):
+            return greedy_tokens  # the logits are not read: no fp32 copy of them
+        logits = logits.float()  # a copy unless they are fp32 already: edited in place below
         changed = self._apply_bans(logits, rows)
         changed |= self._apply_penalties(logits, rows)
-        greedy = [r.params.greedy for r in rows]
         if all(greedy):
             if greedy_tokens is not None and not changed:
                 return greedy_tokens
             return argmax_rows(logits)
         return self._sample_random(logits, rows, greedy, drafts, draft_probs)
+
+    @staticmethod
+    def _may_edit(row: SamplingRow) -> bool:
+        """Whether _apply_bans or _apply_penalties may change this row's logits (true
+        whenever they would)."""
+        p = row.params
+        return bool(p.logit_bias or p.has_penalties
+                    or (p.min_tokens and row.num_output_tokens < p.min_tokens))
 
     # ---- steps --------------------------------------------------------------------------
 
