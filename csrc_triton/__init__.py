@@ -98,10 +98,9 @@ def _uses_interpreter(device: torch.device) -> bool:
 
 
 def _pdl_args(device: torch.device) -> dict:
-    """The PDL argument and launch option of a kernel on `device` (see _pdl.py)."""
-    from ._pdl import enabled, launch_options
-    pdl = enabled(device, _uses_interpreter(device))
-    return {"PDL": pdl, **launch_options(pdl)} if pdl else {}
+    """The PDL keywords of a launch on `device` (see _pdl.py)."""
+    from ._pdl import launch_args
+    return launch_args(device, _uses_interpreter(device))
 
 
 def _next_pow2(x: int) -> int:

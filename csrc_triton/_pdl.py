@@ -42,6 +42,7 @@ def enabled(device: torch.device, interpreted: bool = False) -> bool:
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def launch_options(pdl: bool) -> dict:
-    """The launch keyword for a kernel whose PDL argument is `pdl`."""
-    return {"launch_pdl": True} if pdl else {}
+def launch_args(device: torch.device, interpreted: bool = False) -> dict:
+    """A launch's PDL keywords: the kernel's PDL argument and the launch option, or none
+    (the kernels' PDL defaults to False)."""
+    return {"PDL": True, "launch_pdl": True} if enabled(device, interpreted) else {}

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from csrc_triton._interpret import jit_helpers, kernels_for
-from csrc_triton._pdl import enabled as pdl_enabled, launch_options as pdl_options
+from csrc_triton._pdl import launch_args as pdl_args
 
 _fp8_cast = jit_helpers("_fp8_cast")
 _pdl = jit_helpers("_pdl")
@@ -299,8 +299,7 @@ def _launch_opts(interpreted: bool, num_warps: int, device: torch.device) -> dic
     """Launch options, and the PDL argument (docs: csrc_triton/_pdl.py)."""
     if interpreted:
         return {}
-    pdl = pdl_enabled(device)
-    return {"num_warps": num_warps, "enable_fp_fusion": False, "PDL": pdl, **pdl_options(pdl)}
+    return {"num_warps": num_warps, "enable_fp_fusion": False, **pdl_args(device)}
 
 
 # ============================================================================

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from csrc_triton import _sm_count
 from csrc_triton._interpret import jit_helpers, kernels_for
-from csrc_triton._pdl import enabled as pdl_enabled, launch_options as pdl_options
+from csrc_triton._pdl import launch_args as pdl_args
 from csrc_triton.int4_layout import int4_half, int4_packed_bytes
 
 _fp8_cast = jit_helpers("_fp8_cast")
@@ -329,13 +329,12 @@ def _launch_gemv(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
                  config) -> torch.Tensor:
     bn, bk, warps = config
     out = torch.empty((1, N), dtype=x.dtype, device=x.device)
-    pdl = pdl_enabled(x.device, interpreted)
-    opts = {} if interpreted else {"num_warps": warps, "num_stages": 2, **pdl_options(pdl)}
+    opts = {} if interpreted else {"num_warps": warps, "num_stages": 2, **pdl_args(x.device)}
     mod._wq_gemv_kernel[(triton.cdiv(N, bn),)](
         x, w, scale, zero if zero is not None else scale, bias if bias is not None else scale,
         out, N, x.shape[1], w.stride(0), scale.stride(0) if fmt == "int4" else 0,
         FORMAT=_FORMATS[fmt], GROUP=group, HALF=half, HAS_BIAS=bias is not None, BLOCK_N=bn,
-        BLOCK_K=bk, INTERPRETED=interpreted, FLOAT_ZERO=_float_zero(zero), PDL=pdl, **opts)
+        BLOCK_K=bk, INTERPRETED=interpreted, FLOAT_ZERO=_float_zero(zero), **opts)
     return out
 
 
@@ -351,14 +350,14 @@ def _launch_gemm(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
     split = triton.cdiv(K, k_per_split)
     partial = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
-    pdl = pdl_enabled(x.device, interpreted)
-    opts = {} if interpreted else {"num_warps": warps, "num_stages": stages, **pdl_options(pdl)}
+    opts = {} if interpreted else {"num_warps": warps, "num_stages": stages,
+                                   **pdl_args(x.device)}
     mod._wq_gemm_kernel[grid](
         x, w, scale, zero if zero is not None else scale, partial, M, N, K, x.stride(0),
         w.stride(0), scale.stride(0) if fmt == "int4" else 0, partial.stride(0),
         partial.stride(1), k_per_split, FORMAT=_FORMATS[fmt], GROUP=group, BLOCK_M=bm,
         BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=x.dtype == torch.float32 or interpreted,
-        FLOAT_ZERO=_float_zero(zero), PDL=pdl, **opts)
+        FLOAT_ZERO=_float_zero(zero), **opts)
     return partial[0] if split == 1 else partial.sum(0)
 
 
@@ -438,8 +437,7 @@ def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((M, 1), dtype=torch.float32, device=x.device)
     bk = 64 if interpreted else min(2048, triton.next_power_of_2(K))
-    pdl = pdl_enabled(x.device, interpreted)
-    opts = {} if interpreted else {"num_warps": 4, **pdl_options(pdl)}
+    opts = {} if interpreted else {"num_warps": 4, **pdl_args(x.device)}
     mod._fp8_rows_kernel[(M,)](x, q.view(torch.uint8), scale, K, x.stride(0), K,
-                               BLOCK_K=bk, INTERPRETED=interpreted, PDL=pdl, **opts)
+                               BLOCK_K=bk, INTERPRETED=interpreted, **opts)
     return q, scale

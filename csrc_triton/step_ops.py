@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from csrc_triton._interpret import jit_helpers, kernels_for
-from csrc_triton._pdl import enabled as pdl_enabled, launch_options as pdl_options
+from csrc_triton._pdl import launch_args as pdl_args
 
 _pdl = jit_helpers("_pdl")
 
@@ -104,8 +104,7 @@ def _decode_slots_kernel(lens_ptr, tables_ptr, pos_ptr, slots_ptr, B, stride_t,
 def _kernels_for(device: torch.device):
     """(module, interpreted, PDL argument and launch option) for tensors on `device`."""
     mod, interpreted = kernels_for(__name__, device)
-    pdl = pdl_enabled(device, interpreted)
-    return mod, interpreted, {"PDL": pdl, **pdl_options(pdl)} if pdl else {}
+    return mod, interpreted, pdl_args(device, interpreted)
 
 
 def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
