@@ -56,6 +56,11 @@ def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     return torch.argmax(logits, dim=-1, out=out)
 
 
+def _before_min_tokens(row: SamplingRow) -> bool:
+    """Whether the row's EOS and stop tokens are still banned (min_tokens not reached)."""
+    return bool(row.params.min_tokens and row.num_output_tokens < row.params.min_tokens)
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
@@ -117,8 +122,7 @@ class Sampler:
         """Whether _apply_bans or _apply_penalties may change this row's logits (true
         whenever they would)."""
         p = row.params
-        return bool(p.logit_bias or p.has_penalties
-                    or (p.min_tokens and row.num_output_tokens < p.min_tokens))
+        return bool(p.logit_bias or p.has_penalties or _before_min_tokens(row))
 
     # ---- steps --------------------------------------------------------------------------
 
@@ -133,7 +137,7 @@ class Sampler:
                 bias = torch.tensor(list(p.logit_bias.values()), device=logits.device)
                 logits[i, ids] += bias
                 changed = True
-            if p.min_tokens and r.num_output_tokens < p.min_tokens:
+            if _before_min_tokens(r):
                 banned = set(p.stop_token_ids) | set(p._eos_token_ids)
                 banned = [t for t in banned if t < self.vocab_size]
                 if banned:
