@@ -134,6 +134,7 @@ class MixedGraphRunner:
                          else None)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replay_pays: set[int] = set()  # long buckets whose replay beats an eager step
+        self.last_graphed = False  # whether the last step run replayed a graph
         # Shared by every step (kept out of the graphs' pool; see DecodeGraphRunner).
         vocab = model.config.vocab_size
         self.logits_out = torch.empty(r, vocab, dtype=model.lm_head.weight.dtype,
@@ -241,8 +242,9 @@ class MixedGraphRunner:
         tokens[rows[i]], a token of the previous step still on the device (the host list
         holds a placeholder there)."""
         n_tok, n_seq, n_rows = len(host.input_ids), len(host.seq_lens), len(host.sample_indices)
-        graphed = self.is_graphed(n_tok)
-        t = bucket_for(n_tok, self.buckets) if graphed else n_tok
+        bucket = self.replay_bucket(n_tok)
+        graphed = self.last_graphed = bucket is not None
+        t = bucket if graphed else n_tok
         io = self.graph_io if graphed else self.eager_io
         staging = io.next_staging()
         st = staging.arrays
@@ -279,10 +281,16 @@ class MixedGraphRunner:
             self._step(t)
         return self.logits_out[:n_rows], self.greedy_out[:n_rows]
 
+    def replay_bucket(self, num_tokens: int) -> int | None:
+        """The bucket whose graph a step of num_tokens replays, or None: it runs eagerly."""
+        if num_tokens > self.max_graph_tokens:
+            return None
+        bucket = bucket_for(num_tokens, self.buckets)
+        if (num_tokens <= DOUBLING_LIMIT or bucket in self.replay_pays
+                or (bucket - num_tokens) * MAX_LONG_PADDING <= num_tokens):
+            return bucket
+        return None
+
     def is_graphed(self, num_tokens: int) -> bool:
         """Whether a step of num_tokens replays a graph (else it runs eagerly)."""
-        if num_tokens > self.max_graph_tokens:
-            return False
-        bucket = bucket_for(num_tokens, self.buckets)
-        return (num_tokens <= DOUBLING_LIMIT or bucket in self.replay_pays
-                or (bucket - num_tokens) * MAX_LONG_PADDING <= num_tokens)
+        return self.replay_bucket(num_tokens) is not None

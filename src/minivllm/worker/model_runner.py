@@ -405,9 +405,9 @@ class ModelRunner:
         if (self.mixed_runner is not None and not host.prompt_lp_spans and host.sample_indices
                 and self.mixed_runner.can_run(len(host.input_ids), len(host.seq_lens),
                                               len(host.sample_indices))):
-            kind = "mixed_graph" if self.mixed_runner.is_graphed(len(host.input_ids)) else "long"
-            self.last_step = (kind, len(host.input_ids), len(host.seq_lens))
             logits, greedy = self.mixed_runner.run(host)
+            kind = "mixed_graph" if self.mixed_runner.last_graphed else "long"
+            self.last_step = (kind, len(host.input_ids), len(host.seq_lens))
             draft_probs = host.draft_prob_rows(self.model_cfg.vocab_size, self.device)
             return StepResult(host.row_seqs, self.sampler(logits, host.row_seqs, greedy,
                                                           host.draft_tokens, draft_probs), [])
@@ -500,9 +500,9 @@ class ModelRunner:
                     rows.append(prev.rows[seq.seq_id])
             if positions:
                 fix = (prev.device_tokens, positions, rows)
-        kind = "mixed" if self.mixed_runner.is_graphed(len(host.input_ids)) else "long"
-        self.last_step = (kind + "_pipelined", len(host.input_ids), len(host.seq_lens))
         logits, greedy = self.mixed_runner.run(host, fix)
+        kind = "mixed" if self.mixed_runner.last_graphed else "long"
+        self.last_step = (kind + "_pipelined", len(host.input_ids), len(host.seq_lens))
         return self._new_pending(host.row_seqs, logits, greedy)
 
     @torch.inference_mode()
