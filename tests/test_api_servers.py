@@ -65,11 +65,3 @@ def test_two_api_servers_share_one_engine(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-
-
-def test_api_servers_default_to_one_off_the_gpu(monkeypatch):
-    from minivllm.server import launch
-
-    assert launch.default_api_servers("cpu") == 1
-    monkeypatch.setattr(launch, "MIN_CPUS_FOR_TWO_API_SERVERS", 1)
-    assert launch.default_api_servers("cpu") == 1  # the engine is the limit there, not HTTP

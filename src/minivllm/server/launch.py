@@ -12,7 +12,6 @@ import argparse
 import json
 import logging
 import multiprocessing
-import os
 import sys
 
 DEFAULT_HOST = "127.0.0.1"
@@ -105,35 +104,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="Server log level.")
     parser.add_argument("--disable-log-requests", action="store_true",
                         help="Don't log each HTTP request.")
-    parser.add_argument("--api-servers", type=int, default=None,
+    parser.add_argument("--api-servers", type=int, default=1,
                         help="HTTP server processes sharing the port and the one engine "
-                             "(vLLM's --api-server-count). Default: 2 on a GPU with at "
-                             f"least {MIN_CPUS_FOR_TWO_API_SERVERS} CPUs to run on, else 1 "
-                             "(one process cannot stream a GPU engine's tokens one at a "
-                             "time at high concurrency). --max-waiting-requests and "
-                             "/metrics' request histograms are then per process.")
+                             "(vLLM's --api-server-count): more than one when a single "
+                             "process cannot stream the engine's tokens fast enough. "
+                             "--max-waiting-requests and /metrics' request histograms are "
+                             "then per process.")
     parser.add_argument("--engine-in-thread", action="store_true",
                         help="Run the engine on a thread of the server's process instead of "
                              "a process of its own (they then share the GIL: slower under "
                              "load).")
     return parser
-
-
-# Two HTTP processes need a core each beside the engine's and the tokenizers' work.
-MIN_CPUS_FOR_TWO_API_SERVERS = 8
-
-
-def default_api_servers(device: str) -> int:
-    """2 when the engine runs on a GPU and the host has the cores, else 1. On the H200 at
-    256 concurrent streams (Qwen2.5-0.5B) one process fell behind its engine: tokens came
-    11 to a chunk, with a p99 gap of 87-134 ms; two streamed 1.4 to a chunk, p99 17.6 ms,
-    at 47k tok/s (docs/decisions.md). On a CPU the engine is the limit."""
-    from ..config import resolve_device
-
-    if resolve_device(device).type != "cuda":
-        return 1
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return 2 if (cpus or 1) >= MIN_CPUS_FOR_TWO_API_SERVERS else 1
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -248,8 +229,6 @@ def run_server(args: argparse.Namespace) -> None:
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     log = logging.getLogger("minivllm.server")
-    if args.api_servers is None:
-        args.api_servers = 1 if args.engine_in_thread else default_api_servers(args.device)
     if args.api_servers < 1:
         sys.exit("minivllm serve: --api-servers must be at least 1")
     if args.api_servers > 1 and args.engine_in_thread:
@@ -289,6 +268,7 @@ def _stop_api_servers(workers: list, drain_timeout: float) -> None:
     """Wait for the extra API server processes. Ctrl-C reached them too; a SIGTERM sent to
     this process alone did not, so one still running after a second gets one (a graceful
     shutdown for uvicorn), then, past the drain time, a second (forced)."""
+    import os
     import signal
 
     for w in workers:
