@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import httpx
 import openai
@@ -65,3 +66,67 @@ def test_two_api_servers_share_one_engine(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_the_shared_socket_gives_connections_tcp_nodelay():
+    """Without TCP_NODELAY a stream's first chunk waited for the client's delayed ACK
+    (~40 ms a request through --api-servers 2)."""
+    from minivllm.server.launch import _listening_socket
+
+    async def main():
+        sock = _listening_socket("127.0.0.1", 0)
+        accepted = asyncio.get_running_loop().create_future()
+
+        class Record(asyncio.Protocol):
+            def connection_made(self, transport):
+                s = transport.get_extra_info("socket")
+                accepted.set_result(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        server = await asyncio.get_running_loop().create_server(Record, sock=sock)
+        _, writer = await asyncio.open_connection(*sock.getsockname())
+        nodelay = await asyncio.wait_for(accepted, 10)
+        writer.close()
+        server.close()
+        return nodelay
+
+    assert asyncio.run(main()) != 0
+
+
+def _processes_in_session(sid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == sid:
+                    pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def test_killing_the_main_server_ends_every_process(tmp_path):
+    """SIGKILL to the main process cannot stop the others itself: the extra API server
+    stops when its parent is gone, and the engine process when no frontend is left."""
+    model = make_tiny_chat_model(tmp_path / "tiny-chat")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "minivllm.server", "--model", str(model), "--port", str(port),
+         "--max-model-len", "512", "--num-kv-blocks", "256", "--api-servers", "2",
+         "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        wait_until_healthy(f"http://127.0.0.1:{port}", proc)
+        assert len(_processes_in_session(proc.pid)) >= 3  # main, API server, engine
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while _processes_in_session(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _processes_in_session(proc.pid) == []
+    finally:
+        for pid in _processes_in_session(proc.pid):
+            os.kill(pid, signal.SIGKILL)

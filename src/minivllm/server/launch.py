@@ -13,6 +13,7 @@ import json
 import logging
 import multiprocessing
 import sys
+import threading
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -196,7 +197,9 @@ def _listening_socket(host: str, port: int):
     import socket
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
+    # without it each stream's first chunk waited ~40 ms for the client's delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(2048)
@@ -204,8 +207,9 @@ def _listening_socket(host: str, port: int):
     return sock
 
 
-def _api_server_process(args: argparse.Namespace, connection, sock) -> None:
-    """Main of an extra API server process: a frontend attached to the engine process."""
+def _api_server_process(args: argparse.Namespace, connection, sock, ready) -> None:
+    """Main of an extra API server process: a frontend attached to the engine process.
+    Sets `ready` (an Event) once it is about to serve."""
     from ..engine.async_llm_engine import AsyncLLMEngine
     from ..thread_names import set_os_thread_name
 
@@ -216,12 +220,25 @@ def _api_server_process(args: argparse.Namespace, connection, sock) -> None:
                                    max_waiting_requests=args.max_waiting_requests or None)
     server, _ = build_server(args, engine)
     prepare_frontend_gc()
+    threading.Thread(target=_stop_with_parent, name="parent-watch", daemon=True).start()
+    ready.set()
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass
     finally:
         engine.stop()
+
+
+def _stop_with_parent() -> None:
+    """In an extra API server process: a graceful stop once the main server process is
+    gone (killed outright, it cannot stop this one; the engine process then ends too,
+    with no frontend left)."""
+    import os
+    import signal
+
+    multiprocessing.parent_process().join()
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def run_server(args: argparse.Namespace) -> None:
@@ -248,11 +265,21 @@ def run_server(args: argparse.Namespace) -> None:
     if args.api_servers > 1:
         sockets = [_listening_socket(args.host, args.port)]
         ctx = multiprocessing.get_context("spawn")
+        readiness = []
         for k, conn in enumerate(engine.frontend_connections):
+            readiness.append(ctx.Event())
             workers.append(ctx.Process(target=_api_server_process, name=f"minivllm-api-{k + 1}",
-                                       args=(args, conn, sockets[0])))
+                                       args=(args, conn, sockets[0], readiness[-1])))
             workers[-1].start()
             conn.close()  # the worker holds it now; the engine must see EOF if it dies
+        # Serve (and answer /health) only once every process can: a request accepted by
+        # one still starting waited for its imports (~1.4 s on the CPU VM).
+        for w, ready in zip(workers, readiness):
+            while not ready.wait(0.5):
+                if not w.is_alive():
+                    engine.stop()
+                    _stop_api_servers(workers, 0.0)
+                    sys.exit(f"minivllm serve: API server process {w.name} failed to start")
         log.info("%d API server processes share the port.", args.api_servers)
     try:
         server.run(sockets=sockets)
