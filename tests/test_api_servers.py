@@ -18,7 +18,8 @@ import openai
 from minivllm.server.testing import make_tiny_chat_model, wait_until_healthy
 
 
-def test_two_api_servers_share_one_engine(tmp_path):
+def _start_two_api_servers(tmp_path, **popen):
+    """(process, url, model): `minivllm serve --api-servers 2` on a tiny model."""
     model = make_tiny_chat_model(tmp_path / "tiny-chat")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -27,9 +28,13 @@ def test_two_api_servers_share_one_engine(tmp_path):
         [sys.executable, "-m", "minivllm.server", "--model", str(model), "--port", str(port),
          "--max-model-len", "512", "--num-kv-blocks", "256", "--api-servers", "2",
          "--log-level", "warning", "--shutdown-timeout", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, **popen)
+    return proc, f"http://127.0.0.1:{port}", model
+
+
+def test_two_api_servers_share_one_engine(tmp_path):
+    proc, url, model = _start_two_api_servers(tmp_path, stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT)
     try:
         wait_until_healthy(url, proc)
 
@@ -108,18 +113,10 @@ def _processes_in_session(sid: int) -> list[int]:
 def test_killing_the_main_server_ends_every_process(tmp_path):
     """SIGKILL to the main process cannot stop the others itself: the extra API server
     stops when its parent is gone, and the engine process when no frontend is left."""
-    model = make_tiny_chat_model(tmp_path / "tiny-chat")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "minivllm.server", "--model", str(model), "--port", str(port),
-         "--max-model-len", "512", "--num-kv-blocks", "256", "--api-servers", "2",
-         "--log-level", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc, url, _ = _start_two_api_servers(tmp_path, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        wait_until_healthy(f"http://127.0.0.1:{port}", proc)
+        wait_until_healthy(url, proc)
         assert len(_processes_in_session(proc.pid)) >= 3  # main, API server, engine
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
