@@ -66,7 +66,7 @@ def test_two_api_servers_share_one_engine(tmp_path):
         assert proc.wait(60) == 0
         with socket.socket() as sock:  # every process has let go of the port
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(("127.0.0.1", port))
+            sock.bind(("127.0.0.1", int(url.rsplit(":", 1)[1])))
     finally:
         if proc.poll() is None:
             proc.kill()
