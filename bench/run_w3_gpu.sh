@@ -17,6 +17,9 @@
 #   env:LABEL:K=V[,K=V]  the server with those environment variables set, under the label
 #             LABEL (an A/B of a switch in one run), e.g. env:minivllm-noprelude:MINIVLLM_DECODE_PRELUDE=0;
 #             the ramp only if W3_ARGS asks for it                  (limit as minivllm-apiN)
+#   warm      minivllm's server started once and given one request, to fill Triton's kernel
+#             cache on a fresh machine (its first start there took 40-45 s instead of
+#             24-27, which cut the first measured part short); put it first  (limit T_WARM)
 #   hf-plain  transformers serve without continuous batching (one request at a time), c=1
 #             and 8, one round each                                          (limit T_HF_PLAIN)
 #   gpu       bench.gpu_check w2,sweep,w1 then hf (W1, W2, decode sweep, HF generate peers);
@@ -150,13 +153,14 @@ for part in "${PARTS[@]}"; do
     env:*)  # env:LABEL:K=V[,K=V...]: the server under those environment variables; no ramp
       spec=${part#env:}; label=${spec%%:*}; kv=${spec#*:}
       run_part "$label" "${T_MINIVLLM_API:-150}" env ${kv//,/ } "${W3[@]}" minivllm --label "$label" "${COMMON[@]}" "${MV[@]}" "${EXTRA[@]}" ;;
+    warm)     run_part warm "${T_WARM:-90}" "${W3[@]}" minivllm --label warm "${COMMON[@]}" "${MV[@]}" "${EXTRA[@]}" --concurrency 1 --rounds 1 --min-requests 1 --ramp ;;
     offline)  run_part offline "${T_OFFLINE:-100}" "${W3[@]}" offline "${COMMON[@]}" "${MV[@]}" "${EXTRA[@]}" ;;
     hf-cb)    run_part hf-cb "${T_HF_CB:-160}" "${W3[@]}" transformers "${COMMON[@]}" "${TF[@]}" "${EXTRA[@]}" ;;
     hf-plain) run_part hf-plain "${T_HF_PLAIN:-90}" "${W3[@]}" transformers --plain --rounds 1 --min-requests 2 "${COMMON[@]}" "${TF[@]}" "${EXTRA[@]}" ;;
     gpu)
       run_gpu_check "${GPU_PERF_SECTIONS:-w2,sweep,w1}" "${T_GPU_PERF:-220}" MINIVLLM_COMPILE=0 GPU_CHECK_SKIP_COMPILE=1
       run_gpu_check "${GPU_HF_SECTIONS:-hf}" "${T_GPU_HF:-150}" ;;
-    *) say "unknown part $part (minivllm minivllm-apiN env:LABEL:K=V offline hf-cb hf-plain gpu)" ;;
+    *) say "unknown part $part (warm minivllm minivllm-apiN env:LABEL:K=V offline hf-cb hf-plain gpu)" ;;
   esac
 done
 
