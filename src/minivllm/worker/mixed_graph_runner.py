@@ -290,7 +290,3 @@ class MixedGraphRunner:
                 or (bucket - num_tokens) * MAX_LONG_PADDING <= num_tokens):
             return bucket
         return None
-
-    def is_graphed(self, num_tokens: int) -> bool:
-        """Whether a step of num_tokens replays a graph (else it runs eagerly)."""
-        return self.replay_bucket(num_tokens) is not None
