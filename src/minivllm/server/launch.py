@@ -12,6 +12,8 @@ import argparse
 import json
 import logging
 import multiprocessing
+import os
+import signal
 import sys
 import threading
 
@@ -234,9 +236,6 @@ def _stop_with_parent() -> None:
     """In an extra API server process: a graceful stop once the main server process is
     gone (killed outright, it cannot stop this one; the engine process then ends too,
     with no frontend left)."""
-    import os
-    import signal
-
     multiprocessing.parent_process().join()
     os.kill(os.getpid(), signal.SIGTERM)
 
@@ -295,9 +294,6 @@ def _stop_api_servers(workers: list, drain_timeout: float) -> None:
     """Wait for the extra API server processes. Ctrl-C reached them too; a SIGTERM sent to
     this process alone did not, so one still running after a second gets one (a graceful
     shutdown for uvicorn), then, past the drain time, a second (forced)."""
-    import os
-    import signal
-
     for w in workers:
         w.join(1.0)
         if w.is_alive():
