@@ -127,3 +127,11 @@ def test_killing_the_main_server_ends_every_process(tmp_path):
     finally:
         for pid in _processes_in_session(proc.pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_api_servers_default_to_one_off_the_gpu(monkeypatch):
+    from minivllm.server import launch
+
+    assert launch.default_api_servers("cpu") == 1
+    monkeypatch.setattr(launch, "MIN_CPUS_FOR_TWO_API_SERVERS", 1)
+    assert launch.default_api_servers("cpu") == 1  # the engine is the limit there, not HTTP
