@@ -252,126 +252,6 @@ def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, 
     tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-# The int4 GEMV reads the packed blocks as 32-bit words. Word p of a block holds 8 nibbles,
-# the low and high nibbles of bytes 4p .. 4p + 3: inputs 4p + c and HALF + 4p + c of the
-# block (c = 0..3); nibble i sits at bits 4i .. 4i + 3. It is used in place: OR-ed into the
-# mantissa of 2^23, with 2^23 subtracted, it is q * 2^E(i), exactly, and the activation it
-# meets was scaled by 2^-E(i) (exact too). Nibbles 5-7 would reach the exponent's bits, so
-# their word is shifted right by 12 first (one shift for three). Per weight: a LOP3, a
-# subtraction and an FMA, where byte-wise unpacking took ~7 instructions.
-@triton.jit
-def _nibble_exponent(i: tl.constexpr):
-    return 4 * i - 12 if i >= 5 else 4 * i
-
-
-@triton.jit
-def _nibble_times_2e(w, i: tl.constexpr):
-    """Nibble i of the words w as q * 2^E(i) in fp32."""
-    if i >= 5:
-        w = w >> 12  # arithmetic shift: the sign bits it brings in are masked off
-    return ((w & (0xF << _nibble_exponent(i))) | _MAGIC_U).to(tl.float32, bitcast=True) \
-        - 8388608.0
-
-
-@triton.jit
-def _row_tile(ptr, row, N, row_stride, offs, mask):
-    # (row < N) as a tensor of offs' shape: the interpreter rejects a tensor & a scalar mask.
-    row_ok = offs * 0 + row < N
-    return tl.load(ptr + row * row_stride + offs, mask=mask & row_ok, other=0)[:, :, None]
-
-
-@triton.jit
-def _rows_tile(ptr, row0, N, row_stride, offs, mask, ROWS: tl.constexpr):
-    """Rows row0 .. row0 + ROWS - 1 (ROWS 1, 2, 4 or 8) of the 2-D tile ptr + row *
-    row_stride + offs as [*offs.shape, ROWS], in row order. Interleaved, the rows of an
-    element lie in one thread: they meet the same activations in the same registers."""
-    if ROWS == 1:
-        return _row_tile(ptr, row0, N, row_stride, offs, mask)
-    elif ROWS == 2:
-        return tl.interleave(_row_tile(ptr, row0, N, row_stride, offs, mask),
-                             _row_tile(ptr, row0 + 1, N, row_stride, offs, mask))
-    elif ROWS == 4:
-        even = tl.interleave(_row_tile(ptr, row0, N, row_stride, offs, mask),
-                             _row_tile(ptr, row0 + 2, N, row_stride, offs, mask))
-        odd = tl.interleave(_row_tile(ptr, row0 + 1, N, row_stride, offs, mask),
-                            _row_tile(ptr, row0 + 3, N, row_stride, offs, mask))
-        return tl.interleave(even, odd)
-    else:
-        r0 = tl.interleave(_row_tile(ptr, row0, N, row_stride, offs, mask),
-                           _row_tile(ptr, row0 + 4, N, row_stride, offs, mask))
-        r2 = tl.interleave(_row_tile(ptr, row0 + 2, N, row_stride, offs, mask),
-                           _row_tile(ptr, row0 + 6, N, row_stride, offs, mask))
-        r1 = tl.interleave(_row_tile(ptr, row0 + 1, N, row_stride, offs, mask),
-                           _row_tile(ptr, row0 + 5, N, row_stride, offs, mask))
-        r3 = tl.interleave(_row_tile(ptr, row0 + 3, N, row_stride, offs, mask),
-                           _row_tile(ptr, row0 + 7, N, row_stride, offs, mask))
-        return tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))
-
-
-@triton.jit
-def _int4_word_tiles(w_ptr, scale_ptr, zero_ptr, row0, N, k0, K, stride_wn, stride_sn,
-                     GROUP: tl.constexpr, HALF: tl.constexpr, ROWS: tl.constexpr,
-                     BLOCKS: tl.constexpr):
-    """BLOCKS packed blocks of ROWS rows from input k0: words [BLOCKS, HALF / 4, ROWS],
-    and each block's scale and zero point (fp32) [BLOCKS, 1, ROWS]."""
-    blk = k0 // (2 * HALF) + tl.arange(0, BLOCKS)[:, None]
-    blk_ok = blk * (2 * HALF) < K
-    words = _rows_tile(w_ptr, row0, N, stride_wn,
-                       blk * (HALF // 4) + tl.arange(0, HALF // 4)[None, :], blk_ok, ROWS)
-    g = blk * (2 * HALF) // GROUP
-    s = _rows_tile(scale_ptr, row0, N, stride_sn, g, blk_ok, ROWS)
-    z = _rows_tile(zero_ptr, row0, N, stride_sn, g, blk_ok, ROWS).to(tl.float32)
-    return words, s, z
-
-
-@triton.jit
-def _int4_word_tiles_add(acc, words, s, z, x_ptr, k0, K, HALF: tl.constexpr,
-                         BLOCKS: tl.constexpr):
-    """acc + the tiles' products with x: per word, t = sum of q x over its 8 nibbles and
-    sx = sum of x, and (q - z) x s summed is s (t - z sx). The activations are loaded and
-    scaled once for every row."""
-    blk = k0 // (2 * HALF) + tl.arange(0, BLOCKS)[:, None]
-    first = blk * (2 * HALF) + 4 * tl.arange(0, HALF // 4)[None, :]  # the word's byte 0, low
-    t = tl.zeros(words.shape, dtype=tl.float32)
-    sx = tl.zeros(first.shape, dtype=tl.float32)
-    for i in tl.static_range(8):
-        k = first + (i % 2) * HALF + i // 2
-        xi = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        sx += xi
-        t += _nibble_times_2e(words, i) * (xi * (1.0 / (1 << _nibble_exponent(i))))[:, :, None]
-    return acc + s * (t - z * sx[:, :, None])
-
-
-@triton.jit
-def _int4_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, stride_wn,
-                      stride_sn, GROUP: tl.constexpr, HALF: tl.constexpr, ROWS: tl.constexpr,
-                      BLOCKS: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr,
-                      PDL: tl.constexpr = False):
-    """int4 weights against one row of x (batch-1 decode): ROWS output rows a program, the
-    whole of K, BLOCKS packed blocks a step, read as 32-bit words (w_ptr int32, stride_wn
-    in words). Integer or fractional zero points alike. The first tile of weights is
-    loaded before waiting for the previous kernel (PDL), which wrote x."""
-    row0 = tl.program_id(0) * ROWS
-    TILE: tl.constexpr = BLOCKS * 2 * HALF
-    words, s, z = _int4_word_tiles(w_ptr, scale_ptr, zero_ptr, row0, N, 0, K, stride_wn,
-                                   stride_sn, GROUP, HALF, ROWS, BLOCKS)
-    _pdl.wait_for_previous(PDL)
-    acc = _int4_word_tiles_add(tl.zeros((BLOCKS, HALF // 4, ROWS), dtype=tl.float32), words,
-                               s, z, x_ptr, 0, K, HALF, BLOCKS)
-    for k0 in range(TILE, K, TILE):
-        words, s, z = _int4_word_tiles(w_ptr, scale_ptr, zero_ptr, row0, N, k0, K, stride_wn,
-                                       stride_sn, GROUP, HALF, ROWS, BLOCKS)
-        acc = _int4_word_tiles_add(acc, words, s, z, x_ptr, k0, K, HALF, BLOCKS)
-    if INTERPRETED:  # tl.sum is a compiled-only helper here (see fused.py's _row_sum)
-        y = tl.reduce(tl.reduce(acc, 0, _add), 0, _add)
-    else:
-        y = tl.sum(tl.sum(acc, axis=0), axis=0)
-    rows = row0 + tl.arange(0, ROWS)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
-
-
 @triton.jit
 def _fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr,
                      INTERPRETED: tl.constexpr, PDL: tl.constexpr = False):
@@ -458,38 +338,6 @@ def _launch_gemv(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
     return out
 
 
-def int4_gemv_config(half: int, K: int, interpreted: bool = False):
-    """(ROWS, BLOCKS, num_warps) of the int4 word GEMV: 8 rows, 1,024 inputs a step, 4 warps
-    (fewer blocks for a row shorter than that)."""
-    if interpreted:
-        return 4, 2, 1
-    rows, tile_k, warps = 8, 1024, 4
-    blocks = max(1, min(tile_k // (2 * half), triton.next_power_of_2(triton.cdiv(K, 2 * half))))
-    return rows, blocks, warps
-
-
-def _int4_words(qweight: torch.Tensor, half: int) -> torch.Tensor | None:
-    """The packed int4 bytes as 32-bit words, when the layout allows (blocks of whole words,
-    rows aligned), else None."""
-    if half % 4 or qweight.stride(1) != 1 or qweight.stride(0) % 4 or \
-            qweight.storage_offset() % 4 or qweight.data_ptr() % 4:
-        return None
-    return qweight.view(torch.int32)
-
-
-def _launch_int4_gemv(mod, interpreted: bool, x: torch.Tensor, words: torch.Tensor,
-                      scale: torch.Tensor, zero: torch.Tensor, bias, group: int, half: int,
-                      N: int, config) -> torch.Tensor:
-    rows, blocks, warps = config
-    out = torch.empty((1, N), dtype=x.dtype, device=x.device)
-    opts = {} if interpreted else {"num_warps": warps, "num_stages": 2, **pdl_args(x.device)}
-    mod._int4_gemv_kernel[(triton.cdiv(N, rows),)](
-        x, words, scale, zero, bias if bias is not None else scale, out, N, x.shape[1],
-        words.stride(0), scale.stride(0), GROUP=group, HALF=half, ROWS=rows, BLOCKS=blocks,
-        HAS_BIAS=bias is not None, INTERPRETED=interpreted, **opts)
-    return out
-
-
 def _launch_gemm(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
                  scale: torch.Tensor, zero, fmt: str, group: int, half: int,
                  N: int) -> torch.Tensor:
@@ -520,9 +368,6 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero, f
     mod, interpreted = _kernels_for(x.device)
     w = qweight.view(torch.uint8) if fmt == "fp8" else qweight
     half = int4_half(group, x.shape[1]) if fmt == "int4" else 0
-    if x.shape[0] == 1 and fmt == "int4" and (words := _int4_words(w, half)) is not None:
-        return _launch_int4_gemv(mod, interpreted, x, words, scale, zero, bias, group, half, N,
-                                 int4_gemv_config(half, x.shape[1], interpreted))
     if x.shape[0] == 1:
         return _launch_gemv(mod, interpreted, x, w, scale, zero, bias, fmt, group, half, N,
                             gemv_config(fmt, half, N, x.shape[1], interpreted))

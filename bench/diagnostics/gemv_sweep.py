@@ -1,8 +1,7 @@
 """The batch-1 GEMV kernel's configurations on Llama-3.1-8B's projection shapes (CUDA):
 each (format, shape, BLOCK_N, BLOCK_K, warps, stages) timed as CUDA-graph replays with the
 weights cycling through copies larger than L2, against the shipped configuration
-(csrc_triton.quant_gemm.gemv_config) and cuBLAS bf16; int4 also through the word kernel
-(_int4_gemv_kernel, int4_gemv_config).
+(csrc_triton.quant_gemm.gemv_config) and cuBLAS bf16.
 
     python -m bench.diagnostics.gemv_sweep --out FILE [--formats int4,fp8] [--quick]
 """
@@ -119,8 +118,6 @@ def main() -> None:
                              "BLOCK_K": bk, "warps": wp, "stages": st, "shipped": is_shipped,
                              "us": round(us, 2), "TBps": round(bytes_per / us / 1e6, 3),
                              "rel_err": err})
-            if fmt == "int4":
-                rows += _sweep_int4_words(name, x, out, ref, ws, N, K, copies, bytes_per)
             if fmt == "w16":
                 wb = [w[0] for w in ws]
                 us = _time_graph(lambda i: torch.nn.functional.linear(x, wb[i]), copies)
@@ -139,47 +136,6 @@ def main() -> None:
             torch.cuda.empty_cache()
     json.dump({"benchmark": "gemv_sweep", "environment": environment(), "rows": rows},
               open(args.out, "w"), indent=1)
-
-
-def _sweep_int4_words(name, x, out, ref, ws, N, K, copies, bytes_per) -> list[dict]:
-    """The int4 GEMV on 32-bit words (quant_gemm._int4_gemv_kernel): rows a program,
-    packed blocks a step, warps; the shipped configuration (int4_gemv_config) first."""
-    from csrc_triton import quant_gemm as qg
-
-    half = ws[0][4]
-    words = [qg._int4_words(w[0], half) for w in ws]
-    shipped = qg.int4_gemv_config(half, K)
-    grid = [(4, 8), (8, 4), (8, 8), (8, 16), (4, 16), (8, 32)], [2, 4, 8], [2, 3]
-    configs = [(*shipped, 2, True)] + [(r, b, wp, st, False) for (r, b), wp, st
-                                       in itertools.product(*grid)
-                                       if (r, b, wp, st) != (*shipped, 2)]
-    rows = []
-    for r, b, wp, st, is_shipped in configs:
-        def fn(i, r=r, b=b, wp=wp, st=st):
-            _, s, z, group, half = ws[i]
-            qg._int4_gemv_kernel[(triton.cdiv(N, r),)](
-                x, words[i], s, z, s, out, N, K, words[i].stride(0), s.stride(0),
-                GROUP=group, HALF=half, ROWS=r, BLOCKS=b, HAS_BIAS=False, INTERPRETED=False,
-                num_warps=wp, num_stages=st)
-        row = {"format": "int4", "shape": name, "impl": "words", "N": N, "K": K, "ROWS": r, "BLOCKS": b,
-               "warps": wp, "stages": st, "shipped_words": is_shipped}
-        try:
-            fn(0)
-            err = ((out.float() - ref).norm() / ref.norm()).item()
-            us = _time_graph(fn, copies)
-        except Exception as e:  # noqa: BLE001 - a config that does not compile
-            rows.append({**row, "error": repr(e)[:200]})
-            continue
-        rows.append({**row, "us": round(us, 2), "TBps": round(bytes_per / us / 1e6, 3),
-                     "rel_err": err})
-    done = [r for r in rows if "us" in r]
-    if done:
-        best = min(done, key=lambda r: r["us"])
-        ship = next((r for r in done if r["shipped_words"]), best)
-        print(f"int4 words shipped {ship['us']:7.1f} us ({ship['TBps']:.2f} TB/s)  best "
-              f"{best['us']:7.1f} us ({best['TBps']:.2f} TB/s) {best['ROWS']}x{best['BLOCKS']} "
-              f"w{best['warps']} s{best['stages']}", flush=True)
-    return rows
 
 
 def qg_dequant(fmt, one, N, K):
