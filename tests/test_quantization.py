@@ -264,11 +264,12 @@ def test_server_with_quantization(tiny_chat_dir, method):
             client.chat.completions.create(model="q", messages=msgs, max_tokens=-1)
 
 
-@pytest.mark.parametrize("M,N,K", [(1, 40, 200), (1, 24, 77), (5, 24, 77), (19, 33, 256)])
+@pytest.mark.parametrize("M,N,K", [(1, 40, 200), (1, 24, 77), (1, 33, 600), (5, 24, 77),
+                                   (19, 33, 256)])
 def test_triton_kernels_match_the_reference(M, N, K):
     """The GPU kernels (here under Triton's interpreter) against the dequantized matmul:
     int8, fp8 weights and int4 (short last group, odd K), with a
-    bias, split K included."""
+    bias, split K included; at M = 1 int4's GEMV over several steps of K."""
     import csrc_triton
 
     torch.manual_seed(7)
