@@ -15,7 +15,7 @@
 #
 # Knobs: VS_PARTS (default "mini-offline vllm-offline mini-w3 vllm-w3"), VS_WORKLOADS
 # (default w1,w2,w5,w6), VS_QUANT (both engines' quantization for the offline parts, e.g.
-# fp8: its rows are "W1 fp8" and so on), VS_KV_DTYPE (both engines' kv_cache_dtype, e.g. fp8), T_OFFLINE / T_W3 (each part's limit, s), TOTAL_S (the call's, 560),
+# fp8: its rows are "W1 fp8" and so on), VS_KV_DTYPE (both engines' kv_cache_dtype, e.g. fp8), T_OFFLINE / T_W3 / T_W3_VLLM (each part's limit, s), TOTAL_S (the call's, 560),
 # W3_ARGS (extra bench.w3_gpu flags), RES, OUT. The commit comes from bench/.commit.
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -83,7 +83,9 @@ for model in "${MODELS[@]}"; do
       mini-offline) part "$model minivllm offline" "${T_OFFLINE:-240}" "$MINI_PATH" "${off[@]}" --engine minivllm ;;
       vllm-offline) part "$model vllm offline" "${T_OFFLINE:-240}" "${VLLM_SITE:-}:$PWD" "${off[@]}" --engine vllm ;;
       mini-w3) part "$model minivllm W3" "${T_W3:-150}" "$MINI_PATH" "${w3[@]:0:3}" minivllm "${w3[@]:3}" --budget-s $(( ${T_W3:-150} - 15 )) ;;
-      vllm-w3) part "$model vllm W3" "${T_W3:-150}" "$MINI_PATH" "${w3[@]:0:3}" vllm "${w3[@]:3}" --budget-s $(( ${T_W3:-150} - 15 )) ;;
+      # vLLM's server took 115 s to start cold (compile and capture), 77 s warm: a W3
+      # limit of 150 s measured nothing.
+      vllm-w3) part "$model vllm W3" "${T_W3_VLLM:-260}" "$MINI_PATH" "${w3[@]:0:3}" vllm "${w3[@]:3}" --budget-s $(( ${T_W3_VLLM:-260} - 15 )) ;;
       *) say "unknown part $p" ;;
     esac
   done
