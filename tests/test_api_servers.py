@@ -18,8 +18,9 @@ import openai
 from minivllm.server.testing import make_tiny_chat_model, wait_until_healthy
 
 
-def _start_two_api_servers(tmp_path, **popen):
-    """(process, url, model): `minivllm serve --api-servers 2` on a tiny model."""
+def _start_two_api_servers(tmp_path, *flags, **popen):
+    """(process, url, model): `minivllm serve --api-servers 2` on a tiny model (the last
+    of repeated flags wins)."""
     model = make_tiny_chat_model(tmp_path / "tiny-chat")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -27,7 +28,7 @@ def _start_two_api_servers(tmp_path, **popen):
     proc = subprocess.Popen(
         [sys.executable, "-m", "minivllm.server", "--model", str(model), "--port", str(port),
          "--max-model-len", "512", "--num-kv-blocks", "256", "--api-servers", "2",
-         "--log-level", "warning", "--shutdown-timeout", "2"],
+         "--log-level", "warning", "--shutdown-timeout", "2", *flags],
         env={**os.environ, "OMP_NUM_THREADS": "1"}, **popen)
     return proc, f"http://127.0.0.1:{port}", model
 
@@ -121,6 +122,26 @@ def test_killing_the_main_server_ends_every_process(tmp_path):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         deadline = time.monotonic() + 60
+        while _processes_in_session(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _processes_in_session(proc.pid) == []
+    finally:
+        for pid in _processes_in_session(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_an_engine_that_fails_to_start_ends_every_process(tmp_path):
+    """The extra API server starts while the engine loads; when the engine cannot start,
+    the server says why once and no process is left."""
+    proc, _, _ = _start_two_api_servers(tmp_path, "--num-kv-blocks", "1",
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 1
+        assert out.count("minivllm serve: The KV cache holds") == 1, out
+        assert "Traceback" not in out, out
+        deadline = time.monotonic() + 30
         while _processes_in_session(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert _processes_in_session(proc.pid) == []

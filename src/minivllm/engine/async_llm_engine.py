@@ -243,6 +243,17 @@ class AsyncLLMEngine:
     def start(self, timeout: float | None = None) -> "AsyncLLMEngine":
         """Start the engine (building it) and wait until it is ready; an error while
         building the engine is raised here."""
+        self.launch()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("The engine did not start in time.")
+        if self._init_error is not None:
+            raise self._init_error
+        return self
+
+    def launch(self) -> "AsyncLLMEngine":
+        """Start building the engine (its thread or process) without waiting for it. With
+        an engine process, `frontend_connections` are ready for other frontends once this
+        returns: they can attach while the model loads."""
         if self._thread is None:
             if self._conn is not None:  # attached to an engine process started elsewhere
                 self._start_receiver()
@@ -255,10 +266,6 @@ class AsyncLLMEngine:
                 self._thread = threading.Thread(target=self._thread_main,
                                                 name="minivllm-engine", daemon=True)
                 self._thread.start()
-        if not self._ready.wait(timeout):
-            raise TimeoutError("The engine did not start in time.")
-        if self._init_error is not None:
-            raise self._init_error
         return self
 
     @classmethod

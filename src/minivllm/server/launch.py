@@ -185,19 +185,25 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def new_engine(args: argparse.Namespace, start: bool = True):
+    """The server's AsyncLLMEngine; with start=False not yet launched."""
+    from ..engine.async_llm_engine import AsyncLLMEngine
+
+    # The engine gets a process of its own: sharing the GIL with the HTTP event loop cost
+    # ~3x throughput at 64 concurrent streams (docs/decisions.md).
+    return AsyncLLMEngine(engine_config_from_args(args),
+                          max_waiting_requests=args.max_waiting_requests or None,
+                          engine_process=not args.engine_in_thread,
+                          extra_frontends=max(0, args.api_servers - 1), start=start)
+
+
 def build_server(args: argparse.Namespace, engine=None):
     """(uvicorn.Server, AsyncLLMEngine): the engine started, the server not yet. With
-    `engine` (an attached frontend), only the server is built around it."""
-    from ..engine.async_llm_engine import AsyncLLMEngine
+    `engine` (started, or an attached frontend), only the server is built around it."""
     from .api_server import build_app, make_server
 
     if engine is None:
-        config = engine_config_from_args(args)
-        # The engine gets a process of its own: sharing the GIL with the HTTP event loop
-        # cost ~3x throughput at 64 concurrent streams (docs/decisions.md).
-        engine = AsyncLLMEngine(config, max_waiting_requests=args.max_waiting_requests or None,
-                                engine_process=not args.engine_in_thread,
-                                extra_frontends=max(0, args.api_servers - 1))
+        engine = new_engine(args)
     try:
         app = build_app(engine, served_model_names=args.served_model_name,
                         api_key=args.api_key, max_num_seqs=args.max_num_seqs,
@@ -235,8 +241,11 @@ def _api_server_process(args: argparse.Namespace, connection, sock, ready) -> No
     set_os_thread_name(multiprocessing.current_process().name)  # minivllm-api-N
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    engine = AsyncLLMEngine.attach(connection,
-                                   max_waiting_requests=args.max_waiting_requests or None)
+    try:
+        engine = AsyncLLMEngine.attach(connection,
+                                       max_waiting_requests=args.max_waiting_requests or None)
+    except BaseException:  # noqa: BLE001 - the engine did not start: the main process says why
+        return
     server, _ = build_server(args, engine)
     prepare_frontend_gc()
     threading.Thread(target=_stop_with_parent, name="parent-watch", daemon=True).start()
@@ -268,36 +277,40 @@ def run_server(args: argparse.Namespace) -> None:
         sys.exit("minivllm serve: --api-servers must be at least 1")
     if args.api_servers > 1 and args.engine_in_thread:
         sys.exit("minivllm serve: --api-servers needs the engine in its own process")
+    engine, sockets, workers, readiness = None, None, [], []
     try:
-        server, engine = build_server(args)
-    except ImportError as e:
-        sys.exit(f"minivllm serve needs the server dependencies (fastapi, uvicorn, pydantic, "
-                 f"orjson): {e}")
-    except (ValueError, FileNotFoundError, OSError) as e:
-        sys.exit(f"minivllm serve: {e}")
+        if args.api_servers > 1:
+            # The other API processes start (Python, torch, the server's imports) while the
+            # engine process loads the model, not after it (they then took 7.7 s of a 37 s
+            # start on the H200).
+            sockets = [_listening_socket(args.host, args.port)]
+            engine = new_engine(args, start=False).launch()
+            workers, readiness = _start_api_servers(args, engine, sockets[0])
+            engine.start()
+        server, engine = build_server(args, engine)
+    except BaseException as e:
+        if engine is not None:
+            engine.stop()
+        _stop_api_servers(workers, 0.0)
+        if isinstance(e, ImportError):
+            sys.exit(f"minivllm serve needs the server dependencies (fastapi, uvicorn, "
+                     f"pydantic, orjson): {e}")
+        if isinstance(e, (ValueError, FileNotFoundError, OSError)):
+            sys.exit(f"minivllm serve: {e}")
+        raise
     prepare_frontend_gc()  # the server process's own objects, then its GC thresholds
     names = server.config.app.state.serving.served_model_names
     log.info("Serving %s (max_model_len %d) on http://%s:%d", names[0], engine.max_model_len,
              args.host, args.port)
-    sockets, workers = None, []
-    if args.api_servers > 1:
-        sockets = [_listening_socket(args.host, args.port)]
-        ctx = multiprocessing.get_context("spawn")
-        readiness = []
-        for k, conn in enumerate(engine.frontend_connections):
-            readiness.append(ctx.Event())
-            workers.append(ctx.Process(target=_api_server_process, name=f"minivllm-api-{k + 1}",
-                                       args=(args, conn, sockets[0], readiness[-1])))
-            workers[-1].start()
-            conn.close()  # the worker holds it now; the engine must see EOF if it dies
-        # Serve (and answer /health) only once every process can: while one was still
-        # starting, the first request took 1.4 s on the 2-core CPU VM (10 ms after).
-        for w, ready in zip(workers, readiness):
-            while not ready.wait(0.5):
-                if not w.is_alive():
-                    engine.stop()
-                    _stop_api_servers(workers, 0.0)
-                    sys.exit(f"minivllm serve: API server process {w.name} failed to start")
+    # Serve (and answer /health) only once every process can: while one was still
+    # starting, the first request took 1.4 s on the 2-core CPU VM (10 ms after).
+    for w, ready in zip(workers, readiness):
+        while not ready.wait(0.5):
+            if not w.is_alive():
+                engine.stop()
+                _stop_api_servers(workers, 0.0)
+                sys.exit(f"minivllm serve: API server process {w.name} failed to start")
+    if workers:
         log.info("%d API server processes share the port.", args.api_servers)
     try:
         server.run(sockets=sockets)
@@ -307,6 +320,20 @@ def run_server(args: argparse.Namespace) -> None:
     finally:
         engine.stop()
         _stop_api_servers(workers, args.shutdown_timeout)
+
+
+def _start_api_servers(args: argparse.Namespace, engine, sock) -> tuple[list, list]:
+    """(processes, their ready Events): one extra API server process per engine frontend
+    connection, each accepting from `sock`."""
+    ctx = multiprocessing.get_context("spawn")
+    workers, readiness = [], []
+    for k, conn in enumerate(engine.frontend_connections):
+        readiness.append(ctx.Event())
+        workers.append(ctx.Process(target=_api_server_process, name=f"minivllm-api-{k + 1}",
+                                   args=(args, conn, sock, readiness[-1])))
+        workers[-1].start()
+        conn.close()  # the worker holds it now; the engine must see EOF if it dies
+    return workers, readiness
 
 
 def _stop_api_servers(workers: list, drain_timeout: float) -> None:
