@@ -1,6 +1,7 @@
 """`minivllm serve --api-servers 2`: two HTTP server processes share the port and one engine
-process; requests through either give the same tokens; a SIGINT to the main process alone
-still stops every process and frees the port."""
+process; requests through either give the same tokens and are counted in /metrics
+whichever process answers the scrape; a SIGINT to the main process alone still stops
+every process and frees the port."""
 
 from __future__ import annotations
 
@@ -33,6 +34,12 @@ def _start_two_api_servers(tmp_path, *flags, **popen):
     return proc, f"http://127.0.0.1:{port}", model
 
 
+def _metric_sum(text: str, name: str) -> float:
+    """The sum of a metric's samples (over its labels) in a Prometheus text exposition."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
 def test_two_api_servers_share_one_engine(tmp_path):
     proc, url, model = _start_two_api_servers(tmp_path, stdout=subprocess.PIPE,
                                               stderr=subprocess.STDOUT)
@@ -63,6 +70,12 @@ def test_two_api_servers_share_one_engine(tmp_path):
                     "stream": True}) as r:
                 assert r.status_code == 200
                 assert "data: [DONE]" in list(r.iter_lines())
+        # /metrics counts every process's requests, whichever process answers the scrape
+        # (a fresh connection each: both processes answer some).
+        for _ in range(8):
+            text = httpx.get(url + "/metrics", headers={"Connection": "close"}).text
+            assert _metric_sum(text, "minivllm:request_success_total") == 20, text
+            assert _metric_sum(text, "minivllm:time_to_first_token_seconds_count") == 20
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
         with socket.socket() as sock:  # every process has let go of the port

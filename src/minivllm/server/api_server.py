@@ -118,18 +118,21 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = None,
               api_key: str | None = None, max_num_seqs: int | None = None,
               drain_timeout: float = 5.0, metrics: EngineMetrics | None = None,
+              metrics_store=None, metrics_row: int = 0,
               generation_config: str | None = None) -> FastAPI:
     """The app around a started AsyncLLMEngine. The app's lifespan shuts the engine down
     (drain_timeout seconds for in-flight requests, then abort). generation_config: "auto",
     "vllm" or a folder (see sampling_params.generation_config_defaults); default: the
-    engine's EngineConfig.generation_config where this process has it, else "auto"."""
+    engine's EngineConfig.generation_config where this process has it, else "auto".
+    metrics_store / metrics_row: the request metrics' row in a store shared by several API
+    server processes (metrics.shared_metrics_store)."""
     if not served_model_names:
         served_model_names = [default_model_name(engine)]
     if max_num_seqs is None:
         eng = engine.engine
         max_num_seqs = eng.config.max_num_seqs if eng is not None else 256
     if metrics is None:
-        metrics = EngineMetrics(served_model_names[0])
+        metrics = EngineMetrics(served_model_names[0], metrics_store, metrics_row)
     if generation_config is None:
         generation_config = engine.config.generation_config if engine.config else "auto"
     sampling_defaults = generation_config_defaults(generation_config, engine.model_path)

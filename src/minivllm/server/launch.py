@@ -114,8 +114,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "(vLLM's --api-server-count). Default: 2 on a GPU with at "
                              f"least {MIN_CPUS_FOR_TWO_API_SERVERS} CPUs to run on, else 1 "
                              "(one process cannot stream a GPU engine's tokens one at a "
-                             "time at high concurrency). --max-waiting-requests and "
-                             "/metrics' request histograms are then per process.")
+                             "time at high concurrency). --max-waiting-requests is then "
+                             "per process; /metrics counts every process's requests.")
     parser.add_argument("--engine-in-thread", action="store_true",
                         help="Run the engine on a thread of the server's process instead of "
                              "a process of its own (they then share the GIL: slower under "
@@ -185,8 +185,9 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def new_engine(args: argparse.Namespace, start: bool = True):
-    """The server's AsyncLLMEngine; with start=False not yet launched."""
+def new_engine(args: argparse.Namespace, start: bool = True, extra_frontends: int = 0):
+    """The server's AsyncLLMEngine; with start=False not yet launched. extra_frontends:
+    the other API server processes that will attach to it."""
     from ..engine.async_llm_engine import AsyncLLMEngine
 
     # The engine gets a process of its own: sharing the GIL with the HTTP event loop cost
@@ -194,12 +195,14 @@ def new_engine(args: argparse.Namespace, start: bool = True):
     return AsyncLLMEngine(engine_config_from_args(args),
                           max_waiting_requests=args.max_waiting_requests or None,
                           engine_process=not args.engine_in_thread,
-                          extra_frontends=max(0, args.api_servers - 1), start=start)
+                          extra_frontends=extra_frontends, start=start)
 
 
-def build_server(args: argparse.Namespace, engine=None):
+def build_server(args: argparse.Namespace, engine=None, metrics_store=None,
+                 metrics_row: int = 0):
     """(uvicorn.Server, AsyncLLMEngine): the engine started, the server not yet. With
-    `engine` (started, or an attached frontend), only the server is built around it."""
+    `engine` (started, or an attached frontend), only the server is built around it.
+    metrics_store / metrics_row: see api_server.build_app."""
     from .api_server import build_app, make_server
 
     if engine is None:
@@ -208,6 +211,7 @@ def build_server(args: argparse.Namespace, engine=None):
         app = build_app(engine, served_model_names=args.served_model_name,
                         api_key=args.api_key, max_num_seqs=args.max_num_seqs,
                         drain_timeout=args.shutdown_timeout,
+                        metrics_store=metrics_store, metrics_row=metrics_row,
                         generation_config=args.generation_config)
     except BaseException:  # e.g. a malformed generation_config.json: don't leave it running
         engine.stop()
@@ -232,7 +236,8 @@ def _listening_socket(host: str, port: int):
     return sock
 
 
-def _api_server_process(args: argparse.Namespace, connection, sock, ready) -> None:
+def _api_server_process(args: argparse.Namespace, connection, sock, ready, metrics_store,
+                        metrics_row: int) -> None:
     """Main of an extra API server process: a frontend attached to the engine process.
     Sets `ready` (an Event) once it is about to serve."""
     from ..engine.async_llm_engine import AsyncLLMEngine
@@ -246,7 +251,7 @@ def _api_server_process(args: argparse.Namespace, connection, sock, ready) -> No
                                        max_waiting_requests=args.max_waiting_requests or None)
     except BaseException:  # noqa: BLE001 - the engine did not start: the main process says why
         return
-    server, _ = build_server(args, engine)
+    server, _ = build_server(args, engine, metrics_store, metrics_row)
     prepare_frontend_gc()
     threading.Thread(target=_stop_with_parent, name="parent-watch", daemon=True).start()
     ready.set()
@@ -277,17 +282,21 @@ def run_server(args: argparse.Namespace) -> None:
         sys.exit("minivllm serve: --api-servers must be at least 1")
     if args.api_servers > 1 and args.engine_in_thread:
         sys.exit("minivllm serve: --api-servers needs the engine in its own process")
-    engine, sockets, workers, readiness = None, None, [], []
+    engine, sockets, workers, readiness, metrics_store = None, None, [], [], None
     try:
         if args.api_servers > 1:
             # The other API processes start (Python, torch, the server's imports) while the
             # engine process loads the model, not after it (they then took 7.7 s of a 37 s
             # start on the H200).
+            from .metrics import shared_metrics_store
+
             sockets = [_listening_socket(args.host, args.port)]
-            engine = new_engine(args, start=False).launch()
-            workers, readiness = _start_api_servers(args, engine, sockets[0])
+            metrics_store = shared_metrics_store(args.api_servers)
+            engine = new_engine(args, start=False,
+                                extra_frontends=args.api_servers - 1).launch()
+            workers, readiness = _start_api_servers(args, engine, sockets[0], metrics_store)
             engine.start()
-        server, engine = build_server(args, engine)
+        server, engine = build_server(args, engine, metrics_store)
     except BaseException as e:
         if engine is not None:
             engine.stop()
@@ -322,15 +331,18 @@ def run_server(args: argparse.Namespace) -> None:
         _stop_api_servers(workers, args.shutdown_timeout)
 
 
-def _start_api_servers(args: argparse.Namespace, engine, sock) -> tuple[list, list]:
+def _start_api_servers(args: argparse.Namespace, engine, sock,
+                       metrics_store) -> tuple[list, list]:
     """(processes, their ready Events): one extra API server process per engine frontend
-    connection, each accepting from `sock`."""
+    connection, each accepting from `sock`, process k writing row k of `metrics_store`
+    (the main process row 0)."""
     ctx = multiprocessing.get_context("spawn")
     workers, readiness = [], []
     for k, conn in enumerate(engine.frontend_connections):
         readiness.append(ctx.Event())
         workers.append(ctx.Process(target=_api_server_process, name=f"minivllm-api-{k + 1}",
-                                   args=(args, conn, sock, readiness[-1])))
+                                   args=(args, conn, sock, readiness[-1], metrics_store,
+                                         k + 1)))
         workers[-1].start()
         conn.close()  # the worker holds it now; the engine must see EOF if it dies
     return workers, readiness

@@ -3,12 +3,18 @@
 Names follow vLLM's with a `minivllm:` prefix. Histograms and the success counter are fed
 by the engine thread (EngineMetrics implements the AsyncLLMEngine's StatLogger hooks);
 gauges and token counters are read at scrape time from the engine's published snapshot.
+With several API server processes (`--api-servers N`) each writes its request metrics to
+its own row of one shared array and a scrape, whichever process answers it, sums the rows:
+counters never go back between scrapes (vLLM's multiprocess mode does the same with files).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
+
+import numpy as np
 
 from ..engine.output_codec import DecodedOutput
 from ..outputs import RequestOutput
@@ -40,34 +46,38 @@ def _num(value: float) -> str:
 
 
 class Histogram:
-    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]) -> None:
+    """Its numbers live in a row of the metrics' store: a count per bucket (not
+    cumulative), then the count, then the sum (`size` values from `offset`)."""
+
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...],
+                 offset: int) -> None:
         self.name = name
         self.help = help_text
         self.buckets = tuple(sorted(buckets))
-        self.counts = [0] * len(self.buckets)  # per bucket, not cumulative
-        self.count = 0
-        self.sum = 0.0
+        self.offset = offset
+        self.size = len(self.buckets) + 2
 
-    def observe(self, value: float) -> None:
+    def observe(self, row: np.ndarray, value: float) -> None:
         if value != value:  # NaN
             return
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-                break
-        self.count += 1
-        self.sum += value
+        i = bisect.bisect_left(self.buckets, value)  # the first bound >= value
+        if i < len(self.buckets):
+            row[self.offset + i] += 1
+        row[self.offset + self.size - 2] += 1
+        row[self.offset + self.size - 1] += value
 
-    def render(self, labels: dict[str, str]) -> list[str]:
+    def render(self, labels: dict[str, str], row: np.ndarray) -> list[str]:
+        values = row[self.offset:self.offset + self.size].tolist()
+        counts, count, total = values[:-2], values[-2], values[-1]
         lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, c in zip(self.buckets, self.counts):
+        cumulative = 0.0
+        for bound, c in zip(self.buckets, counts):
             cumulative += c
             lines.append(f"{self.name}_bucket{_labels({**labels, 'le': _num(bound)})} "
-                         f"{float(cumulative)}")
-        lines.append(f"{self.name}_bucket{_labels({**labels, 'le': '+Inf'})} {float(self.count)}")
-        lines.append(f"{self.name}_sum{_labels(labels)} {_num(self.sum)}")
-        lines.append(f"{self.name}_count{_labels(labels)} {float(self.count)}")
+                         f"{cumulative}")
+        lines.append(f"{self.name}_bucket{_labels({**labels, 'le': '+Inf'})} {float(count)}")
+        lines.append(f"{self.name}_sum{_labels(labels)} {_num(total)}")
+        lines.append(f"{self.name}_count{_labels(labels)} {float(count)}")
         return lines
 
 
@@ -77,37 +87,60 @@ def _scalar(kind: str, name: str, help_text: str, samples: list[tuple[dict, floa
     return lines
 
 
+FINISH_REASONS = ("stop", "length", "abort")
+
+# (attribute, name, help, buckets) of EngineMetrics' histograms, in their order in a row.
+_HISTOGRAMS = (
+    ("ttft", "minivllm:time_to_first_token_seconds",
+     "Histogram of time to first token in seconds.", TTFT_BUCKETS),
+    ("itl", "minivllm:inter_token_latency_seconds",
+     "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+    ("tpot", "minivllm:time_per_output_token_seconds",
+     "Histogram of time per output token in seconds (mean over each finished request's "
+     "decode phase).", ITL_BUCKETS),
+    ("e2e", "minivllm:e2e_request_latency_seconds",
+     "Histogram of end to end request latency in seconds.", LATENCY_BUCKETS),
+    ("queue", "minivllm:request_queue_time_seconds",
+     "Histogram of time spent waiting in the queue in seconds.", LATENCY_BUCKETS),
+    # Before the engine's arrival stamp: the HTTP request's parsing and validation,
+    # tokenization, and any wait for the frontend's event loop (TTFT starts after it).
+    ("intake", "minivllm:request_intake_seconds",
+     "Histogram of time from the HTTP request reaching the server's app to its submission "
+     "to the engine in seconds.", TTFT_BUCKETS),
+)
+# A row: the finish-reason counters, then each histogram's values.
+ROW_SIZE = len(FINISH_REASONS) + sum(len(h[3]) + 2 for h in _HISTOGRAMS)
+
+
+def shared_metrics_store(processes: int):
+    """A row of zeros per API server process in shared memory, for each process's
+    EngineMetrics (passed to the processes it is shared with when they are spawned)."""
+    from multiprocessing.sharedctypes import RawArray
+
+    return RawArray("d", processes * ROW_SIZE)
+
+
 class EngineMetrics:
     """Request-level metrics. on_step / on_abort run on the engine thread; render() on
-    the server's event loop; a lock keeps a scrape consistent."""
+    the server's event loop; a lock keeps a scrape consistent within a process. `store`
+    (from shared_metrics_store) and `row`: this process's row of the shared store; without
+    a store the metrics are this process's alone."""
 
-    FINISH_REASONS = ("stop", "length", "abort")
-
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, store=None, row: int = 0) -> None:
         self.labels = {"model_name": model_name}
         self._lock = threading.Lock()
-        self.ttft = Histogram("minivllm:time_to_first_token_seconds",
-                              "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.itl = Histogram("minivllm:inter_token_latency_seconds",
-                             "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
-        self.tpot = Histogram("minivllm:time_per_output_token_seconds",
-                              "Histogram of time per output token in seconds (mean over "
-                              "each finished request's decode phase).", ITL_BUCKETS)
-        self.e2e = Histogram("minivllm:e2e_request_latency_seconds",
-                             "Histogram of end to end request latency in seconds.",
-                             LATENCY_BUCKETS)
-        self.queue = Histogram("minivllm:request_queue_time_seconds",
-                               "Histogram of time spent waiting in the queue in seconds.",
-                               LATENCY_BUCKETS)
-        # Before the engine's arrival stamp: the HTTP request's parsing and validation,
-        # tokenization, and any wait for the frontend's event loop (TTFT starts after it).
-        self.intake = Histogram("minivllm:request_intake_seconds",
-                                "Histogram of time from the HTTP request reaching the "
-                                "server's app to its submission to the engine in seconds.",
-                                TTFT_BUCKETS)
-        self.success = {r: 0 for r in self.FINISH_REASONS}
+        self._rows = (np.zeros((1, ROW_SIZE)) if store is None
+                      else np.frombuffer(store, dtype=np.float64).reshape(-1, ROW_SIZE))
+        self._row = self._rows[row]
+        offset = len(FINISH_REASONS)
+        for attr, name, help_text, buckets in _HISTOGRAMS:
+            setattr(self, attr, Histogram(name, help_text, buckets, offset))
+            offset += len(buckets) + 2
         # request id -> (tokens seen in sample 0, time of the last new token)
         self._progress: dict[str, tuple[int, float]] = {}
+
+    def _finished(self, reason: str) -> None:
+        self._row[FINISH_REASONS.index(reason)] += 1
 
     # ---- engine thread ----------------------------------------------------------------
 
@@ -131,34 +164,33 @@ class EngineMetrics:
                 return  # prompt chunk: nothing generated yet
             if m is not None:
                 first = m.first_token_time or now
-                self.ttft.observe(first - m.arrival_time)
+                self.ttft.observe(self._row, first - m.arrival_time)
                 if m.first_scheduled_time is not None:
-                    self.queue.observe(m.first_scheduled_time - m.arrival_time)
+                    self.queue.observe(self._row, m.first_scheduled_time - m.arrival_time)
             prev = (ntok, now)
         elif ntok > prev[0]:
-            self.itl.observe((now - prev[1]) / (ntok - prev[0]))
+            self.itl.observe(self._row, (now - prev[1]) / (ntok - prev[0]))
             prev = (ntok, now)
         self._progress[rid] = prev
         if out.finished:
             self._progress.pop(rid, None)
             if m is not None:
                 end = m.finished_time or now
-                self.e2e.observe(end - m.arrival_time)
+                self.e2e.observe(self._row, end - m.arrival_time)
                 if m.first_token_time is not None and ntok > 1:
-                    self.tpot.observe((end - m.first_token_time) / (ntok - 1))
+                    self.tpot.observe(self._row, (end - m.first_token_time) / (ntok - 1))
             for o in out.outputs:
-                reason = o.finish_reason or "abort"
-                self.success[reason] = self.success.get(reason, 0) + 1
+                self._finished(o.finish_reason or "abort")
 
     def observe_intake(self, seconds: float) -> None:
         """On the event loop, per submitted request."""
         with self._lock:
-            self.intake.observe(seconds)
+            self.intake.observe(self._row, seconds)
 
     def on_abort(self, request_id: str) -> None:
         with self._lock:
             self._progress.pop(request_id, None)
-            self.success["abort"] = self.success.get("abort", 0) + 1
+            self._finished("abort")
 
     # ---- scrape -----------------------------------------------------------------------
 
@@ -198,14 +230,15 @@ class EngineMetrics:
                 lines += _scalar("counter", f"minivllm:{key}_total", help_text,
                                  [(lbl, snapshot[key])])
         with self._lock:
-            success = [({**lbl, "finished_reason": r}, c)
-                       for r, c in self.success.items() if r != "abort"]
-            aborted = self.success.get("abort", 0)
-            lines += _scalar("counter", "minivllm:request_success_total",
-                             "Count of successfully processed requests (samples).", success)
-            lines += _scalar("counter", "minivllm:request_aborted_total",
-                             "Count of requests aborted (client gone, shutdown, engine "
-                             "failure) before they finished.", [(lbl, aborted)])
-            for h in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.intake):
-                lines += h.render(lbl)
+            totals = self._rows.sum(axis=0)  # every process's row
+        success = [({**lbl, "finished_reason": r}, totals[i])
+                   for i, r in enumerate(FINISH_REASONS) if r != "abort"]
+        lines += _scalar("counter", "minivllm:request_success_total",
+                         "Count of successfully processed requests (samples).", success)
+        lines += _scalar("counter", "minivllm:request_aborted_total",
+                         "Count of requests aborted (client gone, shutdown, engine "
+                         "failure) before they finished.",
+                         [(lbl, totals[FINISH_REASONS.index("abort")])])
+        for attr, *_ in _HISTOGRAMS:
+            lines += getattr(self, attr).render(lbl, totals)
         return "\n".join(lines) + "\n"
