@@ -264,3 +264,31 @@ def test_max_unanswered_must_be_a_whole_number(monkeypatch):
     monkeypatch.setenv("MINIVLLM_MAX_UNANSWERED", "-1")
     with pytest.raises(ValueError, match="whole number"):
         max_unanswered_outputs()
+
+
+def test_a_request_id_in_use_through_another_frontend_is_refused(chat_dir):
+    """Two frontends of one engine process (`--api-servers 2`): a request id already
+    running through one is refused to the other, and the running request still gets
+    every output."""
+    engine = AsyncLLMEngine(_config(chat_dir), engine_process=True, extra_frontends=1)
+    other = AsyncLLMEngine.attach(engine.frontend_connections[0])
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+        async def main():
+            stream = engine.generate(None, params, "dup", prompt_token_ids=[1, 5, 9, 200])
+            first = await stream.__anext__()
+            with pytest.raises(ValueError, match="already in use"):
+                async for _ in other.generate(None, params, "dup",
+                                              prompt_token_ids=[1, 5, 9, 200]):
+                    pass
+            last = first
+            async for last in stream:
+                pass
+            return last
+
+        last = asyncio.run(asyncio.wait_for(main(), 60))
+        assert last.finished and len(last.outputs[0].token_ids) == 40
+    finally:
+        other.stop()
+        engine.stop()

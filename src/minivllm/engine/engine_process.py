@@ -102,10 +102,18 @@ def run_engine_process(config, conns, log_level: int = logging.INFO) -> None:
                     leaving.append((k, True))
                     continue
                 if command[0] == "add":
-                    owner[command[1]] = k
                     if trace:
                         trace.add_received(command[5])
-                elif command[0] == "call":
+                    events = []
+                    core.apply(command, events)  # one ("added", id, error or None)
+                    if events[-1][2] is None:
+                        owner[command[1]] = k
+                    # The answer goes to the asker, and only an accepted id changes owner:
+                    # an id already in use (given twice, perhaps through two frontends)
+                    # must not take the running request's outputs away.
+                    out[k] += events
+                    continue
+                if command[0] == "call":
                     command = (*command[:2], _unpickle_call(command[2]))
                 events: list = []
                 core.apply(command, events)
@@ -206,8 +214,6 @@ def _route(events: list, owner: dict[str, int], default: int | None,
             k = owner.pop(rid, default) if ev[1].finished else owner.get(rid, default)
         elif kind in ("aborted", "failed"):
             k = owner.pop(ev[1], default)
-        elif kind == "added":
-            k = owner.pop(ev[1], default) if ev[2] is not None else owner.get(ev[1], default)
         else:  # "called": the caller's
             k = default
         if k in out:
