@@ -57,7 +57,7 @@ class Histogram:
         self.offset = offset
         self.size = len(self.buckets) + 2
 
-    def observe(self, row: np.ndarray, value: float) -> None:
+    def observe(self, row: memoryview, value: float) -> None:
         if value != value:  # NaN
             return
         i = bisect.bisect_left(self.buckets, value)  # the first bound >= value
@@ -129,9 +129,11 @@ class EngineMetrics:
     def __init__(self, model_name: str, store=None, row: int = 0) -> None:
         self.labels = {"model_name": model_name}
         self._lock = threading.Lock()
-        self._rows = (np.zeros((1, ROW_SIZE)) if store is None
-                      else np.frombuffer(store, dtype=np.float64).reshape(-1, ROW_SIZE))
-        self._row = self._rows[row]
+        if store is None:
+            store = bytearray(8 * ROW_SIZE)  # one row, this process's alone
+        self._rows = np.frombuffer(store, dtype=np.float64).reshape(-1, ROW_SIZE)
+        # Written through a memoryview: an element update costs ~50 ns there, ~90 in numpy.
+        self._row = memoryview(store).cast("B").cast("d")[row * ROW_SIZE:(row + 1) * ROW_SIZE]
         offset = len(FINISH_REASONS)
         for attr, name, help_text, buckets in _HISTOGRAMS:
             setattr(self, attr, Histogram(name, help_text, buckets, offset))
