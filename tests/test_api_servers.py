@@ -124,6 +124,19 @@ def _processes_in_session(sid: int) -> list[int]:
     return pids
 
 
+def _session_left_after(sid: int, timeout: float) -> list[int]:
+    """The session's processes still running once they are all gone or timeout passed."""
+    deadline = time.monotonic() + timeout
+    while _processes_in_session(sid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return _processes_in_session(sid)
+
+
+def _kill_session(sid: int) -> None:
+    for pid in _processes_in_session(sid):
+        os.kill(pid, signal.SIGKILL)
+
+
 def test_killing_the_main_server_ends_every_process(tmp_path):
     """SIGKILL to the main process cannot stop the others itself: the extra API server
     stops when its parent is gone, and the engine process when no frontend is left."""
@@ -134,13 +147,9 @@ def test_killing_the_main_server_ends_every_process(tmp_path):
         assert len(_processes_in_session(proc.pid)) >= 3  # main, API server, engine
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-        deadline = time.monotonic() + 60
-        while _processes_in_session(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert _processes_in_session(proc.pid) == []
+        assert _session_left_after(proc.pid, 60) == []
     finally:
-        for pid in _processes_in_session(proc.pid):
-            os.kill(pid, signal.SIGKILL)
+        _kill_session(proc.pid)
 
 
 def test_an_engine_that_fails_to_start_ends_every_process(tmp_path):
@@ -154,13 +163,9 @@ def test_an_engine_that_fails_to_start_ends_every_process(tmp_path):
         assert proc.returncode == 1
         assert out.count("minivllm serve: The KV cache holds") == 1, out
         assert "Traceback" not in out, out
-        deadline = time.monotonic() + 30
-        while _processes_in_session(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert _processes_in_session(proc.pid) == []
+        assert _session_left_after(proc.pid, 30) == []
     finally:
-        for pid in _processes_in_session(proc.pid):
-            os.kill(pid, signal.SIGKILL)
+        _kill_session(proc.pid)
 
 
 def test_api_servers_default_to_one_off_the_gpu(monkeypatch):
