@@ -174,3 +174,15 @@ def test_api_servers_default_to_one_off_the_gpu(monkeypatch):
     assert launch.default_api_servers("cpu") == 1
     monkeypatch.setattr(launch, "MIN_CPUS_FOR_TWO_API_SERVERS", 1)
     assert launch.default_api_servers("cpu") == 1  # the engine is the limit there, not HTTP
+
+
+def test_usable_cpus_honour_a_container_quota(tmp_path):
+    from minivllm.server.launch import usable_cpus
+
+    visible = usable_cpus(str(tmp_path / "absent"))
+    assert visible >= 1
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs' worth of time
+    assert usable_cpus(str(tmp_path / "cpu.max")) == min(visible, 2)
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert usable_cpus(str(tmp_path / "cpu.max")) == visible
+

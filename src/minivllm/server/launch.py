@@ -133,8 +133,22 @@ def default_api_servers(device: str) -> int:
 
     if resolve_device(device).type != "cuda":
         return 1
+    return 2 if usable_cpus() >= MIN_CPUS_FOR_TWO_API_SERVERS else 1
+
+
+def usable_cpus(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """The CPUs this process may run on, capped by its cgroup's CPU quota (a container's
+    CPU limit, which the affinity mask does not show)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return 2 if (cpus or 1) >= MIN_CPUS_FOR_TWO_API_SERVERS else 1
+    cpus = cpus or 1
+    try:
+        with open(cpu_max) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 CPU controller here: no quota
+    return cpus
 
 
 def engine_config_from_args(args: argparse.Namespace):
