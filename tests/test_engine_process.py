@@ -292,3 +292,33 @@ def test_a_request_id_in_use_through_another_frontend_is_refused(chat_dir):
     finally:
         other.stop()
         engine.stop()
+
+
+def test_a_frontend_sharing_the_engine_drains_only_its_own_requests(chat_dir):
+    """Shutting one frontend down waits for its own requests, not for another frontend's
+    (whose progress it no longer hears of), and leaves those running."""
+    engine = AsyncLLMEngine(_config(chat_dir), engine_process=True, extra_frontends=1)
+    other = AsyncLLMEngine.attach(engine.frontend_connections[0])
+    try:
+        async def run(frontend, rid, n):
+            params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            async for out in frontend.generate(None, params, rid,
+                                               prompt_token_ids=[1, 5, 9, 200]):
+                last = out
+            return last
+
+        async def main():
+            long = asyncio.ensure_future(run(other, "long", 400))
+            assert (await run(engine, "short", 4)).finished
+            start = time.monotonic()
+            await engine.shutdown(drain_timeout=60)
+            drained_in = time.monotonic() - start
+            assert not long.done()
+            return drained_in, await long
+
+        drained_in, last = asyncio.run(asyncio.wait_for(main(), 120))
+        assert drained_in < 10  # not the drain timeout's 60 s
+        assert last.finished and len(last.outputs[0].token_ids) == 400
+    finally:
+        other.stop()
+        engine.stop()

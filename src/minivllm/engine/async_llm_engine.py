@@ -210,6 +210,8 @@ class AsyncLLMEngine:
         self._process = None
         self._conn = _attach_to  # the connection to an engine process (None: a thread)
         self._extra_frontends = extra_frontends
+        # Other frontends send requests to the same engine process (--api-servers N).
+        self._shares_engine = bool(extra_frontends) or _attach_to is not None
         self.frontend_connections: list = []
         self._send_lock = threading.Lock()
         self._ready = threading.Event()
@@ -299,7 +301,12 @@ class AsyncLLMEngine:
         self._accepting = False
         deadline = time.monotonic() + max(0.0, drain_timeout)
         while self.is_running and time.monotonic() < deadline and (
-                self.snapshot.get("num_unfinished", 0) or self._num_in_flight):
+                self._num_in_flight or (not self._shares_engine
+                                        and self.snapshot.get("num_unfinished", 0))):
+            # Sharing the engine, only this frontend's own requests count: the engine's
+            # count includes the others', and this frontend's snapshot of it stops being
+            # updated once none of its own requests run (a stale count held every
+            # shutdown for the whole drain timeout).
             await asyncio.sleep(0.02)
         await asyncio.get_running_loop().run_in_executor(None, self.stop)
 
