@@ -72,10 +72,14 @@ def test_two_api_servers_share_one_engine(tmp_path):
                 assert "data: [DONE]" in list(r.iter_lines())
         # /metrics counts every process's requests, whichever process answers the scrape
         # (a fresh connection each: both processes answer some).
+        generated = set()
         for _ in range(8):
             text = httpx.get(url + "/metrics", headers={"Connection": "close"}).text
             assert _metric_sum(text, "minivllm:request_success_total") == 20, text
             assert _metric_sum(text, "minivllm:time_to_first_token_seconds_count") == 20
+            assert _metric_sum(text, "minivllm:num_requests_running") == 0
+            generated.add(_metric_sum(text, "minivllm:generation_tokens_total"))
+        assert len(generated) == 1  # the engine's counters, current in either process
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
         with socket.socket() as sock:  # every process has let go of the port

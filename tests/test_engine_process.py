@@ -269,7 +269,7 @@ def test_max_unanswered_must_be_a_whole_number(monkeypatch):
 def test_a_request_id_in_use_through_another_frontend_is_refused(chat_dir):
     """Two frontends of one engine process (`--api-servers 2`): a request id already
     running through one is refused to the other, and the running request still gets
-    every output."""
+    every output; the other frontend gets the engine's current snapshot by asking."""
     engine = AsyncLLMEngine(_config(chat_dir), engine_process=True, extra_frontends=1)
     other = AsyncLLMEngine.attach(engine.frontend_connections[0])
     try:
@@ -285,10 +285,13 @@ def test_a_request_id_in_use_through_another_frontend_is_refused(chat_dir):
             last = first
             async for last in stream:
                 pass
-            return last
+            # `other` heard nothing of the request's end: asked, the engine says.
+            stale = other.snapshot["num_unfinished"]
+            return last, stale, await other.refresh_snapshot()
 
-        last = asyncio.run(asyncio.wait_for(main(), 60))
+        last, stale, fresh = asyncio.run(asyncio.wait_for(main(), 60))
         assert last.finished and len(last.outputs[0].token_ids) == 40
+        assert stale == 1 and fresh["num_unfinished"] == 0
     finally:
         other.stop()
         engine.stop()

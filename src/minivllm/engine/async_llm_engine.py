@@ -173,6 +173,10 @@ class RequestStream:
         return await self.get()
 
 
+def _nothing(_engine) -> None:
+    """A call whose answer carries the engine's snapshot (refresh_snapshot)."""
+
+
 class AsyncLLMEngine:
     """Owns an LLMEngine. Build with an EngineConfig (the engine is built by its owner) or
     an existing LLMEngine (handed over: stop using it; thread only). engine_process=True
@@ -387,6 +391,17 @@ class AsyncLLMEngine:
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Await fn(engine), run on the engine side between steps."""
         return await asyncio.wrap_future(self.submit(fn))
+
+    async def refresh_snapshot(self) -> dict:
+        """The engine's current snapshot. Sharing the engine with other frontends, this
+        one hears of it only while its own requests run, so it asks (one round trip
+        between steps); otherwise the snapshot it has is current."""
+        if self._shares_engine and self.is_running:
+            try:
+                await self.call(_nothing)
+            except EngineDeadError:
+                pass  # stopped meanwhile: the last snapshot is all there is
+        return self.snapshot
 
     def abort(self, request_id: str | list[str]) -> None:
         """Abort request(s) (any thread). Their blocks are freed before the next step;

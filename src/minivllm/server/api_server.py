@@ -219,7 +219,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
              responses={200: {"content": {"text/plain": {}},
                               "description": "Prometheus text format"}})
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(engine.snapshot), media_type=CONTENT_TYPE)
+        return Response(metrics.render(await engine.refresh_snapshot()),
+                        media_type=CONTENT_TYPE)
 
     # ---- generation ---------------------------------------------------------------------
 
