@@ -75,9 +75,12 @@ for model in "${MODELS[@]}"; do
        --out "$dir" --work "$WORK" ${VS_QUANT:+--quantization "$VS_QUANT"}
        ${VS_KV_DTYPE:+--kv-cache-dtype "$VS_KV_DTYPE"})
   # shellcheck disable=SC2206
+  # 8 rounds a level: at c=256, 2 rounds are 512 requests, ~10 s of minivllm's time with
+  # its ramp: 39k tok/s in one call, 59-61k with 8 rounds in another (2026-12-02's
+  # vs-vllm-qwen2.5-0.5b and w3-two-api-servers).
   w3=(python3 -m bench.w3_gpu --work "$WORK/w3-$model" --out-dir "$dir" --log-dir "$dir/logs"
       --model-config "bench/model_configs/$model.json" --concurrency 1 16 64 256 --ramp
-      --gpu-memory-utilization 0.9 ${W3_ARGS:-})
+      --rounds 8 --gpu-memory-utilization 0.9 ${W3_ARGS:-})
   for p in $PARTS; do
     case $p in
       mini-offline) part "$model minivllm offline" "${T_OFFLINE:-240}" "$MINI_PATH" "${off[@]}" --engine minivllm ;;
