@@ -75,7 +75,7 @@ for model in "${MODELS[@]}"; do
        --out "$dir" --work "$WORK" ${VS_QUANT:+--quantization "$VS_QUANT"}
        ${VS_KV_DTYPE:+--kv-cache-dtype "$VS_KV_DTYPE"})
   # shellcheck disable=SC2206
-  # 8 rounds a level: at c=256, 2 rounds are 512 requests, ~10 s of minivllm's time with
+  # 8 rounds a level: at c=256, 2 rounds are 512 requests, under 2 s of minivllm's time with
   # its ramp: 39k tok/s in one call, 59-61k with 8 rounds in another (2026-12-02's
   # vs-vllm-qwen2.5-0.5b and w3-two-api-servers).
   w3=(python3 -m bench.w3_gpu --work "$WORK/w3-$model" --out-dir "$dir" --log-dir "$dir/logs"
