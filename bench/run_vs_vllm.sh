@@ -74,10 +74,10 @@ for model in "${MODELS[@]}"; do
   off=(python3 -m bench.vs_vllm offline --model "$model" --workloads "${VS_WORKLOADS:-w1,w2,w5,w6}"
        --out "$dir" --work "$WORK" ${VS_QUANT:+--quantization "$VS_QUANT"}
        ${VS_KV_DTYPE:+--kv-cache-dtype "$VS_KV_DTYPE"})
-  # shellcheck disable=SC2206
   # 8 rounds a level: at c=256, 2 rounds are 512 requests, under 2 s of minivllm's time with
   # its ramp: 39k tok/s in one call, 59-61k with 8 rounds in another (2026-12-02's
   # vs-vllm-qwen2.5-0.5b and w3-two-api-servers).
+  # shellcheck disable=SC2206
   w3=(python3 -m bench.w3_gpu --work "$WORK/w3-$model" --out-dir "$dir" --log-dir "$dir/logs"
       --model-config "bench/model_configs/$model.json" --concurrency 1 16 64 256 --ramp
       --rounds 8 --gpu-memory-utilization 0.9 ${W3_ARGS:-})
