@@ -16,6 +16,7 @@ import time
 import httpx
 import openai
 
+from bench.serve_bench import parse_prometheus
 from minivllm.server.testing import make_tiny_chat_model, wait_until_healthy
 
 
@@ -32,12 +33,6 @@ def _start_two_api_servers(tmp_path, *flags, **popen):
          "--log-level", "warning", "--shutdown-timeout", "2", *flags],
         env={**os.environ, "OMP_NUM_THREADS": "1"}, **popen)
     return proc, f"http://127.0.0.1:{port}", model
-
-
-def _metric_sum(text: str, name: str) -> float:
-    """The sum of a metric's samples (over its labels) in a Prometheus text exposition."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
 
 
 def test_two_api_servers_share_one_engine(tmp_path):
@@ -75,10 +70,11 @@ def test_two_api_servers_share_one_engine(tmp_path):
         generated = set()
         for _ in range(8):
             text = httpx.get(url + "/metrics", headers={"Connection": "close"}).text
-            assert _metric_sum(text, "minivllm:request_success_total") == 20, text
-            assert _metric_sum(text, "minivllm:time_to_first_token_seconds_count") == 20
-            assert _metric_sum(text, "minivllm:num_requests_running") == 0
-            generated.add(_metric_sum(text, "minivllm:generation_tokens_total"))
+            m = parse_prometheus(text, "minivllm:")
+            assert m["request_success_total"] == 20, text
+            assert m["time_to_first_token_seconds_count"] == 20
+            assert m["num_requests_running"] == 0
+            generated.add(m["generation_tokens_total"])
         assert len(generated) == 1  # the engine's counters, current in either process
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0

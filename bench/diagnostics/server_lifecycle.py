@@ -27,11 +27,8 @@ from pathlib import Path
 import httpx
 
 from bench.common import environment
-
-
-def _metric_sum(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+from bench.serve_bench import parse_prometheus
+from minivllm.server.testing import wait_until_healthy
 
 
 def _group(pgid: int) -> dict[int, str]:
@@ -79,13 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
-        while time.monotonic() - t0 < args.start_timeout and proc.poll() is None:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_until_healthy(url, proc, args.start_timeout)
         result["ready_s"] = round(time.monotonic() - t0, 2)
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         failures = []
@@ -112,12 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         result["stream_failures"] = failures[:5]
         scrapes = []
         for _ in range(args.scrapes):
-            text = httpx.get(url + "/metrics", headers={"Connection": "close"}).text
-            scrapes.append({
-                "requests": _metric_sum(text, "minivllm:request_success_total"),
-                "ttft_count": _metric_sum(text, "minivllm:time_to_first_token_seconds_count"),
-                "generation_tokens": _metric_sum(text, "minivllm:generation_tokens_total"),
-                "running": _metric_sum(text, "minivllm:num_requests_running")})
+            m = parse_prometheus(httpx.get(url + "/metrics",
+                                           headers={"Connection": "close"}).text, "minivllm:")
+            scrapes.append({"requests": m.get("request_success_total"),
+                            "ttft_count": m.get("time_to_first_token_seconds_count"),
+                            "generation_tokens": m.get("generation_tokens_total"),
+                            "running": m.get("num_requests_running")})
         result["scrapes"] = scrapes
         result["checks"]["streams_ok"] = not failures
         result["checks"]["every_scrape_counts_every_request"] = all(

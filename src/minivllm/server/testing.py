@@ -116,13 +116,16 @@ class ServerThread:
 
 def wait_until_healthy(url: str, proc=None, timeout: float = 90.0) -> None:
     """Poll GET url/health until it answers 200; fail early if `proc` (a server started as
-    a subprocess, its output piped) exits meanwhile."""
+    a subprocess) exits meanwhile, with its output when that was piped."""
     import httpx
 
     deadline = time.monotonic() + timeout
     while True:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError("the server exited: " + proc.stdout.read().decode()[-3000:])
+            output = proc.stdout.read() if proc.stdout is not None else b""
+            if isinstance(output, bytes):
+                output = output.decode(errors="replace")
+            raise RuntimeError(f"the server exited ({proc.returncode}): {output[-3000:]}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 return
