@@ -22,6 +22,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench import roofline
+
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
 DEFAULT_OUT = RESULTS_DIR / "report"
@@ -854,12 +856,27 @@ class Report:
                "output tok/s (64 x 8192 in, 256 out each); W3: the HTTP servers with the "
                "same client, 128 in / 128 out, streamed. Ratio: minivllm ÷ vLLM for "
                "throughput, vLLM ÷ minivllm for latency (above 1: minivllm better).\n")
+        self.p("Floor: the workload's ideal on the H200 (800 TFLOP/s bf16, 4.28 TB/s HBM) "
+               "for bf16 weights and KV cache, prefill then decode, each step bound by its "
+               "FLOPs or its bytes ([bench/roofline.py](../../roofline.py)); offline rows of "
+               "quantized runs get none.\n")
         for r in runs:
             self.h(3, f"{r.data.get('model')}: `{rel(r.run, self.base)}`")
-            rows = [[x["workload"], x.get("label") or x["metric"], x.get("minivllm") or "-",
-                     x.get("vllm") or "-", f"{x['ratio']:.2f}x" if x.get("ratio") else "-"]
-                    for x in r.data.get("rows", [])]
-            self.p(table(["workload", "metric", "minivllm", "vLLM", "ratio"], rows))
+            # A smoke run (CPU) stands a tiny model in for the named one: no floor.
+            cfg = roofline.load_config(r.data.get("model", "")) if r.env.get("gpu") else None
+            rows = []
+            for x in r.data.get("rows", []):
+                floor, shares = "-", "-"
+                if cfg and x["workload"] in roofline.WORKLOADS:  # plain bf16 offline rows
+                    ideal = roofline.workload_floor(cfg, x["workload"])["ideal_value"]
+                    floor = f"{ideal:,.0f}"
+                    shares = " / ".join(f"{100 * v / ideal:.0f}%" if v else "-"
+                                        for v in (x.get("minivllm"), x.get("vllm")))
+                rows.append([x["workload"], x.get("label") or x["metric"],
+                             x.get("minivllm") or "-", x.get("vllm") or "-",
+                             f"{x['ratio']:.2f}x" if x.get("ratio") else "-", floor, shares])
+            self.p(table(["workload", "metric", "minivllm", "vLLM", "ratio", "floor",
+                          "minivllm / vLLM % of floor"], rows))
             off = r.data.get("offline") or {}
             notes = []
             for k in ("minivllm", "vllm"):
