@@ -367,6 +367,38 @@ def test_store_then_prefill_roundtrip():
 # ----------------------------------------------------------------------------
 # decode (flash-decoding split + reduce)
 # ----------------------------------------------------------------------------
+@pytest.mark.parametrize("growth", [3.0, 12.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_scores_that_grow_along_the_context(growth, dtype):
+    """Keys aligned with every query more and more along the sequence, so each tile's
+    maximum score is above the last one's by ~growth (log2 units) and the online softmax
+    rescales its running sums at every tile (by 2^-3 or 2^-12). Prefill, chunked prefill
+    and decode (with splits) against the reference."""
+    hq, hkv, d, block_size, n = 4, 2, 16, 4, 160
+    gen = torch.Generator().manual_seed(11)
+    u = torch.nn.functional.normalize(torch.randn(d, generator=gen), dim=0)
+    blocks = -(-n // block_size)
+    pos = torch.arange(blocks * block_size, dtype=torch.float32).view(blocks, block_size, 1, 1)
+    # In the interpreter a tile holds 16 keys: q . k * scale * log2(e) rises ~growth a tile.
+    ramp = growth / (16 * 3.0 * d ** -0.5 * 1.4427)
+    k = 0.3 * torch.randn(blocks, block_size, hkv, d, generator=gen) + pos * ramp * u
+    v = torch.randn(blocks, block_size, hkv, d, generator=gen)
+    k_cache, v_cache = k.to(dtype).to(DEVICE), v.to(dtype).to(DEVICE)
+    tables = torch.arange(blocks, dtype=torch.int32, device=DEVICE)[None]
+    for q_len in (n, 37, 1):  # a whole prompt, a chunk after a cached prefix, a decode
+        q = (0.3 * torch.randn(q_len, hq, d, generator=gen) + 3.0 * u).to(dtype).to(DEVICE)
+        qsl = torch.tensor([0, q_len], dtype=torch.int32, device=DEVICE)
+        sl = torch.tensor([n], dtype=torch.int32, device=DEVICE)
+        ref = ref_attention(q, k_cache, v_cache, tables, sl, qsl, d ** -0.5)
+        outs = [paged_attention(q, k_cache, v_cache, tables, sl, qsl, d ** -0.5, q_len, n)]
+        if q_len == 1:
+            outs += [paged_attention_decode(q, k_cache, v_cache, tables, sl, d ** -0.5, n,
+                                            num_splits=splits) for splits in (1, 3)]
+        for out in outs:
+            assert torch.isfinite(out.float()).all()
+            assert rel_err(out, ref) < TOL[dtype], (q_len, rel_err(out, ref))
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 4, None])
 @pytest.mark.parametrize("hq,hkv,d,block_size,dtype", [
     (4, 2, 16, 4, torch.float32),
