@@ -1,4 +1,4 @@
-"""GPTQ and AWQ 4-bit checkpoints (model/prequantized.py): tiny models whose projections are
+"""GPTQ, AWQ and compressed-tensors 4-bit checkpoints (model/prequantized.py): tiny models whose projections are
 packed here in each format's layout (written from the formats' descriptions, not with the
 reader's code) load to exactly the weights they encode, and generate what a full-precision
 checkpoint of those weights generates."""
@@ -75,6 +75,19 @@ def write_checkpoints(family: str, fmt: str, tmp_path, sym: bool = False):
             * scale16.float().repeat_interleave(GROUP, 1)
         reference[name] = deq
         qt, zt, st = codes.t().contiguous(), zero.t().contiguous(), scale16.t().contiguous()
+        if fmt == "compressed-tensors":
+            # Codes q + 8 (q in [-8, 7]) and zero points z + 8, as stored: the same numbers
+            # as the unsigned codes and zero points here.
+            quant[module + ".weight_packed"] = pack_columns(codes)  # along the inputs
+            quant[module + ".weight_scale"] = scale16
+            quant[module + ".weight_shape"] = torch.tensor(list(w.shape))
+            if sym:  # some writers keep a symmetric scheme's zero points: zeros, unpacked
+                quant[module + ".weight_zero_point"] = torch.zeros_like(zero, dtype=torch.int8)
+            else:
+                quant[module + ".weight_zero_point"] = pack_gptq_rows(zero)  # along outputs
+                quant[module + ".weight_g_idx"] = torch.arange(w.shape[1],
+                                                               dtype=torch.int32) // GROUP
+            continue
         if fmt == "awq":
             quant[module + ".qweight"] = pack_columns(qt, AWQ_ORDER)
             quant[module + ".qzeros"] = pack_columns(zt, AWQ_ORDER)
@@ -95,10 +108,19 @@ def write_checkpoints(family: str, fmt: str, tmp_path, sym: bool = False):
         if "lm_head.weight" in tensors and cfg.get("tie_word_embeddings"):
             tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "model.safetensors"))
-    qc = ({"quant_method": "awq", "bits": 4, "group_size": GROUP, "version": "gemm",
-           "zero_point": True} if fmt == "awq" else
-          {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False,
-           "sym": sym, "checkpoint_format": fmt})
+    if fmt == "awq":
+        qc = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "version": "gemm",
+              "zero_point": True}
+    elif fmt == "compressed-tensors":
+        qc = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+              "ignore": ["lm_head"], "quantization_status": "compressed",
+              "config_groups": {"group_0": {
+                  "targets": ["Linear"], "input_activations": None,
+                  "weights": {"num_bits": 4, "type": "int", "symmetric": sym,
+                              "strategy": "group", "group_size": GROUP, "actorder": None}}}}
+    else:
+        qc = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False,
+              "sym": sym, "checkpoint_format": fmt}
     (qdir / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
     (rdir / "config.json").write_text(json.dumps(cfg))
     return qdir, rdir
@@ -106,7 +128,8 @@ def write_checkpoints(family: str, fmt: str, tmp_path, sym: bool = False):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("fmt,sym", [("gptq", False), ("gptq", True), ("gptq_v2", False),
-                                     ("awq", False)])
+                                     ("awq", False), ("compressed-tensors", False),
+                                     ("compressed-tensors", True)])
 def test_checkpoint_loads_the_weights_it_encodes(tmp_path, family, fmt, sym):
     qdir, rdir = write_checkpoints(family, fmt, tmp_path, sym)
     kw = dict(skip_tokenizer_init=True, max_model_len=128)

@@ -218,6 +218,16 @@ def test_bad_quantization_and_prequantized_checkpoints_are_refused(tiny_model_di
             ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
             ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
                 "num_bits": 4, "type": "int", "strategy": "group"}}}}, "other than 8-bit"),
+            ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+              "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int",
+                                                  "strategy": "group", "group_size": 32},
+                                      "input_activations": {"num_bits": 8, "type": "int"}}}},
+             "without activation quantization"),
+            ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+              "ignore": ["lm_head", "re:.*mlp.down_proj"],
+              "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int",
+                                                  "strategy": "group", "group_size": 32}}}},
+             "leaves 're:.\\*mlp.down_proj' unquantized"),
             ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "only 4 bits"),
             ({"quant_method": "gptq", "bits": 4, "desc_act": True}, "desc_act"),
             ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "only 'gemm'")]:
@@ -227,7 +237,7 @@ def test_bad_quantization_and_prequantized_checkpoints_are_refused(tiny_model_di
             LLM(str(tmp_path / "config.json"), load_format="dummy", skip_tokenizer_init=True)
     cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="quantization must be None or 'awq'"):
+    with pytest.raises(ValueError, match="quantization must be None or one of \\['awq'\\]"):
         LLM(str(tmp_path / "config.json"), load_format="dummy", skip_tokenizer_init=True,
             quantization="int8")
     with pytest.raises(ValueError, match="has no quantization_config"):

@@ -105,15 +105,18 @@ def load_model(cfg: ModelConfig, model_path: Path, *, load_format: str, dtype: t
                quantization: str | None = None) -> torch.nn.Module:
     """The model with its weights, its decoder projections quantized if asked
     (model/quantization.py: loaded in `dtype`, then quantized one projection at a time) or
-    as the checkpoint has them (GPTQ, AWQ, FP8: model/prequantized.py)."""
+    as the checkpoint has them (GPTQ, AWQ, compressed-tensors, FP8: model/prequantized.py)."""
     ahead = checkpoint_quantization(cfg.raw)
     if ahead is None and quantization in CHECKPOINT_METHODS:
         raise ValueError(f"quantization={quantization!r} reads a checkpoint quantized with "
                          f"{quantization.upper()}; this one has no quantization_config.")
-    if ahead is not None and quantization not in (None, ahead.method):  # fp8 reads fp8
-        raise ValueError(f"This checkpoint is quantized with {ahead.method.upper()}: "
-                         f"quantization must be None or {ahead.method!r}, got "
-                         f"{quantization!r}.")
+    if ahead is not None:
+        # The method, or the checkpoint's own name for it (compressed-tensors' FP8 is fp8).
+        names = {ahead.method, cfg.raw["quantization_config"].get("quant_method")}
+        if quantization not in names | {None}:
+            raise ValueError(f"This checkpoint is quantized with {ahead.method.upper()}: "
+                             f"quantization must be None or one of {sorted(names)}, got "
+                             f"{quantization!r}.")
     if ahead is not None and ahead.layout == "fp8" and load_format == "dummy":
         ahead, quantization = None, "fp8"  # dummy weights, quantized as they load
     model_cls = MODEL_CLASSES[cfg.architecture]

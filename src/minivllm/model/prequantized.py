@@ -1,5 +1,5 @@
-"""Checkpoints quantized ahead, read into QuantizedLinear's layouts: GPTQ and AWQ 4-bit (int4)
-and FP8 (fp8).
+"""Checkpoints quantized ahead, read into QuantizedLinear's layouts: GPTQ, AWQ and
+compressed-tensors 4-bit (int4), and FP8 (fp8).
 
 FP8: each projection's `weight` in float8_e4m3fn [out, in] with a `weight_scale`, one for
 the tensor or one per output channel: quant_method "fp8" (vLLM's / AutoFP8's) without
@@ -18,6 +18,12 @@ inputs:
   AWQ  (quant_method "awq", version "gemm"): qweight [in, out / 8] and qzeros
        [groups, out / 8], both packed along the output dimension in the order
        AWQ_ORDER (nibble i of word c is output 8c + AWQ_ORDER[i]).
+  compressed-tensors (llm-compressor's W4A16, format "pack-quantized"): weight_packed
+       [out, in / 8] packed along the input dimension (nibble j of word c is input 8c + j),
+       each code stored as q + 8 for q in [-8, 7]; weight_scale [out, groups] (one group:
+       [out, 1]); weight_shape [out, in]; weight_zero_point [out / 8, groups] packed along
+       the output dimension (stored the same way) for an asymmetric scheme, none (zero) for
+       a symmetric one; weight_g_idx only with activation ordering (read when plain).
 Weight (k, n) = (q - zero) * scale of its group, as in the int4 layout (which holds it
 as csrc_triton/int4_layout.py's bytes, [out, groups] scales and zero points).
 """
@@ -31,14 +37,21 @@ import torch
 from .quantization import int4_half, pack_int4
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-PARTS = ("qweight", "qzeros", "scales", "g_idx")
+# Each int4 format's tensors of a projection: those it needs, then those it may also have.
+PARTS = {"gptq": (("qweight", "qzeros", "scales"), ("g_idx",)),
+         "awq": (("qweight", "qzeros", "scales"), ()),
+         "compressed-tensors": (("weight_packed", "weight_scale", "weight_shape"),
+                                ("weight_zero_point", "weight_g_idx"))}
+PROJECTION_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                    "down_proj")
 
 
 @dataclass(frozen=True)
 class CheckpointQuantization:
-    method: str  # "gptq", "awq" or "fp8"
+    method: str  # "gptq", "awq", "compressed-tensors" (its int4) or "fp8"
     group_size: int = 0  # int4's; -1: one group over all inputs
     zero_offset: int = 0  # added to the stored zero points (GPTQ v1: 1)
+    zero_points: bool = True  # stored (a symmetric compressed-tensors scheme has none)
 
     @property
     def layout(self) -> str:
@@ -61,8 +74,9 @@ def checkpoint_quantization(raw_cfg: dict) -> CheckpointQuantization | None:
         return _compressed_tensors(qc)
     if method not in ("gptq", "awq"):
         raise ValueError(f"This checkpoint is quantized ({method!r}); minivllm reads GPTQ, "
-                         "AWQ and FP8 checkpoints and full-precision ones, which it can "
-                         "quantize at load (quantization='fp8', 'int8' or 'int4').")
+                         "AWQ, compressed-tensors (W4A16, FP8) and FP8 checkpoints and "
+                         "full-precision ones, which it can quantize at load "
+                         "(quantization='fp8', 'int8' or 'int4').")
     bits = qc.get("bits", qc.get("w_bit"))
     if bits != 4:
         raise ValueError(f"{method} checkpoint with {bits}-bit weights: only 4 bits are read.")
@@ -84,19 +98,39 @@ def checkpoint_quantization(raw_cfg: dict) -> CheckpointQuantization | None:
 
 def _compressed_tensors(qc: dict) -> CheckpointQuantization:
     """llm-compressor's config: read when every group quantizes weights to 8-bit floats by
-    tensor or channel (and activations, if at all, to 8-bit floats)."""
+    tensor or channel (and activations, if at all, to 8-bit floats), or every group is
+    W4A16: 4-bit integer weights by group or channel, packed ("pack-quantized"), the
+    activations left alone; and when no decoder projection is left unquantized."""
     groups = list((qc.get("config_groups") or {}).values())
-    for g in groups:
-        w, a = g.get("weights") or {}, g.get("input_activations")
-        ok = (w.get("type") == "float" and w.get("num_bits") == 8
-              and w.get("strategy") in ("tensor", "channel")
-              and (a is None or (a.get("type") == "float" and a.get("num_bits") == 8)))
-        if not ok:
-            raise ValueError("compressed-tensors checkpoint with a scheme other than 8-bit float "
-                             f"weights by tensor or channel: {w or g}.")
     if not groups:
         raise ValueError("compressed-tensors checkpoint without config_groups.")
-    return CheckpointQuantization("fp8")
+    for entry in qc.get("ignore") or ():
+        if any(p in entry for p in PROJECTION_NAMES):
+            raise ValueError(f"compressed-tensors checkpoint that leaves {entry!r} unquantized: "
+                             "only checkpoints with every decoder projection quantized are read.")
+    schemes = set()
+    for g in groups:
+        w, a = g.get("weights") or {}, g.get("input_activations")
+        if (w.get("type") == "float" and w.get("num_bits") == 8
+                and w.get("strategy") in ("tensor", "channel")
+                and (a is None or (a.get("type") == "float" and a.get("num_bits") == 8))):
+            schemes.add(("fp8",))
+        elif (w.get("type") == "int" and w.get("num_bits") == 4 and a is None
+              and w.get("strategy") in ("group", "channel")
+              and g.get("format", qc.get("format")) == "pack-quantized"):
+            group = w.get("group_size") if w.get("strategy") == "group" else -1
+            schemes.add(("int4", group, bool(w.get("symmetric", True))))
+        else:
+            raise ValueError("compressed-tensors checkpoint with a scheme other than 8-bit "
+                             "float weights by tensor or channel, or 4-bit integer weights "
+                             f"by group or channel without activation quantization: {w or g}.")
+    if len(schemes) > 1:
+        raise ValueError(f"compressed-tensors checkpoint with several schemes: {sorted(schemes)}.")
+    scheme = schemes.pop()
+    if scheme[0] == "fp8":
+        return CheckpointQuantization("fp8")
+    _, group, symmetric = scheme
+    return CheckpointQuantization("compressed-tensors", group, zero_points=not symmetric)
 
 
 def to_fp8_layout(parts: dict[str, torch.Tensor], out_features: int
@@ -132,6 +166,8 @@ def to_int4_layout(quant: CheckpointQuantization, parts: dict[str, torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One projection's checkpoint tensors -> (packed uint8 in quantization.pack_int4's
     layout, scale [out, groups] fp32, zero [out, groups] uint8)."""
+    if quant.method == "compressed-tensors":
+        return _compressed_int4_layout(quant, parts)
     scales = parts["scales"].float()
     if quant.method == "gptq":
         q = unpack_along_rows(parts["qweight"])
@@ -147,6 +183,28 @@ def to_int4_layout(quant: CheckpointQuantization, parts: dict[str, torch.Tensor]
     half = int4_half(in_f // groups, in_f)
     return (pack_int4(q.t().contiguous().to(torch.uint8), half), scales.t().contiguous(),
             zeros.t().contiguous().to(torch.uint8))
+
+
+def _compressed_int4_layout(quant: CheckpointQuantization, parts: dict[str, torch.Tensor]
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """compressed-tensors' W4A16 tensors -> the int4 layout: its stored codes (q + 8) and
+    zero points (z + 8) are the layout's unsigned codes and zero points as they are."""
+    out_f, in_f = (int(x) for x in parts["weight_shape"].reshape(-1).tolist())
+    codes = unpack_along_columns(parts["weight_packed"])[:out_f, :in_f]
+    scales = parts["weight_scale"].float().reshape(out_f, -1)
+    group = quant.group_size if quant.group_size > 0 else in_f
+    if scales.shape[1] != -(-in_f // group):
+        raise ValueError(f"weight_scale of {scales.shape[1]} groups for {in_f} inputs in "
+                         f"groups of {group}.")
+    if quant.zero_points:
+        zeros = unpack_along_rows(parts["weight_zero_point"])[:out_f]
+    else:
+        zeros = torch.full_like(scales, 8)
+    if zeros.shape != scales.shape:
+        raise ValueError(f"weight_zero_point of shape {tuple(zeros.shape)} for scales of "
+                         f"shape {tuple(scales.shape)}.")
+    return (pack_int4(codes.contiguous().to(torch.uint8), int4_half(group, in_f)),
+            scales.contiguous(), zeros.contiguous().to(torch.uint8))
 
 
 class PackedParts:
@@ -167,14 +225,20 @@ class PackedParts:
                     part == "weight" and tensor.dtype == torch.float8_e4m3fn):
                 return prefix, part
             return None
-        return (prefix, part) if part in PARTS else None
+        needed, optional = PARTS[self.quant.method]
+        return (prefix, part) if part in needed + optional else None
 
     def add(self, prefix: str, part: str, tensor: torch.Tensor):
         """The layout of `prefix` once complete, else None. A GPTQ g_idx is checked on its
         own (the plain input order), an FP8 input_scale dropped; neither is kept."""
         if part == "input_scale":
             return None
-        if part == "g_idx":
+        if part == "weight_zero_point" and not self.quant.zero_points:
+            if tensor.any():  # a symmetric scheme's zero points are zero
+                raise ValueError(f"{prefix}.weight_zero_point is not zero in a symmetric "
+                                 "scheme.")
+            return None
+        if part in ("g_idx", "weight_g_idx"):
             group = self.quant.group_size if self.quant.group_size > 0 else len(tensor)
             if not torch.equal(tensor.long().cpu(), torch.arange(len(tensor)) // group):
                 raise ValueError(f"{prefix}.g_idx is not the plain input order (desc_act): "
@@ -183,8 +247,10 @@ class PackedParts:
         parts = self.pending.setdefault(prefix, {})
         parts[part] = tensor
         fp8 = self.quant.layout == "fp8"
-        if not all(p in parts for p in (("weight", "weight_scale") if fp8
-                                        else ("qweight", "qzeros", "scales"))):
+        needed = ("weight", "weight_scale") if fp8 else PARTS[self.quant.method][0]
+        if self.quant.zero_points and self.quant.method == "compressed-tensors":
+            needed += ("weight_zero_point",)
+        if not all(p in parts for p in needed):
             return None
         del self.pending[prefix]
         if fp8:

@@ -30,7 +30,8 @@ from csrc_triton.int4_layout import (int4_half, int4_packed_bytes, pack_int4,  #
                                      unpack_int4)
 
 METHODS = ("fp8", "int8", "int4")
-CHECKPOINT_METHODS = ("gptq", "awq")  # read from a quantized checkpoint (prequantized.py)
+# Read from a quantized checkpoint (prequantized.py), by the checkpoint's quant_method.
+CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors")
 GROUP_SIZE = 128
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448

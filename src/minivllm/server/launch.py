@@ -79,12 +79,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "folder's generation_config.json, 'vllm' ignores it (OpenAI's "
                              "defaults), a FOLDER reads its generation_config.json.")
     parser.add_argument("--quantization", "-q", default=None,
-                        choices=["fp8", "int8", "int4", "gptq", "awq"],
+                        choices=["fp8", "int8", "int4", "gptq", "awq", "compressed-tensors"],
                         help="Quantize the decoder's projections at load: fp8 (FP8 weights; "
                              "W8A8 on FP8 tensor cores in large steps), int8 or int4 "
-                             "(weight-only; int4 in groups of 128). gptq / awq: the "
-                             "checkpoint is quantized so (found from its config.json when "
-                             "left out). The CPU runs each through a reference path "
+                             "(weight-only; int4 in groups of 128). gptq / awq / "
+                             "compressed-tensors: the checkpoint is quantized so (found from "
+                             "its config.json when left out). The CPU runs each through a reference path "
                              "(dequantize, then matmul).")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                         help="The KV cache's element type: auto (the model's dtype) or fp8 "
