@@ -207,3 +207,31 @@ def test_fp8_checkpoint_loads_the_weights_it_encodes(tmp_path, fmt):
     got = [o.outputs[0].token_ids for o in q.generate(prompts, params, use_tqdm=False)]
     want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
     assert got == want
+
+
+def test_compressed_tensors_by_channel_reads_one_group_a_row():
+    """W4A16 by channel: one scale (and zero point) per output row over all its inputs."""
+    from minivllm.model.prequantized import PackedParts, checkpoint_quantization
+
+    g = torch.Generator().manual_seed(5)
+    out_f, in_f = 16, 40  # 40 inputs: the last packed word holds padding
+    codes = torch.randint(0, 16, (out_f, in_f), generator=g)
+    zero = torch.randint(4, 12, (out_f, 1), generator=g)
+    scale = torch.rand(out_f, 1, generator=g).half() + 0.1
+    padded = torch.nn.functional.pad(codes, (0, 8 - in_f % 8))
+    quant = checkpoint_quantization({"quantization_config": {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "symmetric": False,
+                                            "strategy": "channel"}}}}})
+    assert quant.group_size == -1 and quant.zero_points
+    parts = PackedParts(quant)
+    tensors = {"weight_packed": pack_columns(padded), "weight_scale": scale,
+               "weight_shape": torch.tensor([out_f, in_f]),
+               "weight_zero_point": pack_gptq_rows(zero)}
+    layouts = [parts.add("p", name, t) for name, t in tensors.items()]
+    assert layouts[:3] == [None] * 3
+    packed, got_scale, got_zero = layouts[3]
+    unpacked = unpack_int4(packed, in_f, int4_half(in_f, in_f))
+    assert torch.equal(unpacked.long(), codes)
+    assert torch.equal(got_zero.long(), zero) and torch.equal(got_scale, scale.float())
+    parts.check_done()
