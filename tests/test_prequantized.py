@@ -53,14 +53,47 @@ def test_unpacking_inverts_each_layout():
     assert not torch.equal(unpack_along_columns(pack_columns(q, AWQ_ORDER)), q)
 
 
-def write_checkpoints(family: str, fmt: str, tmp_path, sym: bool = False):
-    """(quantized checkpoint folder, full-precision folder of the weights it encodes)."""
+# Projections that share their input, and so one act-order input order in a checkpoint.
+_SAME_INPUT = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp",
+               "up_proj": "mlp"}
+
+
+def write_checkpoints(family: str, fmt: str, tmp_path, sym: bool = False,
+                      act_order: bool = False):
+    """(quantized checkpoint folder, full-precision folder of the weights it encodes).
+    act_order (GPTQ desc_act): each group takes its inputs from a random order of the
+    row's inputs (shared by projections with one input), stored in input order with
+    g_idx naming each input's group."""
     model = make_hf_model(family)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     quant, reference = {}, dict(state)
     for name, w in state.items():
         module, _, leaf = name.rpartition(".")
         if leaf != "weight" or module.rpartition(".")[2] not in PROJECTIONS:
+            continue
+        if act_order:
+            layer, proj = module.rpartition(".")[0], module.rpartition(".")[2]
+            key = f"{layer}.{_SAME_INPUT.get(proj, proj)}"
+            gen = torch.Generator().manual_seed(sum(map(ord, key)))
+            order = torch.randperm(w.shape[1], generator=gen)  # the quantization order
+            rank = torch.argsort(order)  # input i is the rank[i]-th quantized
+            packed, scale, zero = quantize_int4(w[:, order], GROUP)
+            codes = unpack_int4(packed, w.shape[1], int4_half(GROUP, w.shape[1]))[:, rank]
+            g_idx = (rank // GROUP).to(torch.int32)
+            scale16 = scale.half()
+            reference[name] = (codes.float() - zero.float()[:, g_idx.long()]) \
+                * scale16.float()[:, g_idx.long()]
+            if fmt == "compressed-tensors":  # actorder "group"
+                quant[module + ".weight_packed"] = pack_columns(codes)
+                quant[module + ".weight_scale"] = scale16
+                quant[module + ".weight_shape"] = torch.tensor(list(w.shape))
+                quant[module + ".weight_zero_point"] = pack_gptq_rows(zero)
+                quant[module + ".weight_g_idx"] = g_idx
+                continue
+            quant[module + ".qweight"] = pack_gptq_rows(codes.t().contiguous())
+            quant[module + ".qzeros"] = pack_columns((zero.t().long() - 1) & 0xF)  # v1
+            quant[module + ".g_idx"] = g_idx
+            quant[module + ".scales"] = scale16.t().contiguous()
             continue
         packed, scale, zero = quantize_int4(w, GROUP)
         if sym:
@@ -102,7 +135,7 @@ def write_checkpoints(family: str, fmt: str, tmp_path, sym: bool = False):
         if not (leaf == "weight" and module.rpartition(".")[2] in PROJECTIONS):
             quant[name] = t
     cfg = model.config.to_dict()
-    qdir, rdir = tmp_path / f"{family}-{fmt}", tmp_path / f"{family}-{fmt}-reference"
+    qdir, rdir = tmp_path / f"{family}-{fmt}-q", tmp_path / f"{family}-{fmt}-reference"
     for d, tensors in ((qdir, quant), (rdir, reference)):
         d.mkdir()
         if "lm_head.weight" in tensors and cfg.get("tie_word_embeddings"):
@@ -117,9 +150,10 @@ def write_checkpoints(family: str, fmt: str, tmp_path, sym: bool = False):
               "config_groups": {"group_0": {
                   "targets": ["Linear"], "input_activations": None,
                   "weights": {"num_bits": 4, "type": "int", "symmetric": sym,
-                              "strategy": "group", "group_size": GROUP, "actorder": None}}}}
+                              "strategy": "group", "group_size": GROUP,
+                              "actorder": "group" if act_order else None}}}}
     else:
-        qc = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False,
+        qc = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": act_order,
               "sym": sym, "checkpoint_format": fmt}
     (qdir / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
     (rdir / "config.json").write_text(json.dumps(cfg))
@@ -235,3 +269,43 @@ def test_compressed_tensors_by_channel_reads_one_group_a_row():
     assert torch.equal(unpacked.long(), codes)
     assert torch.equal(got_zero.long(), zero) and torch.equal(got_scale, scale.float())
     parts.check_done()
+
+
+@pytest.mark.parametrize("family,fmt", [("llama", "gptq"), ("qwen2", "gptq"),
+                                        ("llama", "compressed-tensors")])
+def test_act_order_checkpoint_loads_the_weights_it_encodes(tmp_path, family, fmt):
+    """GPTQ desc_act true (compressed-tensors: actorder "group"): each projection's packed
+    inputs are reordered so that its groups are adjacent, the layer reorders x the same
+    way, and the model generates what the full-precision checkpoint of the encoded
+    weights generates."""
+    qdir, rdir = write_checkpoints(family, fmt, tmp_path, act_order=True)
+    kw = dict(skip_tokenizer_init=True, max_model_len=128)
+    q, ref = LLM(str(qdir), **kw), LLM(str(rdir), **kw)
+    for qlayer, rlayer in zip(q.engine.runner.model.model.layers,
+                              ref.engine.runner.model.model.layers):
+        for qm, rm in ((qlayer.self_attn.qkv_proj, rlayer.self_attn.qkv_proj),
+                       (qlayer.self_attn.o_proj, rlayer.self_attn.o_proj),
+                       (qlayer.mlp.gate_up_proj, rlayer.mlp.gate_up_proj),
+                       (qlayer.mlp.down_proj, rlayer.mlp.down_proj)):
+            perm = qm.input_perm
+            assert perm is not None and not torch.equal(perm, torch.arange(len(perm)))
+            torch.testing.assert_close(qm.dequantized_weight(), rm.weight.float()[:, perm],
+                                       rtol=0, atol=1e-6)
+    prompts = random_prompts(4, 256, 5, 20, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in q.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+
+
+def test_gptq_act_order_parts_of_a_fused_layer_must_share_their_input_order(tmp_path):
+    """q, k and v read one input: a checkpoint whose g_idx orders them differently cannot
+    run as one fused projection, and says so."""
+    qdir, _ = write_checkpoints("llama", "gptq", tmp_path, act_order=True)
+    from safetensors.torch import load_file
+    tensors = load_file(str(qdir / "model.safetensors"))
+    name = next(n for n in tensors if n.endswith("k_proj.g_idx"))
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, str(qdir / "model.safetensors"))
+    with pytest.raises(ValueError, match="unlike the other parts of its fused layer"):
+        LLM(str(qdir), skip_tokenizer_init=True, max_model_len=128)

@@ -229,7 +229,6 @@ def test_bad_quantization_and_prequantized_checkpoints_are_refused(tiny_model_di
                                                   "strategy": "group", "group_size": 32}}}},
              "leaves 're:.\\*mlp.down_proj' unquantized"),
             ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "only 4 bits"),
-            ({"quant_method": "gptq", "bits": 4, "desc_act": True}, "desc_act"),
             ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "only 'gemm'")]:
         cfg["quantization_config"] = qc
         (tmp_path / "config.json").write_text(json.dumps(cfg))

@@ -189,8 +189,17 @@ class LlamaForCausalLM(nn.Module):
             if split is not None:
                 layout = packed.add(split[0], split[1], tensor)
                 prefix = target.rpartition(".")[0]
-                for part, value in zip(("qweight", "scale", "zero"), layout or ()):
+                for part, value in zip(("qweight", "scale", "zero", "input_perm"),
+                                       layout or ()):
                     buf = params[f"{prefix}.{part}"]
+                    if part == "input_perm":  # one input order for a fused layer's parts
+                        if f"{prefix}.{part}" in loaded and not torch.equal(
+                                buf, value.to(buf.device)):
+                            raise ValueError(f"{split[0]}: its inputs are ordered (g_idx) "
+                                             "unlike the other parts of its fused layer.")
+                        buf.copy_(value)
+                        loaded.add(f"{prefix}.{part}")
+                        continue
                     dest = buf if shard is None else self._shard_view(f"{prefix}.{part}", buf,
                                                                       shard)
                     if dest.shape != value.shape:

@@ -124,7 +124,7 @@ def load_model(cfg: ModelConfig, model_path: Path, *, load_format: str, dtype: t
     with torch.device("meta"):
         model = model_cls(cfg, max_positions, attention_backend, fused_ops)
         if ahead is not None:
-            quantized_shells(model, ahead.layout, ahead.group_size)
+            quantized_shells(model, ahead.layout, ahead.group_size, ahead.act_order)
     model = model.to_empty(device=device).to(dtype)
     for layer in model.modules():
         if isinstance(layer, QuantizedLinear):
@@ -136,7 +136,7 @@ def load_model(cfg: ModelConfig, model_path: Path, *, load_format: str, dtype: t
             module.reset_tables(device)
     expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     expected |= {n for n, _ in model.named_buffers() if n.rpartition(".")[2] in
-                 ("qweight", "scale", "zero", "bias")}
+                 ("qweight", "scale", "zero", "bias", "input_perm")}
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
     weights = _weights_for(cfg, model_path, load_format, seed, device, dtype)
@@ -179,4 +179,7 @@ def _fill_int4_dummy(model: torch.nn.Module, cfg: ModelConfig, seed: int) -> set
         layer.scale.fill_(cfg.initializer_range / 4.6)  # uniform codes 0..15: std ~4.6
         layer.zero.fill_(8)
         filled |= {f"{name}.qweight", f"{name}.scale", f"{name}.zero"}
+        if layer.input_perm is not None:
+            layer.input_perm.copy_(torch.arange(layer.in_features))
+            filled.add(f"{name}.input_perm")
     return filled

@@ -14,7 +14,10 @@ inputs:
        the input dimension (nibble j of word r is input 8r + j); qzeros [groups, out / 8],
        packed along the output dimension. checkpoint_format "gptq" (v1, the default)
        stores each zero point minus one; "gptq_v2" stores it as it is. g_idx [in] maps an
-       input to its group: only the plain order (desc_act false) is read.
+       input to its group: in input order (desc_act false), or in the order the inputs
+       were quantized (desc_act true, "act-order"): there the inputs are reordered at
+       load so that each group's are adjacent, and the layer reorders its input the same
+       way each step (QuantizedLinear.input_perm).
   AWQ  (quant_method "awq", version "gemm"): qweight [in, out / 8] and qzeros
        [groups, out / 8], both packed along the output dimension in the order
        AWQ_ORDER (nibble i of word c is output 8c + AWQ_ORDER[i]).
@@ -23,7 +26,8 @@ inputs:
        each code stored as q + 8 for q in [-8, 7]; weight_scale [out, groups] (one group:
        [out, 1]); weight_shape [out, in]; weight_zero_point [out / 8, groups] packed along
        the output dimension (stored the same way) for an asymmetric scheme, none (zero) for
-       a symmetric one; weight_g_idx only with activation ordering (read when plain).
+       a symmetric one; weight_g_idx with activation ordering (actorder "group": read
+       as GPTQ's act-order g_idx).
 Weight (k, n) = (q - zero) * scale of its group, as in the int4 layout (which holds it
 as csrc_triton/int4_layout.py's bytes, [out, groups] scales and zero points).
 """
@@ -52,6 +56,7 @@ class CheckpointQuantization:
     group_size: int = 0  # int4's; -1: one group over all inputs
     zero_offset: int = 0  # added to the stored zero points (GPTQ v1: 1)
     zero_points: bool = True  # stored (a symmetric compressed-tensors scheme has none)
+    act_order: bool = False  # GPTQ desc_act: groups follow g_idx, not the input order
 
     @property
     def layout(self) -> str:
@@ -82,13 +87,11 @@ def checkpoint_quantization(raw_cfg: dict) -> CheckpointQuantization | None:
         raise ValueError(f"{method} checkpoint with {bits}-bit weights: only 4 bits are read.")
     group = qc.get("group_size", qc.get("q_group_size", 128))
     if method == "gptq":
-        if qc.get("desc_act"):
-            raise ValueError("GPTQ checkpoint with desc_act true (inputs in activation order): "
-                             "only desc_act false is read.")
         fmt = qc.get("checkpoint_format", "gptq")
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(f"GPTQ checkpoint_format {fmt!r}: 'gptq' or 'gptq_v2' are read.")
-        return CheckpointQuantization("gptq", group, 1 if fmt == "gptq" else 0)
+        return CheckpointQuantization("gptq", group, 1 if fmt == "gptq" else 0,
+                                      act_order=bool(qc.get("desc_act")))
     version = str(qc.get("version", "gemm")).lower()
     if version != "gemm" or qc.get("zero_point") is False:
         raise ValueError(f"AWQ checkpoint of version {version!r} (zero_point "
@@ -119,7 +122,8 @@ def _compressed_tensors(qc: dict) -> CheckpointQuantization:
               and w.get("strategy") in ("group", "channel")
               and g.get("format", qc.get("format")) == "pack-quantized"):
             group = w.get("group_size") if w.get("strategy") == "group" else -1
-            schemes.add(("int4", group, bool(w.get("symmetric", True))))
+            schemes.add(("int4", group, bool(w.get("symmetric", True)),
+                         w.get("actorder") == "group"))
         else:
             raise ValueError("compressed-tensors checkpoint with a scheme other than 8-bit "
                              "float weights by tensor or channel, or 4-bit integer weights "
@@ -129,8 +133,9 @@ def _compressed_tensors(qc: dict) -> CheckpointQuantization:
     scheme = schemes.pop()
     if scheme[0] == "fp8":
         return CheckpointQuantization("fp8")
-    _, group, symmetric = scheme
-    return CheckpointQuantization("compressed-tensors", group, zero_points=not symmetric)
+    _, group, symmetric, act_order = scheme
+    return CheckpointQuantization("compressed-tensors", group, zero_points=not symmetric,
+                                  act_order=act_order)
 
 
 def to_fp8_layout(parts: dict[str, torch.Tensor], out_features: int
@@ -163,9 +168,10 @@ def unpack_along_columns(words: torch.Tensor, order=tuple(range(8))) -> torch.Te
 
 
 def to_int4_layout(quant: CheckpointQuantization, parts: dict[str, torch.Tensor]
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   ) -> tuple[torch.Tensor, ...]:
     """One projection's checkpoint tensors -> (packed uint8 in quantization.pack_int4's
-    layout, scale [out, groups] fp32, zero [out, groups] uint8)."""
+    layout, scale [out, groups] fp32, zero [out, groups] uint8), and with act-order the
+    input order of the packed rows (int64 [in]: packed input j is input perm[j])."""
     if quant.method == "compressed-tensors":
         return _compressed_int4_layout(quant, parts)
     scales = parts["scales"].float()
@@ -180,19 +186,36 @@ def to_int4_layout(quant: CheckpointQuantization, parts: dict[str, torch.Tensor]
     zeros = zeros[:, :out_f]
     if in_f % groups:
         raise ValueError(f"{groups} groups of scales do not divide {in_f} inputs.")
-    half = int4_half(in_f // groups, in_f)
-    return (pack_int4(q.t().contiguous().to(torch.uint8), half), scales.t().contiguous(),
-            zeros.t().contiguous().to(torch.uint8))
+    group = in_f // groups
+    perm = _group_order(parts["g_idx"], in_f, group) if quant.act_order else None
+    if perm is not None:
+        q = q[perm.to(q.device)]
+    layout = (pack_int4(q.t().contiguous().to(torch.uint8), int4_half(group, in_f)),
+              scales.t().contiguous(), zeros.t().contiguous().to(torch.uint8))
+    return layout if perm is None else layout + (perm,)
+
+
+def _group_order(g_idx: torch.Tensor, in_f: int, group: int) -> torch.Tensor:
+    """Act-order: the inputs ordered by group (int64 [in]), each group's `group` inputs
+    adjacent (the last group may be short)."""
+    g_idx = g_idx.long().cpu()
+    perm = torch.argsort(g_idx, stable=True)
+    if len(g_idx) != in_f or not torch.equal(g_idx[perm], torch.arange(in_f) // group):
+        raise ValueError(f"g_idx does not put {group} inputs in each group of {in_f} inputs.")
+    return perm
 
 
 def _compressed_int4_layout(quant: CheckpointQuantization, parts: dict[str, torch.Tensor]
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            ) -> tuple[torch.Tensor, ...]:
     """compressed-tensors' W4A16 tensors -> the int4 layout: its stored codes (q + 8) and
     zero points (z + 8) are the layout's unsigned codes and zero points as they are."""
     out_f, in_f = (int(x) for x in parts["weight_shape"].reshape(-1).tolist())
     codes = unpack_along_columns(parts["weight_packed"])[:out_f, :in_f]
-    scales = parts["weight_scale"].float().reshape(out_f, -1)
     group = quant.group_size if quant.group_size > 0 else in_f
+    perm = _group_order(parts["weight_g_idx"], in_f, group) if quant.act_order else None
+    if perm is not None:
+        codes = codes[:, perm.to(codes.device)]
+    scales = parts["weight_scale"].float().reshape(out_f, -1)
     if scales.shape[1] != -(-in_f // group):
         raise ValueError(f"weight_scale of {scales.shape[1]} groups for {in_f} inputs in "
                          f"groups of {group}.")
@@ -203,8 +226,9 @@ def _compressed_int4_layout(quant: CheckpointQuantization, parts: dict[str, torc
     if zeros.shape != scales.shape:
         raise ValueError(f"weight_zero_point of shape {tuple(zeros.shape)} for scales of "
                          f"shape {tuple(scales.shape)}.")
-    return (pack_int4(codes.contiguous().to(torch.uint8), int4_half(group, in_f)),
-            scales.contiguous(), zeros.contiguous().to(torch.uint8))
+    layout = (pack_int4(codes.contiguous().to(torch.uint8), int4_half(group, in_f)),
+              scales.contiguous(), zeros.contiguous().to(torch.uint8))
+    return layout if perm is None else layout + (perm,)
 
 
 class PackedParts:
@@ -229,8 +253,9 @@ class PackedParts:
         return (prefix, part) if part in needed + optional else None
 
     def add(self, prefix: str, part: str, tensor: torch.Tensor):
-        """The layout of `prefix` once complete, else None. A GPTQ g_idx is checked on its
-        own (the plain input order), an FP8 input_scale dropped; neither is kept."""
+        """The layout of `prefix` once complete, else None. Without act-order a GPTQ g_idx
+        is checked on its own (the plain input order) and not kept; an FP8 input_scale is
+        dropped."""
         if part == "input_scale":
             return None
         if part == "weight_zero_point" and not self.quant.zero_points:
@@ -238,7 +263,7 @@ class PackedParts:
                 raise ValueError(f"{prefix}.weight_zero_point is not zero in a symmetric "
                                  "scheme.")
             return None
-        if part in ("g_idx", "weight_g_idx"):
+        if part in ("g_idx", "weight_g_idx") and not self.quant.act_order:
             group = self.quant.group_size if self.quant.group_size > 0 else len(tensor)
             if not torch.equal(tensor.long().cpu(), torch.arange(len(tensor)) // group):
                 raise ValueError(f"{prefix}.g_idx is not the plain input order (desc_act): "
@@ -250,6 +275,9 @@ class PackedParts:
         needed = ("weight", "weight_scale") if fp8 else PARTS[self.quant.method][0]
         if self.quant.zero_points and self.quant.method == "compressed-tensors":
             needed += ("weight_zero_point",)
+        if self.quant.act_order:
+            needed += ("weight_g_idx",) if self.quant.method == "compressed-tensors" \
+                else ("g_idx",)
         if not all(p in parts for p in needed):
             return None
         del self.pending[prefix]

@@ -160,11 +160,16 @@ class QuantizedLinear(nn.Module):
         self.out_dtype = out_dtype
         self.group_size = group_size  # int4's
         self.register_buffer("bias", bias)
+        # A GPTQ act-order checkpoint's groups gather inputs from anywhere in the row: the
+        # packed weights hold input input_perm[j] at j, and x is reordered to match.
+        self.register_buffer("input_perm", None)
 
     @classmethod
-    def empty_int4(cls, linear: nn.Linear, group_size: int) -> QuantizedLinear:
+    def empty_int4(cls, linear: nn.Linear, group_size: int,
+                   act_order: bool = False) -> QuantizedLinear:
         """An int4 layer of linear's shape with its buffers unfilled (on linear's device,
-        meta included), for a checkpoint quantized ahead; group_size -1: one group."""
+        meta included), for a checkpoint quantized ahead; group_size -1: one group;
+        act_order: with an input order to fill too."""
         n, k = linear.out_features, linear.in_features
         group = k if group_size < 0 else group_size
         dev = linear.weight.device
@@ -176,6 +181,8 @@ class QuantizedLinear(nn.Module):
         layer.register_buffer("qweight", torch.empty(n, packed, dtype=torch.uint8, device=dev))
         layer.register_buffer("scale", torch.empty(n, groups, dtype=torch.float32, device=dev))
         layer.register_buffer("zero", torch.empty(n, groups, dtype=torch.uint8, device=dev))
+        if act_order:
+            layer.register_buffer("input_perm", torch.empty(k, dtype=torch.long, device=dev))
         return layer
 
     @classmethod
@@ -222,13 +229,16 @@ class QuantizedLinear(nn.Module):
         self.scale = self.scale.float()
 
     def dequantized_weight(self) -> torch.Tensor:
-        """The weight as the stored numbers give it, fp32 [out, in]."""
+        """The weight as the stored numbers give it, fp32 [out, in] (with input_perm: its
+        inputs in that order)."""
         if self.method == "int4":
             return dequantize_int4(self.qweight, self.scale, self.zero, self.in_features,
                                    self.group_size)
         return self.qweight.float() * self.scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_perm is not None:
+            x = x.index_select(-1, self.input_perm)
         if not x.is_cuda:
             return self.reference(x)
         if self.method == "fp8":
@@ -274,14 +284,15 @@ class QuantizedLinear(nn.Module):
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def quantized_shells(model: nn.Module, layout: str, group_size: int = GROUP_SIZE) -> None:
+def quantized_shells(model: nn.Module, layout: str, group_size: int = GROUP_SIZE,
+                     act_order: bool = False) -> None:
     """Replace every decoder projection by an unfilled QuantizedLinear of `layout` ("int4"
     or "fp8"), for a checkpoint quantized ahead to fill."""
     for module in list(model.modules()):
         for name in PROJECTIONS:
             linear = getattr(module, name, None)
             if isinstance(linear, nn.Linear):
-                setattr(module, name, QuantizedLinear.empty_int4(linear, group_size)
+                setattr(module, name, QuantizedLinear.empty_int4(linear, group_size, act_order)
                         if layout == "int4" else QuantizedLinear.empty_fp8(linear))
 
 
