@@ -309,3 +309,72 @@ def test_gptq_act_order_parts_of_a_fused_layer_must_share_their_input_order(tmp_
     save_file(tensors, str(qdir / "model.safetensors"))
     with pytest.raises(ValueError, match="unlike the other parts of its fused layer"):
         LLM(str(qdir), skip_tokenizer_init=True, max_model_len=128)
+
+
+@pytest.mark.parametrize("fmt", ["weight_block_size", "compressed-tensors-block"])
+def test_block_fp8_checkpoint_is_dequantized_at_load(tmp_path, fmt):
+    """Block-wise FP8 (DeepSeek's / Qwen's weight_scale_inv, llm-compressor's "block"
+    strategy): the projections load as the full-precision weights the blocks encode, and
+    quantization="fp8" quantizes those again per channel, as for a full-precision
+    checkpoint of them."""
+    from minivllm.model.quantization import FP8, FP8_MAX
+
+    block = [16, 24]  # does not divide every projection: the edge blocks are partial
+    model = make_hf_model("qwen2")
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    quant, reference = {}, dict(state)
+    for name, w in state.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf != "weight" or module.rpartition(".")[2] not in PROJECTIONS:
+            continue
+        rows, cols = -(-w.shape[0] // block[0]), -(-w.shape[1] // block[1])
+        padded = torch.zeros(rows * block[0], cols * block[1])
+        padded[:w.shape[0], :w.shape[1]] = w
+        amax = padded.reshape(rows, block[0], cols, block[1]).abs().amax((1, 3))
+        scale = (amax / FP8_MAX).clamp(min=1e-12)
+        full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+        full = full[:w.shape[0], :w.shape[1]]
+        q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        quant[name] = q
+        scale_name = "weight_scale" if fmt.startswith("compressed") else "weight_scale_inv"
+        quant[f"{module}.{scale_name}"] = scale
+        reference[name] = q.float() * full
+    for name, t in state.items():
+        quant.setdefault(name, t)
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": block}
+    if fmt.startswith("compressed"):
+        qc = {"quant_method": "compressed-tensors", "format": "float-quantized",
+              "ignore": ["lm_head"], "config_groups": {"group_0": {
+                  "targets": ["Linear"], "input_activations": {
+                      "num_bits": 8, "type": "float", "strategy": "group", "group_size": 128,
+                      "dynamic": True},
+                  "weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                              "block_structure": block}}}}
+    cfg = model.config.to_dict()
+    dirs = []
+    for label, tensors, extra in (("q", quant, {"quantization_config": qc}),
+                                  ("ref", reference, {})):
+        d = tmp_path / label
+        d.mkdir()
+        tensors = {k: v.contiguous() for k, v in tensors.items() if k != "lm_head.weight"}
+        save_file(tensors, str(d / "model.safetensors"))
+        (d / "config.json").write_text(json.dumps({**cfg, **extra}))
+        dirs.append(d)
+    kw = dict(skip_tokenizer_init=True, max_model_len=128)
+    prompts = random_prompts(3, 256, 5, 10, seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for method in (None, "fp8"):
+        q = LLM(str(dirs[0]), quantization=method, **kw)
+        ref = LLM(str(dirs[1]), quantization=method, **kw)
+        qm = q.engine.runner.model.model.layers[0].self_attn.qkv_proj
+        rm = ref.engine.runner.model.model.layers[0].self_attn.qkv_proj
+        if method is None:
+            assert isinstance(qm, torch.nn.Linear)
+            torch.testing.assert_close(qm.weight, rm.weight, rtol=0, atol=0)
+        else:
+            assert isinstance(qm, QuantizedLinear) and qm.method == "fp8"
+            torch.testing.assert_close(qm.dequantized_weight(), rm.dequantized_weight(),
+                                       rtol=0, atol=0)
+        got = [o.outputs[0].token_ids for o in q.generate(prompts, params, use_tqdm=False)]
+        want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+        assert got == want

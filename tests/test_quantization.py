@@ -215,7 +215,7 @@ def test_bad_quantization_and_prequantized_checkpoints_are_refused(tiny_model_di
     cfg = json.loads((tiny_model_dirs["llama"] / "config.json").read_text())
     for qc, message in [
             ({"quant_method": "bitsandbytes"}, "quantized \\('bitsandbytes'\\)"),
-            ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
+            ({"quant_method": "fp8", "weight_block_size": [128]}, "two positive integers"),
             ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
                 "num_bits": 4, "type": "int", "strategy": "group"}}}}, "other than 8-bit"),
             ({"quant_method": "compressed-tensors", "format": "pack-quantized",

@@ -189,6 +189,10 @@ class LlamaForCausalLM(nn.Module):
             if split is not None:
                 layout = packed.add(split[0], split[1], tensor)
                 prefix = target.rpartition(".")[0]
+                if isinstance(layout, torch.Tensor):  # dequantized: a full-precision weight
+                    name, target, tensor, split = f"{split[0]}.weight", f"{prefix}.weight", \
+                        layout, None
+            if split is not None:
                 for part, value in zip(("qweight", "scale", "zero", "input_perm"),
                                        layout or ()):
                     buf = params[f"{prefix}.{part}"]

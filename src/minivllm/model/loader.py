@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,8 @@ from .llama import MODEL_CLASSES
 from .prequantized import PackedParts, checkpoint_quantization
 from .quantization import (CHECKPOINT_METHODS, METHODS, QuantizedLinear, quantize_model,
                            quantized_shells)
+
+logger = logging.getLogger(__name__)
 
 
 def hf_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -111,19 +114,28 @@ def load_model(cfg: ModelConfig, model_path: Path, *, load_format: str, dtype: t
         raise ValueError(f"quantization={quantization!r} reads a checkpoint quantized with "
                          f"{quantization.upper()}; this one has no quantization_config.")
     if ahead is not None:
-        # The method, or the checkpoint's own name for it (compressed-tensors' FP8 is fp8).
+        # The method, or the checkpoint's own name for it (compressed-tensors' FP8 is fp8);
+        # weights dequantized at load take any method of quantization at load.
         names = {ahead.method, cfg.raw["quantization_config"].get("quant_method")}
+        if ahead.layout == "dense":
+            names |= set(METHODS)
         if quantization not in names | {None}:
             raise ValueError(f"This checkpoint is quantized with {ahead.method.upper()}: "
                              f"quantization must be None or one of {sorted(names)}, got "
                              f"{quantization!r}.")
-    if ahead is not None and ahead.layout == "fp8" and load_format == "dummy":
-        ahead, quantization = None, "fp8"  # dummy weights, quantized as they load
+    if ahead is not None and ahead.layout in ("fp8", "dense") and load_format == "dummy":
+        # Dummy weights, quantized as they load (block-wise FP8: kept in the model dtype).
+        ahead, quantization = None, ("fp8" if ahead.layout == "fp8" else quantization)
+    if ahead is not None and ahead.layout == "dense":
+        logger.info("Block-wise FP8 checkpoint: its weights are dequantized to %s at load%s.",
+                    str(dtype).removeprefix("torch."),
+                    ", then quantized again per channel (fp8)" if quantization == "fp8"
+                    else "" if quantization is None else f", then quantized to {quantization}")
     model_cls = MODEL_CLASSES[cfg.architecture]
     # Build on the meta device (no wasted random init), then materialize on the target.
     with torch.device("meta"):
         model = model_cls(cfg, max_positions, attention_backend, fused_ops)
-        if ahead is not None:
+        if ahead is not None and ahead.layout != "dense":
             quantized_shells(model, ahead.layout, ahead.group_size, ahead.act_order)
     model = model.to_empty(device=device).to(dtype)
     for layer in model.modules():
@@ -151,7 +163,7 @@ def load_model(cfg: ModelConfig, model_path: Path, *, load_format: str, dtype: t
     missing = expected - loaded
     if missing:
         raise ValueError(f"Checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}.")
-    if ahead is None and quantization in METHODS:
+    if (ahead is None or ahead.layout == "dense") and quantization in METHODS:
         with torch.no_grad():
             quantize_model(model, quantization)
     return model.eval()

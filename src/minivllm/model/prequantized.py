@@ -6,6 +6,11 @@ the tensor or one per output channel: quant_method "fp8" (vLLM's / AutoFP8's) wi
 block scales, or "compressed-tensors" (llm-compressor) with 8-bit float weights by tensor
 or channel. An `input_scale` (static activation scales) is not used: activations get
 per-token scales computed each step, as with quantization="fp8".
+Block-wise FP8 (weight_block_size [128, 128], as DeepSeek and Qwen publish, the scales in
+`weight_scale_inv` [out / 128, in / 128]; compressed-tensors' "block" strategy, in
+`weight_scale`): the engine has no block-scaled kernels, so these weights are dequantized
+at load, to the model dtype (layout "dense"), and run as a full-precision model, or
+quantized again per channel with quantization="fp8".
 
 Both store, per projection, int32 words of eight 4-bit weights, int32 words of eight
 4-bit zero points and a [groups, out] scale tensor (fp16), for groups of `group_size`
@@ -57,9 +62,12 @@ class CheckpointQuantization:
     zero_offset: int = 0  # added to the stored zero points (GPTQ v1: 1)
     zero_points: bool = True  # stored (a symmetric compressed-tensors scheme has none)
     act_order: bool = False  # GPTQ desc_act: groups follow g_idx, not the input order
+    block: tuple[int, int] | None = None  # block-wise FP8's [out, in] block
 
     @property
     def layout(self) -> str:
+        if self.block is not None:
+            return "dense"
         return "fp8" if self.method == "fp8" else "int4"
 
 
@@ -71,10 +79,8 @@ def checkpoint_quantization(raw_cfg: dict) -> CheckpointQuantization | None:
         return None
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method == "fp8":
-        if qc.get("weight_block_size"):
-            raise ValueError("FP8 checkpoint with block-wise scales (weight_block_size): only "
-                             "per-tensor or per-channel weight scales are read.")
-        return CheckpointQuantization("fp8")
+        block = qc.get("weight_block_size")
+        return CheckpointQuantization("fp8", block=_block(block) if block else None)
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
     if method not in ("gptq", "awq"):
@@ -115,9 +121,10 @@ def _compressed_tensors(qc: dict) -> CheckpointQuantization:
     for g in groups:
         w, a = g.get("weights") or {}, g.get("input_activations")
         if (w.get("type") == "float" and w.get("num_bits") == 8
-                and w.get("strategy") in ("tensor", "channel")
+                and w.get("strategy") in ("tensor", "channel", "block")
                 and (a is None or (a.get("type") == "float" and a.get("num_bits") == 8))):
-            schemes.add(("fp8",))
+            schemes.add(("fp8", _block(w["block_structure"]) if w["strategy"] == "block"
+                         else None))
         elif (w.get("type") == "int" and w.get("num_bits") == 4 and a is None
               and w.get("strategy") in ("group", "channel")
               and g.get("format", qc.get("format")) == "pack-quantized"):
@@ -132,10 +139,31 @@ def _compressed_tensors(qc: dict) -> CheckpointQuantization:
         raise ValueError(f"compressed-tensors checkpoint with several schemes: {sorted(schemes)}.")
     scheme = schemes.pop()
     if scheme[0] == "fp8":
-        return CheckpointQuantization("fp8")
+        return CheckpointQuantization("fp8", block=scheme[1])
     _, group, symmetric, act_order = scheme
     return CheckpointQuantization("compressed-tensors", group, zero_points=not symmetric,
                                   act_order=act_order)
+
+
+def _block(size) -> tuple[int, int]:
+    if not (isinstance(size, (list, tuple)) and len(size) == 2
+            and all(isinstance(x, int) and x > 0 for x in size)):
+        raise ValueError(f"FP8 block size {size!r}: two positive integers [out, in] are read.")
+    return int(size[0]), int(size[1])
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale: torch.Tensor,
+                          block: tuple[int, int]) -> torch.Tensor:
+    """Block-wise FP8 -> fp32 [out, in]: each [block] tile of e4m3 times its scale."""
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"FP8 checkpoint weight of dtype {weight.dtype}: e4m3 is read.")
+    out_f, in_f = weight.shape
+    need = (-(-out_f // block[0]), -(-in_f // block[1]))
+    if tuple(scale.shape) != need:
+        raise ValueError(f"Block scales of shape {tuple(scale.shape)} for a [{out_f}, {in_f}] "
+                         f"weight in blocks of {list(block)}: {list(need)} expected.")
+    full = scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return weight.float() * full[:out_f, :in_f]
 
 
 def to_fp8_layout(parts: dict[str, torch.Tensor], out_features: int
@@ -244,8 +272,8 @@ class PackedParts:
         """'...q_proj.qweight' -> ('...q_proj', 'qweight'); None for other tensors (an FP8
         checkpoint's quantized weights are its float8 ones)."""
         prefix, _, part = name.rpartition(".")
-        if self.quant.layout == "fp8":
-            if part in ("weight_scale", "input_scale") or (
+        if self.quant.method == "fp8":
+            if part in ("weight_scale", "weight_scale_inv", "input_scale") or (
                     part == "weight" and tensor.dtype == torch.float8_e4m3fn):
                 return prefix, part
             return None
@@ -253,9 +281,9 @@ class PackedParts:
         return (prefix, part) if part in needed + optional else None
 
     def add(self, prefix: str, part: str, tensor: torch.Tensor):
-        """The layout of `prefix` once complete, else None. Without act-order a GPTQ g_idx
-        is checked on its own (the plain input order) and not kept; an FP8 input_scale is
-        dropped."""
+        """The layout of `prefix` once complete (block-wise FP8: the dequantized weight, a
+        tensor), else None. Without act-order a GPTQ g_idx is checked on its own (the
+        plain input order) and not kept; an FP8 input_scale is dropped."""
         if part == "input_scale":
             return None
         if part == "weight_zero_point" and not self.quant.zero_points:
@@ -270,7 +298,13 @@ class PackedParts:
                                  "not read.")
             return None
         parts = self.pending.setdefault(prefix, {})
-        parts[part] = tensor
+        parts[part if part != "weight_scale_inv" else "weight_scale"] = tensor
+        if self.quant.block is not None:
+            if "weight" not in parts or "weight_scale" not in parts:
+                return None
+            del self.pending[prefix]
+            return dequantize_fp8_blocks(parts["weight"], parts["weight_scale"],
+                                         self.quant.block)
         fp8 = self.quant.layout == "fp8"
         needed = ("weight", "weight_scale") if fp8 else PARTS[self.quant.method][0]
         if self.quant.zero_points and self.quant.method == "compressed-tensors":
