@@ -378,3 +378,66 @@ def test_block_fp8_checkpoint_is_dequantized_at_load(tmp_path, fmt):
         got = [o.outputs[0].token_ids for o in q.generate(prompts, params, use_tqdm=False)]
         want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
         assert got == want
+
+
+@pytest.mark.parametrize("fmt", ["int-quantized", "pack-quantized"])
+def test_compressed_tensors_int8_checkpoint_loads_the_weights_it_encodes(tmp_path, fmt):
+    """llm-compressor's 8-bit integer weights by channel (W8A8 "int-quantized", its
+    activations run unquantized; W8A16 "pack-quantized", four codes a word stored as
+    q + 128): the layers hold those weights and generate what a full-precision checkpoint
+    of them generates."""
+    model = make_hf_model("llama")
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    quant, reference = {}, dict(state)
+    for name, w in state.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf != "weight" or module.rpartition(".")[2] not in PROJECTIONS:
+            continue
+        scale = (w.abs().amax(1, keepdim=True) / 127).clamp(min=1e-12)
+        q = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
+        if fmt == "int-quantized":
+            quant[name] = q
+            quant[module + ".weight_zero_point"] = torch.zeros_like(scale, dtype=torch.int8)
+        else:
+            stored = (q.long() + 128).reshape(q.shape[0], -1, 4)
+            words = sum(stored[:, :, i] << (8 * i) for i in range(4))
+            quant[module + ".weight_packed"] = to_int32(words)
+            quant[module + ".weight_shape"] = torch.tensor(list(w.shape))
+        quant[module + ".weight_scale"] = scale.half()
+        reference[name] = q.float() * scale.half().float()
+    for name, t in state.items():
+        module, _, leaf = name.rpartition(".")
+        if not (leaf == "weight" and module.rpartition(".")[2] in PROJECTIONS):
+            quant[name] = t
+    acts = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True,
+            "symmetric": True} if fmt == "int-quantized" else None
+    qc = {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"],
+          "config_groups": {"group_0": {
+              "targets": ["Linear"], "input_activations": acts,
+              "weights": {"num_bits": 8, "type": "int", "strategy": "channel",
+                          "symmetric": True}}}}
+    cfg = model.config.to_dict()
+    dirs = []
+    for label, tensors, extra in (("q", quant, {"quantization_config": qc}),
+                                  ("ref", reference, {})):
+        d = tmp_path / label
+        d.mkdir()
+        tensors = {k: v.contiguous() for k, v in tensors.items()
+                   if not (k == "lm_head.weight" and cfg.get("tie_word_embeddings"))}
+        save_file(tensors, str(d / "model.safetensors"))
+        (d / "config.json").write_text(json.dumps({**cfg, **extra}))
+        dirs.append(d)
+    kw = dict(skip_tokenizer_init=True, max_model_len=128)
+    q, ref = LLM(str(dirs[0]), **kw), LLM(str(dirs[1]), **kw)
+    for qlayer, rlayer in zip(q.engine.runner.model.model.layers,
+                              ref.engine.runner.model.model.layers):
+        for qm, rm in ((qlayer.self_attn.qkv_proj, rlayer.self_attn.qkv_proj),
+                       (qlayer.mlp.down_proj, rlayer.mlp.down_proj)):
+            assert isinstance(qm, QuantizedLinear) and qm.method == "int8"
+            torch.testing.assert_close(qm.dequantized_weight(), rm.weight.float(),
+                                       rtol=0, atol=1e-6)
+    prompts = random_prompts(3, 256, 5, 10, seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in q.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    assert got == want

@@ -63,12 +63,15 @@ class CheckpointQuantization:
     zero_points: bool = True  # stored (a symmetric compressed-tensors scheme has none)
     act_order: bool = False  # GPTQ desc_act: groups follow g_idx, not the input order
     block: tuple[int, int] | None = None  # block-wise FP8's [out, in] block
+    bits: int = 4  # an integer scheme's (compressed-tensors: 4 or 8)
 
     @property
     def layout(self) -> str:
         if self.block is not None:
             return "dense"
-        return "fp8" if self.method == "fp8" else "int4"
+        if self.method == "fp8":
+            return "fp8"
+        return "int8" if self.bits == 8 else "int4"
 
 
 def checkpoint_quantization(raw_cfg: dict) -> CheckpointQuantization | None:
@@ -131,15 +134,22 @@ def _compressed_tensors(qc: dict) -> CheckpointQuantization:
             group = w.get("group_size") if w.get("strategy") == "group" else -1
             schemes.add(("int4", group, bool(w.get("symmetric", True)),
                          w.get("actorder") == "group"))
+        elif (w.get("type") == "int" and w.get("num_bits") == 8
+              and w.get("strategy") == "channel" and w.get("symmetric", True)
+              and (a is None or (a.get("type") == "int" and a.get("num_bits") == 8))):
+            schemes.add(("int8",))  # W8A16, or W8A8 run with its activations unquantized
         else:
             raise ValueError("compressed-tensors checkpoint with a scheme other than 8-bit "
-                             "float weights by tensor or channel, or 4-bit integer weights "
-                             f"by group or channel without activation quantization: {w or g}.")
+                             "float weights by tensor or channel, 4-bit integer weights by "
+                             "group or channel without activation quantization, or "
+                             f"symmetric 8-bit integer weights by channel: {w or g}.")
     if len(schemes) > 1:
         raise ValueError(f"compressed-tensors checkpoint with several schemes: {sorted(schemes)}.")
     scheme = schemes.pop()
     if scheme[0] == "fp8":
         return CheckpointQuantization("fp8", block=scheme[1])
+    if scheme[0] == "int8":
+        return CheckpointQuantization("compressed-tensors", bits=8)
     _, group, symmetric, act_order = scheme
     return CheckpointQuantization("compressed-tensors", group, zero_points=not symmetric,
                                   act_order=act_order)
@@ -178,6 +188,24 @@ def to_fp8_layout(parts: dict[str, torch.Tensor], out_features: int
     if scale.numel() != out_features:
         raise ValueError(f"weight_scale of {scale.numel()} values for {out_features} outputs.")
     return weight, scale.contiguous()
+
+
+def to_int8_layout(parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """compressed-tensors' 8-bit integer weights by channel -> (int8 [out, in], fp32 scale
+    [out]): stored as int8 (`weight`, "int-quantized" / "naive-quantized"), or four to an
+    int32 word along the input, each stored as q + 128 ("pack-quantized")."""
+    if "weight" in parts:
+        q = parts["weight"]
+    else:
+        out_f, in_f = (int(x) for x in parts["weight_shape"].reshape(-1).tolist())
+        words = parts["weight_packed"]
+        shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=words.device)
+        stored = (words[:, :, None] >> shifts) & 0xFF  # byte i of word c: input 4c + i
+        q = (stored.reshape(words.shape[0], -1)[:out_f, :in_f] - 128).to(torch.int8)
+    scale = parts["weight_scale"].float().reshape(-1)
+    if scale.numel() != q.shape[0]:
+        raise ValueError(f"weight_scale of {scale.numel()} values for {q.shape[0]} outputs.")
+    return q.contiguous(), scale.contiguous()
 
 
 def unpack_along_rows(words: torch.Tensor) -> torch.Tensor:
@@ -277,6 +305,12 @@ class PackedParts:
                     part == "weight" and tensor.dtype == torch.float8_e4m3fn):
                 return prefix, part
             return None
+        if self.quant.layout == "int8":
+            if part in ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point",
+                        "input_scale", "input_zero_point") or (
+                    part == "weight" and tensor.dtype == torch.int8):
+                return prefix, part
+            return None
         needed, optional = PARTS[self.quant.method]
         return (prefix, part) if part in needed + optional else None
 
@@ -284,9 +318,10 @@ class PackedParts:
         """The layout of `prefix` once complete (block-wise FP8: the dequantized weight, a
         tensor), else None. Without act-order a GPTQ g_idx is checked on its own (the
         plain input order) and not kept; an FP8 input_scale is dropped."""
-        if part == "input_scale":
+        if part in ("input_scale", "input_zero_point"):
             return None
-        if part == "weight_zero_point" and not self.quant.zero_points:
+        if part == "weight_zero_point" and (not self.quant.zero_points
+                                            or self.quant.layout == "int8"):
             if tensor.any():  # a symmetric scheme's zero points are zero
                 raise ValueError(f"{prefix}.weight_zero_point is not zero in a symmetric "
                                  "scheme.")
@@ -305,6 +340,12 @@ class PackedParts:
             del self.pending[prefix]
             return dequantize_fp8_blocks(parts["weight"], parts["weight_scale"],
                                          self.quant.block)
+        if self.quant.layout == "int8":
+            if "weight_scale" not in parts or not (
+                    "weight" in parts or {"weight_packed", "weight_shape"} <= parts.keys()):
+                return None
+            del self.pending[prefix]
+            return to_int8_layout(parts)
         fp8 = self.quant.layout == "fp8"
         needed = ("weight", "weight_scale") if fp8 else PARTS[self.quant.method][0]
         if self.quant.zero_points and self.quant.method == "compressed-tensors":

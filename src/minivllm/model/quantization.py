@@ -210,14 +210,16 @@ class QuantizedLinear(nn.Module):
         return layer
 
     @classmethod
-    def empty_fp8(cls, linear: nn.Linear) -> QuantizedLinear:
-        """An fp8 layer of linear's shape with its buffers unfilled."""
+    def empty_per_channel(cls, linear: nn.Linear, method: str) -> QuantizedLinear:
+        """An fp8 or int8 layer of linear's shape (one scale per output) with its buffers
+        unfilled."""
         n, k = linear.out_features, linear.in_features
         dev = linear.weight.device
         bias = None if linear.bias is None else torch.empty(n, dtype=linear.bias.dtype,
                                                             device=dev)
-        layer = cls("fp8", k, n, bias, linear.weight.dtype)
-        layer.register_buffer("qweight", torch.empty(n, k, dtype=FP8, device=dev))
+        layer = cls(method, k, n, bias, linear.weight.dtype)
+        dtype = FP8 if method == "fp8" else torch.int8
+        layer.register_buffer("qweight", torch.empty(n, k, dtype=dtype, device=dev))
         layer.register_buffer("scale", torch.empty(n, dtype=torch.float32, device=dev))
         return layer
 
@@ -286,14 +288,15 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 def quantized_shells(model: nn.Module, layout: str, group_size: int = GROUP_SIZE,
                      act_order: bool = False) -> None:
-    """Replace every decoder projection by an unfilled QuantizedLinear of `layout` ("int4"
-    or "fp8"), for a checkpoint quantized ahead to fill."""
+    """Replace every decoder projection by an unfilled QuantizedLinear of `layout` ("int4",
+    "int8" or "fp8"), for a checkpoint quantized ahead to fill."""
     for module in list(model.modules()):
         for name in PROJECTIONS:
             linear = getattr(module, name, None)
             if isinstance(linear, nn.Linear):
                 setattr(module, name, QuantizedLinear.empty_int4(linear, group_size, act_order)
-                        if layout == "int4" else QuantizedLinear.empty_fp8(linear))
+                        if layout == "int4" else
+                        QuantizedLinear.empty_per_channel(linear, layout))
 
 
 def quantize_model(model: nn.Module, method: str) -> None:
