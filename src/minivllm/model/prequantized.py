@@ -109,10 +109,11 @@ def checkpoint_quantization(raw_cfg: dict) -> CheckpointQuantization | None:
 
 
 def _compressed_tensors(qc: dict) -> CheckpointQuantization:
-    """llm-compressor's config: read when every group quantizes weights to 8-bit floats by
-    tensor or channel (and activations, if at all, to 8-bit floats), or every group is
-    W4A16: 4-bit integer weights by group or channel, packed ("pack-quantized"), the
-    activations left alone; and when no decoder projection is left unquantized."""
+    """llm-compressor's config, read when its groups share one scheme of these: 8-bit float
+    weights by tensor, channel or block (activations, if at all, to 8-bit floats); 4-bit
+    integer weights by group or channel, packed ("pack-quantized"), activations left
+    alone (W4A16); symmetric 8-bit integer weights by channel (W8A16, or W8A8 whose int8
+    activations are not applied); and when no decoder projection is left unquantized."""
     groups = list((qc.get("config_groups") or {}).values())
     if not groups:
         raise ValueError("compressed-tensors checkpoint without config_groups.")
@@ -334,31 +335,34 @@ class PackedParts:
             return None
         parts = self.pending.setdefault(prefix, {})
         parts[part if part != "weight_scale_inv" else "weight_scale"] = tensor
-        if self.quant.block is not None:
-            if "weight" not in parts or "weight_scale" not in parts:
-                return None
+        layout = self._layout(parts)
+        if layout is not None:
             del self.pending[prefix]
-            return dequantize_fp8_blocks(parts["weight"], parts["weight_scale"],
-                                         self.quant.block)
-        if self.quant.layout == "int8":
-            if "weight_scale" not in parts or not (
-                    "weight" in parts or {"weight_packed", "weight_shape"} <= parts.keys()):
-                return None
-            del self.pending[prefix]
-            return to_int8_layout(parts)
-        fp8 = self.quant.layout == "fp8"
-        needed = ("weight", "weight_scale") if fp8 else PARTS[self.quant.method][0]
-        if self.quant.zero_points and self.quant.method == "compressed-tensors":
-            needed += ("weight_zero_point",)
-        if self.quant.act_order:
-            needed += ("weight_g_idx",) if self.quant.method == "compressed-tensors" \
-                else ("g_idx",)
-        if not all(p in parts for p in needed):
+        return layout
+
+    def _layout(self, parts: dict[str, torch.Tensor]):
+        """The projection's layout once `parts` hold all it needs, else None."""
+        quant, have = self.quant, parts.keys()
+        if quant.block is not None:
+            if {"weight", "weight_scale"} <= have:
+                return dequantize_fp8_blocks(parts["weight"], parts["weight_scale"],
+                                             quant.block)
             return None
-        del self.pending[prefix]
-        if fp8:
-            return to_fp8_layout(parts, parts["weight"].shape[0])
-        return to_int4_layout(self.quant, parts)
+        if quant.layout == "fp8":
+            if {"weight", "weight_scale"} <= have:
+                return to_fp8_layout(parts, parts["weight"].shape[0])
+            return None
+        if quant.layout == "int8":
+            if "weight_scale" in have and ("weight" in have
+                                           or {"weight_packed", "weight_shape"} <= have):
+                return to_int8_layout(parts)
+            return None
+        needed = set(PARTS[quant.method][0])
+        if quant.zero_points and quant.method == "compressed-tensors":
+            needed.add("weight_zero_point")
+        if quant.act_order:
+            needed.add("weight_g_idx" if quant.method == "compressed-tensors" else "g_idx")
+        return to_int4_layout(quant, parts) if needed <= have else None
 
     def check_done(self) -> None:
         if self.pending:
