@@ -43,6 +43,39 @@ def pack_columns(q: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
     return to_int32(out)
 
 
+def assert_same_greedy_output(q, ref, prompts: int, longest: int, tokens: int, seed: int):
+    """Greedy tokens of two engines on the same random prompts (5 to `longest` tokens)."""
+    batch = random_prompts(prompts, 256, 5, longest, seed=seed)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in q.generate(batch, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in ref.generate(batch, params, use_tqdm=False)]
+    assert got == want
+
+
+def projection_weights(state: dict):
+    """(name, module name, weight) of each decoder projection's weight in a state dict."""
+    for name, w in state.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and module.rpartition(".")[2] in PROJECTIONS:
+            yield name, module, w
+
+
+def save_pair(folder, cfg: dict, quant: dict, reference: dict, qc: dict):
+    """(quantized checkpoint folder, full-precision one), both under `folder`, sharing the
+    model config (the quantized one with quantization_config qc)."""
+    dirs = []
+    for label, tensors, extra in (("q", quant, {"quantization_config": qc}),
+                                  ("reference", reference, {})):
+        d = folder / label
+        d.mkdir(parents=True)
+        tensors = {k: v.contiguous() for k, v in tensors.items()
+                   if not (k == "lm_head.weight" and cfg.get("tie_word_embeddings"))}
+        save_file(tensors, str(d / "model.safetensors"))
+        (d / "config.json").write_text(json.dumps({**cfg, **extra}))
+        dirs.append(d)
+    return tuple(dirs)
+
+
 def test_unpacking_inverts_each_layout():
     g = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (16, 24), generator=g)
@@ -67,10 +100,7 @@ def write_checkpoints(family: str, fmt: str, tmp_path, sym: bool = False,
     model = make_hf_model(family)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     quant, reference = {}, dict(state)
-    for name, w in state.items():
-        module, _, leaf = name.rpartition(".")
-        if leaf != "weight" or module.rpartition(".")[2] not in PROJECTIONS:
-            continue
+    for name, module, w in projection_weights(state):
         if act_order:
             layer, proj = module.rpartition(".")[0], module.rpartition(".")[2]
             key = f"{layer}.{_SAME_INPUT.get(proj, proj)}"
@@ -130,17 +160,8 @@ def write_checkpoints(family: str, fmt: str, tmp_path, sym: bool = False,
             quant[module + ".qzeros"] = pack_columns(stored & 0xF)
             quant[module + ".g_idx"] = torch.arange(w.shape[1], dtype=torch.int32) // GROUP
         quant[module + ".scales"] = st
-    for name, t in state.items():
-        module, _, leaf = name.rpartition(".")
-        if not (leaf == "weight" and module.rpartition(".")[2] in PROJECTIONS):
-            quant[name] = t
-    cfg = model.config.to_dict()
-    qdir, rdir = tmp_path / f"{family}-{fmt}-q", tmp_path / f"{family}-{fmt}-reference"
-    for d, tensors in ((qdir, quant), (rdir, reference)):
-        d.mkdir()
-        if "lm_head.weight" in tensors and cfg.get("tie_word_embeddings"):
-            tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "model.safetensors"))
+    projections = {name for name, _, _ in projection_weights(state)}
+    quant.update((name, t) for name, t in state.items() if name not in projections)
     if fmt == "awq":
         qc = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "version": "gemm",
               "zero_point": True}
@@ -155,9 +176,7 @@ def write_checkpoints(family: str, fmt: str, tmp_path, sym: bool = False,
     else:
         qc = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": act_order,
               "sym": sym, "checkpoint_format": fmt}
-    (qdir / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
-    (rdir / "config.json").write_text(json.dumps(cfg))
-    return qdir, rdir
+    return save_pair(tmp_path / f"{family}-{fmt}", model.config.to_dict(), quant, reference, qc)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -179,11 +198,7 @@ def test_checkpoint_loads_the_weights_it_encodes(tmp_path, family, fmt, sym):
                                        rtol=0, atol=1e-6)
             if rm.bias is not None:
                 torch.testing.assert_close(qm.bias, rm.bias)
-    prompts = random_prompts(4, 256, 5, 20, seed=3)
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in q.generate(prompts, params, use_tqdm=False)]
-    want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
-    assert got == want
+    assert_same_greedy_output(q, ref, 4, 20, 10, seed=3)
     assert q.engine.scheduler.pool.all_free()
 
 
@@ -211,22 +226,13 @@ def test_fp8_checkpoint_loads_the_weights_it_encodes(tmp_path, fmt):
         reference[name] = q.float() * scale
     for name, t in state.items():
         quant.setdefault(name, t)
-    cfg = model.config.to_dict()
     qc = {"quant_method": "fp8", "activation_scheme": "static"} if not per_channel else {
         "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
         "config_groups": {"group_0": {
             "targets": ["Linear"],
             "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
             "input_activations": {"num_bits": 8, "type": "float", "dynamic": True}}}}
-    dirs = []
-    for label, tensors, extra in (("q", quant, {"quantization_config": qc}),
-                                  ("ref", reference, {})):
-        d = tmp_path / label
-        d.mkdir()
-        tensors = {k: v.contiguous() for k, v in tensors.items() if k != "lm_head.weight"}
-        save_file(tensors, str(d / "model.safetensors"))
-        (d / "config.json").write_text(json.dumps({**cfg, **extra}))
-        dirs.append(d)
+    dirs = save_pair(tmp_path, model.config.to_dict(), quant, reference, qc)
     kw = dict(skip_tokenizer_init=True, max_model_len=128)
     q, ref = LLM(str(dirs[0]), **kw), LLM(str(dirs[1]), **kw)
     layer = q.engine.runner.model.model.layers[0].self_attn.qkv_proj
@@ -236,11 +242,7 @@ def test_fp8_checkpoint_loads_the_weights_it_encodes(tmp_path, fmt):
         layer.dequantized_weight(),
         ref.engine.runner.model.model.layers[0].self_attn.qkv_proj.weight.float(),
         rtol=0, atol=0)
-    prompts = random_prompts(3, 256, 5, 10, seed=4)  # <= 32 tokens a step: weight-only
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in q.generate(prompts, params, use_tqdm=False)]
-    want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
-    assert got == want
+    assert_same_greedy_output(q, ref, 3, 10, 8, seed=4)
 
 
 def test_compressed_tensors_by_channel_reads_one_group_a_row():
@@ -291,11 +293,7 @@ def test_act_order_checkpoint_loads_the_weights_it_encodes(tmp_path, family, fmt
             assert perm is not None and not torch.equal(perm, torch.arange(len(perm)))
             torch.testing.assert_close(qm.dequantized_weight(), rm.weight.float()[:, perm],
                                        rtol=0, atol=1e-6)
-    prompts = random_prompts(4, 256, 5, 20, seed=3)
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in q.generate(prompts, params, use_tqdm=False)]
-    want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
-    assert got == want
+    assert_same_greedy_output(q, ref, 4, 20, 10, seed=3)
 
 
 def test_gptq_act_order_parts_of_a_fused_layer_must_share_their_input_order(tmp_path):
@@ -323,10 +321,7 @@ def test_block_fp8_checkpoint_is_dequantized_at_load(tmp_path, fmt):
     model = make_hf_model("qwen2")
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     quant, reference = {}, dict(state)
-    for name, w in state.items():
-        module, _, leaf = name.rpartition(".")
-        if leaf != "weight" or module.rpartition(".")[2] not in PROJECTIONS:
-            continue
+    for name, module, w in projection_weights(state):
         rows, cols = -(-w.shape[0] // block[0]), -(-w.shape[1] // block[1])
         padded = torch.zeros(rows * block[0], cols * block[1])
         padded[:w.shape[0], :w.shape[1]] = w
@@ -350,16 +345,7 @@ def test_block_fp8_checkpoint_is_dequantized_at_load(tmp_path, fmt):
                       "dynamic": True},
                   "weights": {"num_bits": 8, "type": "float", "strategy": "block",
                               "block_structure": block}}}}
-    cfg = model.config.to_dict()
-    dirs = []
-    for label, tensors, extra in (("q", quant, {"quantization_config": qc}),
-                                  ("ref", reference, {})):
-        d = tmp_path / label
-        d.mkdir()
-        tensors = {k: v.contiguous() for k, v in tensors.items() if k != "lm_head.weight"}
-        save_file(tensors, str(d / "model.safetensors"))
-        (d / "config.json").write_text(json.dumps({**cfg, **extra}))
-        dirs.append(d)
+    dirs = save_pair(tmp_path, model.config.to_dict(), quant, reference, qc)
     kw = dict(skip_tokenizer_init=True, max_model_len=128)
     prompts = random_prompts(3, 256, 5, 10, seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -389,10 +375,7 @@ def test_compressed_tensors_int8_checkpoint_loads_the_weights_it_encodes(tmp_pat
     model = make_hf_model("llama")
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     quant, reference = {}, dict(state)
-    for name, w in state.items():
-        module, _, leaf = name.rpartition(".")
-        if leaf != "weight" or module.rpartition(".")[2] not in PROJECTIONS:
-            continue
+    for name, module, w in projection_weights(state):
         scale = (w.abs().amax(1, keepdim=True) / 127).clamp(min=1e-12)
         q = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
         if fmt == "int-quantized":
@@ -405,10 +388,8 @@ def test_compressed_tensors_int8_checkpoint_loads_the_weights_it_encodes(tmp_pat
             quant[module + ".weight_shape"] = torch.tensor(list(w.shape))
         quant[module + ".weight_scale"] = scale.half()
         reference[name] = q.float() * scale.half().float()
-    for name, t in state.items():
-        module, _, leaf = name.rpartition(".")
-        if not (leaf == "weight" and module.rpartition(".")[2] in PROJECTIONS):
-            quant[name] = t
+    projections = {name for name, _, _ in projection_weights(state)}
+    quant.update((name, t) for name, t in state.items() if name not in projections)
     acts = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True,
             "symmetric": True} if fmt == "int-quantized" else None
     qc = {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"],
@@ -416,17 +397,7 @@ def test_compressed_tensors_int8_checkpoint_loads_the_weights_it_encodes(tmp_pat
               "targets": ["Linear"], "input_activations": acts,
               "weights": {"num_bits": 8, "type": "int", "strategy": "channel",
                           "symmetric": True}}}}
-    cfg = model.config.to_dict()
-    dirs = []
-    for label, tensors, extra in (("q", quant, {"quantization_config": qc}),
-                                  ("ref", reference, {})):
-        d = tmp_path / label
-        d.mkdir()
-        tensors = {k: v.contiguous() for k, v in tensors.items()
-                   if not (k == "lm_head.weight" and cfg.get("tie_word_embeddings"))}
-        save_file(tensors, str(d / "model.safetensors"))
-        (d / "config.json").write_text(json.dumps({**cfg, **extra}))
-        dirs.append(d)
+    dirs = save_pair(tmp_path, model.config.to_dict(), quant, reference, qc)
     kw = dict(skip_tokenizer_init=True, max_model_len=128)
     q, ref = LLM(str(dirs[0]), **kw), LLM(str(dirs[1]), **kw)
     for qlayer, rlayer in zip(q.engine.runner.model.model.layers,
@@ -436,8 +407,4 @@ def test_compressed_tensors_int8_checkpoint_loads_the_weights_it_encodes(tmp_pat
             assert isinstance(qm, QuantizedLinear) and qm.method == "int8"
             torch.testing.assert_close(qm.dequantized_weight(), rm.weight.float(),
                                        rtol=0, atol=1e-6)
-    prompts = random_prompts(3, 256, 5, 10, seed=4)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in q.generate(prompts, params, use_tqdm=False)]
-    want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
-    assert got == want
+    assert_same_greedy_output(q, ref, 3, 10, 8, seed=4)
