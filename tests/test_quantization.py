@@ -241,12 +241,19 @@ def test_bad_quantization_and_prequantized_checkpoints_are_refused(tiny_model_di
             quantization="int8")
     with pytest.raises(ValueError, match="has no quantization_config"):
         LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, quantization="gptq")
-    # Dummy weights for a quantized config: random int4 codes, and it generates.
-    llm = LLM(str(tmp_path / "config.json"), load_format="dummy", skip_tokenizer_init=True,
-              max_model_len=64)
-    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True),
-                       use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 4
+    # Dummy weights for a quantized config: random int4 codes (act-order: the inputs in
+    # their own order), and it generates.
+    for qc in ({"quant_method": "awq", "bits": 4, "group_size": 32},
+               {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True}):
+        cfg["quantization_config"] = qc
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        llm = LLM(str(tmp_path / "config.json"), load_format="dummy", skip_tokenizer_init=True,
+                  max_model_len=64)
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+        layer = llm.engine.runner.model.model.layers[0].mlp.down_proj
+        assert (layer.input_perm is not None) == bool(qc.get("desc_act"))
 
 
 @pytest.fixture(scope="module")
