@@ -223,6 +223,9 @@ def test_fp8_checkpoint_loads_the_weights_it_encodes(tmp_path, fmt):
         quant[name] = q
         quant[module + ".weight_scale"] = scale.reshape(-1, 1) if per_channel else scale
         quant[module + ".input_scale"] = torch.tensor(0.05)  # static scales: not used
+        if module.endswith("k_proj"):  # calibrated KV-cache scales: not used either
+            kv_scale = ".k_proj.output_scale" if not per_channel else ".k_scale"
+            quant[module.rpartition(".")[0] + kv_scale] = torch.tensor(0.5)
         reference[name] = q.float() * scale
     for name, t in state.items():
         quant.setdefault(name, t)

@@ -10,6 +10,7 @@ and AttentionMetadata; there is no padding and no batch dimension.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -21,6 +22,16 @@ from ..config import ModelConfig
 from .attention import AttentionMetadata, PagedAttention
 from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from .prequantized import PackedParts
+
+logger = logging.getLogger(__name__)
+
+
+def _is_kv_cache_scale(name: str) -> bool:
+    """A checkpoint's calibrated KV-cache scale (compressed-tensors' self_attn.k_scale /
+    v_scale, AutoFP8's k_proj / v_proj output_scale)."""
+    module, _, leaf = name.rpartition(".")
+    return leaf in ("k_scale", "v_scale", "q_scale", "prob_scale", "kv_scale") or (
+        leaf == "output_scale" and module.rpartition(".")[2] in ("k_proj", "v_proj"))
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -175,8 +186,12 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         params.update(self.named_buffers())
         loaded: set[str] = set()
+        kv_scales = 0
         for name, tensor in weights:
             if "rotary_emb" in name:
+                continue
+            if _is_kv_cache_scale(name):
+                kv_scales += 1
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
@@ -223,6 +238,9 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(target)
         if packed is not None:
             packed.check_done()
+        if kv_scales:
+            logger.info("The checkpoint's %d KV-cache scales are not used: an fp8 KV cache "
+                        "here has a scale of 1.", kv_scales)
         return loaded
 
     def _shard_view(self, name: str, param: torch.Tensor, shard) -> torch.Tensor:
