@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from bench.common import environment
+from bench.workloads import VOCAB_LIMIT
 
 REPO = Path(__file__).resolve().parent.parent
 # Copies of ../shared/models (the device machine sees only the repository).
@@ -96,7 +97,7 @@ def free_memory():
         torch.cuda.empty_cache()
 
 
-VOCAB_LIMIT = 10000  # token ids drawn below this (lowered for smoke runs)
+# VOCAB_LIMIT (bench/workloads.py): token ids drawn below it (lowered for smoke runs)
 
 
 def random_prompts(n, lo, hi, vocab, seed):

@@ -21,30 +21,25 @@ bytes / bandwidth): prefill chunks of at most 8192 tokens (prompts in order), th
 decode step per later output token over the requests still running. It is closer to what
 an engine can reach but NOT a strict bound: a mixed step (prefill chunk beside decodes) can
 hide the decodes' memory time under the chunk's compute.
-Lengths are repetition 0's of bench/vs_vllm.py (W1's are drawn; the others are fixed).
-Stdlib only, so bench/report.py can import it without torch.
+Lengths are repetition 0's of bench/workloads.py (the head-to-head's requests). No torch
+here, so bench/report.py can import it cheaply.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import random
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench.workloads import workloads
 
 PEAK_FLOPS = 800e12          # bf16 matmul, measured on the H200
 HBM_BYTES_PER_S = 4.28e12    # copy bandwidth, as bench/gpu_check.py (which needs torch)
 PREFILL_CHUNK = 8192
 MODEL_CONFIGS = Path(__file__).resolve().parent / "model_configs"
-VOCAB_LIMIT = 10000          # bench/gpu_check.py's: prompt ids are drawn below it
-
-# bench/vs_vllm.py's workloads(smoke=False): metric, requests, prompt and output ranges
-# (tests/test_roofline.py checks the two agree).
-WORKLOADS = {"W1": ("output_tok_per_s", 256, (100, 1024), (100, 1024)),
-             "W2": ("output_tok_per_s", 1, (128, 128), (256, 256)),
-             "W5": ("prompt_tok_per_s", 32, (4096, 4096), (1, 1)),
-             "W6": ("output_tok_per_s", 64, (8192, 8192), (256, 256))}
+WORKLOADS = tuple(workloads(False, vocab=1))  # their names: W1, W2, W5, W6
 PART_NAMES = {"linear": "linear FLOPs", "attention": "attention FLOPs",
               "lm_head": "LM head FLOPs", "weights": "weight bytes", "kv_read": "KV read bytes",
               "kv_write": "KV write bytes"}
@@ -93,21 +88,11 @@ def load_config(name: str) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def request_lengths(workload: str, vocab: int, rep: int = 0) -> list[tuple[int, int]]:
-    """[(prompt_len, output_len)] as bench/vs_vllm.py's Workload.requests(rep) draws them,
-    without keeping the token ids."""
-    _, n, prompt, output = WORKLOADS[workload]
-    if prompt[0] == prompt[1] and output[0] == output[1]:
-        return [(prompt[0], output[0])] * n  # fixed lengths: no draw changes them
-    rng = random.Random(f"{workload}-{rep}")
-    top = min(vocab, VOCAB_LIMIT)
-    lengths = []
-    for _ in range(n):
-        p = rng.randint(*prompt)
-        for _ in range(p):
-            rng.randrange(10, top)  # the ids: drawn only to keep the stream in step
-        lengths.append((p, rng.randint(*output)))
-    return lengths
+@functools.lru_cache(maxsize=None)
+def request_lengths(workload: str, vocab: int, rep: int = 0) -> tuple[tuple[int, int], ...]:
+    """((prompt_len, output_len), ...) of bench/workloads.py's requests."""
+    w = workloads(False, vocab)[workload]
+    return tuple((len(ids), out) for ids, out in w.requests(rep))
 
 
 def step_s(flops: float, nbytes: float) -> float:
@@ -178,9 +163,10 @@ def floor(cfg: dict, lengths: list[tuple[int, int]], weight_bytes: float = 2,
 
 def workload_floor(cfg: dict, workload: str, weight_bytes: float = 2,
                    kv_bytes: float = 2) -> dict:
-    """`floor` of a bench/vs_vllm.py workload (rep 0), with its metric at both times."""
-    metric = WORKLOADS[workload][0]
-    res = floor(cfg, request_lengths(workload, cfg["vocab_size"]), weight_bytes, kv_bytes)
+    """`floor` of a bench/workloads.py workload (rep 0), with its metric at both times."""
+    metric = workloads(False, cfg["vocab_size"])[workload].metric
+    res = floor(cfg, list(request_lengths(workload, cfg["vocab_size"])), weight_bytes,
+                kv_bytes)
     tokens = res["prompt_tokens" if metric == "prompt_tok_per_s" else "output_tokens"]
     return {"workload": workload, "rep": 0, "metric": metric, **res,
             "bound_value": tokens / res["bound_s"], "ideal_value": tokens / res["ideal_s"]}

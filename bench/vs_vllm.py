@@ -25,51 +25,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
 
 from bench.common import environment
-from bench.gpu_check import MODELS_DIR, SMOKE_CONFIG, VOCAB_LIMIT
+from bench.gpu_check import MODELS_DIR, SMOKE_CONFIG
+from bench.workloads import Workload, workloads  # noqa: F401 - step_profile imports them from here
 
 MAX_MODEL_LEN = 8704
-
-
-# ---- workloads ---------------------------------------------------------------------------------
-
-class Workload:
-    """`requests(rep)`: [(prompt ids, output tokens)], fresh for each repetition."""
-
-    def __init__(self, name: str, metric: str, n: int, prompt: tuple[int, int],
-                 output: tuple[int, int], reps: int, vocab: int) -> None:
-        self.name, self.metric, self.n, self.reps = name, metric, n, reps
-        self.prompt, self.output, self.vocab = prompt, output, min(vocab, VOCAB_LIMIT)
-
-    def requests(self, rep: int, n: int | None = None) -> list[tuple[list[int], int]]:
-        rng = random.Random(f"{self.name}-{rep}")
-        out = []
-        for _ in range(self.n if n is None else n):
-            lo, hi = self.prompt
-            ids = [rng.randrange(10, self.vocab) for _ in range(rng.randint(lo, hi))]
-            out.append((ids, rng.randint(*self.output)))
-        return out
-
-    def warm_up(self) -> list[tuple[list[int], int]]:
-        """A small run of the same shapes: a few requests, a few output tokens."""
-        return [(p, min(o, 8)) for p, o in self.requests(-1, min(self.n, 4))]
-
-
-def workloads(smoke: bool, vocab: int) -> dict[str, Workload]:
-    if smoke:
-        return {"W1": Workload("W1", "output_tok_per_s", 6, (8, 32), (4, 16), 2, vocab),
-                "W2": Workload("W2", "output_tok_per_s", 1, (16, 16), (8, 8), 2, vocab),
-                "W5": Workload("W5", "prompt_tok_per_s", 2, (128, 128), (1, 1), 2, vocab),
-                "W6": Workload("W6", "output_tok_per_s", 2, (256, 256), (4, 4), 1, vocab)}
-    return {"W1": Workload("W1", "output_tok_per_s", 256, (100, 1024), (100, 1024), 2, vocab),
-            "W2": Workload("W2", "output_tok_per_s", 1, (128, 128), (256, 256), 3, vocab),
-            "W5": Workload("W5", "prompt_tok_per_s", 32, (4096, 4096), (1, 1), 5, vocab),
-            "W6": Workload("W6", "output_tok_per_s", 64, (8192, 8192), (256, 256), 1, vocab)}
 
 
 # ---- engines -----------------------------------------------------------------------------------

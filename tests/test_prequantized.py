@@ -1,7 +1,7 @@
-"""GPTQ, AWQ and compressed-tensors 4-bit checkpoints (model/prequantized.py): tiny models whose projections are
-packed here in each format's layout (written from the formats' descriptions, not with the
-reader's code) load to exactly the weights they encode, and generate what a full-precision
-checkpoint of those weights generates."""
+"""Checkpoints quantized ahead (model/prequantized.py: GPTQ, AWQ, compressed-tensors, FP8):
+tiny models whose projections are packed here in each format's layout (written from the
+formats' descriptions, not with the reader's code) load to exactly the weights they
+encode, and generate what a full-precision checkpoint of those weights generates."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""bench/roofline.py: FLOPs and bytes counted by hand on a tiny model, the floors' shape on
-the real configs, and the workload lengths matching bench/vs_vllm.py's draws."""
+"""bench/roofline.py: FLOPs and bytes counted by hand on a tiny model, and the floors'
+shape on the real configs."""
 
 from __future__ import annotations
 
@@ -82,14 +82,3 @@ def test_llama_8b_figures():
     w5 = roofline.workload_floor(cfg, "W5")
     assert w5["dominant"].startswith("compute: linear FLOPs")
     assert w5["compute_s"] > 10 * w5["memory_s"]
-
-
-def test_lengths_match_vs_vllm_draws():
-    pytest.importorskip("torch")  # bench.vs_vllm imports bench.gpu_check
-    from bench import vs_vllm
-
-    for vocab in (151936, 5000):
-        for name, w in vs_vllm.workloads(False, vocab).items():
-            assert roofline.WORKLOADS[name] == (w.metric, w.n, w.prompt, w.output)
-            assert roofline.request_lengths(name, vocab) == [
-                (len(p), o) for p, o in w.requests(0)], name

@@ -125,8 +125,9 @@ def load_model(cfg: ModelConfig, model_path: Path, *, load_format: str, dtype: t
                              f"{quantization!r}.")
     if ahead is not None and ahead.layout != "int4" and load_format == "dummy":
         # Dummy weights, quantized as they load (block-wise FP8: kept in the model dtype).
-        ahead, quantization = None, {"fp8": "fp8", "int8": "int8"}.get(ahead.layout,
-                                                                          quantization)
+        if ahead.layout in ("fp8", "int8"):
+            quantization = ahead.layout
+        ahead = None
     if ahead is not None and ahead.layout == "dense":
         logger.info("Block-wise FP8 checkpoint: its weights are dequantized to %s at load%s.",
                     str(dtype).removeprefix("torch."),

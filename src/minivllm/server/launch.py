@@ -84,8 +84,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "W8A8 on FP8 tensor cores in large steps), int8 or int4 "
                              "(weight-only; int4 in groups of 128). gptq / awq / "
                              "compressed-tensors: the checkpoint is quantized so (found from "
-                             "its config.json when left out). The CPU runs each through a reference path "
-                             "(dequantize, then matmul).")
+                             "its config.json when left out). The CPU runs each through a "
+                             "reference path (dequantize, then matmul).")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                         help="The KV cache's element type: auto (the model's dtype) or fp8 "
                              "(e4m3 with a scale of 1, half the bytes of bf16: twice the "
