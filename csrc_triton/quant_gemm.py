@@ -252,6 +252,127 @@ def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, 
     tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
+# int4 codes to 16-bit floats for a tensor-core operand, two weights a 32-bit register:
+# each byte's nibbles go into the low mantissa bits of 128 (bf16 0x4300) or 1024 (fp16
+# 0x6400), whose unit is 1, and one packed FMA subtracts that magic plus the zero point
+# (exact: q - z is a small integer). Per 8 weights: 2 PRMT, 2 SHR, 4 LOP3, 4 HFMA2.
+_NIBBLES_TO_16BIT_ASM = """{
+.reg .b32 t0, t1, u0, u1, one;
+mov.b32 one, ONE;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+shr.u32 u0, t0, 4;
+shr.u32 u1, t1, 4;
+lop3.b32 $0, t0, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 $1, t1, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 $2, u0, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 $3, u1, 0x000F000F, MAGIC, 0xEA;
+fma.rn.TYPE $0, $0, one, $5;
+fma.rn.TYPE $1, $1, one, $6;
+fma.rn.TYPE $2, $2, one, $5;
+fma.rn.TYPE $3, $3, one, $6;
+}"""
+_BF16_NIBBLES_ASM = tl.constexpr(_NIBBLES_TO_16BIT_ASM.replace("ONE", "0x3F803F80").replace(
+    "MAGIC", "0x43004300").replace("TYPE", "bf16x2"))
+_FP16_NIBBLES_ASM = tl.constexpr(_NIBBLES_TO_16BIT_ASM.replace("ONE", "0x3C003C00").replace(
+    "MAGIC", "0x64006400").replace("TYPE", "f16x2"))
+
+@triton.jit
+def _int4_mma_operands(b, z, DT: tl.constexpr, ASM: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Packed bytes [R, H] and integer zero points [R, 1] -> (low nibbles - z, high
+    nibbles - z) in DT (x's 16-bit type), exact. The interpreter's 16-bit arithmetic is
+    not, so there the same values come in fp32."""
+    magic = 1024 if DT == tl.float16 else 128
+    bits = 0x6400 if DT == tl.float16 else 0x4300
+    if INTERPRETED:
+        lo = (b & 0xF).to(tl.float32) - z.to(tl.float32)
+        hi = (b >> 4).to(tl.float32) - z.to(tl.float32)
+    elif ASM:
+        zn = tl.broadcast_to((-(z.to(tl.float32) + magic)).to(DT), b.shape)
+        if DT == tl.float16:
+            lo, hi = tl.inline_asm_elementwise(_FP16_NIBBLES_ASM, "=r,=r,=r,=r,r,r,r", [b, zn],
+                                               dtype=(zn.dtype, zn.dtype), is_pure=True,
+                                               pack=4)
+        else:
+            lo, hi = tl.inline_asm_elementwise(_BF16_NIBBLES_ASM, "=r,=r,=r,=r,r,r,r", [b, zn],
+                                               dtype=(zn.dtype, zn.dtype), is_pure=True,
+                                               pack=4)
+    else:
+        zb = (z.to(tl.float32) + magic).to(DT)
+        lo = (((b & 0xF).to(tl.int32) | bits).to(tl.int16)).to(DT, bitcast=True) - zb
+        hi = (((b >> 4).to(tl.int32) | bits).to(tl.int16)).to(DT, bitcast=True) - zb
+    return lo, hi
+
+
+@triton.jit
+def _int4_mma_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, blk, n_blocks, stride_wn,
+                      stride_sn, GROUP: tl.constexpr, HALF: tl.constexpr):
+    """Packed block blk of rows offs_n (bytes [BLOCK_N, HALF]) with its group's scales and
+    zero points; zeros past the last block."""
+    ok = n_ok & (offs_n * 0 + blk < n_blocks)
+    b = tl.load(w_ptr + offs_n[:, None] * stride_wn + blk * HALF + tl.arange(0, HALF)[None, :],
+                mask=ok[:, None], other=0)
+    g = blk * 2 * HALF // GROUP
+    s = tl.load(scale_ptr + offs_n * stride_sn + g, mask=ok, other=0.0)
+    z = tl.load(zero_ptr + offs_n * stride_sn + g, mask=ok, other=0)
+    return b, s, z
+
+
+@triton.jit
+def _int4_mma_add(acc, b, s, z, x_ptr, offs_m, m_ok, blk, K, stride_xm, HALF: tl.constexpr,
+                  ASM: tl.constexpr, INTERPRETED: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] + block blk's products: (codes - zero) @ x^T per half of the
+    block, in fp32 on the tensor cores, times the group's scale."""
+    k_lo = blk * 2 * HALF + tl.arange(0, HALF)
+    x_lo = tl.load(x_ptr + offs_m[None, :] * stride_xm + k_lo[:, None],
+                   mask=m_ok[None, :] & (k_lo < K)[:, None], other=0.0)
+    x_hi = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k_lo + HALF)[:, None],
+                   mask=m_ok[None, :] & (k_lo + HALF < K)[:, None], other=0.0)
+    w_lo, w_hi = _int4_mma_operands(b, z[:, None], x_ptr.dtype.element_ty, ASM, INTERPRETED)
+    if INTERPRETED:
+        p = tl.dot(w_lo, x_lo.to(tl.float32), input_precision="ieee")
+        p = tl.dot(w_hi, x_hi.to(tl.float32), p, input_precision="ieee")
+    else:
+        p = tl.dot(w_lo, x_lo)
+        p = tl.dot(w_hi, x_hi, p)
+    return acc + p * s[:, None]
+
+
+@triton.jit
+def _int4_mma_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, M, N, K,
+                     stride_xm, stride_wn, stride_sn, stride_om, GROUP: tl.constexpr,
+                     HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCKS: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr,
+                     INTERPRETED: tl.constexpr, PDL: tl.constexpr = False):
+    """Up to BLOCK_M (16) rows of x against BLOCK_N rows of int4 weights on the tensor
+    cores, the whole of K in one program, the weights as the MMA's first operand (the
+    output transposed: its rows are the weights', which fill the MMA's 16 or more rows
+    where x's one row would not). Each packed block is one group: (code - zero) enters the
+    MMA exactly in x's 16-bit type, and the group's scale is applied to the block's fp32
+    product. BLOCKS packed blocks a step. Integer zero points only."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    n_blocks = tl.cdiv(K, 2 * HALF)
+    b, s, z = _int4_mma_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, 0, n_blocks,
+                                stride_wn, stride_sn, GROUP, HALF)
+    _pdl.wait_for_previous(PDL)  # the weights' first block is on its way; x is not yet
+    acc = _int4_mma_add(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), b, s, z, x_ptr,
+                        offs_m, m_ok, 0, K, stride_xm, HALF, ASM, INTERPRETED)
+    for blk0 in range(1, n_blocks, BLOCKS):
+        for i in tl.static_range(BLOCKS):
+            b, s, z = _int4_mma_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, blk0 + i,
+                                        n_blocks, stride_wn, stride_sn, GROUP, HALF)
+            acc = _int4_mma_add(acc, b, s, z, x_ptr, offs_m, m_ok, blk0 + i, K, stride_xm,
+                                HALF, ASM, INTERPRETED)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None],
+             acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+
+
 @triton.jit
 def _fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr,
                      INTERPRETED: tl.constexpr, PDL: tl.constexpr = False):
@@ -338,6 +459,29 @@ def _launch_gemv(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
     return out
 
 
+def int4_mma_config(N: int, interpreted: bool = False):
+    """(BLOCK_N, BLOCKS, num_warps, num_stages) of the tensor-core int4 kernel."""
+    if interpreted:
+        return 16, 2, 1, 1
+    return 32, 2, 1, 4
+
+
+def _launch_int4_mma(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
+                     scale: torch.Tensor, zero: torch.Tensor, bias, group: int, half: int,
+                     N: int, config, asm: bool = True) -> torch.Tensor:
+    bn, blocks, warps, stages = config
+    M, K = x.shape
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    opts = {} if interpreted else {"num_warps": warps, "num_stages": stages,
+                                   **pdl_args(x.device)}
+    mod._int4_mma_kernel[(triton.cdiv(N, bn),)](
+        x, w, scale, zero, bias if bias is not None else scale, out, M, N, K, x.stride(0),
+        w.stride(0), scale.stride(0), out.stride(0), GROUP=group, HALF=half, BLOCK_N=bn,
+        BLOCK_M=8 if M <= 8 else 16, BLOCKS=blocks, HAS_BIAS=bias is not None, ASM=asm,
+        INTERPRETED=interpreted, **opts)
+    return out
+
+
 def _launch_gemm(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
                  scale: torch.Tensor, zero, fmt: str, group: int, half: int,
                  N: int) -> torch.Tensor:
@@ -359,6 +503,13 @@ def _launch_gemm(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
         BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=x.dtype == torch.float32 or interpreted,
         FLOAT_ZERO=_float_zero(zero), **opts)
     return partial[0] if split == 1 else partial.sum(0)
+
+
+def _int4_mma_fits(x: torch.Tensor, zero, half: int) -> bool:
+    """Whether int4 goes to the tensor-core kernel: one row of 16-bit activations, integer
+    zero points, blocks of at least 32 inputs (an MMA's K is 16 or more)."""
+    return (x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+            and not _float_zero(zero) and half >= 16)
 
 
 def _launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero, fmt: str,

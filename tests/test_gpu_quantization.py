@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("M", [1, 33, 65, 300])
 @pytest.mark.parametrize("N,K", [(384, 512), (200, 4160)])
 def test_kernels_match_the_reference(dtype, M, N, K):
@@ -23,14 +23,36 @@ def test_kernels_match_the_reference(dtype, M, N, K):
     linear = torch.nn.Linear(K, N, bias=True, device="cuda", dtype=dtype)
     x = torch.randn(M, K, device="cuda", dtype=dtype)
     for method in METHODS:
-        if method == "fp8" and dtype == torch.float32:
+        if method == "fp8" and dtype != torch.bfloat16:
             continue  # fp8 runs the model in bf16
         layer = QuantizedLinear.from_linear(linear, method)
         got, want = layer(x).float(), layer.reference(x).float()
         # bf16: the kernels round the dequantized weight to bf16 before the product.
-        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        tol = {torch.bfloat16: 2e-2, torch.float16: 5e-3}.get(dtype, 1e-4)
         err = (got - want).norm() / want.norm()
         assert err < tol, (method, M, float(err))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("N,K,group", [(384, 4160, 128), (200, 512, 32), (4096, 14336, 128)])
+def test_int4_tensor_core_kernel(dtype, M, N, K, group):
+    """The tensor-core int4 kernel (inline PTX unpacking the nibbles) against the
+    dequantized matmul, at up to 16 rows of x: a short last group, groups of 32, the
+    down projection's shape of Llama-3.1-8B."""
+    from csrc_triton import quant_gemm
+    from minivllm.model.quantization import dequantize_int4, int4_half, quantize_int4
+
+    torch.manual_seed(3)
+    w = torch.randn(N, K, device="cuda") * 0.02
+    packed, scale, zero = quantize_int4(w, group)
+    bias = torch.randn(N, device="cuda")
+    x = torch.randn(M, K, device="cuda", dtype=dtype)
+    want = x.float() @ dequantize_int4(packed, scale, zero, K, group).t() + bias
+    got = quant_gemm._launch_int4_mma(quant_gemm, False, x, packed, scale, zero, bias, group,
+                                      int4_half(group, K), N, quant_gemm.int4_mma_config(N))
+    assert got.dtype == dtype
+    assert (got.float() - want).norm() / want.norm() < 5e-3
 
 
 @pytest.mark.parametrize("M", [1, 5, 300])

@@ -309,6 +309,35 @@ def test_triton_kernels_match_the_reference(M, N, K):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("M,N,K,group", [(1, 40, 200, 128), (3, 24, 600, 128),
+                                         (16, 33, 256, 32), (1, 20, 96, 64)])
+def test_int4_on_the_tensor_cores(M, N, K, group):
+    """The tensor-core int4 kernel (batch-1 int4 with 16-bit activations goes there; here
+    interpreted, in fp32) against the dequantized matmul: a short last group, several
+    groups, a bias, and up to 16 rows of x (its MMA's width)."""
+    import csrc_triton
+    from csrc_triton import quant_gemm
+
+    torch.manual_seed(9)
+    w, bias = torch.randn(N, K), torch.randn(N)
+    packed, scale, zero = quantize_int4(w, group)
+    deq = dequantize_int4(packed, scale, zero, K, group)
+    half = int4_half(group, K)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(M, K).to(dtype)
+        want = x.float() @ deq.t() + bias
+        mod, interpreted = quant_gemm._kernels_for(x.device)
+        got = quant_gemm._launch_int4_mma(mod, interpreted, x, packed, scale, zero, bias,
+                                          group, half, N, quant_gemm.int4_mma_config(N, True))
+        assert got.dtype == dtype
+        tol = 1e-4 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max())
+    one = torch.randn(1, K).bfloat16()
+    assert quant_gemm._int4_mma_fits(one, zero, half)
+    torch.testing.assert_close(csrc_triton.int4_gemm(one, packed, scale, zero, group).float(),
+                               one.float() @ deq.t(), rtol=1e-2, atol=1e-2 * K ** 0.5)
+
+
 @pytest.mark.parametrize("N,K", [(24, 200), (40, 77)])
 def test_linear_gemv_with_16_bit_weights(N, K):
     """The GEMV kernel with the model's own weights (interpreted here), as batch-1 decode
