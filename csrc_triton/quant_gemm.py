@@ -278,99 +278,119 @@ _FP16_NIBBLES_ASM = tl.constexpr(_NIBBLES_TO_16BIT_ASM.replace("ONE", "0x3C003C0
     "MAGIC", "0x64006400").replace("TYPE", "f16x2"))
 
 @triton.jit
-def _int4_mma_operands(b, z, DT: tl.constexpr, ASM: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Packed bytes [R, H] and integer zero points [R, 1] -> (low nibbles - z, high
+def _int4_mma_operands(b, z, DT: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Packed bytes [..., H] and integer zero points [..., 1] -> (low nibbles - z, high
     nibbles - z) in DT (x's 16-bit type), exact. The interpreter's 16-bit arithmetic is
     not, so there the same values come in fp32."""
-    magic = 1024 if DT == tl.float16 else 128
-    bits = 0x6400 if DT == tl.float16 else 0x4300
     if INTERPRETED:
         lo = (b & 0xF).to(tl.float32) - z.to(tl.float32)
         hi = (b >> 4).to(tl.float32) - z.to(tl.float32)
-    elif ASM:
-        zn = tl.broadcast_to((-(z.to(tl.float32) + magic)).to(DT), b.shape)
-        if DT == tl.float16:
-            lo, hi = tl.inline_asm_elementwise(_FP16_NIBBLES_ASM, "=r,=r,=r,=r,r,r,r", [b, zn],
-                                               dtype=(zn.dtype, zn.dtype), is_pure=True,
-                                               pack=4)
-        else:
-            lo, hi = tl.inline_asm_elementwise(_BF16_NIBBLES_ASM, "=r,=r,=r,=r,r,r,r", [b, zn],
-                                               dtype=(zn.dtype, zn.dtype), is_pure=True,
-                                               pack=4)
+    elif DT == tl.float16:
+        zn = tl.broadcast_to((-(z.to(tl.float32) + 1024.0)).to(DT), b.shape)
+        lo, hi = tl.inline_asm_elementwise(_FP16_NIBBLES_ASM, "=r,=r,=r,=r,r,r,r", [b, zn],
+                                           dtype=(zn.dtype, zn.dtype), is_pure=True, pack=4)
     else:
-        zb = (z.to(tl.float32) + magic).to(DT)
-        lo = (((b & 0xF).to(tl.int32) | bits).to(tl.int16)).to(DT, bitcast=True) - zb
-        hi = (((b >> 4).to(tl.int32) | bits).to(tl.int16)).to(DT, bitcast=True) - zb
+        zn = tl.broadcast_to((-(z.to(tl.float32) + 128.0)).to(DT), b.shape)
+        lo, hi = tl.inline_asm_elementwise(_BF16_NIBBLES_ASM, "=r,=r,=r,=r,r,r,r", [b, zn],
+                                           dtype=(zn.dtype, zn.dtype), is_pure=True, pack=4)
     return lo, hi
 
 
 @triton.jit
 def _int4_mma_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, blk, n_blocks, stride_wn,
                       stride_sn, GROUP: tl.constexpr, HALF: tl.constexpr):
-    """Packed block blk of rows offs_n (bytes [BLOCK_N, HALF]) with its group's scales and
-    zero points; zeros past the last block."""
-    ok = n_ok & (offs_n * 0 + blk < n_blocks)
-    b = tl.load(w_ptr + offs_n[:, None] * stride_wn + blk * HALF + tl.arange(0, HALF)[None, :],
-                mask=ok[:, None], other=0)
-    g = blk * 2 * HALF // GROUP
-    s = tl.load(scale_ptr + offs_n * stride_sn + g, mask=ok, other=0.0)
-    z = tl.load(zero_ptr + offs_n * stride_sn + g, mask=ok, other=0)
+    """Packed blocks blk [S] of rows offs_n: bytes [S, BLOCK_N, HALF], and each block's
+    group's scales and zero points [S, BLOCK_N]; zeros past the last block."""
+    ok = n_ok[None, :] & (blk < n_blocks)[:, None]
+    b = tl.load(w_ptr + offs_n[None, :, None] * stride_wn + (blk * HALF)[:, None, None]
+                + tl.arange(0, HALF)[None, None, :], mask=ok[:, :, None], other=0)
+    sz = offs_n[None, :] * stride_sn + (blk * 2 * HALF // GROUP)[:, None]
+    s = tl.load(scale_ptr + sz, mask=ok, other=0.0)
+    z = tl.load(zero_ptr + sz, mask=ok, other=0)
     return b, s, z
 
 
 @triton.jit
 def _int4_mma_add(acc, b, s, z, x_ptr, offs_m, m_ok, blk, K, stride_xm, HALF: tl.constexpr,
-                  ASM: tl.constexpr, INTERPRETED: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] + block blk's products: (codes - zero) @ x^T per half of the
-    block, in fp32 on the tensor cores, times the group's scale."""
-    k_lo = blk * 2 * HALF + tl.arange(0, HALF)
-    x_lo = tl.load(x_ptr + offs_m[None, :] * stride_xm + k_lo[:, None],
-                   mask=m_ok[None, :] & (k_lo < K)[:, None], other=0.0)
-    x_hi = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k_lo + HALF)[:, None],
-                   mask=m_ok[None, :] & (k_lo + HALF < K)[:, None], other=0.0)
-    w_lo, w_hi = _int4_mma_operands(b, z[:, None], x_ptr.dtype.element_ty, ASM, INTERPRETED)
+                  INTERPRETED: tl.constexpr):
+    """acc [S, BLOCK_N, BLOCK_M] + the products of blocks blk [S], one per slice of K:
+    (codes - zero) @ x^T per half of a block, in fp32 on the tensor cores, times the
+    block's group's scale."""
+    k_lo = (blk * 2 * HALF)[:, None] + tl.arange(0, HALF)[None, :]
+    x_at = x_ptr + offs_m[None, None, :] * stride_xm + k_lo[:, :, None]
+    x_lo = tl.load(x_at, mask=m_ok[None, None, :] & (k_lo < K)[:, :, None], other=0.0)
+    x_hi = tl.load(x_at + HALF, mask=m_ok[None, None, :] & (k_lo + HALF < K)[:, :, None],
+                   other=0.0)
+    w_lo, w_hi = _int4_mma_operands(b, z[:, :, None], x_ptr.dtype.element_ty, INTERPRETED)
     if INTERPRETED:
         p = tl.dot(w_lo, x_lo.to(tl.float32), input_precision="ieee")
         p = tl.dot(w_hi, x_hi.to(tl.float32), p, input_precision="ieee")
     else:
         p = tl.dot(w_lo, x_lo)
         p = tl.dot(w_hi, x_hi, p)
-    return acc + p * s[:, None]
+    return acc + p * s[:, :, None]
 
 
 @triton.jit
 def _int4_mma_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, M, N, K,
                      stride_xm, stride_wn, stride_sn, stride_om, GROUP: tl.constexpr,
                      HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCKS: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr,
-                     INTERPRETED: tl.constexpr, PDL: tl.constexpr = False):
-    """Up to BLOCK_M (16) rows of x against BLOCK_N rows of int4 weights on the tensor
-    cores, the whole of K in one program, the weights as the MMA's first operand (the
-    output transposed: its rows are the weights', which fill the MMA's 16 or more rows
-    where x's one row would not). Each packed block is one group: (code - zero) enters the
-    MMA exactly in x's 16-bit type, and the group's scale is applied to the block's fp32
-    product. BLOCKS packed blocks a step. Integer zero points only."""
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+                     SLICES: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    """BLOCK_M rows of x against BLOCK_N rows of int4 weights on the tensor cores, the
+    weights as the MMA's first operand (the output transposed: its rows are the weights',
+    which fill the MMA's 16 rows where a few rows of x would not). K is cut into SLICES
+    interleaved slices of packed blocks, each an MMA of its own (a warp's, with a warp
+    per slice), summed at the end: enough loads in flight without a second kernel. Each
+    packed block is one group: (code - zero) enters the MMA exactly in x's 16-bit type,
+    and the group's scale is applied to the block's fp32 product. Integer zero points."""
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     n_blocks = tl.cdiv(K, 2 * HALF)
-    b, s, z = _int4_mma_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, 0, n_blocks,
+    blk = tl.arange(0, SLICES)
+    b, s, z = _int4_mma_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, blk, n_blocks,
                                 stride_wn, stride_sn, GROUP, HALF)
-    _pdl.wait_for_previous(PDL)  # the weights' first block is on its way; x is not yet
-    acc = _int4_mma_add(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), b, s, z, x_ptr,
-                        offs_m, m_ok, 0, K, stride_xm, HALF, ASM, INTERPRETED)
-    for blk0 in range(1, n_blocks, BLOCKS):
-        for i in tl.static_range(BLOCKS):
-            b, s, z = _int4_mma_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, blk0 + i,
-                                        n_blocks, stride_wn, stride_sn, GROUP, HALF)
-            acc = _int4_mma_add(acc, b, s, z, x_ptr, offs_m, m_ok, blk0 + i, K, stride_xm,
-                                HALF, ASM, INTERPRETED)
+    _pdl.wait_for_previous(PDL)  # the weights' first blocks are on their way; x is not yet
+    acc = _int4_mma_add(tl.zeros((SLICES, BLOCK_N, BLOCK_M), dtype=tl.float32), b, s, z,
+                        x_ptr, offs_m, m_ok, blk, K, stride_xm, HALF, INTERPRETED)
+    for blk0 in range(SLICES, n_blocks, SLICES):
+        b, s, z = _int4_mma_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, blk0 + blk,
+                                    n_blocks, stride_wn, stride_sn, GROUP, HALF)
+        acc = _int4_mma_add(acc, b, s, z, x_ptr, offs_m, m_ok, blk0 + blk, K, stride_xm,
+                            HALF, INTERPRETED)
+    if INTERPRETED:  # tl.sum is a compiled-only helper here (see fused.py's _row_sum)
+        y = tl.reduce(acc, 0, _add)
+    else:
+        y = tl.sum(acc, axis=0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None],
-             acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+             y.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+
+
+@triton.jit
+def _int4_dequant_kernel(w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, stride_wn, stride_sn,
+                         stride_on, GROUP: tl.constexpr, HALF: tl.constexpr,
+                         BLOCK_N: tl.constexpr, FLOAT_ZERO: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    """One packed block of BLOCK_N rows to x's dtype: W[n, k] = (q - zero) * scale,
+    rounded once, in the inputs' own order (for a GEMM of many rows, where the weights
+    are read once per step and the product's FLOPs dominate)."""
+    _pdl.wait_for_previous(PDL)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    blk = tl.program_id(1)
+    n_ok = offs_n < N
+    q_lo, q_hi, s = _int4_tile(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, blk * 2 * HALF,
+                               stride_wn, stride_sn, GROUP, HALF, FLOAT_ZERO)
+    k_lo = blk * 2 * HALF + tl.arange(0, HALF)
+    at = out_ptr + offs_n[:, None] * stride_on + k_lo[None, :]
+    dt = out_ptr.dtype.element_ty
+    tl.store(at, (q_lo * s[:, None]).to(dt), mask=n_ok[:, None] & (k_lo < K)[None, :])
+    tl.store(at + HALF, (q_hi * s[:, None]).to(dt),
+             mask=n_ok[:, None] & (k_lo + HALF < K)[None, :])
 
 
 @triton.jit
@@ -459,27 +479,51 @@ def _launch_gemv(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
     return out
 
 
-def int4_mma_config(N: int, interpreted: bool = False):
-    """(BLOCK_N, BLOCKS, num_warps, num_stages) of the tensor-core int4 kernel."""
+def int4_mma_config(M: int, N: int, K: int, interpreted: bool = False):
+    """(BLOCK_N, BLOCK_M, SLICES, num_warps, num_stages) of the tensor-core int4 kernel:
+    x's rows padded to 8 or 16; 16 weight rows a program, 32 where there are 4 times more
+    rows than inputs (gate/up: the grid covers the GPU anyway, and x is loaded for twice
+    the rows); K in 4 slices, 8 for rows of 8,192 inputs or more at up to 8 rows of x
+    (down: more loads in flight); 4 warps, 3 stages. From a sweep over Llama-3.1-8B's
+    projections at M = 1, 4 and 16 on the H200 (bench/diagnostics/int4_mma_sweep.py)."""
+    bm = 8 if M <= 8 else 16
     if interpreted:
-        return 16, 2, 1, 1
-    return 32, 2, 1, 4
+        return 16, bm, 2, 1, 1
+    bn = 32 if N >= 4 * K else 16
+    slices = 8 if K >= 8192 and bm == 8 else 4
+    return bn, bm, slices, 4, 3
 
 
 def _launch_int4_mma(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
                      scale: torch.Tensor, zero: torch.Tensor, bias, group: int, half: int,
-                     N: int, config, asm: bool = True) -> torch.Tensor:
-    bn, blocks, warps, stages = config
+                     N: int, config) -> torch.Tensor:
+    bn, bm, slices, warps, stages = config
     M, K = x.shape
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     opts = {} if interpreted else {"num_warps": warps, "num_stages": stages,
                                    **pdl_args(x.device)}
-    mod._int4_mma_kernel[(triton.cdiv(N, bn),)](
+    mod._int4_mma_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](
         x, w, scale, zero, bias if bias is not None else scale, out, M, N, K, x.stride(0),
         w.stride(0), scale.stride(0), out.stride(0), GROUP=group, HALF=half, BLOCK_N=bn,
-        BLOCK_M=8 if M <= 8 else 16, BLOCKS=blocks, HAS_BIAS=bias is not None, ASM=asm,
-        INTERPRETED=interpreted, **opts)
+        BLOCK_M=bm, SLICES=slices, HAS_BIAS=bias is not None, INTERPRETED=interpreted,
+        **opts)
     return out
+
+
+def _int4_dequantized_matmul(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
+                             scale: torch.Tensor, zero, bias, group: int, half: int,
+                             N: int) -> torch.Tensor:
+    """x @ dequant(W)^T (+ bias) for many rows: W to x's dtype by one kernel, then the
+    dense matmul (cuBLAS on a GPU). The weights cross memory 4.5 bytes each instead of
+    0.5, which a large M's FLOPs hide."""
+    K = x.shape[1]
+    dense = torch.empty((N, K), dtype=x.dtype, device=x.device)
+    bn = 16 if interpreted else 32
+    opts = {} if interpreted else {"num_warps": 4, **pdl_args(x.device)}
+    mod._int4_dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, 2 * half))](
+        w, scale, zero, dense, N, K, w.stride(0), scale.stride(0), dense.stride(0),
+        GROUP=group, HALF=half, BLOCK_N=bn, FLOAT_ZERO=_float_zero(zero), **opts)
+    return torch.nn.functional.linear(x, dense, bias)
 
 
 def _launch_gemm(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
@@ -505,10 +549,18 @@ def _launch_gemm(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
     return partial[0] if split == 1 else partial.sum(0)
 
 
+# int4 by rows of x: up to 16 the tensor-core kernel, from 65 the weights dequantized for
+# cuBLAS, between them the split-K dequantizing GEMM (at 64 rows it beat dequantize+cuBLAS
+# on Llama-3.1-8B's projections, 243 us against 305; at 256 it lost, 705 against 354).
+INT4_MMA_MAX_ROWS = 16
+INT4_DENSE_MIN_ROWS = 65
+
+
 def _int4_mma_fits(x: torch.Tensor, zero, half: int) -> bool:
-    """Whether int4 goes to the tensor-core kernel: one row of 16-bit activations, integer
-    zero points, blocks of at least 32 inputs (an MMA's K is 16 or more)."""
-    return (x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+    """Whether int4 goes to the tensor-core kernel: up to INT4_MMA_MAX_ROWS rows of 16-bit
+    activations, integer zero points, blocks of at least 32 inputs (an MMA's K is 16 or
+    more)."""
+    return (x.shape[0] <= INT4_MMA_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
             and not _float_zero(zero) and half >= 16)
 
 
@@ -519,6 +571,14 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero, f
     mod, interpreted = _kernels_for(x.device)
     w = qweight.view(torch.uint8) if fmt == "fp8" else qweight
     half = int4_half(group, x.shape[1]) if fmt == "int4" else 0
+    if fmt == "int4" and _int4_mma_fits(x, zero, half):
+        return _launch_int4_mma(mod, interpreted, x, w, scale, zero, bias, group, half, N,
+                                int4_mma_config(x.shape[0], N, x.shape[1],
+                                                interpreted))
+    if fmt == "int4" and x.shape[0] >= INT4_DENSE_MIN_ROWS:
+        return _int4_dequantized_matmul(mod, interpreted, x, w, scale, zero,
+                                        None if bias is None else bias.to(x.dtype), group,
+                                        half, N)
     if x.shape[0] == 1:
         return _launch_gemv(mod, interpreted, x, w, scale, zero, bias, fmt, group, half, N,
                             gemv_config(fmt, half, N, x.shape[1], interpreted))

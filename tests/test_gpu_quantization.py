@@ -50,7 +50,7 @@ def test_int4_tensor_core_kernel(dtype, M, N, K, group):
     x = torch.randn(M, K, device="cuda", dtype=dtype)
     want = x.float() @ dequantize_int4(packed, scale, zero, K, group).t() + bias
     got = quant_gemm._launch_int4_mma(quant_gemm, False, x, packed, scale, zero, bias, group,
-                                      int4_half(group, K), N, quant_gemm.int4_mma_config(N))
+                                      int4_half(group, K), N, quant_gemm.int4_mma_config(M, N, K))
     assert got.dtype == dtype
     assert (got.float() - want).norm() / want.norm() < 5e-3
 

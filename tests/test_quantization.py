@@ -285,7 +285,7 @@ def test_server_with_quantization(tiny_chat_dir, method):
 def test_triton_kernels_match_the_reference(M, N, K):
     """The GPU kernels (here under Triton's interpreter) against the dequantized matmul:
     int8, fp8 weights and int4 (short last group, odd K), with a
-    bias, split K included; at M = 1 int4's GEMV over several steps of K."""
+    bias, split K included; at M = 1 int4's GEMV over several steps of K (fp32 x)."""
     import csrc_triton
 
     torch.manual_seed(7)
@@ -312,9 +312,9 @@ def test_triton_kernels_match_the_reference(M, N, K):
 @pytest.mark.parametrize("M,N,K,group", [(1, 40, 200, 128), (3, 24, 600, 128),
                                          (16, 33, 256, 32), (1, 20, 96, 64)])
 def test_int4_on_the_tensor_cores(M, N, K, group):
-    """The tensor-core int4 kernel (batch-1 int4 with 16-bit activations goes there; here
-    interpreted, in fp32) against the dequantized matmul: a short last group, several
-    groups, a bias, and up to 16 rows of x (its MMA's width)."""
+    """The tensor-core int4 kernel (int4 with up to 16 rows of 16-bit activations goes
+    there; here interpreted, in fp32) against the dequantized matmul: a short last group,
+    several groups, a bias, and up to 16 rows of x; and the dense path of many rows."""
     import csrc_triton
     from csrc_triton import quant_gemm
 
@@ -327,8 +327,9 @@ def test_int4_on_the_tensor_cores(M, N, K, group):
         x = torch.randn(M, K).to(dtype)
         want = x.float() @ deq.t() + bias
         mod, interpreted = quant_gemm._kernels_for(x.device)
+        config = quant_gemm.int4_mma_config(M, N, K, interpreted=True)
         got = quant_gemm._launch_int4_mma(mod, interpreted, x, packed, scale, zero, bias,
-                                          group, half, N, quant_gemm.int4_mma_config(N, True))
+                                          group, half, N, config)
         assert got.dtype == dtype
         tol = 1e-4 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max())
@@ -336,6 +337,10 @@ def test_int4_on_the_tensor_cores(M, N, K, group):
     assert quant_gemm._int4_mma_fits(one, zero, half)
     torch.testing.assert_close(csrc_triton.int4_gemm(one, packed, scale, zero, group).float(),
                                one.float() @ deq.t(), rtol=1e-2, atol=1e-2 * K ** 0.5)
+    # Many rows: the weights dequantized by a kernel, then a dense matmul.
+    many = torch.randn(quant_gemm.INT4_DENSE_MIN_ROWS, K)
+    torch.testing.assert_close(csrc_triton.int4_gemm(many, packed, scale, zero, group, bias),
+                               many @ deq.t() + bias, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("N,K", [(24, 200), (40, 77)])
