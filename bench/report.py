@@ -859,11 +859,13 @@ class Report:
         self.p("Floor: the workload's ideal on the H200 (800 TFLOP/s bf16, 4.28 TB/s HBM) "
                "for bf16 weights and KV cache, prefill then decode, each step bound by its "
                "FLOPs or its bytes ([bench/roofline.py](../../roofline.py)); offline rows of "
-               "quantized runs get none.\n")
+               "quantized runs and quantized checkpoints get none.\n")
         for r in runs:
             self.h(3, f"{r.data.get('model')}: `{rel(r.run, self.base)}`")
             # A smoke run (CPU) stands a tiny model in for the named one: no floor.
             cfg = roofline.load_config(r.data.get("model", "")) if r.env.get("gpu") else None
+            if cfg and "quantization_config" in cfg:  # a quantized checkpoint's config
+                cfg = None
             rows = []
             for x in r.data.get("rows", []):
                 floor, shares = "-", "-"
