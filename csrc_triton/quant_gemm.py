@@ -280,6 +280,7 @@ _BF16_NIBBLES_ASM = tl.constexpr(_NIBBLES_TO_16BIT_ASM.replace("ONE", "0x3F803F8
 _FP16_NIBBLES_ASM = tl.constexpr(_NIBBLES_TO_16BIT_ASM.replace("ONE", "0x3C003C00").replace(
     "MAGIC", "0x64006400").replace("TYPE", "f16x2"))
 
+
 @triton.jit
 def _int4_mma_operands(b, z, DT: tl.constexpr, INTERPRETED: tl.constexpr):
     """Packed bytes [..., H] and integer zero points [..., 1] -> (low nibbles - z, high
