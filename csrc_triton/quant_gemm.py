@@ -376,6 +376,49 @@ def _int4_mma_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, M, N,
 
 
 @triton.jit
+def _int4_mma_tile_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, M, N, K,
+                          stride_xm, stride_wn, stride_sn, stride_om, GROUP: tl.constexpr,
+                          HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    """Many rows of x: a [BLOCK_N, BLOCK_M] tile of the transposed output over the whole of
+    K, one packed block (one group) a step, as two plain 2-D MMAs (Hopper's warpgroup MMA
+    takes the unpacked weights from registers as its first operand, x's tile from shared
+    memory as its second). Each block's fp32 product is scaled into the accumulator, as in
+    _int4_mma_kernel. Programs next to each other share their weights (L2)."""
+    _pdl.wait_for_previous(PDL)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    offs_j = tl.arange(0, HALF)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for blk in range(0, tl.cdiv(K, 2 * HALF)):
+        b = tl.load(w_ptr + offs_n[:, None] * stride_wn + (blk * HALF + offs_j)[None, :],
+                    mask=n_ok[:, None], other=0)
+        g = blk * 2 * HALF // GROUP
+        s = tl.load(scale_ptr + offs_n * stride_sn + g, mask=n_ok, other=0.0)
+        z = tl.load(zero_ptr + offs_n * stride_sn + g, mask=n_ok, other=0)
+        k_lo = blk * 2 * HALF + offs_j
+        x_at = x_ptr + offs_m[:, None] * stride_xm + k_lo[None, :]
+        x_lo = tl.load(x_at, mask=m_ok[:, None] & (k_lo < K)[None, :], other=0.0)
+        x_hi = tl.load(x_at + HALF, mask=m_ok[:, None] & (k_lo + HALF < K)[None, :],
+                       other=0.0)
+        w_lo, w_hi = _int4_mma_operands(b, z[:, None], x_ptr.dtype.element_ty, INTERPRETED)
+        if INTERPRETED:
+            p = tl.dot(w_lo, tl.trans(x_lo.to(tl.float32)), input_precision="ieee")
+            p = tl.dot(w_hi, tl.trans(x_hi.to(tl.float32)), p, input_precision="ieee")
+        else:
+            p = tl.dot(w_lo, tl.trans(x_lo))
+            p = tl.dot(w_hi, tl.trans(x_hi), p)
+        acc += p * s[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None],
+             acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+
+
+@triton.jit
 def _int4_dequant_kernel(w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, stride_wn, stride_sn,
                          stride_on, GROUP: tl.constexpr, HALF: tl.constexpr,
                          BLOCK_N: tl.constexpr, FLOAT_ZERO: tl.constexpr,
@@ -514,6 +557,21 @@ def _launch_int4_mma(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
     return out
 
 
+def _launch_int4_mma_tiles(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
+                           scale: torch.Tensor, zero: torch.Tensor, bias, group: int,
+                           half: int, N: int, config) -> torch.Tensor:
+    bn, bm, warps, stages = config
+    M, K = x.shape
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    opts = {} if interpreted else {"num_warps": warps, "num_stages": stages,
+                                   **pdl_args(x.device)}
+    mod._int4_mma_tile_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+        x, w, scale, zero, bias if bias is not None else scale, out, M, N, K, x.stride(0),
+        w.stride(0), scale.stride(0), out.stride(0), GROUP=group, HALF=half, BLOCK_N=bn,
+        BLOCK_M=bm, HAS_BIAS=bias is not None, INTERPRETED=interpreted, **opts)
+    return out
+
+
 def _int4_dequantized_matmul(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
                              scale: torch.Tensor, zero, bias, group: int, half: int,
                              N: int) -> torch.Tensor:
@@ -553,19 +611,27 @@ def _launch_gemm(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
     return partial[0] if split == 1 else partial.sum(0)
 
 
-# int4 by rows of x: up to 16 the tensor-core kernel, from 65 the weights dequantized for
-# cuBLAS, between them the split-K dequantizing GEMM (at 64 rows it beat dequantize+cuBLAS
-# on Llama-3.1-8B's projections, 243 us against 305; at 256 it lost, 705 against 354).
+# int4 by rows of x (16-bit x, integer zero points): up to 16 the sliced tensor-core
+# kernel, up to INT4_DENSE_MIN_ROWS - 1 the tile kernel, from there the weights
+# dequantized for cuBLAS.
 INT4_MMA_MAX_ROWS = 16
-INT4_DENSE_MIN_ROWS = 65
+INT4_DENSE_MIN_ROWS = 1025
+
+
+def int4_tile_config(M: int, N: int, K: int, interpreted: bool = False):
+    """(BLOCK_N, BLOCK_M, num_warps, num_stages) of the int4 tile kernel."""
+    if interpreted:
+        return 16, 16, 1, 1
+    if M <= 64:
+        return 64, max(32, triton.next_power_of_2(M)), 4, 4
+    return 128, 128, 8, 3
 
 
 def _int4_mma_fits(x: torch.Tensor, zero, half: int) -> bool:
-    """Whether int4 goes to the tensor-core kernel: up to INT4_MMA_MAX_ROWS rows of 16-bit
-    activations, integer zero points, blocks of at least 32 inputs (an MMA's K is 16 or
-    more)."""
-    return (x.shape[0] <= INT4_MMA_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
-            and not _float_zero(zero) and half >= 16)
+    """Whether int4 goes to the tensor-core kernels: 16-bit activations, integer zero
+    points, blocks of at least 32 inputs (an MMA's K is 16 or more)."""
+    return (x.dtype in (torch.bfloat16, torch.float16) and not _float_zero(zero)
+            and half >= 16)
 
 
 def _launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero, fmt: str,
@@ -575,11 +641,14 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero, f
     mod, interpreted = _kernels_for(x.device)
     w = qweight.view(torch.uint8) if fmt == "fp8" else qweight
     half = int4_half(group, x.shape[1]) if fmt == "int4" else 0
-    if fmt == "int4" and _int4_mma_fits(x, zero, half):
+    M, K = x.shape
+    if fmt == "int4" and M <= INT4_MMA_MAX_ROWS and _int4_mma_fits(x, zero, half):
         return _launch_int4_mma(mod, interpreted, x, w, scale, zero, bias, group, half, N,
-                                int4_mma_config(x.shape[0], N, x.shape[1],
-                                                interpreted))
-    if fmt == "int4" and x.shape[0] >= INT4_DENSE_MIN_ROWS:
+                                int4_mma_config(M, N, K, interpreted))
+    if fmt == "int4" and M < INT4_DENSE_MIN_ROWS and _int4_mma_fits(x, zero, half):
+        return _launch_int4_mma_tiles(mod, interpreted, x, w, scale, zero, bias, group,
+                                      half, N, int4_tile_config(M, N, K, interpreted))
+    if fmt == "int4" and M >= INT4_DENSE_MIN_ROWS:
         return _int4_dequantized_matmul(mod, interpreted, x, w, scale, zero,
                                         None if bias is None else bias.to(x.dtype), group,
                                         half, N)

@@ -55,6 +55,27 @@ def test_int4_tensor_core_kernel(dtype, M, N, K, group):
     assert (got.float() - want).norm() / want.norm() < 5e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", [17, 40, 64, 65, 200, 1024, 1100])
+@pytest.mark.parametrize("N,K,group", [(384, 4160, 128), (200, 512, 32), (4096, 14336, 128)])
+def test_int4_many_rows(dtype, M, N, K, group):
+    """int4 with more than 16 rows of x, as the layer routes it (the tile kernel, then
+    the dense path of dequantize and cuBLAS), against the dequantized matmul: a short
+    last group, groups of 32, Llama-3.1-8B's down projection."""
+    import csrc_triton
+    from minivllm.model.quantization import dequantize_int4, quantize_int4
+
+    torch.manual_seed(4)
+    w = torch.randn(N, K, device="cuda") * 0.02
+    packed, scale, zero = quantize_int4(w, group)
+    bias = torch.randn(N, device="cuda", dtype=dtype)
+    x = torch.randn(M, K, device="cuda", dtype=dtype)
+    want = x.float() @ dequantize_int4(packed, scale, zero, K, group).t() + bias.float()
+    got = csrc_triton.int4_gemm(x, packed, scale, zero, group, bias)
+    assert got.dtype == dtype
+    assert (got.float() - want).norm() / want.norm() < 5e-3
+
+
 @pytest.mark.parametrize("M", [1, 5, 300])
 def test_int4_own_grid_compiled(M):
     """A Q4_1-grid weight (float zero points, groups of 32) in bf16, through the compiled

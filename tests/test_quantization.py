@@ -312,9 +312,10 @@ def test_triton_kernels_match_the_reference(M, N, K):
 @pytest.mark.parametrize("M,N,K,group", [(1, 40, 200, 128), (3, 24, 600, 128),
                                          (16, 33, 256, 32), (1, 20, 96, 64)])
 def test_int4_on_the_tensor_cores(M, N, K, group):
-    """The tensor-core int4 kernel (int4 with up to 16 rows of 16-bit activations goes
-    there; here interpreted, in fp32) against the dequantized matmul: a short last group,
-    several groups, a bias, and up to 16 rows of x; and the dense path of many rows."""
+    """The tensor-core int4 kernels (int4 with 16-bit activations goes there; here
+    interpreted, in fp32) against the dequantized matmul: a short last group, several
+    groups, a bias; the sliced kernel with up to 16 rows of x, the tile kernel with more;
+    and the dense path of many rows."""
     import csrc_triton
     from csrc_triton import quant_gemm
 
@@ -332,6 +333,13 @@ def test_int4_on_the_tensor_cores(M, N, K, group):
                                           group, half, N, config)
         assert got.dtype == dtype
         tol = 1e-4 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max())
+        # More rows: the tile kernel, one program per [BLOCK_N, BLOCK_M] of the output.
+        rows = torch.randn(M + 20, K).to(dtype)
+        got = quant_gemm._launch_int4_mma_tiles(
+            mod, interpreted, rows, packed, scale, zero, bias, group, half, N,
+            quant_gemm.int4_tile_config(M + 20, N, K, interpreted=True))
+        want = rows.float() @ deq.t() + bias
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max())
     one = torch.randn(1, K).bfloat16()
     assert quant_gemm._int4_mma_fits(one, zero, half)

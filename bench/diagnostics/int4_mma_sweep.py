@@ -1,12 +1,13 @@
 """int4 projections by batch size against the kernels they replace (CUDA): Llama-3.1-8B's
-four projections; at M = 1 the byte GEMV (`_wq_gemv_kernel`, its shipped configuration),
-at M = 4 and 16 the split-K dequantizing GEMM (`_wq_gemm_kernel`), both against the
-tensor-core kernel (`_int4_mma_kernel`) over its configurations (BLOCK_N, BLOCK_M, slices
-of K, warps, stages); at M = 64, 256 and 2,048 the dequantizing GEMM against
-dequantize-then-cuBLAS (`_int4_dequantized_matmul`) and cuBLAS on bf16 weights. CUDA-graph
-replays, the weights cycling through copies larger than L2 (as bench.diagnostics.gemv_sweep).
+four projections. At M = 1 the byte GEMV (`_wq_gemv_kernel`), at 4 and 16 the split-K
+dequantizing GEMM (`_wq_gemm_kernel`), both against the sliced tensor-core kernel
+(`_int4_mma_kernel`) over its configurations (BLOCK_N, BLOCK_M, slices of K, warps,
+stages). From 32 rows the tile kernel (`_int4_mma_tile_kernel`: BLOCK_N, BLOCK_M, warps,
+stages) against the split-K GEMM (up to 64 rows), dequantize-then-cuBLAS
+(`_int4_dequantized_matmul`) and cuBLAS on bf16 weights. CUDA-graph replays, the weights
+cycling through copies larger than L2 (as bench.diagnostics.gemv_sweep).
 
-    python -m bench.diagnostics.int4_mma_sweep --out FILE
+    python -m bench.diagnostics.int4_mma_sweep --out FILE [--rows 1,4,16,32,64,...]
 """
 
 from __future__ import annotations
@@ -27,13 +28,28 @@ MMA_CONFIGS = {  # rows of x -> (BLOCK_N, BLOCK_M, SLICES, warps, stages)
     4: [(16, 8, 8, 8, 3), (16, 8, 4, 4, 3), (32, 8, 4, 4, 3)],
     16: [(16, 16, 8, 8, 3), (16, 16, 4, 4, 3), (32, 16, 4, 4, 3)],
 }
-LARGE_M = (64, 256, 2048)
+TILE_CONFIGS = {  # rows of x -> (BLOCK_N, BLOCK_M, warps, stages)
+    16: [(64, 16, 4, 4), (32, 16, 4, 4)],
+    32: [(32, 32, 4, 4), (64, 32, 4, 4), (64, 32, 4, 3), (128, 32, 8, 3)],
+    64: [(32, 64, 4, 4), (64, 64, 4, 4), (64, 64, 4, 3), (128, 64, 8, 3)],
+    128: [(64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
+    256: [(64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4),
+          (128, 256, 8, 3)],
+    512: [(64, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3)],
+    2048: [(128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3)],
+}
+SLICED_LARGE = {32: [(16, 32, 4, 4, 3), (32, 32, 2, 4, 3)],
+                64: [(16, 64, 2, 4, 3), (32, 64, 2, 4, 3)]}
+DENSE_M = (64, 128, 256, 512, 2048)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--rows", default=",".join(str(m) for m in sorted(
+        {*MMA_CONFIGS, *TILE_CONFIGS})))
     args = ap.parse_args()
+    row_counts = [int(m) for m in args.rows.split(",")]
     from csrc_triton import quant_gemm as qg
 
     dev = torch.device("cuda")
@@ -45,7 +61,7 @@ def main() -> None:
         ref_w = qg_dequant("int4", ws[0], N, K)
         dense = ref_w.to(torch.bfloat16)
         group, half = ws[0][3], ws[0][4]
-        for M in [*MMA_CONFIGS, *LARGE_M]:
+        for M in row_counts:
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
             ref = x.float() @ ref_w.t()
             out = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
@@ -64,13 +80,21 @@ def main() -> None:
                 q, s, z, _, _ = ws[i]
                 return qg._launch_gemm(qg, False, x, q, s, z, "int4", group, half, N)
 
-            variants = [("gemv" if M == 1 else "split-k gemm", gemv if M == 1 else gemm)]
-            for cfg in MMA_CONFIGS.get(M, []):
+            variants = [("gemv", gemv)] if M == 1 else []
+            if 1 < M <= 64:
+                variants.append(("split-k gemm", gemm))
+            for cfg in MMA_CONFIGS.get(M, []) + SLICED_LARGE.get(M, []):
                 def mma(i, cfg=cfg):
                     q, s, z, _, _ = ws[i]
                     return qg._launch_int4_mma(qg, False, x, q, s, z, None, group, half, N, cfg)
                 variants.append((f"mma {cfg}", mma))
-            if M in LARGE_M:
+            for cfg in TILE_CONFIGS.get(M, []):
+                def tiles(i, cfg=cfg):
+                    q, s, z, _, _ = ws[i]
+                    return qg._launch_int4_mma_tiles(qg, False, x, q, s, z, None, group, half,
+                                                     N, cfg)
+                variants.append((f"tiles {cfg}", tiles))
+            if M in DENSE_M:
                 def dequant(i):
                     q, s, z, _, _ = ws[i]
                     return qg._int4_dequantized_matmul(qg, False, x, q, s, z, None, group,
@@ -83,7 +107,8 @@ def main() -> None:
                     got = fn(0).float()
                     row["rel_err"] = float((got - ref).norm() / ref.norm())
                     us = _time_graph(fn, copies if "bf16" not in label else 2)
-                    row.update(us=round(us, 2), TBps=round(nbytes / us / 1e6, 3))
+                    row.update(us=round(us, 2), TBps=round(nbytes / us / 1e6, 3),
+                               TFLOPs=round(2 * M * N * K / us / 1e6, 1))
                 except Exception as e:  # noqa: BLE001 - a configuration that does not compile
                     row["error"] = repr(e)[-400:]
                 rows.append(row)
