@@ -376,29 +376,48 @@ def _int4_mma_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, M, N,
 
 
 @triton.jit
+def _int4_tile_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, blk, n_blocks, stride_wn,
+                       stride_sn, GROUP: tl.constexpr, HALF: tl.constexpr):
+    """Packed block blk of rows offs_n: bytes [BLOCK_N, HALF], the group's scales and zero
+    points [BLOCK_N]; zeros past the last block."""
+    ok = n_ok & (offs_n * 0 + blk < n_blocks)
+    b = tl.load(w_ptr + offs_n[:, None] * stride_wn + blk * HALF + tl.arange(0, HALF)[None, :],
+                mask=ok[:, None], other=0)
+    g = blk * 2 * HALF // GROUP
+    s = tl.load(scale_ptr + offs_n * stride_sn + g, mask=ok, other=0.0)
+    z = tl.load(zero_ptr + offs_n * stride_sn + g, mask=ok, other=0)
+    return b, s, z
+
+
+@triton.jit
 def _int4_mma_tile_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, M, N, K,
                           stride_xm, stride_wn, stride_sn, stride_om, GROUP: tl.constexpr,
                           HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                           HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          FOLD_SCALE: tl.constexpr = False, PDL: tl.constexpr = False):
     """Many rows of x: a [BLOCK_N, BLOCK_M] tile of the transposed output over the whole of
     K, one packed block (one group) a step, as two plain 2-D MMAs (Hopper's warpgroup MMA
     takes the unpacked weights from registers as its first operand, x's tile from shared
-    memory as its second). Each block's fp32 product is scaled into the accumulator, as in
-    _int4_mma_kernel. Programs next to each other share their weights (L2)."""
-    _pdl.wait_for_previous(PDL)
+    memory as its second). The next block's weights are loaded before this one is
+    multiplied (they reach registers, not shared memory, so the compiler's pipelining
+    does not cover them). Each block's fp32 product is scaled into the accumulator, as in
+    _int4_mma_kernel (FOLD_SCALE: the scale multiplies the 16-bit operands instead, and
+    the MMAs accumulate across blocks). Programs next to each other share their weights
+    (L2)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < N
     offs_j = tl.arange(0, HALF)
+    n_blocks = tl.cdiv(K, 2 * HALF)
+    b, s, z = _int4_tile_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, 0, n_blocks,
+                                 stride_wn, stride_sn, GROUP, HALF)
+    _pdl.wait_for_previous(PDL)  # the first block's weights are on their way; x is not yet
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for blk in range(0, tl.cdiv(K, 2 * HALF)):
-        b = tl.load(w_ptr + offs_n[:, None] * stride_wn + (blk * HALF + offs_j)[None, :],
-                    mask=n_ok[:, None], other=0)
-        g = blk * 2 * HALF // GROUP
-        s = tl.load(scale_ptr + offs_n * stride_sn + g, mask=n_ok, other=0.0)
-        z = tl.load(zero_ptr + offs_n * stride_sn + g, mask=n_ok, other=0)
+    for blk in range(0, n_blocks):
+        b_next, s_next, z_next = _int4_tile_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok,
+                                                    blk + 1, n_blocks, stride_wn, stride_sn,
+                                                    GROUP, HALF)
         k_lo = blk * 2 * HALF + offs_j
         x_at = x_ptr + offs_m[:, None] * stride_xm + k_lo[None, :]
         x_lo = tl.load(x_at, mask=m_ok[:, None] & (k_lo < K)[None, :], other=0.0)
@@ -408,10 +427,16 @@ def _int4_mma_tile_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, 
         if INTERPRETED:
             p = tl.dot(w_lo, tl.trans(x_lo.to(tl.float32)), input_precision="ieee")
             p = tl.dot(w_hi, tl.trans(x_hi.to(tl.float32)), p, input_precision="ieee")
+            acc += p * s[:, None]
+        elif FOLD_SCALE:
+            s16 = s.to(w_lo.dtype)[:, None]
+            acc = tl.dot(w_lo * s16, tl.trans(x_lo), acc)
+            acc = tl.dot(w_hi * s16, tl.trans(x_hi), acc)
         else:
             p = tl.dot(w_lo, tl.trans(x_lo))
             p = tl.dot(w_hi, tl.trans(x_hi), p)
-        acc += p * s[:, None]
+            acc += p * s[:, None]
+        b, s, z = b_next, s_next, z_next
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None],
@@ -560,11 +585,11 @@ def _launch_int4_mma(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
 def _launch_int4_mma_tiles(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
                            scale: torch.Tensor, zero: torch.Tensor, bias, group: int,
                            half: int, N: int, config) -> torch.Tensor:
-    bn, bm, warps, stages = config
+    bn, bm, warps, stages, *fold = config
     M, K = x.shape
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     opts = {} if interpreted else {"num_warps": warps, "num_stages": stages,
-                                   **pdl_args(x.device)}
+                                   "FOLD_SCALE": bool(fold and fold[0]), **pdl_args(x.device)}
     mod._int4_mma_tile_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
         x, w, scale, zero, bias if bias is not None else scale, out, M, N, K, x.stride(0),
         w.stride(0), scale.stride(0), out.stride(0), GROUP=group, HALF=half, BLOCK_N=bn,
