@@ -394,16 +394,15 @@ def _int4_mma_tile_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, 
                           stride_xm, stride_wn, stride_sn, stride_om, GROUP: tl.constexpr,
                           HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                           HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr,
-                          FOLD_SCALE: tl.constexpr = False, PDL: tl.constexpr = False):
+                          PDL: tl.constexpr = False):
     """Many rows of x: a [BLOCK_N, BLOCK_M] tile of the transposed output over the whole of
     K, one packed block (one group) a step, as two plain 2-D MMAs (Hopper's warpgroup MMA
     takes the unpacked weights from registers as its first operand, x's tile from shared
-    memory as its second). The next block's weights are loaded before this one is
-    multiplied (they reach registers, not shared memory, so the compiler's pipelining
-    does not cover them). Each block's fp32 product is scaled into the accumulator, as in
-    _int4_mma_kernel (FOLD_SCALE: the scale multiplies the 16-bit operands instead, and
-    the MMAs accumulate across blocks). Programs next to each other share their weights
-    (L2)."""
+    memory as its second). The group's scale multiplies the 16-bit operands (code - zero,
+    exact), so the MMAs accumulate across blocks; scaling each block's fp32 product
+    instead made every block wait for its MMAs, 1.5-2.4x slower with 256 columns of x.
+    The next block's weights are loaded before this one is multiplied. Programs next to
+    each other share their weights (L2)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
@@ -424,18 +423,13 @@ def _int4_mma_tile_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, 
         x_hi = tl.load(x_at + HALF, mask=m_ok[:, None] & (k_lo + HALF < K)[None, :],
                        other=0.0)
         w_lo, w_hi = _int4_mma_operands(b, z[:, None], x_ptr.dtype.element_ty, INTERPRETED)
+        s = s.to(w_lo.dtype)[:, None]  # x's 16-bit type (fp32 in the interpreter)
         if INTERPRETED:
-            p = tl.dot(w_lo, tl.trans(x_lo.to(tl.float32)), input_precision="ieee")
-            p = tl.dot(w_hi, tl.trans(x_hi.to(tl.float32)), p, input_precision="ieee")
-            acc += p * s[:, None]
-        elif FOLD_SCALE:
-            s16 = s.to(w_lo.dtype)[:, None]
-            acc = tl.dot(w_lo * s16, tl.trans(x_lo), acc)
-            acc = tl.dot(w_hi * s16, tl.trans(x_hi), acc)
+            acc = tl.dot(w_lo * s, tl.trans(x_lo.to(tl.float32)), acc, input_precision="ieee")
+            acc = tl.dot(w_hi * s, tl.trans(x_hi.to(tl.float32)), acc, input_precision="ieee")
         else:
-            p = tl.dot(w_lo, tl.trans(x_lo))
-            p = tl.dot(w_hi, tl.trans(x_hi), p)
-            acc += p * s[:, None]
+            acc = tl.dot(w_lo * s, tl.trans(x_lo), acc)
+            acc = tl.dot(w_hi * s, tl.trans(x_hi), acc)
         b, s, z = b_next, s_next, z_next
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -553,12 +547,12 @@ def _launch_gemv(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
 
 def int4_mma_config(M: int, N: int, K: int, interpreted: bool = False):
     """(BLOCK_N, BLOCK_M, SLICES, num_warps, num_stages) of the tensor-core int4 kernel:
-    x's rows padded to 8 or 16; 16 weight rows a program, 32 where there are 4 times more
+    x's rows padded to 8, 16 or 32; 16 weight rows a program, 32 where there are 4 times more
     rows than inputs (gate/up: the grid covers the GPU anyway, and x is loaded for twice
     the rows); K in 4 slices, 8 for rows of 8,192 inputs or more at up to 8 rows of x
-    (down: more loads in flight); 4 warps, 3 stages. From a sweep over Llama-3.1-8B's
-    projections at M = 1, 4 and 16 on the H200 (bench/diagnostics/int4_mma_sweep.py)."""
-    bm = 8 if M <= 8 else 16
+    (down: more loads in flight); 4 warps, 3 stages. From sweeps over Llama-3.1-8B's
+    projections at M = 1, 4, 16 and 32 on the H200 (bench/diagnostics/int4_mma_sweep.py)."""
+    bm = 8 if M <= 8 else 16 if M <= 16 else 32
     if interpreted:
         return 16, bm, 2, 1, 1
     bn = 32 if N >= 4 * K else 16
@@ -585,11 +579,11 @@ def _launch_int4_mma(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
 def _launch_int4_mma_tiles(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
                            scale: torch.Tensor, zero: torch.Tensor, bias, group: int,
                            half: int, N: int, config) -> torch.Tensor:
-    bn, bm, warps, stages, *fold = config
+    bn, bm, warps, stages = config
     M, K = x.shape
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     opts = {} if interpreted else {"num_warps": warps, "num_stages": stages,
-                                   "FOLD_SCALE": bool(fold and fold[0]), **pdl_args(x.device)}
+                                   **pdl_args(x.device)}
     mod._int4_mma_tile_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
         x, w, scale, zero, bias if bias is not None else scale, out, M, N, K, x.stride(0),
         w.stride(0), scale.stride(0), out.stride(0), GROUP=group, HALF=half, BLOCK_N=bn,
@@ -636,20 +630,32 @@ def _launch_gemm(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
     return partial[0] if split == 1 else partial.sum(0)
 
 
-# int4 by rows of x (16-bit x, integer zero points): up to 16 the sliced tensor-core
-# kernel, up to INT4_DENSE_MIN_ROWS - 1 the tile kernel, from there the weights
-# dequantized for cuBLAS.
-INT4_MMA_MAX_ROWS = 16
-INT4_DENSE_MIN_ROWS = 1025
+# int4 with x in fp32, zero points with fractions or blocks under 32 inputs (not for the
+# tensor cores): the split-K GEMM up to 64 rows, dequantize and cuBLAS from 65.
+INT4_DENSE_MIN_ROWS = 65
 
 
-def int4_tile_config(M: int, N: int, K: int, interpreted: bool = False):
-    """(BLOCK_N, BLOCK_M, num_warps, num_stages) of the int4 tile kernel."""
-    if interpreted:
-        return 16, 16, 1, 1
+def int4_path(M: int, N: int, K: int, sm_count: int | None):
+    """Which kernel takes int4 with M rows of 16-bit x (integer zero points), and its
+    configuration: ("sliced", int4_mma_config), ("tiles", (BLOCK_N, BLOCK_M, warps,
+    stages)) or ("dense", None): dequantize, then cuBLAS. Up to 16 rows the sliced
+    kernel. Up to 64 the tile kernel, except the sliced one at up to 32 rows with fewer
+    than 4 outputs per input (its slices of K keep the GPU busy where the tiles are
+    few). From 65 to 256 rows the tile kernel where a program per [128, 256] tile fills
+    the GPU (gate/up), else dense; above 256, dense (cuBLAS's large tiles). From the
+    sweeps over Llama-3.1-8B's projections on the H200 (bench/diagnostics/int4_mma_sweep.py,
+    docs/decisions.md). sm_count None: the interpreter's tiny configurations."""
+    if sm_count is None:
+        return ("sliced", int4_mma_config(M, N, K, True)) if M <= 16 else (
+            "tiles", (16, 16, 1, 1))
+    wide = N >= 4 * K
+    if M <= 16 or (M <= 32 and not wide):
+        return "sliced", int4_mma_config(M, N, K)
     if M <= 64:
-        return 64, max(32, triton.next_power_of_2(M)), 4, 4
-    return 128, 128, 8, 3
+        return "tiles", (64, triton.next_power_of_2(M), 4, 3) if wide else (32, 64, 4, 4)
+    if M <= 256 and triton.cdiv(N, 128) * triton.cdiv(M, 256) >= sm_count:
+        return "tiles", (128, 128 if M <= 128 else 256, 8, 3)
+    return "dense", None
 
 
 def _int4_mma_fits(x: torch.Tensor, zero, half: int) -> bool:
@@ -667,16 +673,20 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero, f
     w = qweight.view(torch.uint8) if fmt == "fp8" else qweight
     half = int4_half(group, x.shape[1]) if fmt == "int4" else 0
     M, K = x.shape
-    if fmt == "int4" and M <= INT4_MMA_MAX_ROWS and _int4_mma_fits(x, zero, half):
-        return _launch_int4_mma(mod, interpreted, x, w, scale, zero, bias, group, half, N,
-                                int4_mma_config(M, N, K, interpreted))
-    if fmt == "int4" and M < INT4_DENSE_MIN_ROWS and _int4_mma_fits(x, zero, half):
-        return _launch_int4_mma_tiles(mod, interpreted, x, w, scale, zero, bias, group,
-                                      half, N, int4_tile_config(M, N, K, interpreted))
-    if fmt == "int4" and M >= INT4_DENSE_MIN_ROWS:
-        return _int4_dequantized_matmul(mod, interpreted, x, w, scale, zero,
-                                        None if bias is None else bias.to(x.dtype), group,
-                                        half, N)
+    if fmt == "int4":
+        sm_count = None if interpreted else _sm_count(x.device)
+        path, config = int4_path(M, N, K, sm_count) if _int4_mma_fits(x, zero, half) else (
+            ("dense", None) if M >= INT4_DENSE_MIN_ROWS else ("other", None))
+        if path == "sliced":
+            return _launch_int4_mma(mod, interpreted, x, w, scale, zero, bias, group, half,
+                                    N, config)
+        if path == "tiles":
+            return _launch_int4_mma_tiles(mod, interpreted, x, w, scale, zero, bias, group,
+                                          half, N, config)
+        if path == "dense":
+            return _int4_dequantized_matmul(mod, interpreted, x, w, scale, zero,
+                                            None if bias is None else bias.to(x.dtype),
+                                            group, half, N)
     if x.shape[0] == 1:
         return _launch_gemv(mod, interpreted, x, w, scale, zero, bias, fmt, group, half, N,
                             gemv_config(fmt, half, N, x.shape[1], interpreted))

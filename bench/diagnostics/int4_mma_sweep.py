@@ -28,14 +28,13 @@ MMA_CONFIGS = {  # rows of x -> (BLOCK_N, BLOCK_M, SLICES, warps, stages)
     4: [(16, 8, 8, 8, 3), (16, 8, 4, 4, 3), (32, 8, 4, 4, 3)],
     16: [(16, 16, 8, 8, 3), (16, 16, 4, 4, 3), (32, 16, 4, 4, 3)],
 }
-TILE_CONFIGS = {  # rows of x -> (BLOCK_N, BLOCK_M, warps, stages), each without and with
-    16: [(64, 16, 4, 4)],  # the scale folded into the operands (FOLD_SCALE)
-    32: [(32, 32, 4, 4), (64, 32, 4, 3), (128, 32, 8, 3)],
-    64: [(32, 64, 4, 4), (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3)],
-    128: [(64, 64, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3)],
-    256: [(64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 256, 8, 3)],
-    512: [(64, 128, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3)],
-    2048: [(128, 128, 8, 3), (128, 256, 8, 3)],
+TILE_CONFIGS = {  # rows of x -> (BLOCK_N, BLOCK_M, warps, stages)
+    32: [(64, 32, 4, 3), (128, 32, 8, 3), (32, 32, 4, 4)],
+    64: [(32, 64, 4, 4), (64, 64, 4, 3), (128, 64, 8, 3)],
+    128: [(128, 128, 8, 3), (64, 128, 4, 3), (128, 256, 8, 3)],
+    256: [(128, 256, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3)],
+    512: [(128, 256, 8, 3), (128, 128, 8, 3)],
+    2048: [(128, 256, 8, 3)],
 }
 SLICED_LARGE = {32: [(16, 32, 4, 4, 3)], 64: [(16, 64, 2, 4, 3)]}
 DENSE_M = (64, 128, 256, 512, 2048)
@@ -79,6 +78,9 @@ def main() -> None:
                 return qg._launch_gemm(qg, False, x, q, s, z, "int4", group, half, N)
 
             variants = [("gemv", gemv)] if M == 1 else []
+            path, cfg = qg.int4_path(M, N, K, qg._sm_count(dev))
+            variants.append((f"routed: {path} {cfg}", lambda i: qg.int4_gemm(
+                x, ws[i][0], ws[i][1], ws[i][2], group)))
             if 1 < M <= 64:
                 variants.append(("split-k gemm", gemm))
             for cfg in MMA_CONFIGS.get(M, []) + SLICED_LARGE.get(M, []):
@@ -86,7 +88,7 @@ def main() -> None:
                     q, s, z, _, _ = ws[i]
                     return qg._launch_int4_mma(qg, False, x, q, s, z, None, group, half, N, cfg)
                 variants.append((f"mma {cfg}", mma))
-            for cfg in [(*c, fold) for c in TILE_CONFIGS.get(M, []) for fold in (False, True)]:
+            for cfg in TILE_CONFIGS.get(M, []):
                 def tiles(i, cfg=cfg):
                     q, s, z, _, _ = ws[i]
                     return qg._launch_int4_mma_tiles(qg, False, x, q, s, z, None, group, half,
