@@ -1050,8 +1050,10 @@ class Report:
             for x in r.data.get("rows", []):
                 if x["metric"] not in ("output_tok_per_s", "prompt_tok_per_s"):
                     continue
+                gpu = r.env.get("gpu", "")
+                on = "" if not gpu or "H200" in gpu else f" ({gpu.replace('NVIDIA ', '')})"
                 name = (f"{r.data.get('model')} {x['workload']}, "
-                        f"{x['metric'].replace('_per_s', '/s').replace('_', ' ')}")
+                        f"{x['metric'].replace('_per_s', '/s').replace('_', ' ')}{on}")
                 rows.append([name, "minivllm", fmt(x.get("minivllm")) if x.get("minivllm")
                              else NOT_MEASURED, "-"])
                 rows.append([name, f"vLLM {version or ''}".strip(),
