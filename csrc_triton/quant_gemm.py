@@ -22,9 +22,11 @@ dequantizes a [BLOCK_N, BLOCK_K] tile of W in registers (to x's dtype, as a
 dequantize-then-matmul would round it) into an fp32 accumulator, and small M splits K
 across programs (partial sums in fp32, added in a fixed order: deterministic). Either way
 the weights cross memory in their packed size, which at small M is the whole speed-up.
-int4 goes its own way by rows of x (16-bit x, integer zero points): up to 16 rows a
-tensor-core kernel with the weights as the MMA's first operand (_int4_mma_kernel), from 65
-the weights dequantized by a kernel for cuBLAS (_int4_dequantized_matmul).
+int4 goes its own way by rows of x and shape (16-bit x, integer zero points; int4_path):
+up to 32 rows a tensor-core kernel with the weights as the MMA's first operand and K in
+slices (_int4_mma_kernel), up to 256 a tile kernel on the tensor cores where its grid
+fills the GPU (_int4_mma_tile_kernel), otherwise the weights dequantized by a kernel for
+cuBLAS (_int4_dequantized_matmul).
 
 Launches are free of host syncs and their grids depend only on shapes (CUDA-graph safe).
 CPU tensors run the kernels through Triton's interpreter (tests only), as in fused.py.
