@@ -564,32 +564,25 @@ def int4_mma_config(M: int, N: int, K: int, interpreted: bool = False):
 
 def _launch_int4_mma(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
                      scale: torch.Tensor, zero: torch.Tensor, bias, group: int, half: int,
-                     N: int, config) -> torch.Tensor:
-    bn, bm, slices, warps, stages = config
+                     N: int, config, tiles: bool = False) -> torch.Tensor:
+    """The sliced kernel (config: BLOCK_N, BLOCK_M, SLICES, warps, stages) or with tiles
+    the tile kernel (config: BLOCK_N, BLOCK_M, warps, stages)."""
     M, K = x.shape
+    if tiles:
+        bn, bm, warps, stages = config
+        kernel, grid = mod._int4_mma_tile_kernel, (triton.cdiv(M, bm), triton.cdiv(N, bn))
+        extra = {}
+    else:
+        bn, bm, slices, warps, stages = config
+        kernel, grid = mod._int4_mma_kernel, (triton.cdiv(N, bn), triton.cdiv(M, bm))
+        extra = {"SLICES": slices}
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     opts = {} if interpreted else {"num_warps": warps, "num_stages": stages,
                                    **pdl_args(x.device)}
-    mod._int4_mma_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](
+    kernel[grid](
         x, w, scale, zero, bias if bias is not None else scale, out, M, N, K, x.stride(0),
         w.stride(0), scale.stride(0), out.stride(0), GROUP=group, HALF=half, BLOCK_N=bn,
-        BLOCK_M=bm, SLICES=slices, HAS_BIAS=bias is not None, INTERPRETED=interpreted,
-        **opts)
-    return out
-
-
-def _launch_int4_mma_tiles(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
-                           scale: torch.Tensor, zero: torch.Tensor, bias, group: int,
-                           half: int, N: int, config) -> torch.Tensor:
-    bn, bm, warps, stages = config
-    M, K = x.shape
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    opts = {} if interpreted else {"num_warps": warps, "num_stages": stages,
-                                   **pdl_args(x.device)}
-    mod._int4_mma_tile_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-        x, w, scale, zero, bias if bias is not None else scale, out, M, N, K, x.stride(0),
-        w.stride(0), scale.stride(0), out.stride(0), GROUP=group, HALF=half, BLOCK_N=bn,
-        BLOCK_M=bm, HAS_BIAS=bias is not None, INTERPRETED=interpreted, **opts)
+        BLOCK_M=bm, HAS_BIAS=bias is not None, INTERPRETED=interpreted, **extra, **opts)
     return out
 
 
@@ -679,12 +672,9 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero, f
         sm_count = None if interpreted else _sm_count(x.device)
         path, config = int4_path(M, N, K, sm_count) if _int4_mma_fits(x, zero, half) else (
             ("dense", None) if M >= INT4_DENSE_MIN_ROWS else ("other", None))
-        if path == "sliced":
+        if path in ("sliced", "tiles"):
             return _launch_int4_mma(mod, interpreted, x, w, scale, zero, bias, group, half,
-                                    N, config)
-        if path == "tiles":
-            return _launch_int4_mma_tiles(mod, interpreted, x, w, scale, zero, bias, group,
-                                          half, N, config)
+                                    N, config, tiles=path == "tiles")
         if path == "dense":
             return _int4_dequantized_matmul(mod, interpreted, x, w, scale, zero,
                                             None if bias is None else bias.to(x.dtype),

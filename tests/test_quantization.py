@@ -336,9 +336,9 @@ def test_int4_on_the_tensor_cores(M, N, K, group):
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max())
         # More rows: the tile kernel, one program per [BLOCK_N, BLOCK_M] of the output.
         rows = torch.randn(M + 20, K).to(dtype)
-        got = quant_gemm._launch_int4_mma_tiles(
+        got = quant_gemm._launch_int4_mma(
             mod, interpreted, rows, packed, scale, zero, bias, group, half, N,
-            quant_gemm.int4_path(M + 20, N, K, None)[1])
+            quant_gemm.int4_path(M + 20, N, K, None)[1], tiles=True)
         want = rows.float() @ deq.t() + bias
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max())
     one = torch.randn(1, K).bfloat16()

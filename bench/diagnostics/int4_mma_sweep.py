@@ -91,8 +91,8 @@ def main() -> None:
             for cfg in TILE_CONFIGS.get(M, []):
                 def tiles(i, cfg=cfg):
                     q, s, z, _, _ = ws[i]
-                    return qg._launch_int4_mma_tiles(qg, False, x, q, s, z, None, group, half,
-                                                     N, cfg)
+                    return qg._launch_int4_mma(qg, False, x, q, s, z, None, group, half, N,
+                                               cfg, tiles=True)
                 variants.append((f"tiles {cfg}", tiles))
             if M in DENSE_M:
                 def dequant(i):
