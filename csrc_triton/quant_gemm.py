@@ -402,7 +402,8 @@ def _int4_mma_tile_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, 
     takes the unpacked weights from registers as its first operand, x's tile from shared
     memory as its second). The group's scale multiplies the 16-bit operands (code - zero,
     exact), so the MMAs accumulate across blocks; scaling each block's fp32 product
-    instead made every block wait for its MMAs, 1.5-2.4x slower with 256 columns of x.
+    instead (a second fp32 tile, each block waiting for its MMAs) was 2.1-2.5x slower
+    with 256 columns of x.
     The next block's weights are loaded before this one is multiplied. Programs next to
     each other share their weights (L2)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -637,9 +638,10 @@ def int4_path(M: int, N: int, K: int, sm_count: int | None):
     kernel. Up to 64 the tile kernel, except the sliced one at up to 32 rows with fewer
     than 4 outputs per input (its slices of K keep the GPU busy where the tiles are
     few). From 65 to 256 rows the tile kernel where a program per [128, 256] tile fills
-    the GPU (gate/up), else dense; above 256, dense (cuBLAS's large tiles). From the
-    sweeps over Llama-3.1-8B's projections on the H200 (bench/diagnostics/int4_mma_sweep.py,
-    docs/decisions.md). sm_count None: the interpreter's tiny configurations."""
+    the GPU (gate/up), else dense; above 256, dense (cuBLAS's large tiles). From sweeps
+    over Llama-3.1-8B's projections on the H200 and H100
+    (bench/diagnostics/int4_mma_sweep.py, docs/decisions.md). sm_count None: the
+    interpreter's tiny configurations."""
     if sm_count is None:
         return ("sliced", int4_mma_config(M, N, K, True)) if M <= 16 else (
             "tiles", (16, 16, 1, 1))
