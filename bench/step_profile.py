@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 from bench.common import environment
-from bench.vs_vllm import MinivllmEngine, model_folder, sync, workloads
+from bench.vs_vllm import MinivllmEngine, model_folder, sync
+from bench.workloads import workloads
 
 
 def main() -> None:

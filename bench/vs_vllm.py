@@ -31,7 +31,7 @@ from pathlib import Path
 
 from bench.common import environment
 from bench.gpu_check import MODELS_DIR, SMOKE_CONFIG
-from bench.workloads import Workload, workloads  # noqa: F401 - step_profile imports them from here
+from bench.workloads import workloads
 
 MAX_MODEL_LEN = 8704
 

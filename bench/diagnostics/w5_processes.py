@@ -38,7 +38,8 @@ def one_process(model: str, block_size: int | None, reps: int, work: str,
                 smoke: bool = False) -> dict:
     import torch
 
-    from bench.vs_vllm import MinivllmEngine, model_folder, sync, workloads
+    from bench.vs_vllm import MinivllmEngine, model_folder, sync
+    from bench.workloads import workloads
 
     folder, cfg = model_folder(model, smoke, Path(work))
     w = workloads(smoke, cfg["vocab_size"])["W5"]
