@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from bench.common import environment
-from bench.workloads import VOCAB_LIMIT
+from bench.workloads import VOCAB_LIMIT  # this module lowers its own copy for smoke runs
 
 REPO = Path(__file__).resolve().parent.parent
 # Copies of ../shared/models (the device machine sees only the repository).
@@ -95,9 +95,6 @@ def free_memory():
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-# VOCAB_LIMIT (bench/workloads.py): token ids drawn below it (lowered for smoke runs)
 
 
 def random_prompts(n, lo, hi, vocab, seed):
