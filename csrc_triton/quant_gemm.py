@@ -668,12 +668,13 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero, f
         x = x.reshape(-1, x.shape[-1]).contiguous()
     mod, interpreted = _kernels_for(x.device)
     w = qweight.view(torch.uint8) if fmt == "fp8" else qweight
-    half = int4_half(group, x.shape[1]) if fmt == "int4" else 0
     M, K = x.shape
+    half = int4_half(group, K) if fmt == "int4" else 0
     if fmt == "int4":
-        sm_count = None if interpreted else _sm_count(x.device)
-        path, config = int4_path(M, N, K, sm_count) if _int4_mma_fits(x, zero, half) else (
-            ("dense", None) if M >= INT4_DENSE_MIN_ROWS else ("other", None))
+        if _int4_mma_fits(x, zero, half):
+            path, config = int4_path(M, N, K, None if interpreted else _sm_count(x.device))
+        else:  # fp32 x, fractional zero points, tiny blocks: the kernels below, or dense
+            path, config = ("dense" if M >= INT4_DENSE_MIN_ROWS else "gemm"), None
         if path in ("sliced", "tiles"):
             return _launch_int4_mma(mod, interpreted, x, w, scale, zero, bias, group, half,
                                     N, config, tiles=path == "tiles")
@@ -681,9 +682,9 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero, f
             return _int4_dequantized_matmul(mod, interpreted, x, w, scale, zero,
                                             None if bias is None else bias.to(x.dtype),
                                             group, half, N)
-    if x.shape[0] == 1:
+    if M == 1:
         return _launch_gemv(mod, interpreted, x, w, scale, zero, bias, fmt, group, half, N,
-                            gemv_config(fmt, half, N, x.shape[1], interpreted))
+                            gemv_config(fmt, half, N, K, interpreted))
     y = _launch_gemm(mod, interpreted, x, w, scale, zero, fmt, group, half, N)
     if bias is not None:
         y = y + bias.float()
