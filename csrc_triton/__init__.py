@@ -215,12 +215,13 @@ def _decode_config(head_dim: int, dtype: torch.dtype, interpreted: bool,
     # Tuned on an H200 (triton 3.6): the kernel is bandwidth-bound and not
     # very sensitive; fp32 (FMA dots) needs fewer stages to avoid spills. An e4m3
     # cache is bound by instructions per tile (conversions, softmax), which longer
-    # tiles amortize: a layer at batch 64 x context 8192 took 412 us with 128 tokens,
-    # 559 with 64.
+    # tiles amortize, and by latency, which two stages hide better than three: a layer
+    # at batch 64 x context 8192 took 275 us with 256 tokens and 2 stages, 306 with 128
+    # and 2, 327 with 128 and 3 (docs/decisions.md, "FP8 KV cache").
     if interpreted:
         return dict(BLOCK_N=16, num_warps=4, num_stages=1)
     if cache_dtype == torch.float8_e4m3fn and head_dim <= 128:
-        return dict(BLOCK_N=128, num_warps=4, num_stages=3)
+        return dict(BLOCK_N=256, num_warps=4, num_stages=2)
     if dtype == torch.float32:
         return dict(BLOCK_N=64 if head_dim <= 128 else 32, num_warps=4, num_stages=2)
     if head_dim <= 64:
