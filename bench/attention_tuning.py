@@ -28,6 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import csrc_triton  # noqa: E402
 from bench.common import write_result  # noqa: E402
+from minivllm.worker.kv_cache import value_cache  # noqa: E402
 
 MODELS = {  # name: (num_q_heads, num_kv_heads, head_dim)
     "qwen2.5-0.5b": (14, 2, 64),
@@ -43,14 +44,14 @@ SHAPES = {  # name: [(cached prefix, new tokens), ...]
     "w1": [(0, n) for n in (100, 1024, 333, 768, 512, 150, 900, 421)],
     "chunk": [(6144, 2048)],
 }
-BLOCK_SIZE = 16
+BLOCK_SIZE = 16  # --block-size; the engine's blocks on a GPU are 64 tokens
 
 
-def problem(shape, hq, hkv, d, dtype, seed=0):
+def problem(shape, hq, hkv, d, dtype, seed=0, cache_dtype=None, block_size=BLOCK_SIZE):
     g = torch.Generator(device="cpu").manual_seed(seed)
     seq_lens = [c + n for c, n in shape]
     q_lens = [n for _, n in shape]
-    need = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    need = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(need) + 4
     perm = torch.randperm(num_blocks, generator=g)
     bt = torch.zeros(len(shape), max(need), dtype=torch.int32)
@@ -59,8 +60,11 @@ def problem(shape, hq, hkv, d, dtype, seed=0):
         bt[i, :n] = perm[p:p + n].to(torch.int32)
         p += n
     dev = "cuda"
-    k_cache = torch.randn(num_blocks, BLOCK_SIZE, hkv, d, device=dev).to(dtype)
-    v_cache = torch.randn(num_blocks, BLOCK_SIZE, hkv, d, device=dev).to(dtype)
+    cache_dtype = cache_dtype or dtype
+    shape4 = (num_blocks, block_size, hkv, d)
+    k_cache = torch.randn(shape4, device=dev).to(cache_dtype)
+    v_cache = value_cache(shape4, cache_dtype, torch.device(dev))  # e4m3: stored transposed
+    v_cache.copy_(torch.randn(shape4, device=dev).to(cache_dtype))
     T = sum(q_lens)
     qkv = torch.randn(T, (hq + 2 * hkv) * d, device=dev).to(dtype)
     qsl = [0]
@@ -107,9 +111,11 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e-3
 
 
-def configs(quick):
+def configs(quick, fp8=False):
     ms, ns, ws, ss = ((64, 128), (64, 128), (4, 8), (2, 3)) if quick else \
         ((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
+    if fp8:  # e4m3 tiles: longer and fewer stages won in the decode kernel
+        ms, ns, ws, ss = (64, 128), (64, 128, 256), (4, 8), (1, 2, 3)
     for bm, bn, w, s in itertools.product(ms, ns, ws, ss):
         yield dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
 
@@ -120,22 +126,27 @@ def main():
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--quick", action="store_true", help="a smaller sweep")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    ap.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("attention_tuning needs a CUDA GPU")
     dtype = torch.bfloat16
+    cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else dtype
     t0 = time.time()
     rows, summary = [], []
     for model in args.models.split(","):
         hq, hkv, d = MODELS[model]
         for shape_name in args.shapes.split(","):
             shape = SHAPES[shape_name]
-            pb = problem(shape, hq, hkv, d, dtype)
+            pb = problem(shape, hq, hkv, d, dtype, cache_dtype=cache_dtype,
+                         block_size=args.block_size)
             flops = attn_flops(pb, hq, d)
             max_q, max_s = max(pb["q_lens_l"]), max(pb["seq_lens_l"])
             default_cfg = csrc_triton._prefill_config(max_q * hq // hkv, d, dtype, False,
                                                       long_ctx=max_s >= 2 * max_q,
-                                                      long_query=max_q >= 2048)
+                                                      long_query=max_q >= 2048,
+                                                      cache_dtype=cache_dtype)
             ref = torch.empty_like(pb["q"], memory_format=torch.contiguous_format)
 
             def launch(cfg, out):
@@ -145,7 +156,7 @@ def main():
             t_default = bench(lambda: launch(default_cfg, ref))
             best = (t_default, dict(default_cfg))
             out = torch.empty_like(ref)
-            tried = list(configs(args.quick))
+            tried = list(configs(args.quick, fp8=cache_dtype != dtype))
             for cfg in tried + [None]:
                 if cfg is None:  # the best tile config again, heavy tiles first
                     cfg = dict(best[1], HEAVY_FIRST=True)
@@ -171,7 +182,8 @@ def main():
                   f"{s['default_TFLOPs']:6.1f}  best {s['best_TFLOPs']:6.1f} {best[1]}  "
                   + "  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} -"
                               for k, v in s.items() if k.startswith("sdpa")), flush=True)
-    path = write_result("attention-tuning", dict(dtype="bfloat16", block_size=BLOCK_SIZE,
+    path = write_result("attention-tuning", dict(dtype="bfloat16", block_size=args.block_size,
+                                                 kv_cache_dtype=str(cache_dtype).split(".")[-1],
                                                  wall_s=time.time() - t0, summary=summary,
                                                  rows=rows), args.out)
     print("wrote", path)

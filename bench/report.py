@@ -920,8 +920,10 @@ class Report:
             return
         self.h(2, "Prefill attention tiles and step profiles")
         for r in self.res.tuning:
-            self.p("Paged prefill attention (bf16), TFLOP/s: the default tile config, the "
-                   "best of the sweep, and torch SDPA on contiguous K/V (fresh prompts "
+            cache = r.data.get("kv_cache_dtype", "bfloat16")
+            cache = "" if cache == "bfloat16" else f", {cache} KV cache"
+            self.p(f"Paged prefill attention (bf16{cache}), TFLOP/s: the default tile config, "
+                   "the best of the sweep, and torch SDPA on contiguous K/V (fresh prompts "
                    "only).\n")
             rows = [[x["model"], x["shape"], fmt(x["default_TFLOPs"], 0), fmt(x["best_TFLOPs"], 0),
                      " ".join(f"{k}={v}" for k, v in x["best"].items()),

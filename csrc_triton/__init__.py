@@ -216,12 +216,13 @@ def _decode_config(head_dim: int, dtype: torch.dtype, interpreted: bool,
     # very sensitive; fp32 (FMA dots) needs fewer stages to avoid spills. An e4m3
     # cache is bound by instructions per tile (conversions, softmax), which longer
     # tiles amortize, and by latency, which two stages hide better than three: a layer
-    # at batch 64 x context 8192 took 275 us with 256 tokens and 2 stages, 306 with 128
-    # and 2, 327 with 128 and 3 (docs/decisions.md, "FP8 KV cache").
+    # at batch 64 x context 8192 took 306 us with 128 tokens and 2 stages, 327 with 3.
+    # 256 tokens took 275 there but lost W1 (ragged short contexts: 7,924 tok/s against
+    # 10,780): docs/decisions.md, "FP8 KV cache".
     if interpreted:
         return dict(BLOCK_N=16, num_warps=4, num_stages=1)
     if cache_dtype == torch.float8_e4m3fn and head_dim <= 128:
-        return dict(BLOCK_N=256, num_warps=4, num_stages=2)
+        return dict(BLOCK_N=128, num_warps=4, num_stages=2)
     if dtype == torch.float32:
         return dict(BLOCK_N=64 if head_dim <= 128 else 32, num_warps=4, num_stages=2)
     if head_dim <= 64:
@@ -298,7 +299,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 # varlen prefill / chunked prefill / mixed
 # ----------------------------------------------------------------------------
 def _prefill_config(rows: int, head_dim: int, dtype: torch.dtype, interpreted: bool,
-                    long_ctx: bool = False, long_query: bool = False):
+                    long_ctx: bool = False, long_query: bool = False,
+                    cache_dtype: torch.dtype | None = None):
     """Tile config.  rows = max_query_len * GQA (the packed M extent);
     long_ctx: the kv range is long compared with the queries (chunked prefill with a
     cached prefix); long_query: a query of >= 2048 tokens (a long prompt's chunk).  Tuned
@@ -313,6 +315,11 @@ def _prefill_config(rows: int, head_dim: int, dtype: torch.dtype, interpreted: b
         return dict(BLOCK_M=min(32, small_m), BLOCK_N=32 if head_dim <= 128 else 16, num_warps=4, num_stages=1)
     if head_dim > 128:
         return dict(BLOCK_M=min(64, small_m), BLOCK_N=32, num_warps=8, num_stages=2)
+    if head_dim > 64 and cache_dtype == torch.float8_e4m3fn:
+        # e4m3 tiles: one stage and 128 rows, 23-37% faster than the 16-bit cache's tiles on
+        # Llama-3.1-8B's prefill shapes (bench/results/2026-12-02-h200-kv-cache-fp8-tiles/)
+        return dict(BLOCK_M=min(128, small_m), BLOCK_N=64, num_warps=4, num_stages=1,
+                    HEAVY_FIRST=long_query)
     if head_dim > 64:
         return dict(BLOCK_M=min(64, small_m), BLOCK_N=64, num_warps=4, num_stages=3)
     if long_ctx:
@@ -356,7 +363,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     rows = int(max_query_len) * (Hq // Hkv)
     cfg = _prefill_config(rows, D, q.dtype, interpreted,
                           long_ctx=int(max_seq_len) >= 2 * int(max_query_len),
-                          long_query=int(max_query_len) >= 2048)
+                          long_query=int(max_query_len) >= 2048, cache_dtype=k_cache.dtype)
     _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, cfg,
                     use_tma)
     return out
