@@ -393,10 +393,11 @@ def _int4_tile_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, blk, n_blocks, 
 
 @triton.jit
 def _int4_mma_tile_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, M, N, K,
-                          stride_xm, stride_wn, stride_sn, stride_om, GROUP: tl.constexpr,
+                          stride_xm, stride_wn, stride_sn, stride_om, stride_os,
+                          blocks_per_split, GROUP: tl.constexpr,
                           HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                           HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False):
     """Many rows of x: a [BLOCK_N, BLOCK_M] tile of the transposed output over the whole of
     K, one packed block (one group) a step, as two plain 2-D MMAs (Hopper's warpgroup MMA
     takes the unpacked weights from registers as its first operand, x's tile from shared
@@ -405,20 +406,24 @@ def _int4_mma_tile_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, 
     instead (a second fp32 tile, each block waiting for its MMAs) was 2.1-2.5x slower
     with 256 columns of x.
     The next block's weights are loaded before this one is multiplied. Programs next to
-    each other share their weights (L2)."""
+    each other share their weights (L2).
+    SPLIT_K > 1: program_id(2) takes blocks_per_split blocks of K and writes its fp32
+    partial tile at out_ptr + split * stride_os (the launcher sums them and adds the bias):
+    more programs where the tiles are few (the sweep's option; not routed yet)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < N
     offs_j = tl.arange(0, HALF)
-    n_blocks = tl.cdiv(K, 2 * HALF)
-    b, s, z = _int4_tile_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, 0, n_blocks,
+    blk_lo = tl.program_id(2) * blocks_per_split
+    blk_hi = tl.minimum(blk_lo + blocks_per_split, tl.cdiv(K, 2 * HALF))
+    b, s, z = _int4_tile_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, blk_lo, blk_hi,
                                  stride_wn, stride_sn, GROUP, HALF)
     _pdl.wait_for_previous(PDL)  # the first block's weights are on their way; x is not yet
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for blk in range(0, n_blocks):
+    for blk in range(blk_lo, blk_hi):
         b_next, s_next, z_next = _int4_tile_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok,
-                                                    blk + 1, n_blocks, stride_wn, stride_sn,
+                                                    blk + 1, blk_hi, stride_wn, stride_sn,
                                                     GROUP, HALF)
         k_lo = blk * 2 * HALF + offs_j
         x_at = x_ptr + offs_m[:, None] * stride_xm + k_lo[None, :]
@@ -434,10 +439,11 @@ def _int4_mma_tile_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, 
             acc = tl.dot(w_lo * s, tl.trans(x_lo), acc)
             acc = tl.dot(w_hi * s, tl.trans(x_hi), acc)
         b, s, z = b_next, s_next, z_next
-    if HAS_BIAS:
+    if HAS_BIAS and SPLIT_K == 1:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None],
-             acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+    tl.store(out_ptr + tl.program_id(2) * stride_os + offs_m[None, :] * stride_om
+             + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[None, :] & n_ok[:, None])
 
 
 @triton.jit
@@ -567,24 +573,38 @@ def _launch_int4_mma(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
                      scale: torch.Tensor, zero: torch.Tensor, bias, group: int, half: int,
                      N: int, config, tiles: bool = False) -> torch.Tensor:
     """The sliced kernel (config: BLOCK_N, BLOCK_M, SLICES, warps, stages) or with tiles
-    the tile kernel (config: BLOCK_N, BLOCK_M, warps, stages)."""
+    the tile kernel (config: BLOCK_N, BLOCK_M, warps, stages[, splits of K])."""
     M, K = x.shape
+    split = 1
     if tiles:
-        bn, bm, warps, stages = config
-        kernel, grid = mod._int4_mma_tile_kernel, (triton.cdiv(M, bm), triton.cdiv(N, bn))
-        extra = {}
+        bn, bm, warps, stages, *more = config
+        n_blocks = triton.cdiv(K, 2 * half)
+        per_split = triton.cdiv(n_blocks, more[0] if more else 1)
+        split = triton.cdiv(n_blocks, per_split)
+        kernel = mod._int4_mma_tile_kernel
+        grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
+        extra = {"SPLIT_K": split}
     else:
         bn, bm, slices, warps, stages = config
         kernel, grid = mod._int4_mma_kernel, (triton.cdiv(N, bn), triton.cdiv(M, bm))
         extra = {"SLICES": slices}
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if split == 1:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    else:  # fp32 partial tiles, summed in a fixed order below
+        out = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
     opts = {} if interpreted else {"num_warps": warps, "num_stages": stages,
                                    **pdl_args(x.device)}
+    strides = (x.stride(0), w.stride(0), scale.stride(0), out.stride(-2))
+    if tiles:
+        strides += (out.stride(0) if split > 1 else 0, per_split)
     kernel[grid](
-        x, w, scale, zero, bias if bias is not None else scale, out, M, N, K, x.stride(0),
-        w.stride(0), scale.stride(0), out.stride(0), GROUP=group, HALF=half, BLOCK_N=bn,
-        BLOCK_M=bm, HAS_BIAS=bias is not None, INTERPRETED=interpreted, **extra, **opts)
-    return out
+        x, w, scale, zero, bias if bias is not None else scale, out, M, N, K, *strides,
+        GROUP=group, HALF=half, BLOCK_N=bn, BLOCK_M=bm, HAS_BIAS=bias is not None,
+        INTERPRETED=interpreted, **extra, **opts)
+    if split == 1:
+        return out
+    out = out.sum(0)
+    return (out if bias is None else out + bias.float()).to(x.dtype)
 
 
 def _int4_dequantized_matmul(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,

@@ -74,6 +74,13 @@ def test_int4_many_rows(dtype, M, N, K, group):
     got = csrc_triton.int4_gemm(x, packed, scale, zero, group, bias)
     assert got.dtype == dtype
     assert (got.float() - want).norm() / want.norm() < 5e-3
+    # The tile kernel with K split in 4 (compiled; bench/diagnostics/int4_mma_sweep.py's).
+    from csrc_triton import quant_gemm
+    from csrc_triton.int4_layout import int4_half
+    got = quant_gemm._launch_int4_mma(quant_gemm, False, x, packed, scale, zero, bias, group,
+                                      int4_half(group, K), N, (64, 64, 4, 3, 4), tiles=True)
+    assert got.dtype == dtype
+    assert (got.float() - want).norm() / want.norm() < 5e-3
 
 
 @pytest.mark.parametrize("M", [1, 5, 300])

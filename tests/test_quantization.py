@@ -341,6 +341,11 @@ def test_int4_on_the_tensor_cores(M, N, K, group):
             quant_gemm.int4_path(M + 20, N, K, None)[1], tiles=True)
         want = rows.float() @ deq.t() + bias
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max())
+        # K split between programs (fp32 partial tiles, summed, then the bias).
+        got = quant_gemm._launch_int4_mma(
+            mod, interpreted, rows, packed, scale, zero, bias, group, half, N,
+            (*quant_gemm.int4_path(M + 20, N, K, None)[1], 2), tiles=True)
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max())
     one = torch.randn(1, K).bfloat16()
     assert quant_gemm._int4_mma_fits(one, zero, half)
     torch.testing.assert_close(csrc_triton.int4_gemm(one, packed, scale, zero, group).float(),

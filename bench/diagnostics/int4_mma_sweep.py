@@ -3,7 +3,7 @@ four projections. At M = 1 the byte GEMV (`_wq_gemv_kernel`), at 4 and 16 the sp
 dequantizing GEMM (`_wq_gemm_kernel`), both against the sliced tensor-core kernel
 (`_int4_mma_kernel`) over its configurations (BLOCK_N, BLOCK_M, slices of K, warps,
 stages). From 32 rows the tile kernel (`_int4_mma_tile_kernel`: BLOCK_N, BLOCK_M, warps,
-stages) against the split-K GEMM (up to 64 rows), dequantize-then-cuBLAS
+stages[, splits of K]) against the split-K GEMM (up to 64 rows), dequantize-then-cuBLAS
 (`_int4_dequantized_matmul`) and cuBLAS on bf16 weights. CUDA-graph replays, the weights
 cycling through copies larger than L2 (as bench.diagnostics.gemv_sweep).
 
@@ -28,12 +28,16 @@ MMA_CONFIGS = {  # rows of x -> (BLOCK_N, BLOCK_M, SLICES, warps, stages)
     4: [(16, 8, 8, 8, 3), (16, 8, 4, 4, 3), (32, 8, 4, 4, 3)],
     16: [(16, 16, 8, 8, 3), (16, 16, 4, 4, 3), (32, 16, 4, 4, 3)],
 }
-TILE_CONFIGS = {  # rows of x -> (BLOCK_N, BLOCK_M, warps, stages)
+TILE_CONFIGS = {  # rows of x -> (BLOCK_N, BLOCK_M, warps, stages[, splits of K])
     32: [(64, 32, 4, 3), (128, 32, 8, 3), (32, 32, 4, 4)],
     64: [(32, 64, 4, 4), (64, 64, 4, 3), (128, 64, 8, 3)],
-    128: [(128, 128, 8, 3), (64, 128, 4, 3), (128, 256, 8, 3)],
-    256: [(128, 256, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3)],
-    512: [(128, 256, 8, 3), (128, 128, 8, 3)],
+    # K split for the narrow projections, whose tiles at 65-256 rows are too few to fill
+    # the GPU (they dequantize for cuBLAS today)
+    128: [(128, 128, 8, 3), (64, 128, 4, 3), (128, 256, 8, 3), (128, 128, 8, 3, 2),
+          (128, 128, 8, 3, 4), (64, 128, 4, 3, 4), (128, 128, 8, 3, 8)],
+    256: [(128, 256, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 256, 8, 3, 2),
+          (128, 256, 8, 3, 4), (128, 256, 8, 3, 8), (128, 128, 8, 3, 4)],
+    512: [(128, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 3, 2)],
     2048: [(128, 256, 8, 3)],
 }
 SLICED_LARGE = {32: [(16, 32, 4, 4, 3)], 64: [(16, 64, 2, 4, 3)]}
