@@ -415,8 +415,12 @@ def _int4_mma_tile_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, 
     m_ok = offs_m < M
     n_ok = offs_n < N
     offs_j = tl.arange(0, HALF)
-    blk_lo = tl.program_id(2) * blocks_per_split
-    blk_hi = tl.minimum(blk_lo + blocks_per_split, tl.cdiv(K, 2 * HALF))
+    if SPLIT_K == 1:
+        blk_lo = 0
+        blk_hi = tl.cdiv(K, 2 * HALF)
+    else:
+        blk_lo = tl.program_id(2) * blocks_per_split
+        blk_hi = tl.minimum(blk_lo + blocks_per_split, tl.cdiv(K, 2 * HALF))
     b, s, z = _int4_tile_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, blk_lo, blk_hi,
                                  stride_wn, stride_sn, GROUP, HALF)
     _pdl.wait_for_previous(PDL)  # the first block's weights are on their way; x is not yet
