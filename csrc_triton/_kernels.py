@@ -103,9 +103,13 @@ def _attn_tiles(
                 v = tl.where(n_valid[:, None], v, 0.0)
         elif MASKED:
             n_valid = pos < hi
-            blk = tl.load(bt_row_ptr + (pos // BLOCK_SIZE) * stride_btn, mask=n_valid, other=0).to(tl.int64)
+            # Positions past hi take the last block's table entry (an index inside the
+            # table, no mask): the blocks' tokens stay contiguous runs, so an e4m3 V tile
+            # (tokens contiguous) loads in vectors, not bytes; its columns past hi are zeroed.
+            last = (hi - 1) // BLOCK_SIZE
+            blk = tl.load(bt_row_ptr + tl.minimum(pos // BLOCK_SIZE, last) * stride_btn).to(tl.int64)
             ld_mask = n_valid[:, None] & d_mask[None, :]
-            vt_mask = d_mask[:, None] & n_valid[None, :]
+            vt_mask = None if BLOCK_D == HEAD_DIM else d_mask[:, None]
             other = 0.0
         elif BLOCK_D == HEAD_DIM:
             blk = tl.load(bt_row_ptr + (pos // BLOCK_SIZE) * stride_btn).to(tl.int64)
@@ -129,8 +133,10 @@ def _attn_tiles(
                 # [D, N], converted, then transposed, so that the tokens stay the contiguous
                 # dimension of the dot's operand (docs/decisions.md, "FP8 KV cache").
                 vt = tl.load(v_cache_ptr + v_row[None, :] + offs_d[:, None] * stride_vcd,
-                             mask=vt_mask, other=other)
+                             mask=vt_mask, other=None if vt_mask is None else 0.0)
                 v = tl.trans(vt.to(q.dtype))
+                if MASKED:
+                    v = tl.where(n_valid[:, None], v, 0.0)
             else:
                 v = tl.load(v_cache_ptr + v_row[:, None] + offs_d[None, :] * stride_vcd,
                             mask=ld_mask, other=other)
