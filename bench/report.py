@@ -1067,6 +1067,11 @@ class Report:
             lines.append("\n" + "; ".join(sorted({f"{machine(e)}, {e.get('date', '?')[:10]}, "
                                                    f"commit {e.get('git_commit', '?')}"
                                                    for e in envs})))
+        if vs:  # each vs-vLLM run's own provenance: the runs are of different commits
+            lines.append("\nvs vLLM: " + "; ".join(
+                " ".join([r.data.get("model", "?"), *sorted(r.data.get("offline_quantized") or {})])
+                + f" ({machine(r.env)}, {r.env.get('date', '?')[:10]}, commit "
+                f"{str(r.env.get('git_commit', '?'))[:7]})" for r in vs) + ".")
         if w3 and w3.get("max_concurrency") is not None:
             any_run = w3.get("max_concurrency_any")
             more = (f"; {any_run[0]} in `{any_run[1]}`" if any_run

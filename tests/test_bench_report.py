@@ -61,6 +61,8 @@ def test_report_regenerates_from_committed_results(tmp_path):
     # vLLM measured beside minivllm: its section and headline rows, each with a ratio.
     assert "## minivllm against vLLM" in md
     assert re.search(r"\| llama-3.1-8b W2, output tok/s \| vLLM [0-9.]+ \| [0-9.,]+ \| [0-9.]+x \|", md)
+    # ... and below the headline, each of those runs' GPU, date and commit.
+    assert re.search(r"\nvs vLLM: .*llama-3.1-8b \(NVIDIA H200, 2026-\d\d-\d\d, commit [0-9a-f]{7}\)", md)
     assert "## Headline" in md and "## Not measured" in md
     # One-engine A/B folders, the tile sweep and the step profile have sections of their own.
     ab = re.search(r"### `bench/results/2026-12-01-h200-prefill-host-inputs`\n\n(.*?)\n\n", md,
