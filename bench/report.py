@@ -272,7 +272,7 @@ class Plotter:
         fig.text(0.01, 0.01, wrapped, fontsize=6.5, va="bottom", ha="left", color="#444")
         fig.subplots_adjust(bottom=0.13 + 0.035 * wrapped.count("\n"))
         path = self.out / name
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=80)  # the plots travel with every device call: small files
         self.plt.close(fig)
         self.files.append(path)
         return name
