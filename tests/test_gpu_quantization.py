@@ -63,6 +63,8 @@ def test_int4_many_rows(dtype, M, N, K, group):
     the dense path of dequantize and cuBLAS), against the dequantized matmul: a short
     last group, groups of 32, Llama-3.1-8B's down projection."""
     import csrc_triton
+    from csrc_triton import quant_gemm
+    from csrc_triton.int4_layout import int4_half
     from minivllm.model.quantization import dequantize_int4, quantize_int4
 
     torch.manual_seed(4)
@@ -75,8 +77,6 @@ def test_int4_many_rows(dtype, M, N, K, group):
     assert got.dtype == dtype
     assert (got.float() - want).norm() / want.norm() < 5e-3
     # The tile kernel with K split in 4 (compiled; bench/diagnostics/int4_mma_sweep.py's).
-    from csrc_triton import quant_gemm
-    from csrc_triton.int4_layout import int4_half
     got = quant_gemm._launch_int4_mma(quant_gemm, False, x, packed, scale, zero, bias, group,
                                       int4_half(group, K), N, (64, 64, 4, 3, 4), tiles=True)
     assert got.dtype == dtype
