@@ -658,11 +658,13 @@ INT4_DENSE_MIN_ROWS = 65
 def int4_path(M: int, N: int, K: int, sm_count: int | None):
     """Which kernel takes int4 with M rows of 16-bit x (integer zero points), and its
     configuration: ("sliced", int4_mma_config), ("tiles", (BLOCK_N, BLOCK_M, warps,
-    stages)) or ("dense", None): dequantize, then cuBLAS. Up to 16 rows the sliced
-    kernel. Up to 64 the tile kernel, except the sliced one at up to 32 rows with fewer
-    than 4 outputs per input (its slices of K keep the GPU busy where the tiles are
-    few). From 65 to 256 rows the tile kernel where a program per [128, 256] tile fills
-    the GPU (gate/up), else dense; above 256, dense (cuBLAS's large tiles). From sweeps
+    stages[, splits of K])) or ("dense", None): dequantize, then cuBLAS. Up to 16 rows
+    the sliced kernel. Up to 64 the tile kernel, except the sliced one at up to 32 rows
+    with fewer than 4 outputs per input (its slices of K keep the GPU busy where the tiles
+    are few). From 65 to 128 rows with at least as many inputs as outputs (o, down) the
+    tile kernel with K split in 4. From 65 to 256 rows the tile kernel where a program per
+    [128, 256] tile fills the GPU (gate/up), else dense; above 256, dense (cuBLAS's large
+    tiles). From sweeps
     over Llama-3.1-8B's projections on the H200 and H100
     (bench/diagnostics/int4_mma_sweep.py, docs/decisions.md). sm_count None: the
     interpreter's tiny configurations."""
@@ -674,6 +676,8 @@ def int4_path(M: int, N: int, K: int, sm_count: int | None):
         return "sliced", int4_mma_config(M, N, K)
     if M <= 64:
         return "tiles", (64, triton.next_power_of_2(M), 4, 3) if wide else (32, 64, 4, 4)
+    if M <= 128 and K >= N:  # o, down: few tiles along N, so K split in 4 as well
+        return "tiles", (64, 128, 4, 3, 4)
     if M <= 256 and triton.cdiv(N, 128) * triton.cdiv(M, 256) >= sm_count:
         return "tiles", (128, 128 if M <= 128 else 256, 8, 3)
     return "dense", None

@@ -356,6 +356,24 @@ def test_int4_on_the_tensor_cores(M, N, K, group):
                                many @ deq.t() + bias, rtol=1e-4, atol=1e-4)
 
 
+def test_int4_routing_by_rows_and_shape():
+    """Which int4 kernel takes Llama-3.1-8B's projections on a GPU of 132 SMs: K split
+    between tile programs only from 65 to 128 rows with at least as many inputs as
+    outputs (o, down), where the sweep found it 1.1-1.4x the dense path."""
+    from csrc_triton.quant_gemm import int4_path
+
+    o, down, qkv, gate_up = (4096, 4096), (4096, 14336), (6144, 4096), (28672, 4096)
+    assert int4_path(1, *down, 132)[0] == "sliced"
+    assert int4_path(64, *down, 132) == ("tiles", (32, 64, 4, 4))
+    for shape in (o, down):
+        assert int4_path(65, *shape, 132) == ("tiles", (64, 128, 4, 3, 4))
+        assert int4_path(128, *shape, 132) == ("tiles", (64, 128, 4, 3, 4))
+        assert int4_path(129, *shape, 132) == ("dense", None)
+    assert int4_path(128, *qkv, 132) == ("dense", None)
+    assert int4_path(128, *gate_up, 132) == ("tiles", (128, 128, 8, 3))
+    assert int4_path(512, *gate_up, 132) == ("dense", None)
+
+
 @pytest.mark.parametrize("N,K", [(24, 200), (40, 77)])
 def test_linear_gemv_with_16_bit_weights(N, K):
     """The GEMV kernel with the model's own weights (interpreted here), as batch-1 decode
