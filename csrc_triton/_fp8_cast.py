@@ -1,5 +1,5 @@
-"""The e4m3 cast of the KV-cache stores (kv_cache_dtype="fp8", scale 1), shared by
-_kernels.py and fused.py (and by quant_gemm.py's activations when interpreted). Loaded
+"""The e4m3 casts: the KV-cache stores (kv_cache_dtype="fp8", scale 1), shared by
+_kernels.py and fused.py, and W8A8's activations (quant_gemm.py's and fused.py's). Loaded
 through _interpret.jit_helpers, so that a module's interpreted copy calls an interpreted
 copy of it."""
 
@@ -22,3 +22,16 @@ def to_cache(x, dtype: tl.constexpr):
         r = ((a * inv + 12582912.0) - 12582912.0) * ulp
         x = tl.where(x < 0, -r, r)
     return x.to(dtype)
+
+
+@triton.jit
+def activation_bytes(x, scale, INTERPRETED: tl.constexpr):
+    """fp32 x / scale in e4m3, as bytes: W8A8's activations, a token's row scaled so that
+    its absolute maximum is 448 (what quantization.quantize_activations_fp8 computes).
+    div_rn: torch divides exactly, Triton's default division is approximate."""
+    v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+    if INTERPRETED:  # its own cast mis-rounds (see to_cache)
+        q = to_cache(v, tl.float8e4nv)
+    else:
+        q = v.to(tl.float8e4nv)
+    return q.to(tl.uint8, bitcast=True)

@@ -113,6 +113,21 @@ def _row_sum(x, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _row_max(x, INTERPRETED: tl.constexpr):
+    """Maximum over axis 1 (by our own combine function when interpreted, as _row_sum)."""
+    if INTERPRETED:
+        m = tl.reduce(x, 1, _max)
+    else:
+        m = tl.max(x, axis=1)
+    return m
+
+
+@triton.jit
 def _inv_rms(sumsq, eps, inv_d, d_f, INTERPRETED: tl.constexpr):
     """rsqrt(mean(x^2) + eps) as PyTorch computes it: on CPU mean = sum / n
     and rsqrt = 1 / sqrt; on CUDA mean = sum * (1/n) and rsqrt = rsqrtf."""
@@ -125,7 +140,7 @@ def _inv_rms(sumsq, eps, inv_d, d_f, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr,
     R, D, eps, inv_d, d_f,
     sx_t, sx_r, sx_d,
     sr_t, sr_r, sr_d,
@@ -133,9 +148,11 @@ def _rms_norm_kernel(
     sro_t, sro_r, sro_d,
     HAS_RES: tl.constexpr, X_DT: tl.constexpr, OUT_DT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr,
-    PDL: tl.constexpr = False,
+    FP8_OUT: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     # x viewed as [T, R, D]; program (t, rb) normalizes rows t, rb*BLOCK_R.. over D.
+    # FP8_OUT: the result (rounded to OUT_DT first) goes out in e4m3, each row scaled so
+    # its absolute maximum is 448, the scale into scale_ptr[t * R + r] (W8A8's input).
     _pdl.wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -153,6 +170,10 @@ def _rms_norm_kernel(
     n = _round(x * r[:, None], X_DT, INTERPRETED)           # x32.to(in_dtype)
     w = tl.load(w_ptr + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
     y = _round(w[None, :] * n, OUT_DT, INTERPRETED)           # weight * n
+    if FP8_OUT:
+        scale = tl.maximum(_row_max(tl.abs(y), INTERPRETED) / 448.0, 1e-12)
+        tl.store(scale_ptr + t * R + offs_r, scale, mask=offs_r < R)
+        y = _fp8_cast.activation_bytes(y, scale[:, None], INTERPRETED)
     tl.store(out_ptr + t * so_t + offs_r[:, None] * so_r + offs_d[None, :] * so_d,
              y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -273,8 +294,15 @@ def _silu_and_mul_kernel(
     _pdl.wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    y = _silu_mul(x_ptr + t * sx_t, offs, I, sx_d, DT, INTERPRETED)
+    tl.store(out_ptr + t * so_t + offs * so_d, y.to(out_ptr.dtype.element_ty), mask=offs < I)
+
+
+@triton.jit
+def _silu_mul(row, offs, I, sx_d, DT: tl.constexpr, INTERPRETED: tl.constexpr):
+    """silu(gate) * up at offs of one [gate | up] row, in fp32, rounded to DT where
+    PyTorch's two ops round (0 past I)."""
     mask = offs < I
-    row = x_ptr + t * sx_t
     g = tl.load(row + offs * sx_d, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(row + (offs + I) * sx_d, mask=mask, other=0.0).to(tl.float32)
     # F.silu: x / (1 + exp(-x)) in fp32 (CUDA: expf and an IEEE division)
@@ -283,8 +311,39 @@ def _silu_and_mul_kernel(
     else:
         s = tl.math.div_rn(g, 1.0 + libdevice.exp(-g))
     s = _round(s, DT, INTERPRETED)
-    y = _round(s * u, DT, INTERPRETED)
-    tl.store(out_ptr + t * so_t + offs * so_d, y.to(out_ptr.dtype.element_ty), mask=mask)
+    return _round(s * u, DT, INTERPRETED)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(
+    x_ptr, out_ptr, scale_ptr, I, sx_t, sx_d, so_t,
+    DT: tl.constexpr, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
+    INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """One row's silu(gate) * up (rounded to DT as _silu_and_mul_kernel's) in e4m3, scaled
+    so its absolute maximum is 448, the scale into scale_ptr[t]: W8A8's input to the down
+    projection. A row of up to BLOCK is one tile; a longer one is read twice, for its
+    maximum and then for the bytes (the product recomputed rather than stored)."""
+    _pdl.wait_for_previous(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    row = x_ptr + t * sx_t
+    offs = tl.arange(0, BLOCK)
+    if ONE_TILE:
+        y = _silu_mul(row, offs, I, sx_d, DT, INTERPRETED)
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1e-12)
+        tl.store(out_ptr + t * so_t + offs, _fp8_cast.activation_bytes(y, scale, INTERPRETED),
+                 mask=offs < I)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for i0 in range(0, I, BLOCK):
+            amax = tl.maximum(amax, tl.abs(_silu_mul(row, i0 + offs, I, sx_d, DT,
+                                                     INTERPRETED)))
+        scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+        for i0 in range(0, I, BLOCK):
+            y = _silu_mul(row, i0 + offs, I, sx_d, DT, INTERPRETED)
+            tl.store(out_ptr + t * so_t + i0 + offs,
+                     _fp8_cast.activation_bytes(y, scale, INTERPRETED), mask=i0 + offs < I)
+    tl.store(scale_ptr + t, scale)
 
 
 # ============================================================================
@@ -344,14 +403,18 @@ def _check_block(d: int, name: str) -> int:
 # ============================================================================
 # RMSNorm
 # ============================================================================
-def _rms_launch(x, residual, weight, eps, out, residual_out):
+def _rms_launch(x, residual, weight, eps, out, residual_out, scale_out=None):
     x3 = _as_3d(x, "x")
     T, R, D = x3.shape
     if weight.dim() != 1 or weight.shape[0] != D:
         raise ValueError(f"weight must be [{D}], got {tuple(weight.shape)}")
     if out.shape != x.shape:
         raise ValueError(f"out {tuple(out.shape)} does not match x {tuple(x.shape)}")
-    o3 = _as_3d(out, "out")
+    fp8_out = out.dtype == torch.float8_e4m3fn
+    if fp8_out and (scale_out is None or scale_out.dtype != torch.float32
+                    or scale_out.numel() != T * R or not scale_out.is_contiguous()):
+        raise ValueError(f"an e4m3 out needs scale_out: {T * R} contiguous fp32 scales")
+    o3 = _as_3d(out.view(torch.uint8) if fp8_out else out, "out")
     if residual is not None:
         r3, ro3 = _as_3d(residual, "residual"), _as_3d(residual_out, "residual_out")
     else:
@@ -364,20 +427,22 @@ def _rms_launch(x, residual, weight, eps, out, residual_out):
     inv_d, d_f = _norm_consts(D)
     grid = (T, triton.cdiv(R, block_r))
     mod._rms_norm_kernel[grid](
-        x3, r3, weight, o3, ro3,
+        x3, r3, weight, o3, ro3, scale_out if fp8_out else weight,
         R, D, float(eps), inv_d, d_f,
         x3.stride(0), x3.stride(1), x3.stride(2),
         r3.stride(0), r3.stride(1), r3.stride(2),
         o3.stride(0), o3.stride(1), o3.stride(2),
         ro3.stride(0), ro3.stride(1), ro3.stride(2),
-        HAS_RES=residual is not None, X_DT=_dt(x.dtype, "x"), OUT_DT=_dt(out.dtype, "out"),
-        BLOCK_R=block_r, BLOCK_D=block_d, INTERPRETED=interp,
+        HAS_RES=residual is not None, X_DT=_dt(x.dtype, "x"),
+        OUT_DT=_dt(torch.promote_types(x.dtype, weight.dtype) if fp8_out else out.dtype, "out"),
+        BLOCK_R=block_r, BLOCK_D=block_d, INTERPRETED=interp, FP8_OUT=fp8_out,
         **_launch_opts(interp, _warps(block_r * block_d), x.device),
     )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None,
+             scale_out: torch.Tensor | None = None) -> torch.Tensor:
     """``RMSNorm.forward``: ``weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)``.
 
     ``x`` is ``[T, H]`` or ``[T, heads, D]`` (any strides, e.g. q/k views of
@@ -392,11 +457,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     fp32 results agree to ~1e-7 relative, bf16/fp16 results are bit-exact
     except for rare 1-ulp flips when that fp32 difference crosses a rounding
     boundary.
+
+    An ``out`` of dtype ``torch.float8_e4m3fn`` takes the result in e4m3, each row
+    scaled so that its absolute maximum is 448, the scales into ``scale_out``
+    (fp32, one per row): a W8A8 projection's input, the bytes and scales that
+    ``fp8_quantize_rows`` of the 16-bit result would give.
     """
     if out is None:
         out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype),
                           device=x.device)
-    _rms_launch(x, None, weight, eps, out, None)
+    _rms_launch(x, None, weight, eps, out, None, scale_out)
     return out
 
 
@@ -412,7 +482,8 @@ def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float, out: torch.Tensor | None = None,
-                       residual_out: torch.Tensor | None = None
+                       residual_out: torch.Tensor | None = None,
+                       scale_out: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """``new_residual = residual + x``; ``out = rms_norm(new_residual)``.
 
@@ -425,7 +496,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     ``(out, residual_out)``.
 
     Exactness: the add is rounded to the dtype exactly like PyTorch's add
-    (bit-exact); the norm is as :func:`rms_norm`.
+    (bit-exact); the norm is as :func:`rms_norm`, an e4m3 ``out`` too.
     """
     if x.dim() != 2 or residual.shape != x.shape:
         raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must be "
@@ -439,7 +510,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if out is None:
         out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype),
                           device=x.device)
-    _rms_launch(x, residual, weight, eps, out, residual_out)
+    _rms_launch(x, residual, weight, eps, out, residual_out, scale_out)
     return out, residual_out
 
 
@@ -554,7 +625,8 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 # ============================================================================
 # SwiGLU
 # ============================================================================
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None,
+                 scale_out: torch.Tensor | None = None) -> torch.Tensor:
     """``F.silu(gate) * up`` for ``x = [gate | up]`` of shape ``[T, 2*I]``
     (the output of the fused gate_up projection; any strides).  Returns
     ``[T, I]`` in x's dtype (into ``out`` when given).
@@ -564,6 +636,9 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     formula), rounded to the dtype, then the product rounded: bit-exact on
     CUDA by construction; on CPU (interpreter) numpy's exp can differ from
     PyTorch's by an fp32 ulp, which very rarely flips a bf16/fp16 rounding.
+
+    An ``out`` of dtype ``torch.float8_e4m3fn`` (contiguous rows) takes the
+    result in e4m3 with one scale per row into ``scale_out``, as :func:`rms_norm`'s.
     """
     if x.dim() != 2 or x.shape[1] % 2:
         raise ValueError(f"x must be [T, 2*I], got {tuple(x.shape)}")
@@ -575,6 +650,18 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if T == 0 or I == 0:
         return out
     mod, interp = _kernels_for(x.device)
+    if out.dtype == torch.float8_e4m3fn:
+        if out.stride(1) != 1 or scale_out is None or scale_out.dtype != torch.float32 \
+                or scale_out.numel() != T or not scale_out.is_contiguous():
+            raise ValueError(f"an e4m3 out needs contiguous rows and scale_out: {T} fp32 "
+                             "scales")
+        # A whole row a program: up to 16,384 (Llama-3.1-8B's 14,336) in one tile.
+        block = min(_next_pow2(I), 64 if interp else 16384)
+        mod._silu_and_mul_fp8_kernel[(T,)](
+            x, out.view(torch.uint8), scale_out, I, x.stride(0), x.stride(1), out.stride(0),
+            DT=_dt(x.dtype, "x"), BLOCK=block, ONE_TILE=block >= I, INTERPRETED=interp,
+            **_launch_opts(interp, _warps(block), x.device))
+        return out
     block = min(_next_pow2(I), 4096 if interp else 1024)
     mod._silu_and_mul_kernel[(T, triton.cdiv(I, block))](
         x, out, I, x.stride(0), x.stride(1), out.stride(0), out.stride(1),

@@ -488,12 +488,7 @@ def _fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, BLOCK_K: 
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0)
-        # div_rn: torch divides exactly; the default division is approximate.
-        v = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale), -448.0), 448.0)
-        if INTERPRETED:  # its own cast mis-rounds (see _fp8_cast)
-            q = _fp8_cast.to_cache(v, tl.float8e4nv).to(tl.uint8, bitcast=True)
-        else:
-            q = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        q = _fp8_cast.activation_bytes(x.to(tl.float32), scale, INTERPRETED)
         tl.store(q_ptr + row * stride_qm + k0 + offs, q, mask=k0 + offs < K)
 
 

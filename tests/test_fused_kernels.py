@@ -345,6 +345,52 @@ def test_silu_and_mul_strided_input_and_out():
 
 
 # ----------------------------------------------------------------------------
+# e4m3 outputs: a W8A8 projection's input, as fp8_quantize_rows of the 16-bit one
+# ----------------------------------------------------------------------------
+def check_fp8_rows(got_q, got_scale, from_16_bit):
+    """The norm's / SwiGLU's e4m3 bytes and per-row scales equal those of the 16-bit result
+    quantized by fp8_quantize_rows: the same fp32 values, divided and rounded alike."""
+    want_q, want_scale = csrc_triton.fp8_quantize_rows(from_16_bit)
+    assert got_q.dtype == torch.float8_e4m3fn and got_scale.dtype == torch.float32
+    assert torch.equal(got_scale.view(-1), want_scale.view(-1))
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,H", [(1, 64), (5, 48)])
+def test_norms_with_e4m3_out(dtype, T, H):
+    g = gen(40 + T + H)
+    x, res = rand((T, H), dtype, g, 3.0), rand((T, H), dtype, g, 3.0)
+    x[0, 3] = 0.0
+    w = make_norm(H, dtype, g).weight.detach()
+    q = torch.empty(T, H, dtype=torch.float8_e4m3fn, device=DEVICE)
+    scale = torch.empty(T, 1, device=DEVICE)
+    assert rms_norm(x, w, 1e-6, out=q, scale_out=scale) is q
+    check_fp8_rows(q, scale, rms_norm(x, w, 1e-6))
+    new_res = res.clone()
+    out, r = fused_add_rms_norm(x, new_res, w, 1e-6, out=q, scale_out=scale)
+    assert out is q and torch.equal(r, res + x)
+    check_fp8_rows(q, scale, rms_norm(res + x, w, 1e-6))
+    with pytest.raises(ValueError, match="scale_out"):
+        rms_norm(x, w, 1e-6, out=q)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,I", [(1, 48), (3, 64), (2, 150)])  # 150: a row in 3 tiles
+def test_silu_and_mul_with_e4m3_out(dtype, T, I):
+    g = gen(50 + T + I)
+    x = rand((T, 2 * I), dtype, g, 3.0)
+    if T > 1:
+        x[1] = 0.0  # an all-zero row: the smallest scale, bytes 0
+    q = torch.empty(T, I, dtype=torch.float8_e4m3fn, device=DEVICE)
+    scale = torch.empty(T, 1, device=DEVICE)
+    assert silu_and_mul(x, out=q, scale_out=scale) is q
+    check_fp8_rows(q, scale, silu_and_mul(x))
+    with pytest.raises(ValueError, match="scale_out"):
+        silu_and_mul(x, out=q, scale_out=scale[:1] if T > 1 else None)
+
+
+# ----------------------------------------------------------------------------
 # GPU: realistic shapes, CUDA graphs
 # ----------------------------------------------------------------------------
 def _gpu_rand(shape, dtype, scale=1.0):
@@ -418,6 +464,25 @@ def test_gpu_silu_and_mul(dtype, T, I):
     gate, up = x.chunk(2, dim=-1)
     # expected bit-exact on CUDA (expf + IEEE division, as PyTorch); allow rare flips
     check(silu_and_mul(x), F.silu(gate) * up, exact=False, max_flip_frac=1e-4)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [33, 4096])
+def test_gpu_e4m3_outputs(T):
+    """Llama-3.1-8B's sizes (hidden 4,096; SwiGLU 14,336 in one tile, 18,944 in two)."""
+    torch.manual_seed(T)
+    x, res = _gpu_rand((T, 4096), torch.bfloat16, 3.0), _gpu_rand((T, 4096), torch.bfloat16)
+    w = torch.rand(4096, device="cuda").to(torch.bfloat16) + 0.5
+    q = torch.empty(T, 4096, dtype=torch.float8_e4m3fn, device="cuda")
+    scale = torch.empty(T, 1, device="cuda")
+    fused_add_rms_norm(x, res.clone(), w, 1e-6, out=q, scale_out=scale)
+    check_fp8_rows(q, scale, rms_norm(res + x, w, 1e-6))
+    for inter in (14336, 18944):
+        gu = _gpu_rand((T, 2 * inter), torch.bfloat16, 4.0)
+        q = torch.empty(T, inter, dtype=torch.float8_e4m3fn, device="cuda")
+        silu_and_mul(gu, out=q, scale_out=scale)
+        check_fp8_rows(q, scale, silu_and_mul(gu))
 
 
 @gpu

@@ -22,6 +22,7 @@ from ..config import ModelConfig
 from .attention import AttentionMetadata, PagedAttention
 from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from .prequantized import PackedParts
+from .quantization import Fp8Activations, fp8_activations_for
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +58,8 @@ class DecoderAttention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, backend)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activations, positions: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -82,13 +83,22 @@ class DecoderAttention(nn.Module):
 
 
 def add_and_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
-                 fused_ops: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 fused_ops: bool, then: nn.Module | None = None
+                 ) -> tuple[torch.Tensor | Fp8Activations, torch.Tensor]:
     """residual += x (x alone for the first layer), then normalize the residual. Returns
-    (normed, residual). The fused kernel updates the residual in place."""
+    (normed, residual). The fused kernel updates the residual in place, and when `then`
+    (the projection the normed rows go to) multiplies them in W8A8, it writes them in e4m3
+    with their scales (Fp8Activations)."""
     if fused_ops:
+        fp8 = fp8_activations_for(then, x.shape[0], x.device) if then is not None else None
+        out, scale = (None, None) if fp8 is None else fp8
         if residual is None:
-            return csrc_triton.rms_norm(x, norm.weight, norm.eps), x
-        return csrc_triton.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+            normed = csrc_triton.rms_norm(x, norm.weight, norm.eps, out=out, scale_out=scale)
+            residual = x
+        else:
+            normed, residual = csrc_triton.fused_add_rms_norm(
+                x, residual, norm.weight, norm.eps, out=out, scale_out=scale)
+        return (normed if fp8 is None else fp8), residual
     residual = x if residual is None else residual + x
     return norm(residual), residual
 
@@ -109,9 +119,11 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = add_and_norm(x, residual, self.input_layernorm, self.fused_ops)
+        h, residual = add_and_norm(x, residual, self.input_layernorm, self.fused_ops,
+                                   then=self.self_attn.qkv_proj)
         h = self.self_attn(h, positions, kv_cache, meta)
-        h, residual = add_and_norm(h, residual, self.post_attention_layernorm, self.fused_ops)
+        h, residual = add_and_norm(h, residual, self.post_attention_layernorm, self.fused_ops,
+                                   then=self.mlp.gate_up_proj)
         return self.mlp(h), residual
 
 

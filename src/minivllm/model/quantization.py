@@ -21,6 +21,8 @@ are quantized; the embeddings and the LM head keep the model's dtype (as vLLM do
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -147,6 +149,29 @@ def quantizes_activations(x: torch.Tensor) -> bool:
     return x.numel() > FP8_ACTIVATION_MIN_TOKENS * x.shape[-1]
 
 
+class Fp8Activations(NamedTuple):
+    """A W8A8 projection's input already in e4m3, written by the kernel before it (the
+    norm, SiLU x up) instead of a 16-bit tensor: the bytes and per-token scales that
+    fp8_quantize_rows of that tensor would give, without its extra pass over memory."""
+    q: torch.Tensor      # [T, in] e4m3
+    scale: torch.Tensor  # [T, 1] fp32
+
+
+def fp8_activations_for(layer: nn.Module, tokens: int,
+                        device: torch.device) -> Fp8Activations | None:
+    """Empty buffers for `tokens` rows of `layer`'s input if layer multiplies them in
+    W8A8 (fp8 weights, more than FP8_ACTIVATION_MIN_TOKENS rows, in and out sizes
+    _scaled_mm takes); else None, and the kernel before writes its usual output."""
+    if not (isinstance(layer, QuantizedLinear) and layer.method == "fp8"
+            and layer.input_perm is None
+            and tokens > FP8_ACTIVATION_MIN_TOKENS
+            and layer.in_features % 16 == 0 and layer.out_features % 16 == 0):
+        return None
+    return Fp8Activations(
+        torch.empty(tokens, layer.in_features, dtype=FP8, device=device),
+        torch.empty(tokens, 1, dtype=torch.float32, device=device))
+
+
 class QuantizedLinear(nn.Module):
     """y = x W^T + b with W stored quantized (see the module docstring). Built from a
     full-precision nn.Linear by from_linear; buffers, not parameters (nothing trains)."""
@@ -238,7 +263,9 @@ class QuantizedLinear(nn.Module):
                                    self.group_size)
         return self.qweight.float() * self.scale[:, None]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
+        if isinstance(x, Fp8Activations):
+            return self._fp8_scaled_mm(*x) if x.q.is_cuda else self.reference(x)
         if self.input_perm is not None:
             x = x.index_select(-1, self.input_perm)
         if not x.is_cuda:
@@ -248,35 +275,39 @@ class QuantizedLinear(nn.Module):
                 return csrc_triton.fp8_weight_gemm(x, self.qweight, self.scale, self.bias)
             if self.in_features % 16 or self.out_features % 16:
                 return self.reference(x)  # _scaled_mm takes multiples of 16 only
-            return self._fp8_scaled_mm(x)
+            shape = x.shape
+            y = self._fp8_scaled_mm(
+                *csrc_triton.fp8_quantize_rows(x.reshape(-1, self.in_features)))
+            return y.reshape(*shape[:-1], self.out_features)
         if self.method == "int8":
             return csrc_triton.int8_gemm(x, self.qweight, self.scale, self.bias)
         return csrc_triton.int4_gemm(x, self.qweight, self.scale, self.zero, self.group_size,
                                      self.bias)
 
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
+    def reference(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
         """Dequantize, fp32 matmul (fp8: of the fp8-rounded activations too)."""
-        shape = x.shape
-        x = x.reshape(-1, self.in_features)
-        if self.method == "fp8" and quantizes_activations(x):
-            xq, xs = quantize_activations_fp8(x)
-            x32 = xq.float() * xs
+        if isinstance(x, Fp8Activations):
+            shape, x32 = x.q.shape, x.q.float() * x.scale
         else:
-            x32 = x.float()
+            shape, x = x.shape, x.reshape(-1, self.in_features)
+            if self.method == "fp8" and quantizes_activations(x):
+                xq, xs = quantize_activations_fp8(x)
+                x32 = xq.float() * xs
+            else:
+                x32 = x.float()
         y = x32 @ self.dequantized_weight().t()
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(self.out_dtype).reshape(*shape[:-1], self.out_features)
 
-    def _fp8_scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        xq, xs = csrc_triton.fp8_quantize_rows(x.reshape(-1, self.in_features))
+    def _fp8_scaled_mm(self, xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+        """[T, out] from e4m3 rows [T, in] and their scales [T, 1], on FP8 tensor cores."""
         # Row-wise scales need a bf16 output; the bias is added after (in that dtype).
         y = torch._scaled_mm(xq, self.qweight.t(), scale_a=xs, scale_b=self.scale[None, :],
                              out_dtype=torch.bfloat16).to(self.out_dtype)
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features)
+        return y
 
     def extra_repr(self) -> str:
         return f"{self.method}, in={self.in_features}, out={self.out_features}"
