@@ -294,15 +294,8 @@ def _silu_and_mul_kernel(
     _pdl.wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    y = _silu_mul(x_ptr + t * sx_t, offs, I, sx_d, DT, INTERPRETED)
-    tl.store(out_ptr + t * so_t + offs * so_d, y.to(out_ptr.dtype.element_ty), mask=offs < I)
-
-
-@triton.jit
-def _silu_mul(row, offs, I, sx_d, DT: tl.constexpr, INTERPRETED: tl.constexpr):
-    """silu(gate) * up at offs of one [gate | up] row, in fp32, rounded to DT where
-    PyTorch's two ops round (0 past I)."""
     mask = offs < I
+    row = x_ptr + t * sx_t
     g = tl.load(row + offs * sx_d, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(row + (offs + I) * sx_d, mask=mask, other=0.0).to(tl.float32)
     # F.silu: x / (1 + exp(-x)) in fp32 (CUDA: expf and an IEEE division)
@@ -311,39 +304,9 @@ def _silu_mul(row, offs, I, sx_d, DT: tl.constexpr, INTERPRETED: tl.constexpr):
     else:
         s = tl.math.div_rn(g, 1.0 + libdevice.exp(-g))
     s = _round(s, DT, INTERPRETED)
-    return _round(s * u, DT, INTERPRETED)
+    y = _round(s * u, DT, INTERPRETED)
+    tl.store(out_ptr + t * so_t + offs * so_d, y.to(out_ptr.dtype.element_ty), mask=mask)
 
-
-@triton.jit
-def _silu_and_mul_fp8_kernel(
-    x_ptr, out_ptr, scale_ptr, I, sx_t, sx_d, so_t,
-    DT: tl.constexpr, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
-    INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
-):
-    """One row's silu(gate) * up (rounded to DT as _silu_and_mul_kernel's) in e4m3, scaled
-    so its absolute maximum is 448, the scale into scale_ptr[t]: W8A8's input to the down
-    projection. A row of up to BLOCK is one tile; a longer one is read twice, for its
-    maximum and then for the bytes (the product recomputed rather than stored)."""
-    _pdl.wait_for_previous(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    row = x_ptr + t * sx_t
-    offs = tl.arange(0, BLOCK)
-    if ONE_TILE:
-        y = _silu_mul(row, offs, I, sx_d, DT, INTERPRETED)
-        scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1e-12)
-        tl.store(out_ptr + t * so_t + offs, _fp8_cast.activation_bytes(y, scale, INTERPRETED),
-                 mask=offs < I)
-    else:
-        amax = tl.zeros((BLOCK,), dtype=tl.float32)
-        for i0 in range(0, I, BLOCK):
-            amax = tl.maximum(amax, tl.abs(_silu_mul(row, i0 + offs, I, sx_d, DT,
-                                                     INTERPRETED)))
-        scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
-        for i0 in range(0, I, BLOCK):
-            y = _silu_mul(row, i0 + offs, I, sx_d, DT, INTERPRETED)
-            tl.store(out_ptr + t * so_t + i0 + offs,
-                     _fp8_cast.activation_bytes(y, scale, INTERPRETED), mask=i0 + offs < I)
-    tl.store(scale_ptr + t, scale)
 
 
 # ============================================================================
@@ -461,7 +424,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     An ``out`` of dtype ``torch.float8_e4m3fn`` takes the result in e4m3, each row
     scaled so that its absolute maximum is 448, the scales into ``scale_out``
     (fp32, one per row): a W8A8 projection's input, the bytes and scales that
-    ``fp8_quantize_rows`` of the 16-bit result would give.
+    ``fp8_quantize_rows`` of the 16-bit result would give (compiled, up to a step
+    where that result's rounding flips as above).
     """
     if out is None:
         out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype),
@@ -625,8 +589,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 # ============================================================================
 # SwiGLU
 # ============================================================================
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None,
-                 scale_out: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``F.silu(gate) * up`` for ``x = [gate | up]`` of shape ``[T, 2*I]``
     (the output of the fused gate_up projection; any strides).  Returns
     ``[T, I]`` in x's dtype (into ``out`` when given).
@@ -636,9 +599,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None,
     formula), rounded to the dtype, then the product rounded: bit-exact on
     CUDA by construction; on CPU (interpreter) numpy's exp can differ from
     PyTorch's by an fp32 ulp, which very rarely flips a bf16/fp16 rounding.
-
-    An ``out`` of dtype ``torch.float8_e4m3fn`` (contiguous rows) takes the
-    result in e4m3 with one scale per row into ``scale_out``, as :func:`rms_norm`'s.
     """
     if x.dim() != 2 or x.shape[1] % 2:
         raise ValueError(f"x must be [T, 2*I], got {tuple(x.shape)}")
@@ -650,18 +610,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None,
     if T == 0 or I == 0:
         return out
     mod, interp = _kernels_for(x.device)
-    if out.dtype == torch.float8_e4m3fn:
-        if out.stride(1) != 1 or scale_out is None or scale_out.dtype != torch.float32 \
-                or scale_out.numel() != T or not scale_out.is_contiguous():
-            raise ValueError(f"an e4m3 out needs contiguous rows and scale_out: {T} fp32 "
-                             "scales")
-        # A whole row a program: up to 16,384 (Llama-3.1-8B's 14,336) in one tile.
-        block = min(_next_pow2(I), 64 if interp else 16384)
-        mod._silu_and_mul_fp8_kernel[(T,)](
-            x, out.view(torch.uint8), scale_out, I, x.stride(0), x.stride(1), out.stride(0),
-            DT=_dt(x.dtype, "x"), BLOCK=block, ONE_TILE=block >= I, INTERPRETED=interp,
-            **_launch_opts(interp, _warps(block), x.device))
-        return out
     block = min(_next_pow2(I), 4096 if interp else 1024)
     mod._silu_and_mul_kernel[(T, triton.cdiv(I, block))](
         x, out, I, x.stride(0), x.stride(1), out.stride(0), out.stride(1),

@@ -14,8 +14,6 @@ from torch import nn
 
 import csrc_triton
 
-from .quantization import Fp8Activations, fp8_activations_for
-
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -117,14 +115,9 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False, fused_ops=fused_ops)
         self.fused_ops = fused_ops
 
-    def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.fused_ops:
-            # For a W8A8 down projection the kernel writes e4m3 and per-token scales.
-            fp8 = fp8_activations_for(self.down_proj, gate_up.shape[0], gate_up.device)
-            if fp8 is not None:
-                csrc_triton.silu_and_mul(gate_up, out=fp8.q, scale_out=fp8.scale)
-                return self.down_proj(fp8)
             return self.down_proj(csrc_triton.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

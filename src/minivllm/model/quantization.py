@@ -150,9 +150,9 @@ def quantizes_activations(x: torch.Tensor) -> bool:
 
 
 class Fp8Activations(NamedTuple):
-    """A W8A8 projection's input already in e4m3, written by the kernel before it (the
-    norm, SiLU x up) instead of a 16-bit tensor: the bytes and per-token scales that
-    fp8_quantize_rows of that tensor would give, without its extra pass over memory."""
+    """A W8A8 projection's input already in e4m3, written by the norm before it instead
+    of a 16-bit tensor: the bytes and per-token scales that fp8_quantize_rows of that
+    tensor would give, without a kernel of its own (docs/decisions.md)."""
     q: torch.Tensor      # [T, in] e4m3
     scale: torch.Tensor  # [T, 1] fp32
 
