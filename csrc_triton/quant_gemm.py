@@ -209,14 +209,17 @@ def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, 
                     stride_sn, FORMAT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     INTERPRETED: tl.constexpr, FLOAT_ZERO: tl.constexpr,
-                    PDL: tl.constexpr = False):
+                    LOOP_STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
     """One row of x against BLOCK_N rows of quantized weights (batch-1 decode), the whole
     of K in one program: products accumulated element-wise in fp32 and summed over K once
     at the end, the scale and bias applied and y written in x's dtype (no partial sums
     and no second kernel). Tensor cores would pad the one row to 16 and shuffle operands
     for nothing: the weights are only streamed. FORMAT 0 int8, 1 fp8, 2 int4, 3 16-bit
     weights (the model's own, no scale). The first tile of weights is loaded before
-    waiting for the previous kernel (PDL), which wrote x."""
+    waiting for the previous kernel (PDL), which wrote x. LOOP_STAGES > 1 (8- and 16-bit
+    weights) pipelines the loop's weight loads through shared memory (cp.async, that many
+    tiles in flight); 1 loads each tile when its step starts (plain loads, as a plain
+    range compiles)."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -242,7 +245,7 @@ def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, 
         _pdl.wait_for_previous(PDL)
         acc = _gemv_add(tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32), q, x_ptr, offs_k, K,
                         FORMAT)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
+        for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=LOOP_STAGES):
             k = k0 + offs_k
             acc = _gemv_add(acc, _gemv_weights(w_ptr, offs_n, n_ok, k, K, stride_wn), x_ptr,
                             k, K, FORMAT)
@@ -515,7 +518,7 @@ _FORMATS = {"int8": 0, "fp8": 1, "int4": 2, "w16": 3}
 
 
 def gemv_config(fmt: str, half: int, N: int, K: int, interpreted: bool = False):
-    """(BLOCK_N, BLOCK_K, num_warps) of the GEMV kernel. 8-bit weights: 8 rows, 1,024
+    """(BLOCK_N, BLOCK_K, num_warps, LOOP_STAGES) of the GEMV kernel. 8-bit weights: 8 rows, 1,024
     inputs a step, 4 warps; with more outputs than inputs (many short rows) 4 rows, 512
     inputs, 2 warps. 16-bit: 4 rows, 2,048 inputs (fewer for a shorter row), 4 warps.
     int4: 8 rows, whole packed blocks of 2 * half, at least 1,024 inputs. From sweeps over
@@ -531,7 +534,7 @@ def gemv_config(fmt: str, half: int, N: int, K: int, interpreted: bool = False):
         bn, bk, warps = 8, 1024, 4
     if fmt == "int4":
         bk = max(bk, 2 * half)
-    return bn, bk, warps
+    return bn, bk, warps, 1
 
 
 def _float_zero(zero) -> bool:
@@ -542,14 +545,15 @@ def _float_zero(zero) -> bool:
 def _launch_gemv(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
                  scale: torch.Tensor, zero, bias, fmt: str, group: int, half: int, N: int,
                  config) -> torch.Tensor:
-    bn, bk, warps = config
+    bn, bk, warps, loop_stages = config
     out = torch.empty((1, N), dtype=x.dtype, device=x.device)
     opts = {} if interpreted else {"num_warps": warps, "num_stages": 2, **pdl_args(x.device)}
     mod._wq_gemv_kernel[(triton.cdiv(N, bn),)](
         x, w, scale, zero if zero is not None else scale, bias if bias is not None else scale,
         out, N, x.shape[1], w.stride(0), scale.stride(0) if fmt == "int4" else 0,
         FORMAT=_FORMATS[fmt], GROUP=group, HALF=half, HAS_BIAS=bias is not None, BLOCK_N=bn,
-        BLOCK_K=bk, INTERPRETED=interpreted, FLOAT_ZERO=_float_zero(zero), **opts)
+        BLOCK_K=bk, INTERPRETED=interpreted, FLOAT_ZERO=_float_zero(zero),
+        LOOP_STAGES=loop_stages, **opts)
     return out
 
 

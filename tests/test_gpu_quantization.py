@@ -119,6 +119,37 @@ def test_linear_gemv_compiled(N, K):
     assert torch.equal(linear(x2), torch.nn.functional.linear(x2, linear.weight, linear.bias))
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "w16"])
+@pytest.mark.parametrize("N,K", [(4096, 14336), (6144, 4096)])
+def test_gemv_loop_stages_compiled(fmt, N, K):
+    """The GEMV's weight loads pipelined through shared memory (LOOP_STAGES 2 to 4, as
+    bench/diagnostics/gemv_sweep.py launches them): the same products in the same order,
+    so the plain loop's result bit for bit."""
+    from csrc_triton import quant_gemm
+    from minivllm.model.quantization import quantize_fp8
+
+    torch.manual_seed(5)
+    w = torch.randn(N, K, device="cuda") * 0.02
+    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    if fmt == "fp8":
+        q, scale = quantize_fp8(w)
+        q = q.view(torch.uint8)
+    else:
+        q, scale = w.bfloat16(), torch.ones(N, device="cuda")
+    config = quant_gemm.gemv_config(fmt, 0, N, K)
+
+    def run(stages):
+        return quant_gemm._launch_gemv(quant_gemm, False, x, q, scale, None, None, fmt, K, 0,
+                                       N, (*config[:3], stages))
+
+    plain = run(1)
+    want = x.float() @ (q.view(torch.float8_e4m3fn).float() * scale[:, None]
+                        if fmt == "fp8" else q.float()).t()
+    assert (plain.float() - want).norm() / want.norm() < 1e-2
+    for stages in (2, 3, 4):
+        assert torch.equal(run(stages), plain)
+
+
 @pytest.mark.parametrize("M,K", [(1, 4096), (300, 4160)])
 def test_fp8_row_quantization_is_torchs(M, K):
     import csrc_triton

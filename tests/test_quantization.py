@@ -309,6 +309,80 @@ def test_triton_kernels_match_the_reference(M, N, K):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_gemv_loop_stages_change_nothing_but_the_loads():
+    """The GEMV with its weight loads pipelined (LOOP_STAGES 2 and 3; interpreted here, so
+    only the arithmetic is checked) gives the plain loop's result: 8-bit and 16-bit
+    weights over ten steps of K."""
+    from csrc_triton import quant_gemm
+
+    torch.manual_seed(12)
+    N, K = 12, 600
+    mod, interpreted = quant_gemm._kernels_for(torch.device("cpu"))
+    w, bias = torch.randn(N, K), torch.randn(N)
+    for fmt, x in (("fp8", torch.randn(1, K)), ("w16", torch.randn(1, K).bfloat16())):
+        if fmt == "fp8":
+            q, scale = quantize_fp8(w)
+            q = q.view(torch.uint8)
+        else:
+            q, scale = w.bfloat16(), torch.ones(N)
+        bn, bk, warps, stages = quant_gemm.gemv_config(fmt, 0, N, K, interpreted)
+        assert stages == 1 and K > 8 * bk
+        plain = quant_gemm._launch_gemv(mod, interpreted, x, q, scale, None, bias, fmt, K,
+                                        0, N, (bn, bk, warps, 1))
+        for st in (2, 3):
+            assert torch.equal(quant_gemm._launch_gemv(
+                mod, interpreted, x, q, scale, None, bias, fmt, K, 0, N, (bn, bk, warps, st)),
+                plain)
+
+
+_GEMV_PTX_SCRIPT = """
+import sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import triton
+from csrc_triton import quant_gemm
+
+fn = quant_gemm._wq_gemv_kernel
+sig = {n: "i32" for n in fn.arg_names}
+sig.update(x_ptr="*bf16", w_ptr="*u8", scale_ptr="*fp32", zero_ptr="*fp32",
+           bias_ptr="*fp32", out_ptr="*bf16")
+const = dict(FORMAT=1, GROUP=0, HALF=0, HAS_BIAS=False, BLOCK_N=8, BLOCK_K=1024,
+             INTERPRETED=False, FLOAT_ZERO=False, LOOP_STAGES=int(sys.argv[1]), PDL=False,
+             stride_sn=0)
+sig.update({c: "constexpr" for c in const})
+attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+         for n in ("x_ptr", "w_ptr", "out_ptr", "stride_wn", "K")}
+try:
+    ptx = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=4, num_stages=2)).asm["ptx"]
+except Exception as e:  # a Triton without its CUDA toolchain
+    print(repr(e)[:300])
+    sys.exit(3)
+print("cp.async" in ptx)
+"""
+
+
+@pytest.mark.parametrize("stages,pipelined", [(1, False), (3, True)])
+def test_gemv_loop_stages_pipeline_the_loads_for_hopper(stages, pipelined):
+    """Compiled for sm_90 on this CPU (a process without the interpreter): LOOP_STAGES 3
+    copies the weights asynchronously (cp.async), 1 loads them plainly."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "src"),
+                                         env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", _GEMV_PTX_SCRIPT, str(stages)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    if run.returncode == 3:
+        pytest.skip(f"cannot compile for sm_90 here: {run.stdout.strip()}")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == str(pipelined)
+
+
 @pytest.mark.parametrize("M,N,K,group", [(1, 40, 200, 128), (3, 24, 600, 128),
                                          (16, 33, 256, 32), (1, 20, 96, 64)])
 def test_int4_on_the_tensor_cores(M, N, K, group):

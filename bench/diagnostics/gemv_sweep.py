@@ -1,7 +1,8 @@
 """The batch-1 GEMV kernel's configurations on Llama-3.1-8B's projection shapes (CUDA):
-each (format, shape, BLOCK_N, BLOCK_K, warps, stages) timed as CUDA-graph replays with the
-weights cycling through copies larger than L2, against the shipped configuration
-(csrc_triton.quant_gemm.gemv_config) and cuBLAS bf16.
+each (format, shape, BLOCK_N, BLOCK_K, warps, loop stages) timed as CUDA-graph replays with
+the weights cycling through copies larger than L2, against the shipped configuration
+(csrc_triton.quant_gemm.gemv_config) and cuBLAS bf16. Loop stages above 1 pipeline the
+weight loads through shared memory (the kernel's LOOP_STAGES; int4 ignores them).
 
     python -m bench.diagnostics.gemv_sweep --out FILE [--formats int4,fp8] [--quick]
 """
@@ -77,9 +78,9 @@ def main() -> None:
 
     dev = torch.device("cuda")
     fmts = args.formats.split(",")
-    bns, bks, warps, stages = [4, 8, 16], [1024, 2048, 4096], [4, 8], [2]
+    bns, bks, warps, stages = [4, 8, 16], [512, 1024, 2048], [2, 4, 8], [1, 2, 3]
     if args.quick:
-        bns, bks, warps, stages = [8], [1024, 4096], [4], [2]
+        bns, bks, warps, stages = [4, 8], [512, 1024], [2, 4], [1, 3]
     rows, t0 = [], time.time()
     for fmt in fmts:
         for name, (N, K) in SHAPES.items():
@@ -90,10 +91,10 @@ def main() -> None:
             out = torch.empty(1, N, device=dev, dtype=torch.bfloat16)
             ref = (x.float() @ qg_dequant(fmt, ws[0], N, K).t()).float()
             shipped = qg.gemv_config(fmt, ws[0][4], N, K)
-            configs = [(shipped[0], shipped[1], shipped[2], 2, True)]
+            configs = [(*shipped, True)]
             configs += [(bn, bk, wp, st, False) for bn, bk, wp, st
-                        in itertools.product(bns, bks, warps, stages)
-                        if (bn, bk, wp, st) != (*shipped, 2)]
+                        in itertools.product(bns, bks, warps, stages if fmt != "int4" else [1])
+                        if (bn, bk, wp, st) != shipped]
             for bn, bk, wp, st, is_shipped in configs:
                 half = ws[0][4]
                 if fmt == "int4" and bk % (2 * half):
@@ -105,17 +106,18 @@ def main() -> None:
                         x, q, s, z if z is not None else s, s, out, N, K, q.stride(0),
                         s.stride(0) if fmt == "int4" else 0, FORMAT=qg._FORMATS[fmt],
                         GROUP=group, HALF=half, HAS_BIAS=False, BLOCK_N=bn, BLOCK_K=bk,
-                        INTERPRETED=False, FLOAT_ZERO=False, num_warps=wp, num_stages=st)
+                        INTERPRETED=False, FLOAT_ZERO=False, LOOP_STAGES=st, num_warps=wp,
+                        num_stages=2)
                 try:
                     fn(0)
                     err = ((out.float() - ref).norm() / ref.norm()).item()
                     us = _time_graph(fn, copies)
                 except Exception as e:  # noqa: BLE001 - a config that does not compile
                     rows.append({"format": fmt, "shape": name, "BLOCK_N": bn, "BLOCK_K": bk,
-                                 "warps": wp, "stages": st, "error": repr(e)[:200]})
+                                 "warps": wp, "loop_stages": st, "error": repr(e)[:200]})
                     continue
                 rows.append({"format": fmt, "shape": name, "N": N, "K": K, "BLOCK_N": bn,
-                             "BLOCK_K": bk, "warps": wp, "stages": st, "shipped": is_shipped,
+                             "BLOCK_K": bk, "warps": wp, "loop_stages": st, "shipped": is_shipped,
                              "us": round(us, 2), "TBps": round(bytes_per / us / 1e6, 3),
                              "rel_err": err})
             if fmt == "w16":
@@ -130,7 +132,7 @@ def main() -> None:
             print(f"{fmt:5s} {name:8s} shipped {ship['us']:7.1f} us ({ship['TBps']:.2f} TB/s)"
                   f"  best {best['us']:7.1f} us ({best['TBps']:.2f} TB/s) "
                   f"{best.get('BLOCK_N')}x{best.get('BLOCK_K')} w{best.get('warps')} "
-                  f"s{best.get('stages')} {best.get('impl', '')}  [{time.time() - t0:.0f}s]",
+                  f"s{best.get('loop_stages')} {best.get('impl', '')}  [{time.time() - t0:.0f}s]",
                   flush=True)
             del ws
             torch.cuda.empty_cache()

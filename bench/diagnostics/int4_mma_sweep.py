@@ -69,7 +69,7 @@ def main() -> None:
 
             def gemv(i):
                 q, s, z, _, _ = ws[i]
-                bn, bk, wp = qg.gemv_config("int4", half, N, K)
+                bn, bk, wp, _ = qg.gemv_config("int4", half, N, K)
                 qg._wq_gemv_kernel[(triton.cdiv(N, bn),)](
                     x, q, s, z, s, out, N, K, q.stride(0), s.stride(0),
                     FORMAT=qg._FORMATS["int4"], GROUP=group, HALF=half, HAS_BIAS=False,
