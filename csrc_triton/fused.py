@@ -308,7 +308,6 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + t * so_t + offs * so_d, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-
 # ============================================================================
 # module selection (compiled for CUDA, interpreted for CPU)
 # ============================================================================

@@ -518,12 +518,13 @@ _FORMATS = {"int8": 0, "fp8": 1, "int4": 2, "w16": 3}
 
 
 def gemv_config(fmt: str, half: int, N: int, K: int, interpreted: bool = False):
-    """(BLOCK_N, BLOCK_K, num_warps, LOOP_STAGES) of the GEMV kernel. 8-bit weights: 8 rows, 1,024
-    inputs a step, 4 warps; with more outputs than inputs (many short rows) 4 rows, 512
-    inputs, 2 warps. 16-bit: 4 rows, 2,048 inputs (fewer for a shorter row), 4 warps.
-    int4: 8 rows, whole packed blocks of 2 * half, at least 1,024 inputs. From sweeps over
-    Llama-3.1-8B's projections on the H200, their weights cycling through copies larger
-    than L2 (docs/decisions.md, bench/diagnostics/gemv_sweep.py)."""
+    """(BLOCK_N, BLOCK_K, num_warps, LOOP_STAGES) of the GEMV kernel. 8-bit weights: 8
+    rows, 1,024 inputs a step, 4 warps; with more outputs than inputs (many short rows) 4
+    rows, 512 inputs, 2 warps. 16-bit: 4 rows, 2,048 inputs (fewer for a shorter row), 4
+    warps. int4: 8 rows, whole packed blocks of 2 * half, at least 1,024 inputs. From
+    sweeps over Llama-3.1-8B's projections on the H200, their weights cycling through
+    copies larger than L2 (docs/decisions.md, bench/diagnostics/gemv_sweep.py). Loop
+    stages 1: the weight loads not pipelined (the sweep over 2-3 is still to run)."""
     if interpreted:
         bn, bk, warps = 4, 64, 1
     elif fmt == "w16":

@@ -90,7 +90,7 @@ def add_and_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
     (the projection the normed rows go to) multiplies them in W8A8, it writes them in e4m3
     with their scales (Fp8Activations)."""
     if fused_ops:
-        fp8 = fp8_activations_for(then, x.shape[0], x.device) if then is not None else None
+        fp8 = fp8_activations_for(then, x.shape[0], x.device)
         out, scale = (None, None) if fp8 is None else fp8
         if residual is None:
             normed = csrc_triton.rms_norm(x, norm.weight, norm.eps, out=out, scale_out=scale)

@@ -157,7 +157,7 @@ class Fp8Activations(NamedTuple):
     scale: torch.Tensor  # [T, 1] fp32
 
 
-def fp8_activations_for(layer: nn.Module, tokens: int,
+def fp8_activations_for(layer: nn.Module | None, tokens: int,
                         device: torch.device) -> Fp8Activations | None:
     """Empty buffers for `tokens` rows of `layer`'s input if layer multiplies them in
     W8A8 (fp8 weights, more than FP8_ACTIVATION_MIN_TOKENS rows, in and out sizes
