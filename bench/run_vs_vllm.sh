@@ -28,10 +28,14 @@ MODELS=("$@")
 [ ${#MODELS[@]} -eq 0 ] && MODELS=(qwen2.5-0.5b-instruct)
 PARTS=${VS_PARTS:-mini-offline vllm-offline mini-w3 vllm-w3}
 mkdir -p "$OUT" "$RES" "$WORK"
+# A machine's /tmp can outlive a session: this call's log starts empty, the pack holds only
+# the files this call wrote, and the merge only this commit's runs (`merge --commit`).
 LOG="$RES/run_vs_vllm.log"
+: > "$LOG"
 say() { echo "[run_vs_vllm +$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
 pack() {
-  tar czf "$OUT/results.tgz.tmp" -C "$RES" . 2>/dev/null && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"
+  tar czf "$OUT/results.tgz.tmp" --newer-mtime="@$START" -C "$RES" . 2>/dev/null \
+    && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"
   cp "$LOG" "$OUT/run_vs_vllm.log" 2>/dev/null
 }
 left() { echo $(( TOTAL_S - ($(date +%s) - START) )); }
@@ -92,7 +96,8 @@ for model in "${MODELS[@]}"; do
       *) say "unknown part $p" ;;
     esac
   done
-  PYTHONPATH="$MINI_PATH" python3 -m bench.vs_vllm merge "$dir" >>"$LOG" 2>&1 && say "$model: $dir/vs_vllm.json"
+  PYTHONPATH="$MINI_PATH" python3 -m bench.vs_vllm merge "$dir" --commit "$MINIVLLM_GIT_COMMIT" \
+    >>"$LOG" 2>&1 && say "$model: $dir/vs_vllm.json"
   pack
 done
 grep -hE "\[vs_vllm\].*(rep [0-9]|ratio|failed|ready)|\[w3_gpu\].* c=|exit|skipped" "$LOG" | tail -90

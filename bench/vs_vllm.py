@@ -3,7 +3,7 @@ merge of a model's run into one JSON with both engines and the ratios.
 
     python -m bench.vs_vllm offline --engine minivllm --model qwen2.5-0.5b-instruct --out DIR
     PYTHONPATH=$VLLM_SITE python -m bench.vs_vllm offline --engine vllm --model ... --out DIR
-    python -m bench.vs_vllm merge DIR        # DIR/vs_vllm.json from DIR/offline_*.json + w3_*.json
+    python -m bench.vs_vllm merge DIR [--commit C]  # DIR/vs_vllm.json from DIR/offline_*.json + w3_*.json
     python -m bench.vs_vllm offline --engine minivllm --smoke --out DIR   # tiny, on a CPU
 
 Workloads (random token ids below 10,000, greedy, ignore_eos; each repetition draws fresh
@@ -211,19 +211,37 @@ def _w3_levels(path: Path) -> dict[int, dict]:
     return levels
 
 
-def merge(folder: Path) -> dict:
+def _same_commit(a: str | None, b: str) -> bool:
+    """Whether two commits (full or short hashes, "-dirty" or not) name the same one."""
+    return bool(a) and a.strip()[:7] == b.strip()[:7]
+
+
+def merge(folder: Path, commit: str | None = None) -> dict:
     """One model's run (both engines, every workload) as one JSON: each table row with
     both engines' numbers and minivllm's ratio (higher is better for minivllm: for
-    latencies the ratio is vLLM's over minivllm's)."""
+    latencies the ratio is vLLM's over minivllm's). With `commit`, files another commit's
+    run left in the folder (a machine's /tmp outlives a session) are left out, and said."""
+    kept: dict[Path, dict | None] = {}
+
+    def read(p: Path) -> dict | None:
+        if p not in kept:
+            d = json.loads(p.read_text()) if p.exists() else None
+            ran = d and (d.get("environment") or {}).get("git_commit")
+            if d is not None and commit and not _same_commit(ran, commit):
+                log(f"merge: {p.name} left out (commit {ran}, this run's {commit[:7]})")
+                d = None
+            kept[p] = d
+        return kept[p]
+
     # offline_ENGINE.json, and offline_ENGINE_METHOD.json for a quantized run (its rows are
     # labelled "W1 fp8" and so on).
-    methods = sorted({p.stem.split("_", 2)[2] for p in folder.glob("offline_*_*.json")})
+    methods = sorted({p.stem.split("_", 2)[2] for p in folder.glob("offline_*_*.json")
+                      if read(p) is not None})
     rows, model, runs = [], None, {}
     for method in [""] + methods:
         engines = runs[method] = {}
         for name in ENGINES:
-            p = folder / f"offline_{name}{'_' + method if method else ''}.json"
-            engines[name] = json.loads(p.read_text()) if p.exists() else None
+            engines[name] = read(folder / f"offline_{name}{'_' + method if method else ''}.json")
         model = model or next((e["model"] for e in engines.values() if e), None)
         for wname in ("W1", "W2", "W5", "W6"):
             vals = {k: (e or {}).get("best", {}).get(wname) for k, e in engines.items()}
@@ -235,7 +253,8 @@ def merge(folder: Path) -> dict:
                          "minivllm": mine, "vllm": theirs,
                          "ratio": round(mine / theirs, 3) if mine and theirs else None})
     model = model or folder.name
-    w3 = {k: _w3_levels(folder / f"w3_{k}.json") for k in ENGINES}
+    w3 = {k: _w3_levels(folder / f"w3_{k}.json") if read(folder / f"w3_{k}.json") else {}
+          for k in ENGINES}
     for c in sorted(set(w3["minivllm"]) | set(w3["vllm"])):
         for key, label, higher in W3_METRICS:
             mine = w3["minivllm"].get(c, {}).get(key)
@@ -248,9 +267,8 @@ def merge(folder: Path) -> dict:
                          "ratio": ratio if key != "tokens_per_event" else None})
     w3_env = {}
     for k in ENGINES:
-        p = folder / f"w3_{k}.json"
-        if p.exists():
-            d = json.loads(p.read_text())
+        d = read(folder / f"w3_{k}.json")
+        if d is not None:
             w3_env[k] = {"environment": d.get("environment"), "workload": d.get("workload"),
                          "launch_cmd": next((t.get("launch_cmd") for t in d.get("targets", [])),
                                             None)}
@@ -301,9 +319,11 @@ def main(argv=None) -> int:
                           "with it the file is offline_minivllm_graphsN.json")
     mg = sub.add_parser("merge", help="DIR/vs_vllm.json from the run's files")
     mg.add_argument("folder")
+    mg.add_argument("--commit", default=None,
+                    help="only files of this commit's runs (others are left out, and said)")
     args = p.parse_args(argv)
     if args.cmd == "merge":
-        res = merge(Path(args.folder))
+        res = merge(Path(args.folder), args.commit)
         for r in res["rows"]:
             log(f"{r['workload']:10s} {r['metric']:18s} minivllm {r['minivllm']} vllm "
                 f"{r['vllm']} ratio {r['ratio']}")

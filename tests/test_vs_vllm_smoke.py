@@ -44,6 +44,19 @@ def test_offline_merge_and_report(tmp_path):
     assert rows["W1"]["minivllm"] == off["best"]["W1"]["value"]
     assert rows["W1"]["vllm"] is None and rows["W1"]["ratio"] is None
 
+    # A file another commit's run left in the folder (a reused machine's /tmp): merged
+    # without --commit, left out with this run's.
+    stale = dict(off, environment=dict(off["environment"], git_commit="0123abc"))
+    (out / "offline_vllm.json").write_text(json.dumps(stale))
+    assert vs_vllm.main(["merge", str(out)]) == 0
+    assert {x["workload"]: x for x in json.loads((out / "vs_vllm.json").read_text())["rows"]
+            }["W1"]["vllm"] == off["best"]["W1"]["value"]
+    assert vs_vllm.main(["merge", str(out), "--commit", off["environment"]["git_commit"]]) == 0
+    merged = json.loads((out / "vs_vllm.json").read_text())
+    assert {x["workload"]: x for x in merged["rows"]}["W1"]["vllm"] is None
+    assert merged["offline"]["vllm"] is None
+    (out / "offline_vllm.json").unlink()
+
     md = report.render([tmp_path], tmp_path / "report", base=tmp_path).read_text()
     assert "## minivllm against vLLM" in md
     assert "| W1 | output_tok_per_s |" in md
