@@ -3,6 +3,7 @@ kernel followed by fp8_quantize_rows: Llama-3.1-8B's sizes (hidden 4,096, SwiGLU
 each variant 20 times in a CUDA graph, the graph replayed 20 times; us per variant. Also
 how many e4m3 bytes and scales differ between the two (the compiled kernels' rounding)."""
 import json
+import os
 import sys
 
 import torch
@@ -13,22 +14,9 @@ from csrc_triton import fused_add_rms_norm, silu_and_mul
 E4M3 = torch.float8_e4m3fn
 
 
-def time_graph(fn, reps=20, replays=20):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(replays):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / (reps * replays)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fp8_fuse_probe_timing import time_graph  # noqa: E402  (the same function, shared
+# with silu_fp8_probe.py; as it ran, it was defined here)
 
 
 rows = []

@@ -12,7 +12,7 @@ import csrc_triton
 from csrc_triton import fused, silu_and_mul
 from csrc_triton._pdl import launch_args
 
-sys.path.insert(0, ".ab")
+sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
 from fp8_fuse_probe_timing import time_graph  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
