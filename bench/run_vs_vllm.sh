@@ -28,8 +28,9 @@ MODELS=("$@")
 [ ${#MODELS[@]} -eq 0 ] && MODELS=(qwen2.5-0.5b-instruct)
 PARTS=${VS_PARTS:-mini-offline vllm-offline mini-w3 vllm-w3}
 mkdir -p "$OUT" "$RES" "$WORK"
-# A machine's /tmp can outlive a session: this call's log starts empty, the pack holds only
-# the files this call wrote, and the merge only this commit's runs (`merge --commit`).
+# A lent machine's /tmp can hold an earlier borrower's files: this call's log starts empty,
+# the pack holds only the files this call wrote, and the merge only this commit's runs
+# (`merge --commit`).
 LOG="$RES/run_vs_vllm.log"
 : > "$LOG"
 say() { echo "[run_vs_vllm +$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }

@@ -220,7 +220,8 @@ def merge(folder: Path, commit: str | None = None) -> dict:
     """One model's run (both engines, every workload) as one JSON: each table row with
     both engines' numbers and minivllm's ratio (higher is better for minivllm: for
     latencies the ratio is vLLM's over minivllm's). With `commit`, files another commit's
-    run left in the folder (a machine's /tmp outlives a session) are left out, and said."""
+    run left in the folder (a lent machine's /tmp keeps earlier borrowers' files) are left
+    out, and said."""
     kept: dict[Path, dict | None] = {}
 
     def read(p: Path) -> dict | None:
