@@ -412,7 +412,7 @@ def _int4_mma_tile_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, 
     each other share their weights (L2).
     SPLIT_K > 1: program_id(2) takes blocks_per_split blocks of K and writes its fp32
     partial tile at out_ptr + split * stride_os (the launcher sums them and adds the bias):
-    more programs where the tiles are few (the sweep's option; not routed yet)."""
+    more programs where the tiles are few (o and down at 65-128 rows, int4_path)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M

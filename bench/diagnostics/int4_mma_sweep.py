@@ -32,7 +32,7 @@ TILE_CONFIGS = {  # rows of x -> (BLOCK_N, BLOCK_M, warps, stages[, splits of K]
     32: [(64, 32, 4, 3), (128, 32, 8, 3), (32, 32, 4, 4)],
     64: [(32, 64, 4, 4), (64, 64, 4, 3), (128, 64, 8, 3)],
     # K split for the narrow projections, whose tiles at 65-256 rows are too few to fill
-    # the GPU (they dequantize for cuBLAS today)
+    # the GPU (int4_path splits o and down at 65-128 rows; above, they go to dense)
     128: [(128, 128, 8, 3), (64, 128, 4, 3), (128, 256, 8, 3), (128, 128, 8, 3, 2),
           (128, 128, 8, 3, 4), (64, 128, 4, 3, 4), (128, 128, 8, 3, 8)],
     256: [(128, 256, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 256, 8, 3, 2),
