@@ -5,6 +5,7 @@ the weights cycling through copies larger than L2, against the shipped configura
 weight loads through shared memory (the kernel's LOOP_STAGES; int4 ignores them).
 
     python -m bench.diagnostics.gemv_sweep --out FILE [--formats int4,fp8] [--quick]
+        [--shapes qkv,o] [--bn 4,8] [--bk 512,1024] [--warps 2,4] [--stages 1,2,3]
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--formats", default="int4,fp8,w16")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    for axis in ("bn", "bk", "warps", "stages"):
+        ap.add_argument(f"--{axis}", default=None, help="comma-separated values of that axis")
     args = ap.parse_args()
     from csrc_triton import quant_gemm as qg
 
@@ -81,9 +85,14 @@ def main() -> None:
     bns, bks, warps, stages = [4, 8, 16], [512, 1024, 2048], [2, 4, 8], [1, 2, 3]
     if args.quick:
         bns, bks, warps, stages = [4, 8], [512, 1024], [2, 4], [1, 3]
+    pick = {a: [int(v) for v in getattr(args, a).split(",")] if getattr(args, a) else None
+            for a in ("bn", "bk", "warps", "stages")}
+    bns, bks = pick["bn"] or bns, pick["bk"] or bks
+    warps, stages = pick["warps"] or warps, pick["stages"] or stages
     rows, t0 = [], time.time()
     for fmt in fmts:
-        for name, (N, K) in SHAPES.items():
+        for name in args.shapes.split(","):
+            N, K = SHAPES[name]
             bytes_per = {"int4": 0.5, "fp8": 1, "int8": 1, "w16": 2}[fmt] * N * K
             copies = max(2, int(L2_CYCLE_BYTES // bytes_per) + 1)
             ws = _weights(fmt, N, K, copies, dev)
