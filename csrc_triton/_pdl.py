@@ -30,18 +30,17 @@ def wait_for_previous(PDL: tl.constexpr):
 
 
 @triton.jit
-def prefetch_to_l2(ptr, nbytes):
+def prefetch_to_l2(ptr, nbytes, ENABLED: tl.constexpr):
     """Ask for [ptr, ptr + nbytes) in L2 (Hopper's bulk prefetch, issued by the program's
-    first thread; ptr 16-byte aligned, nbytes rounded down to 16, nothing if that is 0).
-    A kernel launched early calls it for data no kernel writes (weights) before
-    wait_for_previous, so that those bytes stream from memory while the kernel before it
-    still runs."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p, q; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "setp.ne.u32 q, $2, 0; and.pred p, p, q; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr.to(tl.int64, bitcast=True), (nbytes // 16 * 16).to(tl.int32)],
-        dtype=tl.int32, is_pure=False, pack=1)
+    first thread; ptr 16-byte aligned, nbytes rounded down to 16). A kernel launched early
+    calls it for data no kernel writes (weights) before wait_for_previous, so that those
+    bytes stream from memory while the kernel before it still runs."""
+    if ENABLED:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [ptr.to(tl.int64, bitcast=True), (nbytes // 16 * 16).to(tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=1)
 
 
 @functools.cache

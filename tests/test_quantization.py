@@ -348,7 +348,7 @@ sig.update(x_ptr="*bf16", w_ptr="*u8", scale_ptr="*fp32", zero_ptr="*fp32",
            bias_ptr="*fp32", out_ptr="*bf16")
 const = dict(FORMAT=1, GROUP=0, HALF=0, HAS_BIAS=False, BLOCK_N=8, BLOCK_K=1024,
              INTERPRETED=False, FLOAT_ZERO=False, LOOP_STAGES=int(sys.argv[1]),
-             PDL=sys.argv[2] == "1", L2_PREFETCH_PROGRAMS=64 * int(sys.argv[2]), stride_sn=0)
+             PDL=sys.argv[2] == "1", L2_PREFETCH=sys.argv[2] == "1", stride_sn=0)
 sig.update({c: "constexpr" for c in const})
 attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
          for n in ("x_ptr", "w_ptr", "out_ptr", "stride_wn", "K")}
@@ -368,7 +368,7 @@ print("cp.async" in ptx.replace("cp.async.bulk.prefetch.L2", ""))
 def test_gemv_loop_stages_pipeline_the_loads_for_hopper(stages, prefetch, pipelined):
     """Compiled for sm_90 on this CPU (a process without the interpreter): LOOP_STAGES 3
     copies the weights asynchronously (cp.async), 1 loads them plainly; launched early
-    (PDL) with L2_PREFETCH_PROGRAMS a program asks for its rows in L2 (one bulk prefetch), and
+    (PDL) with L2_PREFETCH the program asks for its rows in L2 (one bulk prefetch), and
     only then."""
     import os
     import subprocess
@@ -389,13 +389,13 @@ def test_gemv_loop_stages_pipeline_the_loads_for_hopper(stages, prefetch, pipeli
 
 
 def test_weight_prefetch_only_where_kernels_launch_early():
-    """No L2_PREFETCH_PROGRAMS argument for a CPU tensor (interpreted kernels, no PDL) whatever its
+    """No L2_PREFETCH argument for a CPU tensor (interpreted kernels, no PDL) whatever its
     alignment; the GPU's case runs in test_gpu_quantization."""
     from csrc_triton import quant_gemm
 
     w = torch.zeros(8, 64, dtype=torch.uint8)
-    assert quant_gemm.weight_prefetch_args(w, 4, interpreted=True) == {}
-    assert quant_gemm.weight_prefetch_args(w, 4, interpreted=False) == {}
+    assert quant_gemm.weight_prefetch_args(w, interpreted=True) == {}
+    assert quant_gemm.weight_prefetch_args(w, interpreted=False) == {}
 
 
 @pytest.mark.parametrize("M,N,K,group", [(1, 40, 200, 128), (3, 24, 600, 128),
