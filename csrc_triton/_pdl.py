@@ -29,20 +29,6 @@ def wait_for_previous(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-@triton.jit
-def prefetch_to_l2(ptr, nbytes, ENABLED: tl.constexpr):
-    """Ask for [ptr, ptr + nbytes) in L2 (Hopper's bulk prefetch, issued by the program's
-    first thread; ptr 16-byte aligned, nbytes rounded down to 16). A kernel launched early
-    calls it for data no kernel writes (weights) before wait_for_previous, so that those
-    bytes stream from memory while the kernel before it still runs."""
-    if ENABLED:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [ptr.to(tl.int64, bitcast=True), (nbytes // 16 * 16).to(tl.int32)],
-            dtype=tl.int32, is_pure=False, pack=1)
-
-
 @functools.cache
 def _supported(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9

@@ -40,7 +40,6 @@ import triton.language as tl
 
 from csrc_triton import _sm_count
 from csrc_triton._interpret import jit_helpers, kernels_for
-from csrc_triton._pdl import enabled as pdl_enabled
 from csrc_triton._pdl import launch_args as pdl_args
 from csrc_triton.int4_layout import int4_half, int4_packed_bytes
 
@@ -206,18 +205,11 @@ def _int4_gemv_add(acc, b, s, z, x_ptr, k0, K, HALF: tl.constexpr, BLOCKS: tl.co
 
 
 @triton.jit
-def _rows_bytes(w_ptr, rows, row_len, stride_wn):
-    """Bytes from the first of `rows` rows of w to the end of the last (row_len elements)."""
-    return ((rows - 1) * stride_wn + row_len) * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-
-
-@triton.jit
 def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, stride_wn,
                     stride_sn, FORMAT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     INTERPRETED: tl.constexpr, FLOAT_ZERO: tl.constexpr,
-                    LOOP_STAGES: tl.constexpr = 1, PDL: tl.constexpr = False,
-                    L2_PREFETCH: tl.constexpr = False):
+                    LOOP_STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
     """One row of x against BLOCK_N rows of quantized weights (batch-1 decode), the whole
     of K in one program: products accumulated element-wise in fp32 and summed over K once
     at the end, the scale and bias applied and y written in x's dtype (no partial sums
@@ -227,15 +219,10 @@ def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, 
     waiting for the previous kernel (PDL), which wrote x. LOOP_STAGES > 1 (8- and 16-bit
     weights) pipelines the loop's weight loads through shared memory (cp.async, that many
     tiles in flight); 1 loads each tile when its step starts (plain loads, as a plain
-    range compiles). L2_PREFETCH: the program's whole rows of weights are asked into L2
-    before the wait as well (_pdl.prefetch_to_l2)."""
+    range compiles)."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    row_len = tl.cdiv(K, 2 * HALF) * HALF if FORMAT == 2 else K
-    _pdl.prefetch_to_l2(w_ptr + pid * BLOCK_N * stride_wn,
-                        _rows_bytes(w_ptr, tl.minimum(BLOCK_N, N - pid * BLOCK_N), row_len,
-                                    stride_wn), L2_PREFETCH)
     if FORMAT == 2:
         # A tile of BLOCK_K inputs is BLOCKS packed blocks.
         BLOCKS: tl.constexpr = BLOCK_K // (2 * HALF)
@@ -358,25 +345,20 @@ def _int4_mma_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, M, N,
                      stride_xm, stride_wn, stride_sn, stride_om, GROUP: tl.constexpr,
                      HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                      SLICES: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr,
-                     PDL: tl.constexpr = False, L2_PREFETCH: tl.constexpr = False):
+                     PDL: tl.constexpr = False):
     """BLOCK_M rows of x against BLOCK_N rows of int4 weights on the tensor cores, the
     weights as the MMA's first operand (the output transposed: its rows are the weights',
     which fill the MMA's 16 rows where a few rows of x would not). K is cut into SLICES
     interleaved slices of packed blocks, each an MMA of its own (a warp's, with a warp
     per slice), summed at the end: enough loads in flight without a second kernel. Each
     packed block is one group: (code - zero) enters the MMA exactly in x's 16-bit type,
-    and the group's scale is applied to the block's fp32 product. Integer zero points.
-    L2_PREFETCH: the program's rows of packed weights are asked into L2 before the wait."""
+    and the group's scale is applied to the block's fp32 product. Integer zero points."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     n_blocks = tl.cdiv(K, 2 * HALF)
-    _pdl.prefetch_to_l2(w_ptr + pid_n * BLOCK_N * stride_wn,
-                        _rows_bytes(w_ptr, tl.minimum(BLOCK_N, N - pid_n * BLOCK_N),
-                                    n_blocks * HALF, stride_wn),
-                        L2_PREFETCH)
     blk = tl.arange(0, SLICES)
     b, s, z = _int4_mma_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, blk, n_blocks,
                                 stride_wn, stride_sn, GROUP, HALF)
@@ -561,21 +543,12 @@ def _float_zero(zero) -> bool:
     return zero is not None and zero.dtype.is_floating_point
 
 
-def weight_prefetch_args(w: torch.Tensor, interpreted: bool) -> dict:
-    """The L2_PREFETCH argument of a kernel that streams weights w: on where it launches
-    early (PDL) and w suits Hopper's bulk prefetch (16-byte aligned base and rows)."""
-    ok = (not interpreted and pdl_enabled(w.device) and w.data_ptr() % 16 == 0
-          and w.stride(0) * w.element_size() % 16 == 0)
-    return {"L2_PREFETCH": True} if ok else {}
-
-
 def _launch_gemv(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
                  scale: torch.Tensor, zero, bias, fmt: str, group: int, half: int, N: int,
                  config) -> torch.Tensor:
     bn, bk, warps, loop_stages = config
     out = torch.empty((1, N), dtype=x.dtype, device=x.device)
-    opts = {} if interpreted else {"num_warps": warps, "num_stages": 2, **pdl_args(x.device),
-                                   **weight_prefetch_args(w, interpreted)}
+    opts = {} if interpreted else {"num_warps": warps, "num_stages": 2, **pdl_args(x.device)}
     mod._wq_gemv_kernel[(triton.cdiv(N, bn),)](
         x, w, scale, zero if zero is not None else scale, bias if bias is not None else scale,
         out, N, x.shape[1], w.stride(0), scale.stride(0) if fmt == "int4" else 0,
@@ -618,7 +591,7 @@ def _launch_int4_mma(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
     else:
         bn, bm, slices, warps, stages = config
         kernel, grid = mod._int4_mma_kernel, (triton.cdiv(N, bn), triton.cdiv(M, bm))
-        extra = {"SLICES": slices, **weight_prefetch_args(w, interpreted)}
+        extra = {"SLICES": slices}
     if split == 1:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     else:  # fp32 partial tiles, summed in a fixed order below

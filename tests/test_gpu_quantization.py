@@ -150,38 +150,6 @@ def test_gemv_loop_stages_compiled(fmt, N, K):
         assert torch.equal(run(stages), plain)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "w16", "int4"])
-def test_weight_prefetch_changes_nothing_but_the_timing(monkeypatch, fmt):
-    """Batch-1 GEMVs and the sliced int4 kernel launched early with their weights asked
-    into L2 (Hopper, PDL on): the same outputs bit for bit as without; a view whose rows
-    are not 16-byte aligned is not prefetched."""
-    import csrc_triton
-    from csrc_triton import quant_gemm
-    from csrc_triton._pdl import enabled
-    from minivllm.model.quantization import quantize_fp8, quantize_int4
-
-    if not enabled(torch.device("cuda")):
-        pytest.skip("no PDL on this GPU")
-    torch.manual_seed(6)
-    N, K = 4096, 4096
-    w = torch.randn(N, K, device="cuda") * 0.02
-    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
-    if fmt == "fp8":
-        q, scale = quantize_fp8(w)
-        run = lambda: csrc_triton.fp8_weight_gemm(x, q, scale)  # noqa: E731
-    elif fmt == "w16":
-        q = w.bfloat16()
-        run = lambda: csrc_triton.linear_gemv(x, q)  # noqa: E731
-    else:
-        q, scale, zero = quantize_int4(w, 128)
-        run = lambda: csrc_triton.int4_gemm(x, q, scale, zero, 128)  # noqa: E731
-    assert quant_gemm.weight_prefetch_args(q, False) == {"L2_PREFETCH": True}
-    assert quant_gemm.weight_prefetch_args(q.view(torch.uint8)[:, 1:], False) == {}
-    with_prefetch = run()
-    monkeypatch.setattr(quant_gemm, "weight_prefetch_args", lambda w, interpreted: {})
-    assert torch.equal(run(), with_prefetch)
-
-
 @pytest.mark.parametrize("M,K", [(1, 4096), (300, 4160)])
 def test_fp8_row_quantization_is_torchs(M, K):
     import csrc_triton

@@ -347,8 +347,8 @@ sig = {n: "i32" for n in fn.arg_names}
 sig.update(x_ptr="*bf16", w_ptr="*u8", scale_ptr="*fp32", zero_ptr="*fp32",
            bias_ptr="*fp32", out_ptr="*bf16")
 const = dict(FORMAT=1, GROUP=0, HALF=0, HAS_BIAS=False, BLOCK_N=8, BLOCK_K=1024,
-             INTERPRETED=False, FLOAT_ZERO=False, LOOP_STAGES=int(sys.argv[1]),
-             PDL=sys.argv[2] == "1", L2_PREFETCH=sys.argv[2] == "1", stride_sn=0)
+             INTERPRETED=False, FLOAT_ZERO=False, LOOP_STAGES=int(sys.argv[1]), PDL=False,
+             stride_sn=0)
 sig.update({c: "constexpr" for c in const})
 attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
          for n in ("x_ptr", "w_ptr", "out_ptr", "stride_wn", "K")}
@@ -358,18 +358,14 @@ try:
 except Exception as e:  # a Triton without its CUDA toolchain
     print(repr(e)[:300])
     sys.exit(3)
-print("cp.async.bulk.prefetch.L2" in ptx)
-print("cp.async" in ptx.replace("cp.async.bulk.prefetch.L2", ""))
+print("cp.async" in ptx)
 """
 
 
-@pytest.mark.parametrize("stages,prefetch,pipelined", [(1, False, False), (3, False, True),
-                                                      (1, True, False)])
-def test_gemv_loop_stages_pipeline_the_loads_for_hopper(stages, prefetch, pipelined):
+@pytest.mark.parametrize("stages,pipelined", [(1, False), (3, True)])
+def test_gemv_loop_stages_pipeline_the_loads_for_hopper(stages, pipelined):
     """Compiled for sm_90 on this CPU (a process without the interpreter): LOOP_STAGES 3
-    copies the weights asynchronously (cp.async), 1 loads them plainly; launched early
-    (PDL) with L2_PREFETCH the program asks for its rows in L2 (one bulk prefetch), and
-    only then."""
+    copies the weights asynchronously (cp.async), 1 loads them plainly."""
     import os
     import subprocess
     import sys
@@ -379,23 +375,12 @@ def test_gemv_loop_stages_pipeline_the_loads_for_hopper(stages, prefetch, pipeli
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "src"),
                                          env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", _GEMV_PTX_SCRIPT, str(stages),
-                          str(int(prefetch))], env=env,
+    run = subprocess.run([sys.executable, "-c", _GEMV_PTX_SCRIPT, str(stages)], env=env,
                          capture_output=True, text=True, timeout=120)
     if run.returncode == 3:
         pytest.skip(f"cannot compile for sm_90 here: {run.stdout.strip()}")
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip().splitlines()[-2:] == [str(prefetch), str(pipelined)]
-
-
-def test_weight_prefetch_only_where_kernels_launch_early():
-    """No L2_PREFETCH argument for a CPU tensor (interpreted kernels, no PDL) whatever its
-    alignment; the GPU's case runs in test_gpu_quantization."""
-    from csrc_triton import quant_gemm
-
-    w = torch.zeros(8, 64, dtype=torch.uint8)
-    assert quant_gemm.weight_prefetch_args(w, interpreted=True) == {}
-    assert quant_gemm.weight_prefetch_args(w, interpreted=False) == {}
+    assert run.stdout.strip().splitlines()[-1] == str(pipelined)
 
 
 @pytest.mark.parametrize("M,N,K,group", [(1, 40, 200, 128), (3, 24, 600, 128),
