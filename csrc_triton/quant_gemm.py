@@ -524,7 +524,9 @@ def gemv_config(fmt: str, half: int, N: int, K: int, interpreted: bool = False):
     warps. int4: 8 rows, whole packed blocks of 2 * half, at least 1,024 inputs. From
     sweeps over Llama-3.1-8B's projections on the H200, their weights cycling through
     copies larger than L2 (docs/decisions.md, bench/diagnostics/gemv_sweep.py). Loop
-    stages 1: the weight loads not pipelined (the sweep over 2-3 is still to run)."""
+    stages: fp8's weight loads pipelined 3 deep (down 16.7 us against 17.7, q/k/v 8.8
+    against 9.1, o and gate/up level); 16-bit weights and the rest not (3 stages were
+    slower for 16-bit, up to 2 us on each shape)."""
     if interpreted:
         bn, bk, warps = 4, 64, 1
     elif fmt == "w16":
@@ -535,7 +537,7 @@ def gemv_config(fmt: str, half: int, N: int, K: int, interpreted: bool = False):
         bn, bk, warps = 8, 1024, 4
     if fmt == "int4":
         bk = max(bk, 2 * half)
-    return bn, bk, warps, 1
+    return bn, bk, warps, 3 if fmt == "fp8" and not interpreted else 1
 
 
 def _float_zero(zero) -> bool:
