@@ -479,20 +479,29 @@ def _int4_dequant_kernel(w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, stride_wn, s
 def _fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr,
                      INTERPRETED: tl.constexpr, PDL: tl.constexpr = False):
     """One row of x: its absolute maximum, then x / scale in e4m3 (as bytes) with scale =
-    max / 448, the per-token quantization of W8A8 in one kernel."""
+    max / 448, the per-token quantization of W8A8 in one kernel. A row that fits in one
+    block (BLOCK_K >= K) is read once and kept in registers; a longer one is read twice,
+    a block at a time."""
     _pdl.wait_for_previous(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_K)
-    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
-    tl.store(scale_ptr + row, scale)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0)
-        q = _fp8_cast.activation_bytes(x.to(tl.float32), scale, INTERPRETED)
-        tl.store(q_ptr + row * stride_qm + k0 + offs, q, mask=k0 + offs < K)
+    if BLOCK_K >= K:
+        x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
+        tl.store(scale_ptr + row, scale)
+        tl.store(q_ptr + row * stride_qm + offs,
+                 _fp8_cast.activation_bytes(x, scale, INTERPRETED), mask=offs < K)
+    else:
+        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+        tl.store(scale_ptr + row, scale)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0)
+            q = _fp8_cast.activation_bytes(x.to(tl.float32), scale, INTERPRETED)
+            tl.store(q_ptr + row * stride_qm + k0 + offs, q, mask=k0 + offs < K)
 
 
 def _kernels_for(device: torch.device):
@@ -780,8 +789,13 @@ def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     mod, interpreted = _kernels_for(x.device)
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((M, 1), dtype=torch.float32, device=x.device)
-    bk = 64 if interpreted else min(2048, triton.next_power_of_2(K))
-    opts = {} if interpreted else {"num_warps": 4, **pdl_args(x.device)}
+    # A whole row a block up to 16,384 inputs (128 in the interpreter): with a row per
+    # program and few rows (decode steps), a loop's dependent loads were the kernel's time.
+    one_pass = 128 if interpreted else 16384
+    bk = triton.next_power_of_2(K)
+    if bk > one_pass:
+        bk = 64 if interpreted else 2048
+    opts = {} if interpreted else {"num_warps": 4 if bk <= 4096 else 8, **pdl_args(x.device)}
     mod._fp8_rows_kernel[(M,)](x, q.view(torch.uint8), scale, K, x.stride(0), K,
                                BLOCK_K=bk, INTERPRETED=interpreted, **opts)
     return q, scale

@@ -150,7 +150,7 @@ def test_gemv_loop_stages_compiled(fmt, N, K):
         assert torch.equal(run(stages), plain)
 
 
-@pytest.mark.parametrize("M,K", [(1, 4096), (300, 4160)])
+@pytest.mark.parametrize("M,K", [(1, 4096), (300, 4160), (64, 14336), (3, 20000)])
 def test_fp8_row_quantization_is_torchs(M, K):
     import csrc_triton
     from minivllm.model.quantization import quantize_activations_fp8

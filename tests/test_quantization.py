@@ -484,14 +484,16 @@ def test_fp8_bytes_decode_exactly_in_the_kernel():
         assert torch.equal(got[0], w.float()[:, row])
 
 
-def test_fp8_row_quantization_kernel_matches_torch():
+@pytest.mark.parametrize("K", [100, 150])
+def test_fp8_row_quantization_kernel_matches_torch(K):
     """The W8A8 activations' kernel (interpreted here, its e4m3 rounding in fp32 first)
     gives torch's bytes and scales: random rows of several magnitudes, a row
-    of zeros, subnormals, ties and values rounding up into the next binade."""
+    of zeros, subnormals, ties and values rounding up into the next binade; rows held
+    whole in one block (100 inputs) and read a block at a time (150)."""
     import csrc_triton
 
     torch.manual_seed(3)
-    x = torch.randn(6, 150) * torch.tensor([1e-3, 1.0, 30.0, 1.0, 1.0, 1.0])[:, None]
+    x = torch.randn(6, K) * torch.tensor([1e-3, 1.0, 30.0, 1.0, 1.0, 1.0])[:, None]
     x[3] = 0.0
     x[4, :8] = torch.tensor([448.0, 1e-4, -3e-3, 0.0, 2.0 ** -9, 1.0625, 1.1875, -239.9])
     x[5, :4] = torch.tensor([448.0, 2.0 ** -10 * 3, 15.5, -0.01])
