@@ -1,37 +1,7 @@
-# A/B hook: AB_GEMV_PICK=FILE replaces gemv_config's answer for the shapes in FILE.
-import json
+# sitecustomize.py on the device's PYTHONPATH for this call: AB_FP8_DECODE_STAGES=N gives
+# the e4m3 cache's decode kernel N stages (the other hooks of the session's copy are in
+# ../2026-12-03-h200-gemv-l2-prefetch-loop-stages/ab_hooks.py).
 import os
-
-_pick = os.environ.get("AB_GEMV_PICK")
-if _pick:
-    from csrc_triton import quant_gemm as _qg
-
-    _picks = json.load(open(_pick))
-    _orig = _qg.gemv_config
-
-    def gemv_config(fmt, half, N, K, interpreted=False):
-        c = _picks.get(fmt, {}).get(f"{N}x{K}")
-        return tuple(c) if c and not interpreted else _orig(fmt, half, N, K, interpreted)
-
-    _qg.gemv_config = gemv_config
-
-if os.environ.get("AB_INT4_NO_SPLIT"):
-    from csrc_triton import quant_gemm as _qg2
-
-    _orig_path = _qg2.int4_path
-
-    def int4_path(M, N, K, sm_count):
-        kind, cfg = _orig_path(M, N, K, sm_count)
-        if kind == "tiles" and cfg is not None and len(cfg) == 5:
-            return "dense", None
-        return kind, cfg
-
-    _qg2.int4_path = int4_path
-
-if os.environ.get("AB_NO_PREFETCH"):
-    from csrc_triton import quant_gemm as _qg3
-
-    _qg3.weight_prefetch_args = lambda w, rows, interpreted: {}
 
 if os.environ.get("AB_FP8_DECODE_STAGES"):
     import torch as _torch
