@@ -535,7 +535,7 @@ def gemv_config(fmt: str, half: int, N: int, K: int, interpreted: bool = False):
     copies larger than L2 (docs/decisions.md, bench/diagnostics/gemv_sweep.py). Loop
     stages: fp8's weight loads pipelined 3 deep (down 16.7 us against 17.7, q/k/v 8.8
     against 9.1, o and gate/up level); 16-bit weights and the rest not (3 stages were
-    slower for 16-bit, up to 2 us on each shape)."""
+    slower for 16-bit, by 0.7-2.5 us a shape)."""
     if interpreted:
         bn, bk, warps = 4, 64, 1
     elif fmt == "w16":
@@ -789,8 +789,8 @@ def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     mod, interpreted = _kernels_for(x.device)
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((M, 1), dtype=torch.float32, device=x.device)
-    # A whole row a block up to 16,384 inputs (128 in the interpreter): with a row per
-    # program and few rows (decode steps), a loop's dependent loads were the kernel's time.
+    # A whole row a block up to 16,384 inputs (128 in the interpreter), so it is read once,
+    # not twice (W1 fp8 the same within noise: docs/decisions.md, "Quantization").
     one_pass = 128 if interpreted else 16384
     bk = triton.next_power_of_2(K)
     if bk > one_pass:
