@@ -11,6 +11,8 @@ decode_num_splits(num_seqs, num_kv_heads, max_seq_len, device=None)
 int8_gemm, int4_gemm, fp8_weight_gemm, fp8_quantize_rows: weight-only quantized
           matmuls and W8A8's activation quantization (quant_gemm.py)
 linear_gemv: a single row against 16-bit weights, the same GEMV kernel (quant_gemm.py)
+fp8_scaled_mm: W8A8 fp8 matmul, K split across programs for decode-sized batches
+          (fp8_mm.py)
 argmax_rows, decode_slots: the greedy argmax and the decode rows' positions and KV slots
           (step_ops.py)
 
@@ -465,6 +467,10 @@ _QUANT_EXPORTS = ("int8_gemm", "int4_gemm", "fp8_weight_gemm", "fp8_quantize_row
                   "linear_gemv")
 __all__ += list(_QUANT_EXPORTS)
 
+# W8A8 fp8 matmul for decode-sized batches (csrc_triton/fp8_mm.py)
+_FP8_MM_EXPORTS = ("fp8_scaled_mm",)
+__all__ += list(_FP8_MM_EXPORTS)
+
 # the decode step's ends: its positions and slots, the greedy argmax (csrc_triton/step_ops.py)
 _STEP_EXPORTS = ("argmax_rows", "decode_slots")
 __all__ += list(_STEP_EXPORTS)
@@ -476,6 +482,8 @@ def __getattr__(name):
         return getattr(fused, name)
     if name in _QUANT_EXPORTS:
         return getattr(importlib.import_module(__name__ + ".quant_gemm"), name)
+    if name in _FP8_MM_EXPORTS:
+        return getattr(importlib.import_module(__name__ + ".fp8_mm"), name)
     if name in _STEP_EXPORTS:
         return getattr(importlib.import_module(__name__ + ".step_ops"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,7 +4,8 @@ Methods (vLLM's names):
   fp8   e4m3 weights, one scale per output channel. Steps of more than
         FP8_ACTIVATION_MIN_TOKENS tokens also round the activations to e4m3 (one scale
         per token, computed each step: W8A8) and multiply on FP8 tensor cores
-        (torch._scaled_mm); smaller ones keep the activations (a weight-only kernel).
+        (csrc_triton.fp8_scaled_mm: cuBLAS, or a split-K Triton kernel at decode-sized
+        batches); smaller ones keep the activations (a weight-only kernel).
   int8  weight-only int8, one scale per output channel (symmetric).
   int4  weight-only 4 bits, groups of GROUP_SIZE along the input dimension, each with a
         scale and a zero point (asymmetric, round to nearest); two weights per byte,
@@ -301,13 +302,10 @@ class QuantizedLinear(nn.Module):
         return y.to(self.out_dtype).reshape(*shape[:-1], self.out_features)
 
     def _fp8_scaled_mm(self, xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
-        """[T, out] from e4m3 rows [T, in] and their scales [T, 1], on FP8 tensor cores."""
-        # Row-wise scales need a bf16 output; the bias is added after (in that dtype).
-        y = torch._scaled_mm(xq, self.qweight.t(), scale_a=xs, scale_b=self.scale[None, :],
-                             out_dtype=torch.bfloat16).to(self.out_dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y
+        """[T, out] from e4m3 rows [T, in] and their scales [T, 1], on FP8 tensor cores
+        (decode-sized T: a split-K Triton kernel; more: cuBLAS)."""
+        return csrc_triton.fp8_scaled_mm(xq, xs, self.qweight, self.scale, self.bias,
+                                         self.out_dtype)
 
     def extra_repr(self) -> str:
         return f"{self.method}, in={self.in_features}, out={self.out_features}"

@@ -1,0 +1,104 @@
+"""W8A8 fp8 matmuls at decode-sized batches (CUDA): the split-K Triton kernel
+(csrc_triton/fp8_mm.py) over its configurations against torch._scaled_mm (cuBLAS, what
+fp8 used for every step of more than 32 rows) and cuBLAS on bf16 weights, on
+Llama-3.1-8B's four projections. CUDA-graph replays, the weights cycling through copies
+larger than L2 (as bench.diagnostics.gemv_sweep). Each configuration's output is checked
+against _scaled_mm's (max difference relative to the output's largest value).
+
+    python -m bench.diagnostics.fp8_mm_sweep --out FILE [--rows 48,64,...] [--shapes qkv,o]
+        [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+import triton
+
+from bench.common import environment
+from bench.diagnostics.gemv_sweep import L2_CYCLE_BYTES, SHAPES, _time_graph
+
+ROWS = (48, 64, 96, 128, 192, 256)
+
+
+def _configs(M: int, quick: bool):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) to try at M rows."""
+    bms = [64, 128] if M > 64 else [64]
+    bns = [64, 128, 256]
+    splits = [1, 2, 4, 8]
+    stages = [3, 4] if not quick else [4]
+    out = []
+    for bm, bn, split, st in itertools.product(bms, bns, splits, stages):
+        out.append((bm, bn, 128, split, 4 if bm == 64 else 8, st))
+    out += [(64, 128, 256, s, 4, 3) for s in (1, 2, 4)]
+    out += [(64, 128, 128, s, 8, 4) for s in (1, 2, 4)]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    from csrc_triton import fp8_mm
+    from minivllm.model.quantization import quantize_activations_fp8, quantize_fp8
+
+    dev = torch.device("cuda")
+    rows, t0 = [], time.time()
+    for name in args.shapes.split(","):
+        N, K = SHAPES[name]
+        copies = max(2, int(L2_CYCLE_BYTES // (N * K)) + 1)
+        w = torch.randn(N, K, device=dev) * 0.02
+        q, s = quantize_fp8(w)
+        ws = [(q.clone(), s.clone()) for _ in range(copies)]
+        w16 = [w.to(torch.bfloat16) for _ in range(max(2, copies // 2))]
+        for M in [int(m) for m in args.rows.split(",")]:
+            xq, xs = quantize_activations_fp8(torch.randn(M, K, device=dev))
+            ref = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s[None, :],
+                                   out_dtype=torch.bfloat16).float()
+            x16 = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+
+            def cublas(i):
+                qi, si = ws[i]
+                return torch._scaled_mm(xq, qi.t(), scale_a=xs, scale_b=si[None, :],
+                                        out_dtype=torch.bfloat16)
+
+            base = _time_graph(cublas, copies)
+            bf16 = _time_graph(lambda i: torch.nn.functional.linear(x16, w16[i]), len(w16))
+            rows.append({"shape": name, "N": N, "K": K, "M": M, "kernel": "scaled_mm",
+                         "us": round(base, 2)})
+            rows.append({"shape": name, "N": N, "K": K, "M": M, "kernel": "bf16_cublas",
+                         "us": round(bf16, 2)})
+            best = (base, "scaled_mm")
+            for cfg in _configs(M, args.quick):
+
+                def kern(i, cfg=cfg):
+                    qi, si = ws[i]
+                    return fp8_mm._launch(fp8_mm, False, xq, xs, qi, si, None,
+                                          torch.bfloat16, cfg)
+
+                try:
+                    err = ((kern(0).float() - ref).abs().max() / ref.abs().max()).item()
+                    us = _time_graph(kern, copies)
+                except Exception as e:  # out of shared memory, etc.
+                    rows.append({"shape": name, "M": M, "kernel": "triton",
+                                 "config": list(cfg), "error": repr(e)[:200]})
+                    continue
+                rows.append({"shape": name, "N": N, "K": K, "M": M, "kernel": "triton",
+                             "config": list(cfg), "us": round(us, 2), "rel_err": err})
+                best = min(best, (us, str(cfg)))
+            print(f"{name} M={M}: scaled_mm {base:.1f} us, bf16 {bf16:.1f}, best "
+                  f"{best[0]:.1f} {best[1]}  ({time.time() - t0:.0f}s)", flush=True)
+        with open(args.out, "w") as f:  # after each shape: a cut-short run keeps its rows
+            json.dump({"benchmark": "fp8_mm_sweep", "environment": environment(),
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
