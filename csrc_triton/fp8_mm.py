@@ -43,8 +43,11 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, co
                    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                    INTERPRETED: tl.constexpr, PDL: tl.constexpr = False):
     """A [BLOCK_M, BLOCK_N] tile of y over program_id(2)'s k_per_split inputs (a multiple
-    of BLOCK_K). Interpreted, the e4m3 bytes come as uint8 and are multiplied in fp32
-    (exact products, as the tensor cores' are)."""
+    of BLOCK_K). Hopper's fp8 MMAs add into an accumulator of less than fp32's precision
+    (Triton's default on sm_90 never leaves it: 1.1% of the output's range off cuBLAS at
+    14,336 inputs); max_num_imprecise_acc=128 moves the sum into a true fp32 accumulator
+    every 128 inputs, as cuBLAS does. Interpreted, the e4m3 bytes come as uint8 and are
+    multiplied in fp32 (exact products, as the tensor cores' are)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -71,8 +74,8 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, co
             a = a.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             b = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, tl.trans(b), acc)
+        else:  # fp32 sums every 128 inputs: see the docstring
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=128)
     ok = m_ok[:, None] & n_ok[None, :]
     last = True
     if SPLIT_K > 1:

@@ -165,9 +165,11 @@ def test_fp8_row_quantization_is_torchs(M, K):
 @pytest.mark.parametrize("M", [33, 64, 100, 256])
 @pytest.mark.parametrize("N,K", [(4096, 4096), (512, 14336), (6144, 4096)])
 def test_fp8_split_k_matmul_compiled(M, N, K):
-    """The split-K W8A8 kernel against torch._scaled_mm: within a bf16 rounding for
-    every split count, the same bytes on every call and in a CUDA-graph replay, the split
-    counters back at zero; and the routed entry point (kernel or cuBLAS)."""
+    """The split-K W8A8 kernel against an fp32 product of the same e4m3 numbers: within a
+    bf16 rounding for every split count (the fp8 MMAs' short accumulator moved into fp32
+    every 128 inputs: without that, 1.1% off at 14,336 inputs), as torch._scaled_mm is;
+    the same bytes on every call and in a CUDA-graph replay, the split counters back at
+    zero; and the routed entry point (kernel or cuBLAS)."""
     import csrc_triton
     from csrc_triton import fp8_mm
     from minivllm.model.quantization import quantize_activations_fp8, quantize_fp8
@@ -175,14 +177,16 @@ def test_fp8_split_k_matmul_compiled(M, N, K):
     torch.manual_seed(5)
     xq, xs = quantize_activations_fp8(torch.randn(M, K, device="cuda") * 2)
     q, s = quantize_fp8(torch.randn(N, K, device="cuda") * 0.02)
-    want = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s[None, :],
-                            out_dtype=torch.bfloat16).float()
+    want = (xq.float() * xs) @ (q.float() * s[:, None]).t()
+    cublas = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s[None, :],
+                              out_dtype=torch.bfloat16).float()
+    assert ((cublas - want).abs().max() / want.abs().max()) < 3e-3
     for cfg in [(64, 128, 128, 1, 4, 3), (64, 128, 128, 4, 4, 4), (128, 64, 128, 8, 8, 3),
                 (64, 256, 128, 2, 4, 3)]:
         run = lambda: fp8_mm._launch(fp8_mm, False, xq, xs, q, s, None,  # noqa: E731
                                      torch.bfloat16, cfg)
         got = run()
-        assert ((got.float() - want).abs().max() / want.abs().max()) < 1e-2, cfg
+        assert ((got.float() - want).abs().max() / want.abs().max()) < 3e-3, cfg
         assert torch.equal(run(), got)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -192,7 +196,7 @@ def test_fp8_split_k_matmul_compiled(M, N, K):
         assert torch.equal(replayed, got), cfg
     assert int(fp8_mm._split_counters(xq.device).abs().sum()) == 0
     got = csrc_triton.fp8_scaled_mm(xq, xs, q, s)
-    assert ((got.float() - want).abs().max() / want.abs().max()) < 1e-2
+    assert ((got.float() - want).abs().max() / want.abs().max()) < 3e-3
 
 
 @pytest.mark.parametrize("method", METHODS)
