@@ -180,13 +180,13 @@ def test_fp8_split_k_matmul_compiled(M, N, K):
     want = (xq.float() * xs) @ (q.float() * s[:, None]).t()
     cublas = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s[None, :],
                               out_dtype=torch.bfloat16).float()
-    assert ((cublas - want).abs().max() / want.abs().max()) < 3e-3
+    assert ((cublas - want).abs().max() / want.abs().max()) < 5e-3
     for cfg in [(64, 128, 128, 1, 4, 3), (64, 128, 128, 4, 4, 4), (128, 64, 128, 8, 8, 3),
                 (64, 256, 128, 2, 4, 3)]:
         run = lambda: fp8_mm._launch(fp8_mm, False, xq, xs, q, s, None,  # noqa: E731
                                      torch.bfloat16, cfg)
         got = run()
-        assert ((got.float() - want).abs().max() / want.abs().max()) < 3e-3, cfg
+        assert ((got.float() - want).abs().max() / want.abs().max()) < 5e-3, cfg
         assert torch.equal(run(), got)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -196,7 +196,7 @@ def test_fp8_split_k_matmul_compiled(M, N, K):
         assert torch.equal(replayed, got), cfg
     assert int(fp8_mm._split_counters(xq.device).abs().sum()) == 0
     got = csrc_triton.fp8_scaled_mm(xq, xs, q, s)
-    assert ((got.float() - want).abs().max() / want.abs().max()) < 3e-3
+    assert ((got.float() - want).abs().max() / want.abs().max()) < 5e-3
 
 
 @pytest.mark.parametrize("method", METHODS)
