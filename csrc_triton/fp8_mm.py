@@ -125,11 +125,23 @@ def _split_counters(device: torch.device) -> torch.Tensor:
 
 def fp8_mm_config(M: int, N: int, K: int, sm_count: int | None):
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) of the Triton kernel for
-    M rows against an [N, K] weight, or None: torch._scaled_mm. sm_count None: the
-    interpreter's tiny tiles (every call takes the kernel)."""
+    M rows against an [N, K] weight, or None: torch._scaled_mm. Up to 64 rows every
+    projection, [64, 64] tiles; 65-128 rows those with no more outputs than inputs (o,
+    down), [128, 64] tiles; K split in 2 (in 4 from 8,192 inputs) where the tiles are
+    fewer than the SMs. On Llama-3.1-8B's projections on the H200, these were the fastest
+    of 33-60 configurations at every row count they take, and cuBLAS was within 1 us or
+    faster where they give way (bench/diagnostics/fp8_mm_sweep.py, docs/decisions.md).
+    sm_count None: the interpreter's tiny tiles (every call takes the kernel)."""
     if sm_count is None:
         return 16, 16, 32, (2 if K > 32 else 1), 1, 1
-    return None
+    if M > 128 or (M > 64 and N > K):
+        return None
+    bm, bn = (64, 64) if M <= 64 else (128, 64)
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    split = 1 if tiles >= sm_count else 4 if K >= 8192 else 2
+    bk = 256 if K >= 8192 and bm == 64 else 128
+    stages = 3 if bk == 256 or split == 1 else 4
+    return bm, bn, bk, split, 4 if bm == 64 else 8, stages
 
 
 def _launch(mod, interpreted: bool, xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor,

@@ -140,10 +140,11 @@ def quantize_activations_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 # ---- the layer ------------------------------------------------------------------------
 
 # fp8 quantizes the activations of steps with more tokens than this: there FP8 tensor
-# cores win; in smaller steps the weights' bytes are the cost, and a weight-only kernel
-# keeps the activations exact. Llama-3.1-8B's four projections on the H200: at 32 tokens
-# 121 us weight-only against 128 W8A8, at 64 tokens 181 against 123 (docs/decisions.md).
-FP8_ACTIVATION_MIN_TOKENS = 32
+# cores win (csrc_triton.fp8_scaled_mm); in smaller steps the weights' bytes are the
+# whole cost, and a weight-only kernel keeps the activations exact. Llama-3.1-8B's decode
+# step on the H200 at context 1024, batch 16 / 24 / 32: 4.06 / 4.55 / 4.83 ms W8A8 against
+# 4.66 / 5.88 / 6.12 weight-only (docs/decisions.md, "W8A8 at decode-sized batches").
+FP8_ACTIVATION_MIN_TOKENS = 8
 
 
 def quantizes_activations(x: torch.Tensor) -> bool:
