@@ -106,9 +106,9 @@ def test_layer_is_the_dequantized_matmul(method):
     torch.manual_seed(3)
     linear = torch.nn.Linear(200, 40, bias=True)
     layer = QuantizedLinear.from_linear(linear, method)
-    x = torch.randn(2, 5, 200)
+    x = torch.randn(2, 4, 200)  # 8 tokens: fp8 keeps the activations as they are
     y = layer(x)
-    assert y.shape == (2, 5, 40) and y.dtype == torch.float32
+    assert y.shape == (2, 4, 40) and y.dtype == torch.float32
     w = layer.dequantized_weight()
     torch.testing.assert_close(y, F.linear(x, w, linear.bias.detach()), rtol=1e-5, atol=1e-5)
     if method == "fp8":  # a large step rounds the activations to fp8, one scale per token
@@ -293,7 +293,8 @@ def test_triton_kernels_match_the_reference(M, N, K):
     x = torch.randn(M, K)
     for method in ("int8", "int4", "fp8"):
         layer = QuantizedLinear.from_linear(linear, method)
-        want = layer.reference(x)
+        # (fp8's reference would round 19 rows' activations: the kernel here is weight-only)
+        want = F.linear(x, layer.dequantized_weight(), layer.bias)
         if method == "int8":
             got = csrc_triton.int8_gemm(x, layer.qweight, layer.scale, layer.bias)
         elif method == "fp8":
@@ -541,7 +542,7 @@ def test_fp8_split_k_matmul_matches_the_reference(M, N, K, bias):
 def test_fp8_activations_from_the_norm_kernels(tiny_model_dirs, monkeypatch):
     """With the fused kernels (interpreted here), a W8A8 step's norms write e4m3 rows and
     scales for the projections after them: the logits equal those of the same kernels
-    writing 16 bits and the projections rounding them, bit for bit; steps of up to 32
+    writing 16 bits and the projections rounding them, bit for bit; steps of up to 8
     tokens keep 16 bits."""
     pytest.importorskip("triton")
     from minivllm.model import llama, quantization
@@ -562,7 +563,7 @@ def test_fp8_activations_from_the_norm_kernels(tiny_model_dirs, monkeypatch):
     fused = _prompt_logits(llm.engine.runner, prompt)
     assert sum(handed) == 2 * 2  # qkv and gate/up in each of 2 layers
     handed.clear()
-    _prompt_logits(llm.engine.runner, prompt[:32])
+    _prompt_logits(llm.engine.runner, prompt[:quantization.FP8_ACTIVATION_MIN_TOKENS])
     assert handed and not any(handed)
     monkeypatch.setattr(llama, "fp8_activations_for", lambda *a: None)
     assert torch.equal(fused, _prompt_logits(llm.engine.runner, prompt))
