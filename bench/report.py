@@ -72,6 +72,7 @@ class Results:
     profiles: list[Result] = field(default_factory=list)              # bench.step_profile
     w7: list[Result] = field(default_factory=list)                    # bench.w7_spec
     quant: list[Result] = field(default_factory=list)                 # bench.quant_accuracy
+    decode_steps: dict[Path, list[Result]] = field(default_factory=dict)  # folder -> files
     ignored: list[Path] = field(default_factory=list)
 
     def newest(self, section: str) -> Result | None:
@@ -137,6 +138,8 @@ def load(dirs: list[Path], skip: Path | None = None) -> Results:
             res.w7.append(r)
         elif data.get("benchmark") == "quant-accuracy":
             res.quant.append(r)
+        elif data.get("benchmark") == "decode_steps":
+            res.decode_steps.setdefault(p.parent, []).append(r)
         else:
             res.ignored.append(p)
     return res
@@ -951,6 +954,26 @@ class Report:
                            x["us_per_call"]] for x in d.get("top_kernels", [])[:10]]))
             self.p(f"\n{provenance(r.env, d.get('model'), self.src(r))}")
 
+    def decode_steps(self) -> None:
+        """bench.diagnostics.decode_steps: one table per folder, a row per file."""
+        if not self.res.decode_steps:
+            return
+        self.h(2, "Decode steps by batch size (ms per step)")
+        for folder, runs in sorted(self.res.decode_steps.items()):
+            runs = sorted(runs, key=lambda r: r.path.name)
+            points = sorted({(x["batch"], x["context"]) for r in runs
+                             for x in r.data.get("rows", [])})
+            d = runs[0].data
+            quant = f", {d['quantization']}" if d.get("quantization") else ""
+            self.h(3, f"`{rel(folder, self.base)}`: {d.get('model')}{quant}")
+            rows = []
+            for r in runs:
+                ms = {(x["batch"], x["context"]): x["ms_per_step"] for x in r.data["rows"]}
+                rows.append([f"`{r.path.name}`", (r.env.get("git_commit") or "")[:7]]
+                            + [fmt(ms.get(pt), 2) for pt in points])
+            self.p(table(["file", "commit"] + [f"{b} x {c}" for b, c in points], rows))
+            self.p(f"\n{provenance(runs[0].env, d.get('model'), self.src(runs[0]))}")
+
     # -- W7 --
 
     def w7(self) -> None:
@@ -1101,6 +1124,7 @@ class Report:
         self.vs_vllm()
         self.offline_runs()
         self.tuning_and_profiles()
+        self.decode_steps()
         self.w7()
         self.quant_accuracy()
         self.w4()

@@ -302,3 +302,22 @@ def test_w1_best_skips_rows_run_with_engine_flags(tmp_path):
     assert "| W1 offline, output tok/s | minivllm | 50,000 |" in md
     assert "minivllm (no-prelude) (run 0) | 100,000" in md
     assert "| HF generate_batch | 500.0 | 30.0 | - | 100.00x |" in md  # from 50,000, not 100,000
+
+
+def test_decode_steps_one_table_per_folder(tmp_path):
+    """bench.diagnostics.decode_steps files: a folder's runs side by side, a column per
+    (batch, context) point, '-' where a run did not measure it."""
+    src = tmp_path / "results" / "steps"
+    src.mkdir(parents=True)
+    env = {"date": "2026-12-03 07:00:00 UTC", "git_commit": "abcdef0123", "gpu": "NVIDIA H200"}
+    for name, rows in (("a.json", [(1, 1024, 2.853), (8, 1024, 4.378)]),
+                       ("b.json", [(8, 1024, 3.761)])):
+        (src / name).write_text(json.dumps({
+            "benchmark": "decode_steps", "model": "llama-3.1-8b", "quantization": "fp8",
+            "environment": env,
+            "rows": [{"batch": b, "context": c, "ms_per_step": ms} for b, c, ms in rows]}))
+    md = report.render([tmp_path / "results"], tmp_path / "out", base=tmp_path).read_text()
+    assert "llama-3.1-8b, fp8" in md
+    assert "| file | commit | 1 x 1024 | 8 x 1024 |" in md
+    assert "| `a.json` | abcdef0 | 2.85 | 4.38 |" in md
+    assert "| `b.json` | abcdef0 | - | 3.76 |" in md

@@ -162,7 +162,7 @@ def test_fp8_row_quantization_is_torchs(M, K):
     assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
 
 
-@pytest.mark.parametrize("M", [33, 64, 100, 256])
+@pytest.mark.parametrize("M", [2, 33, 64, 100, 256])
 @pytest.mark.parametrize("N,K", [(4096, 4096), (512, 14336), (6144, 4096)])
 def test_fp8_split_k_matmul_compiled(M, N, K):
     """The split-K W8A8 kernel against an fp32 product of the same e4m3 numbers: within a

@@ -236,9 +236,9 @@ def test_fp8_checkpoint_loads_the_weights_it_encodes(tmp_path, fmt):
             "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
             "input_activations": {"num_bits": 8, "type": "float", "dynamic": True}}}}
     dirs = save_pair(tmp_path, model.config.to_dict(), quant, reference, qc)
-    # Steps of at most 8 tokens (FP8_ACTIVATION_MIN_TOKENS): the weight-only kernel's.
-    kw = dict(skip_tokenizer_init=True, max_model_len=128, max_num_batched_tokens=8,
-              max_num_seqs=8)
+    # Steps of one token (FP8_ACTIVATION_MIN_TOKENS): the weight-only kernel's.
+    kw = dict(skip_tokenizer_init=True, max_model_len=128, max_num_batched_tokens=1,
+              max_num_seqs=1)
     q, ref = LLM(str(dirs[0]), **kw), LLM(str(dirs[1]), **kw)
     layer = q.engine.runner.model.model.layers[0].self_attn.qkv_proj
     assert isinstance(layer, QuantizedLinear) and layer.method == "fp8"

@@ -2,10 +2,10 @@
 
 Methods (vLLM's names):
   fp8   e4m3 weights, one scale per output channel. Steps of more than
-        FP8_ACTIVATION_MIN_TOKENS tokens also round the activations to e4m3 (one scale
+        FP8_ACTIVATION_MIN_TOKENS token also round the activations to e4m3 (one scale
         per token, computed each step: W8A8) and multiply on FP8 tensor cores
         (csrc_triton.fp8_scaled_mm: cuBLAS, or a split-K Triton kernel at decode-sized
-        batches); smaller ones keep the activations (a weight-only kernel).
+        batches); a single token keeps its activations (a weight-only GEMV).
   int8  weight-only int8, one scale per output channel (symmetric).
   int4  weight-only 4 bits, groups of GROUP_SIZE along the input dimension, each with a
         scale and a zero point (asymmetric, round to nearest); two weights per byte,
@@ -13,7 +13,7 @@ Methods (vLLM's names):
         4-bit grid (a checkpoint stored in 4 bits, e.g. GGUF's Q4_1, converted to floats)
         keeps that grid instead: groups of 32, a float zero point each (own_int4_grid).
 
-On a GPU, int8, int4 and fp8's small steps go through Triton kernels that read the
+On a GPU, int8, int4 and fp8's single tokens go through Triton kernels that read the
 packed weights (csrc_triton/quant_gemm.py). Every method also runs through a reference
 path (the weight dequantized, then an fp32 matmul), which is what the CPU uses: slow,
 exact to the stored numbers, and what the kernels are tested against. Only the decoder layers' projections
@@ -139,12 +139,12 @@ def quantize_activations_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 # ---- the layer ------------------------------------------------------------------------
 
-# fp8 quantizes the activations of steps with more tokens than this: there FP8 tensor
-# cores win (csrc_triton.fp8_scaled_mm); in smaller steps the weights' bytes are the
-# whole cost, and a weight-only kernel keeps the activations exact. Llama-3.1-8B's decode
-# step on the H200 at context 1024, batch 16 / 24 / 32: 4.06 / 4.55 / 4.83 ms W8A8 against
-# 4.66 / 5.88 / 6.12 weight-only (docs/decisions.md, "W8A8 at decode-sized batches").
-FP8_ACTIVATION_MIN_TOKENS = 8
+# fp8 quantizes the activations of steps with more tokens than this, where FP8 tensor
+# cores win (csrc_triton.fp8_scaled_mm); a single token (batch-1 decode) keeps its
+# activations and goes to the weight-only GEMV. Llama-3.1-8B's decode step on the H200 at
+# context 1024, batch 2 / 8 / 16 / 32: 3.48 / 3.76 / 4.06 / 4.83 ms W8A8 against
+# 3.84 / 4.38 / 4.66 / 6.12 weight-only (docs/decisions.md, "W8A8 at decode-sized batches").
+FP8_ACTIVATION_MIN_TOKENS = 1
 
 
 def quantizes_activations(x: torch.Tensor) -> bool:
