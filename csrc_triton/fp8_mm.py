@@ -8,7 +8,7 @@ fp8_scaled_mm(xq, xs, w, ws, bias=None, out_dtype=torch.bfloat16) -> y [M, N]
     kernel below, the rest to torch._scaled_mm (cuBLAS), which is what a prefill's
     thousands of rows want.
 
-Why a kernel of our own: at 33-256 rows (a decode step of many sequences) the weights'
+Why a kernel of our own: at 2-128 rows (a decode step of several sequences) the weights'
 bytes are the cost, and cuBLAS's fp8 GEMM covers an output of 4,096 columns with 32-64
 tiles, a quarter to a half of the H200's 132 SMs, so most of the memory bandwidth goes
 unused. This kernel splits K as well, so that every SM streams weights. The partial tiles

@@ -6,7 +6,7 @@ Public API (re-exported by ``csrc_triton``)
 int8_gemm(x, qweight, scale, bias=None) -> y
     qweight int8 [N, K], scale fp32 [N] (per output channel): W = qweight * scale.
 fp8_weight_gemm(x, qweight, scale, bias=None) -> y
-    qweight float8_e4m3fn [N, K], scale fp32 [N]: the same with fp8 weights (small M).
+    qweight float8_e4m3fn [N, K], scale fp32 [N]: the same with fp8 weights (one token).
 int4_gemm(x, qweight, scale, zero, group_size, bias=None) -> y
     qweight uint8 in int4_layout's blocks (two weights per byte), scale fp32 / zero uint8
     (or fp32, for a grid whose zero points have fractions) [N, ceil(K/group_size)]:
@@ -741,7 +741,8 @@ def int8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 def fp8_weight_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """Weight-only fp8: qweight float8_e4m3fn [N, K], scale fp32 [N]; x in its own dtype
-    (for small batches, where quantizing the activations buys nothing)."""
+    (the engine's use: a single token, where the weights' bytes are the whole cost; more
+    tokens go W8A8 through fp8_mm.py)."""
     N, K = qweight.shape
     if x.shape[-1] != K:
         raise ValueError(f"x has {x.shape[-1]} inputs, the weight {K}")

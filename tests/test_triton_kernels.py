@@ -193,6 +193,7 @@ def test_attention_reads_an_fp8_cache(dtype):
              num_splits=3, cache_dtype=torch.float8_e4m3fn)
 
 
+@pytest.mark.gpu  # runs here too; the GPU check's `-m gpu` selection must include it
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
 def test_attention_ignores_nan_past_a_sequence_end(cache_dtype):
     """The slots of a sequence's last block past its end may hold anything (a freed
