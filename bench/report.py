@@ -864,8 +864,10 @@ class Report:
         self.p("W1 output tok/s (256 requests, in/out uniform in [100, 1024]); W2 output tok/s "
                "(batch 1, 128 in / 256 out); W5 prompt tok/s (32 x 4096 tokens, 1 out); W6 "
                "output tok/s (64 x 8192 in, 256 out each); W3: the HTTP servers with the "
-               "same client, 128 in / 128 out, streamed. Ratio: minivllm ÷ vLLM for "
-               "throughput, vLLM ÷ minivllm for latency (above 1: minivllm better).\n")
+               "same client, 128 in / 128 out, streamed; D<B>: ms per decode step at batch "
+               "B with 1,024-token prompts (a 257-token run's time less a 1-token run's, "
+               "over 256 steps). Ratio: minivllm ÷ vLLM for throughput, vLLM ÷ minivllm "
+               "for latency and step times (above 1: minivllm better).\n")
         self.p("Floor: the workload's ideal on the H200 (800 TFLOP/s bf16, 4.28 TB/s HBM) "
                "for bf16 weights and KV cache, prefill then decode, each step bound by its "
                "FLOPs or its bytes ([bench/roofline.py](../../roofline.py)); offline rows of "

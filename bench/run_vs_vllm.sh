@@ -14,7 +14,7 @@
 #   bash bench/run_vs_vllm.sh [MODEL ...]  # from the repo root on the GPU machine, .whl carried
 #
 # Knobs: VS_PARTS (default "mini-offline vllm-offline mini-w3 vllm-w3"), VS_WORKLOADS
-# (default w1,w2,w5,w6), VS_QUANT (both engines' quantization for the offline parts, e.g.
+# (default w1,w2,w5,w6; "sweep" adds the decode sweep, rows D1 ... D128), VS_QUANT (both engines' quantization for the offline parts, e.g.
 # fp8: its rows are "W1 fp8" and so on), VS_KV_DTYPE (both engines' kv_cache_dtype, e.g. fp8), T_OFFLINE / T_W3 / T_W3_VLLM (each part's limit, s), TOTAL_S (the call's, 560),
 # W3_ARGS (extra bench.w3_gpu flags), RES, OUT. The commit comes from bench/.commit.
 set -u

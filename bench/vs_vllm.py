@@ -12,6 +12,9 @@ prompts, so prefix caching never serves a repeat):
   W2  one request, 128-token prompt, 256 output tokens: output tok/s
   W5  32 prompts x 4096 tokens, 1 output token: prompt tok/s
   W6  64 prompts x 8192 tokens, 256 output tokens each: output tok/s (prefill included)
+  SWEEP  the decode sweep (bench/workloads.py's DecodeSweep): at batch 1 to 128 with
+      1,024-token prompts, ms per decode step, from a 1-token and a 257-token run (rows D1,
+      D8, ...; lower is better)
 Each workload runs once small first (kernels compile, graphs warm), then its repetitions;
 the best repetition is the workload's number. Both engines get dummy bf16 weights from the
 same config.json (bench/model_configs/), max_model_len 8704 (W6's 8192 + 256, rounded up to
@@ -31,7 +34,7 @@ from pathlib import Path
 
 from bench.common import environment
 from bench.gpu_check import MODELS_DIR, SMOKE_CONFIG
-from bench.workloads import workloads
+from bench.workloads import decode_sweep, workloads
 
 MAX_MODEL_LEN = 8704
 
@@ -158,6 +161,10 @@ def run_offline(args) -> int:
     log(f"{args.engine} {args.model}: engine ready in {record['startup_s']} s")
     save()
     for name in chosen:
+        if name == "SWEEP":
+            run_decode_sweep(engine, decode_sweep(args.smoke, cfg["vocab_size"]), record,
+                             args, save)
+            continue
         w = wl[name]
         try:
             engine.generate(w.warm_up())
@@ -191,6 +198,45 @@ def run_offline(args) -> int:
         save()
     log(f"wrote {path}")
     return 1 if record.get("errors") else 0
+
+
+def _timed(engine, reqs) -> float:
+    sync()
+    start = time.perf_counter()
+    got = engine.generate(reqs)
+    sync()
+    secs = time.perf_counter() - start
+    if got != [o for _, o in reqs]:
+        raise RuntimeError(f"output lengths differ from max_tokens ({sum(got)} tokens)")
+    return secs
+
+
+def run_decode_sweep(engine, sweep, record: dict, args, save) -> None:
+    """Rows D<batch>: ms per decode step, the long run's time less the short one's over
+    the steps between them (bench/workloads.py's DecodeSweep)."""
+    for batch in sweep.batches:
+        name = f"D{batch}"
+        try:
+            for run in sweep.runs(batch, -1):  # warm-up: this batch's shapes
+                engine.generate(run.requests(0))
+            for rep in range(sweep.reps):
+                short, long = sweep.runs(batch, rep)
+                short_s = _timed(engine, short.requests(0))
+                long_s = _timed(engine, long.requests(0))
+                row = {"workload": name, "rep": rep, "batch": batch,
+                       "prompt_tokens_each": sweep.prompt, "steps": sweep.steps,
+                       "short_s": round(short_s, 4), "long_s": round(long_s, 4),
+                       "decode_ms_per_step": round(1000 * (long_s - short_s) / sweep.steps, 3)}
+                record["rows"].append(row)
+                log(f"{args.engine} {args.model} {name} rep {rep}: "
+                    f"{row['decode_ms_per_step']} ms a decode step")
+                save()
+            record["best"][name] = {"metric": "decode_ms_per_step", "value": min(
+                r["decode_ms_per_step"] for r in record["rows"] if r["workload"] == name)}
+        except Exception as e:  # noqa: BLE001 - keep the other batches' numbers
+            record.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:2000]
+            log(f"{args.engine} {args.model} {name} failed: {e}")
+        save()
 
 
 # ---- merge -------------------------------------------------------------------------------------
@@ -244,15 +290,20 @@ def merge(folder: Path, commit: str | None = None) -> dict:
         for name in ENGINES:
             engines[name] = read(folder / f"offline_{name}{'_' + method if method else ''}.json")
         model = model or next((e["model"] for e in engines.values() if e), None)
-        for wname in ("W1", "W2", "W5", "W6"):
+        sweep = sorted({k for e in engines.values() if e for k in e.get("best", {})
+                        if k.startswith("D")}, key=lambda k: int(k[1:]))
+        for wname in ["W1", "W2", "W5", "W6"] + sweep:
             vals = {k: (e or {}).get("best", {}).get(wname) for k, e in engines.items()}
             metric = next((v["metric"] for v in vals.values() if v), None)
             if metric is None:
                 continue
             mine, theirs = ((vals[k] or {}).get("value") for k in ("minivllm", "vllm"))
+            ratio = None
+            if mine and theirs:  # above 1: minivllm better (a step's time: lower is)
+                ratio = round(theirs / mine if metric == "decode_ms_per_step"
+                              else mine / theirs, 3)
             rows.append({"workload": f"{wname} {method}".strip(), "metric": metric,
-                         "minivllm": mine, "vllm": theirs,
-                         "ratio": round(mine / theirs, 3) if mine and theirs else None})
+                         "minivllm": mine, "vllm": theirs, "ratio": ratio})
     model = model or folder.name
     w3 = {k: _w3_levels(folder / f"w3_{k}.json") if read(folder / f"w3_{k}.json") else {}
           for k in ENGINES}
@@ -302,7 +353,8 @@ def main(argv=None) -> int:
     off.add_argument("--engine", choices=sorted(ENGINES), required=True)
     off.add_argument("--model", default="qwen2.5-0.5b-instruct",
                      help="a config under bench/model_configs/ (without .json)")
-    off.add_argument("--workloads", default="w1,w2,w5,w6")
+    off.add_argument("--workloads", default="w1,w2,w5,w6",
+                     help="comma-separated: w1, w2, w5, w6, sweep (the decode sweep)")
     off.add_argument("--out", required=True, help="the run's folder")
     off.add_argument("--work", default="/tmp/minivllm-vs-vllm", help="model folders")
     off.add_argument("--smoke", action="store_true", help="a tiny model on the CPU")

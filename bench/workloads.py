@@ -1,6 +1,6 @@
-"""The offline workloads of the head-to-head with vLLM (W1, W2, W5, W6): each request's
-prompt ids and output length, drawn the same way for every engine. No torch here, so
-bench/roofline.py (and the report through it) can read the same requests.
+"""The offline workloads of the head-to-head with vLLM (W1, W2, W5, W6, and the decode
+sweep): each request's prompt ids and output length, drawn the same way for every engine.
+No torch here, so bench/roofline.py (and the report through it) can read the same requests.
 """
 
 from __future__ import annotations
@@ -43,3 +43,29 @@ def workloads(smoke: bool, vocab: int) -> dict[str, Workload]:
             "W2": Workload("W2", "output_tok_per_s", 1, (128, 128), (256, 256), 3, vocab),
             "W5": Workload("W5", "prompt_tok_per_s", 32, (4096, 4096), (1, 1), 5, vocab),
             "W6": Workload("W6", "output_tok_per_s", 64, (8192, 8192), (256, 256), 1, vocab)}
+
+
+class DecodeSweep:
+    """The decode sweep: for each batch size B, B requests of `prompt` tokens run for one
+    output token and, with fresh prompts, for 1 + `steps`; the difference over `steps` is
+    one decode step's time at batch B and that context (the prefill cancels out, and fresh
+    prompts keep the prefix cache out of it; an engine that decodes some sequences while
+    prefilling others counts what those steps cost extra). Best of `reps`."""
+
+    def __init__(self, batches: list[int], prompt: int, steps: int, reps: int,
+                 vocab: int) -> None:
+        self.batches, self.prompt, self.steps, self.reps = batches, prompt, steps, reps
+        self.vocab = vocab
+
+    def runs(self, batch: int, rep: int) -> tuple[Workload, Workload]:
+        """(the one-token run, the 1 + steps run) of one repetition at `batch`."""
+        p = (self.prompt, self.prompt)
+        return (Workload(f"D{batch}-short-{rep}", "", batch, p, (1, 1), 1, self.vocab),
+                Workload(f"D{batch}-long-{rep}", "", batch, p,
+                         (1 + self.steps, 1 + self.steps), 1, self.vocab))
+
+
+def decode_sweep(smoke: bool, vocab: int) -> DecodeSweep:
+    if smoke:
+        return DecodeSweep([1, 2], 16, 4, 1, vocab)
+    return DecodeSweep([1, 8, 16, 32, 64, 128], 1024, 256, 2, vocab)

@@ -12,10 +12,16 @@ from bench import report, vs_vllm
 def test_offline_merge_and_report(tmp_path):
     out = tmp_path / "2026-12-01-cpu-vs-vllm-smoke"
     assert vs_vllm.main(["offline", "--engine", "minivllm", "--smoke", "--out", str(out),
-                         "--work", str(tmp_path / "work")]) == 0
+                         "--work", str(tmp_path / "work"), "--workloads",
+                         "w1,w2,w5,w6,sweep"]) == 0
     off = json.loads((out / "offline_minivllm.json").read_text())
     assert off["benchmark"] == "vs_vllm_offline" and off["environment"]["git_commit"]
-    assert set(off["best"]) == {"W1", "W2", "W5", "W6"} and not off.get("errors")
+    assert set(off["best"]) == {"W1", "W2", "W5", "W6", "D1", "D2"} and not off.get("errors")
+    # the decode sweep: a step's time from a 1-token and a (1 + steps)-token run
+    d2 = [x for x in off["rows"] if x["workload"] == "D2"]
+    assert d2 and d2[0]["batch"] == 2 and d2[0]["decode_ms_per_step"] == pytest.approx(
+        1000 * (d2[0]["long_s"] - d2[0]["short_s"]) / d2[0]["steps"], abs=0.05)  # rounding
+    assert off["best"]["D2"]["metric"] == "decode_ms_per_step"
     w5 = [x for x in off["rows"] if x["workload"] == "W5"]
     assert w5 and all(x["output_tokens"] == x["requests"] for x in w5)  # one token each
     assert off["best"]["W5"]["metric"] == "prompt_tok_per_s"
@@ -43,6 +49,8 @@ def test_offline_merge_and_report(tmp_path):
     rows = {x["workload"]: x for x in merged["rows"]}
     assert rows["W1"]["minivllm"] == off["best"]["W1"]["value"]
     assert rows["W1"]["vllm"] is None and rows["W1"]["ratio"] is None
+    assert [x["workload"] for x in merged["rows"]][:6] == ["W1", "W2", "W5", "W6", "D1", "D2"]
+    assert rows["D2"]["metric"] == "decode_ms_per_step"
 
     # A file another commit's run left in the folder (a reused machine's /tmp): merged
     # without --commit, left out with this run's.
@@ -60,6 +68,7 @@ def test_offline_merge_and_report(tmp_path):
     md = report.render([tmp_path], tmp_path / "report", base=tmp_path).read_text()
     assert "## minivllm against vLLM" in md
     assert "| W1 | output_tok_per_s |" in md
+    assert "| D2 | decode_ms_per_step |" in md
     assert "qwen2.5-0.5b-instruct W1, output tok/s | vLLM | not measured" in md
 
 
