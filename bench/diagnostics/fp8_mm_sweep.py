@@ -7,7 +7,12 @@ against an fp32 product of the same e4m3 numbers, as _scaled_mm's is (max differ
 relative to the output's largest value).
 
     python -m bench.diagnostics.fp8_mm_sweep --out FILE [--rows 48,64,...] [--shapes qkv,o]
-        [--quick]
+        [--quick] [--operands bf16]
+
+--operands bf16 asks whether the same split-K kernel would pay for 16-bit weights: bf16
+operands with unit scales (the kernel's loads and MMAs take them as they come) against
+cuBLAS's bf16 GEMM ("kernel": "bf16_cublas" is then the baseline). The engine does not
+route 16-bit weights to it.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ def main() -> None:
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--operands", choices=("fp8", "bf16"), default="fp8")
     args = ap.parse_args()
     from csrc_triton import fp8_mm
     from minivllm.model.quantization import quantize_activations_fp8, quantize_fp8
@@ -60,6 +66,8 @@ def main() -> None:
         q, s = quantize_fp8(w)
         ws = [(q.clone(), s.clone()) for _ in range(copies)]
         w16 = [w.to(torch.bfloat16) for _ in range(max(2, copies // 2))]
+        if args.operands == "bf16":  # the kernel's operands: bf16 weights, unit scales
+            ws = [(wi, torch.ones(N, device=dev)) for wi in w16]
         for M in [int(m) for m in args.rows.split(",")]:
             xq, xs = quantize_activations_fp8(torch.randn(M, K, device=dev))
             # fp32 reference: the e4m3 numbers' exact products, summed in fp32
@@ -68,19 +76,25 @@ def main() -> None:
                                       out_dtype=torch.bfloat16).float()
             base_err = ((scaled - ref).abs().max() / ref.abs().max()).item()
             x16 = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            if args.operands == "bf16":
+                xq, xs = x16, torch.ones(M, 1, device=dev)
+                ref = x16.float() @ w16[0].float().t()
 
             def cublas(i):
                 qi, si = ws[i]
                 return torch._scaled_mm(xq, qi.t(), scale_a=xs, scale_b=si[None, :],
                                         out_dtype=torch.bfloat16)
 
-            base = _time_graph(cublas, copies)
             bf16 = _time_graph(lambda i: torch.nn.functional.linear(x16, w16[i]), len(w16))
-            rows.append({"shape": name, "N": N, "K": K, "M": M, "kernel": "scaled_mm",
-                         "us": round(base, 2), "rel_err": base_err})
             rows.append({"shape": name, "N": N, "K": K, "M": M, "kernel": "bf16_cublas",
                          "us": round(bf16, 2)})
-            best = (base, "scaled_mm")
+            if args.operands == "fp8":
+                base = _time_graph(cublas, copies)
+                rows.append({"shape": name, "N": N, "K": K, "M": M, "kernel": "scaled_mm",
+                             "us": round(base, 2), "rel_err": base_err})
+            else:
+                base = bf16
+            best = (base, "cuBLAS")
             for cfg in _configs(M, args.quick):
 
                 def kern(i, cfg=cfg):
@@ -90,7 +104,7 @@ def main() -> None:
 
                 try:
                     err = ((kern(0).float() - ref).abs().max() / ref.abs().max()).item()
-                    us = _time_graph(kern, copies)
+                    us = _time_graph(kern, len(ws))
                 except Exception as e:  # out of shared memory, etc.
                     rows.append({"shape": name, "M": M, "kernel": "triton",
                                  "config": list(cfg), "error": repr(e)[:200]})
@@ -98,11 +112,11 @@ def main() -> None:
                 rows.append({"shape": name, "N": N, "K": K, "M": M, "kernel": "triton",
                              "config": list(cfg), "us": round(us, 2), "rel_err": err})
                 best = min(best, (us, str(cfg)))
-            print(f"{name} M={M}: scaled_mm {base:.1f} us, bf16 {bf16:.1f}, best "
+            print(f"{name} M={M}: cuBLAS {base:.1f} us, bf16 {bf16:.1f}, best "
                   f"{best[0]:.1f} {best[1]}  ({time.time() - t0:.0f}s)", flush=True)
         with open(args.out, "w") as f:  # after each shape: a cut-short run keeps its rows
-            json.dump({"benchmark": "fp8_mm_sweep", "environment": environment(),
-                       "rows": rows}, f, indent=1)
+            json.dump({"benchmark": "fp8_mm_sweep", "operands": args.operands,
+                       "environment": environment(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
