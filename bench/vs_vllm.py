@@ -133,6 +133,20 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def _timed(engine, reqs) -> float:
+    """Seconds for one generate call of `reqs`, each output checked to be its max_tokens."""
+    sync()
+    start = time.perf_counter()
+    got = engine.generate(reqs)
+    sync()
+    secs = time.perf_counter() - start
+    want = [o for _, o in reqs]
+    if got != want:
+        raise RuntimeError(f"output lengths differ from max_tokens ({sum(got)} vs "
+                           f"{sum(want)} tokens)")
+    return secs
+
+
 def run_offline(args) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -170,20 +184,13 @@ def run_offline(args) -> int:
             engine.generate(w.warm_up())
             for rep in range(w.reps):
                 reqs = w.requests(rep)
-                sync()
-                start = time.perf_counter()
-                got = engine.generate(reqs)
-                sync()
-                secs = time.perf_counter() - start
-                want = [o for _, o in reqs]
-                if got != want:
-                    raise RuntimeError(f"{name}: output lengths differ from max_tokens "
-                                       f"({sum(got)} vs {sum(want)} tokens)")
+                secs = _timed(engine, reqs)
                 prompt_tokens = sum(len(p) for p, _ in reqs)
+                output_tokens = sum(o for _, o in reqs)
                 row = {"workload": name, "rep": rep, "seconds": round(secs, 4),
                        "requests": len(reqs), "prompt_tokens": prompt_tokens,
-                       "output_tokens": sum(got),
-                       "output_tok_per_s": round(sum(got) / secs, 1),
+                       "output_tokens": output_tokens,
+                       "output_tok_per_s": round(output_tokens / secs, 1),
                        "prompt_tok_per_s": round(prompt_tokens / secs, 1)}
                 record["rows"].append(row)
                 log(f"{args.engine} {args.model} {name} rep {rep}: {row[w.metric]:,.0f} "
@@ -198,17 +205,6 @@ def run_offline(args) -> int:
         save()
     log(f"wrote {path}")
     return 1 if record.get("errors") else 0
-
-
-def _timed(engine, reqs) -> float:
-    sync()
-    start = time.perf_counter()
-    got = engine.generate(reqs)
-    sync()
-    secs = time.perf_counter() - start
-    if got != [o for _, o in reqs]:
-        raise RuntimeError(f"output lengths differ from max_tokens ({sum(got)} tokens)")
-    return secs
 
 
 def run_decode_sweep(engine, sweep, record: dict, args, save) -> None:
