@@ -46,7 +46,8 @@ class MinivllmEngine:
 
     def __init__(self, folder: Path, smoke: bool, quantization: str | None = None,
                  kv_cache_dtype: str = "auto", block_size: int | None = None,
-                 max_graph_tokens: int | None = None) -> None:
+                 max_graph_tokens: int | None = None,
+                 max_num_batched_tokens: int | None = None) -> None:
         from minivllm import LLM
 
         kw = dict(device="cpu", dtype="float32", max_model_len=1024) if smoke else dict(
@@ -58,6 +59,8 @@ class MinivllmEngine:
             self.settings["block_size"] = block_size
         if max_graph_tokens is not None:
             self.settings["max_graph_tokens"] = max_graph_tokens
+        if max_num_batched_tokens is not None:
+            self.settings["max_num_batched_tokens"] = max_num_batched_tokens
         if kv_cache_dtype != "auto":
             self.settings["kv_cache_dtype"] = kv_cache_dtype
         self.llm = LLM(str(folder), **self.settings)
@@ -80,7 +83,8 @@ class VllmEngine:
 
     def __init__(self, folder: Path, smoke: bool, quantization: str | None = None,
                  kv_cache_dtype: str = "auto", block_size: int | None = None,
-                 max_graph_tokens: int | None = None) -> None:
+                 max_graph_tokens: int | None = None,
+                 max_num_batched_tokens: int | None = None) -> None:
         if max_graph_tokens is not None:
             raise SystemExit("--max-graph-tokens is minivllm's setting")
         if smoke:
@@ -94,6 +98,8 @@ class VllmEngine:
             self.settings["quantization"] = quantization
         if block_size:
             self.settings["block_size"] = block_size
+        if max_num_batched_tokens is not None:
+            self.settings["max_num_batched_tokens"] = max_num_batched_tokens
         if kv_cache_dtype != "auto":
             self.settings["kv_cache_dtype"] = kv_cache_dtype
         self.llm = LLM(model=str(folder), **self.settings)
@@ -155,7 +161,9 @@ def run_offline(args) -> int:
                      + ([f"kv-{args.kv_cache_dtype}"] if args.kv_cache_dtype != "auto" else [])
                      + ([f"block{args.block_size}"] if args.block_size else [])
                      + ([f"graphs{args.max_graph_tokens}"]
-                        if args.max_graph_tokens is not None else []))
+                        if args.max_graph_tokens is not None else [])
+                     + ([f"step{args.max_num_batched_tokens}"]
+                        if args.max_num_batched_tokens is not None else []))
     suffix = f"_{label}" if label else ""
     path = out_dir / f"offline_{args.engine}{suffix}.json"
     folder, cfg = model_folder(args.model, args.smoke, Path(args.work))
@@ -169,7 +177,8 @@ def run_offline(args) -> int:
 
     t0 = time.perf_counter()
     engine = ENGINES[args.engine](folder, args.smoke, args.quantization, args.kv_cache_dtype,
-                                  args.block_size, args.max_graph_tokens)
+                                  args.block_size, args.max_graph_tokens,
+                                  args.max_num_batched_tokens)
     record.update(startup_s=round(time.perf_counter() - t0, 1), settings=engine.settings,
                   version=engine.version())
     log(f"{args.engine} {args.model}: engine ready in {record['startup_s']} s")
@@ -366,6 +375,10 @@ def main(argv=None) -> int:
     off.add_argument("--max-graph-tokens", type=int, default=None,
                      help="minivllm's largest prefill/mixed-step graph (default: its own); "
                           "with it the file is offline_minivllm_graphsN.json")
+    off.add_argument("--max-num-batched-tokens", type=int, default=None,
+                     help="the engine's token budget per step (default: its own; vLLM's "
+                          "offline LLM takes 16,384 on an H200, minivllm 8,192); with it "
+                          "the file is offline_ENGINE_stepN.json")
     mg = sub.add_parser("merge", help="DIR/vs_vllm.json from the run's files")
     mg.add_argument("folder")
     mg.add_argument("--commit", default=None,
