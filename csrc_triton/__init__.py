@@ -7,7 +7,8 @@ paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                 scale, max_query_len, max_seq_len, out=None)
 paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale,
                        max_seq_len, out=None, num_splits=None)
-decode_num_splits(num_seqs, num_kv_heads, max_seq_len, device=None)
+decode_split_plan(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len)
+decode_num_splits(num_seqs, num_kv_heads, max_seq_len, device=None, programs_per_sm=2)
 int8_gemm, int4_gemm, fp8_weight_gemm, fp8_quantize_rows: weight-only quantized
           matmuls and W8A8's activation quantization (quant_gemm.py)
 linear_gemv: a single row against 16-bit weights, the same GEMV kernel (quant_gemm.py)
@@ -43,6 +44,8 @@ __all__ = [
     "paged_attention",
     "paged_attention_decode",
     "decode_num_splits",
+    "decode_split_plan",
+    "decode_min_split_tokens",
 ]
 
 _LOG2E = 1.4426950408889634
@@ -51,6 +54,12 @@ _LOG2E = 1.4426950408889634
 # against 29.4 at 4096 (docs/decisions.md).
 _MAX_SPLITS = 16
 _MIN_SPLIT_TOKENS = 128
+# Splits that only even out the waves take >= 1,024 tokens each, and a split count is the
+# fewest that fill the last wave to 90%: an H200's decode layer at batch 64, context 1000,
+# e4m3 cache, took 49.2 us unsplit against 54.1 in 3 splits (docs/decisions.md,
+# "Decode splits by waves").
+_WAVE_SPLIT_TOKENS = 1024
+_FULL_WAVE = 0.9
 
 # ----------------------------------------------------------------------------
 # kernel module selection (compiled for CUDA, interpreted for CPU)
@@ -192,24 +201,69 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 # ----------------------------------------------------------------------------
 # decode (flash-decoding)
 # ----------------------------------------------------------------------------
-def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device=None) -> int:
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device=None,
+                      programs_per_sm: int = 2) -> int:
     """Number of KV splits used by the decode path.
 
-    A pure function of Python ints (and the device's SM count), so a CUDA
-    graph captured for a batch size and ``max_seq_len`` bound keeps a fixed
-    grid.  No split once (seq, kv-head) programs reach 2 per SM; otherwise
-    split towards ~4 programs per SM, with >= 128 tokens per split and at
-    most 16 splits (_MAX_SPLITS).  (Inside the kernel each sequence's chunk is
-    cdiv(seq_len, num_splits) rounded up to the kv tile, so a long sequence
-    uses every split and a short one leaves some idle.)
+    A pure function of Python ints (and the device's SM count), so a CUDA graph captured
+    for a batch size and ``max_seq_len`` bound keeps a fixed grid. The grid's
+    (sequence, kv head) programs run in waves of ``SMs x programs_per_sm`` (what the
+    compiled kernel's registers and shared memory allow); a last wave that is mostly
+    empty leaves the GPU idle for a program's time. So: no split once the programs fill
+    two waves; else the fewest splits whose last wave is at least 90% full (below one
+    wave, splitting fills the GPU: the most splits), with >= 128 tokens per split and at
+    most 16 (_MAX_SPLITS). docs/decisions.md, "Decode splits by waves".
     """
     progs = max(1, num_seqs * num_kv_heads)
-    sms = _sm_count(device)
-    if progs >= 2 * sms or max_seq_len <= _MIN_SPLIT_TOKENS:
+    slots = _sm_count(device) * max(1, int(programs_per_sm))
+    if progs >= 2 * slots or max_seq_len <= _MIN_SPLIT_TOKENS:
         return 1
-    by_len = -(-int(max_seq_len) // _MIN_SPLIT_TOKENS)
-    by_occ = -(-(4 * sms) // progs)
-    return int(max(1, min(by_len, by_occ, _MAX_SPLITS)))
+    most = int(min(-(-int(max_seq_len) // _MIN_SPLIT_TOKENS), _MAX_SPLITS))
+
+    def last_wave_fill(splits: int) -> float:
+        n = progs * splits
+        return n / (slots * -(-n // slots))
+
+    for splits in range(1, most + 1):
+        if last_wave_fill(splits) >= _FULL_WAVE:
+            return splits
+    return max(range(1, most + 1), key=last_wave_fill)  # the first of equals: fewest
+
+
+def decode_min_split_tokens(num_seqs: int, num_kv_heads: int, device=None,
+                            programs_per_sm: int = 2) -> int:
+    """The fewest context tokens a split takes (rounded up to whole tiles by the kernel).
+    Below one wave of programs a split pays for short contexts too (it fills the GPU):
+    a tile. Above, splits only even out the waves, which does not repay a program's
+    fixed cost on a short context, so a sequence shorter than 2 x _WAVE_SPLIT_TOKENS
+    uses fewer splits than the grid has."""
+    slots = _sm_count(device) * max(1, int(programs_per_sm))
+    if max(1, num_seqs * num_kv_heads) < slots:
+        return 1
+    return _WAVE_SPLIT_TOKENS
+
+
+_occupancy_cache: dict = {}
+
+
+def _programs_per_sm(jit_fn, key, args: tuple, kwargs: dict) -> int:
+    """How many programs of a compiled kernel an SM holds at once, from its registers,
+    shared memory and warps (compiled, not launched, on first use; cached by `key`)."""
+    n = _occupancy_cache.get(key)
+    if n is None:
+        kernel = jit_fn.warmup(*args, grid=(1,), **kwargs)
+        kernel._init_handles()  # loads the binary: sets n_regs
+        props = torch.cuda.get_device_properties(key[0])
+        warps = kernel.metadata.num_warps
+        regs_per_warp = -(-kernel.n_regs * 32 // 256) * 256  # allocated in units of 256
+        by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * warps)
+        # each resident program also reserves 1 KB of shared memory for the system
+        by_smem = (getattr(props, "shared_memory_per_multiprocessor", 233472)
+                   // (kernel.metadata.shared + 1024))
+        by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
+        n = max(1, min(by_regs, by_smem, by_threads, 32))
+        _occupancy_cache[key] = n
+    return n
 
 
 def _decode_config(head_dim: int, dtype: torch.dtype, interpreted: bool,
@@ -238,13 +292,16 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            max_seq_len: int, out: torch.Tensor | None = None,
                            num_splits: int | None = None,
-                           counters: torch.Tensor | None = None) -> torch.Tensor:
+                           counters: torch.Tensor | None = None,
+                           min_split_tokens: int | None = None) -> torch.Tensor:
     """Decode attention: one query token per sequence, ``q`` is ``[B, Hq, D]``.
 
     Sequence ``b`` attends to kv positions ``0 .. seq_lens[b]-1``.  Rows with
     ``seq_lens[b] == 0`` (CUDA-graph padding) produce zeros.  The grid is
-    ``(B, Hkv, num_splits)``; ``num_splits`` defaults to
-    ``decode_num_splits(B, Hkv, max_seq_len)`` (Python ints only).
+    ``(B, Hkv, num_splits)``; ``num_splits`` and ``min_split_tokens`` (the fewest
+    context tokens a split takes; a sequence with fewer than ``num_splits`` times that
+    uses fewer splits) default to ``decode_split_plan``'s (Python ints and the compiled
+    kernel only; with ``num_splits`` given, a split takes at least a tile).
 
     ``counters``: an int32 workspace of at least ``B * Hkv`` zeros (the caller keeps
     it; the kernel leaves it zeroed). With it, the splits are combined by the last
@@ -257,44 +314,90 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
     if B == 0:
         return out
-    gqa = Hq // Hkv
+    launch = _decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, counters)
+    kern, args, meta, cfg = launch
     if num_splits is None:
-        num_splits = decode_num_splits(B, Hkv, max_seq_len, q.device)
+        num_splits, min_tokens = _decode_plan(q, k_cache, launch, max_seq_len, counters)
+    else:
+        min_tokens = 1
+    if min_split_tokens is not None:
+        min_tokens = min_split_tokens
     num_splits = int(max(1, num_splits))
-    interpreted = _uses_interpreter(q.device)
-    kern = _kernels_for(q.device)
-    cfg = _decode_config(D, q.dtype, interpreted, k_cache.dtype)
-    block_d = _next_pow2(max(D, 16))
-    block_g = max(16, _next_pow2(gqa))
+    fused = counters is not None and num_splits > 1
+    if fused and (counters.dtype != torch.int32 or counters.numel() < B * Hkv):
+        raise ValueError(f"counters must be int32 with >= {B * Hkv} elements")
     if num_splits > 1:
         part_o = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
     else:
-        part_o = out
-        part_lse = out
-    fused = counters is not None and num_splits > 1
-    if fused and (counters.dtype != torch.int32 or counters.numel() < B * Hkv):
-        raise ValueError(f"counters must be int32 with >= {B * Hkv} elements")
+        part_o = part_lse = out
+    # a split's least tokens, in whole tiles
+    min_chunk = -(-int(min_tokens) // cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     kern._decode_split_kernel[(B, Hkv, num_splits)](
-        q, k_cache, v_cache, out, part_o, part_lse, counters if fused else part_lse,
-        block_tables, seq_lens,
-        float(scale) * _LOG2E,
-        *_attention_strides(q, out, k_cache, v_cache, block_tables),
-        NUM_Q_HEADS=Hq, GQA=gqa, HEAD_DIM=D, BLOCK_SIZE=bs,
-        BLOCK_G=block_g, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
-        NUM_SPLITS=num_splits, DOT_FP32=_dot_fp32(q.dtype, interpreted),
-        FUSED_REDUCE=fused,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_pdl_args(q.device),
-    )
+        *_decode_args(args, part_o, part_lse, counters if fused else part_lse, min_chunk),
+        NUM_SPLITS=num_splits, FUSED_REDUCE=fused, **meta)
     if num_splits > 1 and not fused:
         kern._decode_reduce_kernel[(B, Hq)](
             part_o, part_lse, out, seq_lens,
-            out.stride(0), out.stride(1), out.stride(2),
-            NUM_Q_HEADS=Hq, HEAD_DIM=D, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
+            out.stride(0), out.stride(1), out.stride(2), min_chunk,
+            NUM_Q_HEADS=Hq, HEAD_DIM=D, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=meta["BLOCK_D"],
             NUM_SPLITS=num_splits, BLOCK_S=_next_pow2(num_splits),
-            num_warps=1 if interpreted else 4, **_pdl_args(q.device),
+            num_warps=1 if _uses_interpreter(q.device) else 4, **_pdl_args(q.device),
         )
     return out
+
+
+def decode_split_plan(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len: int,
+                      counters=None) -> tuple[int, int]:
+    """(splits, least tokens a split takes) for a decode launch of these arguments: from
+    the batch, ``max_seq_len`` and how many programs of the compiled split kernel an SM
+    holds (``decode_num_splits``, ``decode_min_split_tokens``)."""
+    out = torch.empty_like(q)
+    launch = _decode_launch(q, k_cache, v_cache, block_tables, seq_lens, 1.0, out, counters)
+    return _decode_plan(q, k_cache, launch, max_seq_len, counters)
+
+
+def _decode_plan(q, k_cache, launch, max_seq_len: int, counters) -> tuple[int, int]:
+    kern, args, meta, cfg = launch
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    per_sm = 2  # interpreted (CPU) kernels: a small machine's guess
+    if not _uses_interpreter(q.device):
+        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        key = (index, q.dtype, k_cache.dtype, D, Hq // Hkv, counters is not None,
+               tuple(sorted(cfg.items())))
+        per_sm = _occupancy_cache.get(key)
+        if per_sm is None:  # the split variant's resources (the unsplit one lacks a store)
+            part = torch.empty(1, dtype=torch.float32, device=q.device)
+            per_sm = _programs_per_sm(
+                kern._decode_split_kernel, key,
+                _decode_args(args, part, part, part if counters is None else counters, 128),
+                dict(meta, NUM_SPLITS=2, FUSED_REDUCE=counters is not None))
+    return (decode_num_splits(B, Hkv, max_seq_len, q.device, per_sm),
+            decode_min_split_tokens(B, Hkv, q.device, per_sm))
+
+
+def _decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, counters):
+    """The split kernel's module, leading arguments, compile-time arguments and tile
+    config (everything but the partials, the counters, the least chunk and the splits)."""
+    B, Hq, D, bs, Hkv = _check_attention_shapes(q, k_cache, v_cache)
+    gqa = Hq // Hkv
+    interpreted = _uses_interpreter(q.device)
+    cfg = _decode_config(D, q.dtype, interpreted, k_cache.dtype)
+    block_d = _next_pow2(max(D, 16))
+    args = (q, k_cache, v_cache, out, block_tables, seq_lens, float(scale) * _LOG2E,
+            _attention_strides(q, out, k_cache, v_cache, block_tables))
+    meta = dict(NUM_Q_HEADS=Hq, GQA=gqa, HEAD_DIM=D, BLOCK_SIZE=bs,
+                BLOCK_G=max(16, _next_pow2(gqa)), BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
+                DOT_FP32=_dot_fp32(q.dtype, interpreted), num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"], **_pdl_args(q.device))
+    return _kernels_for(q.device), args, meta, cfg
+
+
+def _decode_args(args: tuple, part_o, part_lse, counters, min_chunk: int) -> tuple:
+    q, k_cache, v_cache, out, block_tables, seq_lens, qk_scale, strides = args
+    return (q, k_cache, v_cache, out, part_o, part_lse, counters, block_tables, seq_lens,
+            qk_scale, *strides, min_chunk)
 
 
 # ----------------------------------------------------------------------------

@@ -503,6 +503,54 @@ def test_decode_num_splits_is_static():
     assert decode_num_splits(1, 1, 100) == 1
 
 
+def test_decode_splits_fill_the_last_wave(monkeypatch):
+    """The split count on an H200's 132 SMs (Llama-3.1-8B's 8 kv heads) at the points the
+    layer was measured at (docs/decisions.md, "Decode splits by waves"): the fewest splits
+    whose last wave of programs is >= 90% full, none past two waves, the most (16) when
+    even that leaves the GPU mostly idle."""
+    from csrc_triton import decode_min_split_tokens, decode_num_splits
+    monkeypatch.setattr(csrc_triton, "_sm_count", lambda device: 132)
+    e4m3, bf16 = 3, 4  # programs an SM: 168 and 128 registers a thread, 4 warps
+    plan = {(64, 8192, e4m3): 3, (32, 8192, e4m3): 3, (64, 4096, e4m3): 3,
+            (16, 4000, e4m3): 3, (128, 2048, e4m3): 1, (96, 8192, e4m3): 1,
+            (64, 8192, bf16): 1, (32, 8192, bf16): 2, (16, 4000, bf16): 4,
+            (128, 2048, bf16): 1, (1, 8192, bf16): 16, (1, 8192, e4m3): 16,
+            (1, 300, bf16): 3, (64, 100, e4m3): 1}
+    got = {(b, ctx, per_sm): decode_num_splits(b, 8, ctx, "cuda", per_sm)
+           for b, ctx, per_sm in plan}
+    assert got == plan
+    assert decode_min_split_tokens(64, 8, "cuda", e4m3) == 1024  # >= a wave: balance only
+    assert decode_min_split_tokens(32, 8, "cuda", e4m3) == 1  # filling the GPU: a tile
+
+
+@pytest.mark.parametrize("counted", [False, True])
+def test_decode_min_split_tokens(counted):
+    """A split takes at least min_split_tokens of context: a sequence shorter than that
+    uses one split whatever the grid (bit-identical to an unsplit launch), a longer one
+    as many as it fills; the counters are zero after every call."""
+    gen = torch.Generator().manual_seed(15)
+    hq, hkv, d, bs = 4, 2, 16, 4
+    seq_lens = [37, 5, 64, 1, 100]
+    num_blocks = 80
+    k_cache, v_cache = make_cache(num_blocks, bs, hkv, d, torch.float32, gen)
+    bt = make_block_tables(seq_lens, bs, num_blocks, gen)
+    q = torch.randn(len(seq_lens), hq, d, generator=gen).to(DEVICE)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
+    ref = ref_attention(q, k_cache, v_cache, bt, sl, qsl, d ** -0.5)
+    counters = torch.zeros(len(seq_lens) * hkv, dtype=torch.int32, device=DEVICE) \
+        if counted else None
+    one = paged_attention_decode(q, k_cache, v_cache, bt, sl, d ** -0.5, 128, num_splits=1)
+    for least in (64, 32):
+        out = paged_attention_decode(q, k_cache, v_cache, bt, sl, d ** -0.5, 128,
+                                     num_splits=4, counters=counters, min_split_tokens=least)
+        short = [i for i, n in enumerate(seq_lens) if n <= least]
+        assert torch.equal(out[short], one[short])
+        assert rel_err(out, ref) < 1e-5
+        if counted:
+            assert torch.equal(counters, torch.zeros_like(counters))
+
+
 # ----------------------------------------------------------------------------
 # GPU: realistic shapes (compiled kernels)
 # ----------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """One decode-attention layer (Llama-3.1-8B's heads: 32 query, 8 kv, head_dim 128; the
 GPU's 64-token blocks) by KV split count, for the bf16 and e4m3 caches: CUDA-graph
 replays of `csrc_triton.paged_attention_decode` with the split combine fused (as in the
-engine's decode graphs), block tables shuffled over the pool. The row `default` is the
-split count `decode_num_splits` picks for that grid. Also the compiled kernels'
-registers and shared memory (they set how many programs an SM holds).
+engine's decode graphs), block tables shuffled over the pool. Each split count given
+runs with a tile as a split's least context; the row with `"plan"` is the launch as the
+engine makes it (`decode_split_plan`: the split count and least tokens for that grid).
+Also the compiled kernels' registers and shared memory (they set how many programs an
+SM holds).
 
     python -m bench.diagnostics.decode_splits --out FILE [--points 64x8192,...]
         [--splits 1,2,3,4,8]
@@ -85,19 +87,20 @@ def main() -> None:
     points = [tuple(int(v) for v in p.split("x")) for p in args.points.split(",")]
     rows = []
     for batch, ctx in points:
-        default = csrc_triton.decode_num_splits(batch, HKV, ctx, dev)
         for dtype in (torch.float8_e4m3fn, torch.bfloat16):
             q, k, v, tables, lens = make_layer(batch, ctx, dtype, dev)
             out = torch.empty_like(q)
             counters = torch.zeros(batch * HKV, dtype=torch.int32, device=dev)
-            for splits in sorted({default, *(int(s) for s in args.splits.split(","))}):
+            plan = csrc_triton.decode_split_plan(q, k, v, tables, lens, ctx, counters)
+            for splits in [None, *(int(s) for s in args.splits.split(","))]:
                 fn = lambda s=splits: csrc_triton.paged_attention_decode(  # noqa: E731
                     q, k, v, tables, lens, D ** -0.5, ctx, out=out, num_splits=s,
                     counters=counters)
                 us = replay_us(fn)
                 rows.append({"batch": batch, "context": ctx, "cache": str(dtype).split(".")[-1],
-                             "splits": splits, "default": splits == default,
-                             "us": round(us, 1)})
+                             "splits": splits or plan[0], "us": round(us, 1)}
+                            | ({"plan": True, "min_split_tokens": plan[1]} if splits is None
+                               else {}))
                 print(rows[-1], flush=True)
             del q, k, v, tables, lens, out
             torch.cuda.empty_cache()
