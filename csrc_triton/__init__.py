@@ -331,15 +331,14 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_lse = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out
-    # a split's least tokens, in whole tiles
-    min_chunk = -(-int(min_tokens) // cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+    min_tiles = max(1, -(-int(min_tokens) // cfg["BLOCK_N"]))  # a split's least tiles
     kern._decode_split_kernel[(B, Hkv, num_splits)](
-        *_decode_args(args, part_o, part_lse, counters if fused else part_lse, min_chunk),
+        *_decode_args(args, part_o, part_lse, counters if fused else part_lse, min_tiles),
         NUM_SPLITS=num_splits, FUSED_REDUCE=fused, **meta)
     if num_splits > 1 and not fused:
         kern._decode_reduce_kernel[(B, Hq)](
             part_o, part_lse, out, seq_lens,
-            out.stride(0), out.stride(1), out.stride(2), min_chunk,
+            out.stride(0), out.stride(1), out.stride(2), min_tiles,
             NUM_Q_HEADS=Hq, HEAD_DIM=D, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=meta["BLOCK_D"],
             NUM_SPLITS=num_splits, BLOCK_S=_next_pow2(num_splits),
             num_warps=1 if _uses_interpreter(q.device) else 4, **_pdl_args(q.device),
@@ -371,7 +370,7 @@ def _decode_plan(q, k_cache, launch, max_seq_len: int, counters) -> tuple[int, i
             part = torch.empty(1, dtype=torch.float32, device=q.device)
             per_sm = _programs_per_sm(
                 kern._decode_split_kernel, key,
-                _decode_args(args, part, part, part if counters is None else counters, 128),
+                _decode_args(args, part, part, part if counters is None else counters, 1),
                 dict(meta, NUM_SPLITS=2, FUSED_REDUCE=counters is not None))
     return (decode_num_splits(B, Hkv, max_seq_len, q.device, per_sm),
             decode_min_split_tokens(B, Hkv, q.device, per_sm))
@@ -394,10 +393,10 @@ def _decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, coun
     return _kernels_for(q.device), args, meta, cfg
 
 
-def _decode_args(args: tuple, part_o, part_lse, counters, min_chunk: int) -> tuple:
+def _decode_args(args: tuple, part_o, part_lse, counters, min_tiles: int) -> tuple:
     q, k_cache, v_cache, out, block_tables, seq_lens, qk_scale, strides = args
     return (q, k_cache, v_cache, out, part_o, part_lse, counters, block_tables, seq_lens,
-            qk_scale, *strides, min_chunk)
+            qk_scale, *strides, min_tiles)
 
 
 # ----------------------------------------------------------------------------
