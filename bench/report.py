@@ -73,6 +73,8 @@ class Results:
     w7: list[Result] = field(default_factory=list)                    # bench.w7_spec
     quant: list[Result] = field(default_factory=list)                 # bench.quant_accuracy
     decode_steps: dict[Path, list[Result]] = field(default_factory=dict)  # folder -> files
+    kv_cache_fp8: list[Result] = field(default_factory=list)          # bench.kv_cache_fp8
+    decode_splits: list[Result] = field(default_factory=list)  # diagnostics.decode_splits
     ignored: list[Path] = field(default_factory=list)
 
     def newest(self, section: str) -> Result | None:
@@ -140,6 +142,10 @@ def load(dirs: list[Path], skip: Path | None = None) -> Results:
             res.quant.append(r)
         elif data.get("benchmark") == "decode_steps":
             res.decode_steps.setdefault(p.parent, []).append(r)
+        elif data.get("benchmark") == "kv-cache-fp8":
+            res.kv_cache_fp8.append(r)
+        elif data.get("benchmark") == "decode_splits":
+            res.decode_splits.append(r)
         else:
             res.ignored.append(p)
     return res
@@ -976,6 +982,51 @@ class Report:
             self.p(table(["file", "commit"] + [f"{b} x {c}" for b, c in points], rows))
             self.p(f"\n{provenance(runs[0].env, d.get('model'), self.src(runs[0]))}")
 
+    def kv_cache_fp8(self) -> None:
+        """bench.kv_cache_fp8: capacity and decode steps, the e4m3 cache against the model
+        dtype's, a table per file."""
+        if not self.res.kv_cache_fp8:
+            return
+        self.h(2, "FP8 KV cache: capacity and decode steps (ms per step)")
+        for r in sorted(self.res.kv_cache_fp8, key=lambda r: str(r.path)):
+            by = {(x["kv_cache_dtype"], x["batch"], x["context"]): x for x in r.data["rows"]}
+            points = sorted({(b, c) for _, b, c in by})
+            rows = []
+            for b, c in points:
+                auto, fp8 = by.get(("auto", b, c)), by.get(("fp8", b, c))
+                ratio = (fp8["ms_per_step"] / auto["ms_per_step"]) if auto and fp8 else None
+                rows.append([f"{b} x {c}", fmt(auto and auto["ms_per_step"], 2),
+                             fmt(fp8 and fp8["ms_per_step"], 2),
+                             f"{ratio:.2f}x" if ratio else "-"])
+            tokens = {k[0]: x["kv_cache_tokens"] for k, x in by.items()}
+            self.h(3, f"`{rel(r.path, self.base)}`: {r.data.get('model')}, KV cache "
+                      f"{fmt(tokens.get('auto'), 0)} tokens (model dtype) against "
+                      f"{fmt(tokens.get('fp8'), 0)} (e4m3)")
+            self.p(table(["batch x context", "model dtype", "e4m3", "e4m3 / model dtype"], rows))
+            self.p(f"\n{provenance(r.env, r.data.get('model'), self.src(r))}")
+
+    def decode_splits(self) -> None:
+        """bench.diagnostics.decode_splits: a decode-attention layer by split count (us);
+        the engine's plan marked with *."""
+        if not self.res.decode_splits:
+            return
+        self.h(2, "Decode attention by KV split count (one layer, us)")
+        self.p("\n* marks the split count the engine picked at the file's commit.")
+        for r in sorted(self.res.decode_splits, key=lambda r: str(r.path)):
+            splits = sorted({x["splits"] for x in r.data["rows"]})
+            cells: dict = {}
+            for x in r.data["rows"]:
+                key = (x["batch"], x["context"], x["cache"])
+                mark = "*" if x.get("plan") or x.get("default") else ""
+                if mark or (key, x["splits"]) not in cells:
+                    cells[(key, x["splits"])] = f"{fmt(x['us'])}{mark}"
+            keys = sorted({k for k, _ in cells})
+            rows = [[f"{b} x {c}", cache] + [cells.get((k, n), "") for n in splits]
+                    for k in keys for b, c, cache in [k]]
+            self.h(3, f"`{rel(r.path, self.base)}`")
+            self.p(table(["batch x context", "cache"] + [f"{n} splits" for n in splits], rows))
+            self.p(f"\n{provenance(r.env, 'llama-3.1-8b heads', self.src(r))}")
+
     # -- W7 --
 
     def w7(self) -> None:
@@ -1127,6 +1178,8 @@ class Report:
         self.offline_runs()
         self.tuning_and_profiles()
         self.decode_steps()
+        self.kv_cache_fp8()
+        self.decode_splits()
         self.w7()
         self.quant_accuracy()
         self.w4()

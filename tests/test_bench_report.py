@@ -321,3 +321,27 @@ def test_decode_steps_one_table_per_folder(tmp_path):
     assert "| file | commit | 1 x 1024 | 8 x 1024 |" in md
     assert "| `a.json` | abcdef0 | 2.85 | 4.38 |" in md
     assert "| `b.json` | abcdef0 | - | 3.76 |" in md
+
+
+def test_kv_cache_fp8_and_decode_splits_tables(tmp_path):
+    """bench.kv_cache_fp8: a row per point with both caches and their ratio, the capacities
+    in the heading; bench.diagnostics.decode_splits: a column per split count, the engine's
+    plan starred (over an explicit launch of the same count)."""
+    src = tmp_path / "results" / "kv"
+    src.mkdir(parents=True)
+    env = {"date": "2026-12-03 09:00:00 UTC", "git_commit": "abcdef0123", "gpu": "NVIDIA H200"}
+    rows = [{"kv_cache_dtype": kv, "batch": 64, "context": 8192, "ms_per_step": ms,
+             "kv_cache_tokens": tokens} for kv, ms, tokens in (("auto", 20.0, 892224),
+                                                               ("fp8", 13.4, 1792640))]
+    (src / "kv.json").write_text(json.dumps({"benchmark": "kv-cache-fp8", "model": "llama-3.1-8b",
+                                             "environment": env, "rows": rows}))
+    splits = [{"batch": 64, "context": 8192, "cache": "float8_e4m3fn", "splits": s, "us": us}
+              | extra for s, us, extra in ((3, 275.7, {"plan": True}), (1, 332.3, {}),
+                                           (3, 281.0, {}))]
+    (src / "splits.json").write_text(json.dumps({"benchmark": "decode_splits",
+                                                 "environment": env, "rows": splits}))
+    md = report.render([tmp_path / "results"], tmp_path / "out", base=tmp_path).read_text()
+    assert "KV cache 892,224 tokens (model dtype) against 1,792,640 (e4m3)" in md
+    assert "| 64 x 8192 | 20.00 | 13.40 | 0.67x |" in md
+    assert "| batch x context | cache | 1 splits | 3 splits |" in md
+    assert "| 64 x 8192 | float8_e4m3fn | 332.3 | 275.7* |" in md
