@@ -6,9 +6,11 @@ store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                 scale, max_query_len, max_seq_len, out=None)
 paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                       max_seq_len, out=None, num_splits=None)
-decode_split_plan(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len)
-decode_num_splits(num_seqs, num_kv_heads, max_seq_len, device=None, programs_per_sm=2)
+                       max_seq_len, out=None, num_splits=None, counters=None,
+                       min_split_tokens=None)
+decode_split_plan(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len): the decode
+          launch's split count and least tokens a split, from decode_num_splits(num_seqs,
+          num_kv_heads, max_seq_len, device, programs_per_sm) and decode_min_split_tokens
 int8_gemm, int4_gemm, fp8_weight_gemm, fp8_quantize_rows: weight-only quantized
           matmuls and W8A8's activation quantization (quant_gemm.py)
 linear_gemv: a single row against 16-bit weights, the same GEMV kernel (quant_gemm.py)
