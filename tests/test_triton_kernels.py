@@ -465,21 +465,25 @@ def test_decode_padding_rows_zero_len():
         assert rel_err(out, ref) < 1e-4
 
 
-@pytest.mark.parametrize("num_splits", [1, 4, 7])
-def test_decode_fused_reduce_matches_the_two_kernel_path(num_splits):
-    """With a counters workspace the last split program of each (sequence, kv head)
-    combines the splits: same result as the reduce kernel (up to the order of the fp32
-    sums), padding rows zero, and the counters zero again after every call."""
-    gen = torch.Generator().manual_seed(14)
-    hq, hkv, d, bs = 6, 2, 16, 4
-    seq_lens = [37, 0, 5, 64, 1]
-    num_blocks = 40
+def decode_case(seed, hq, hkv, d, bs, seq_lens, num_blocks):
+    """A decode batch over an fp32 cache: q, the caches, block tables, lengths and the
+    reference attention."""
+    gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache = make_cache(num_blocks, bs, hkv, d, torch.float32, gen)
     bt = make_block_tables(seq_lens, bs, num_blocks, gen)
     q = torch.randn(len(seq_lens), hq, d, generator=gen).to(DEVICE)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
-    ref = ref_attention(q, k_cache, v_cache, bt, sl, qsl, d ** -0.5)
+    return q, k_cache, v_cache, bt, sl, ref_attention(q, k_cache, v_cache, bt, sl, qsl, d ** -0.5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4, 7])
+def test_decode_fused_reduce_matches_the_two_kernel_path(num_splits):
+    """With a counters workspace the last split program of each (sequence, kv head)
+    combines the splits: same result as the reduce kernel (up to the order of the fp32
+    sums), padding rows zero, and the counters zero again after every call."""
+    hkv, d, seq_lens = 2, 16, [37, 0, 5, 64, 1]
+    q, k_cache, v_cache, bt, sl, ref = decode_case(14, 6, hkv, d, 4, seq_lens, 40)
     two = paged_attention_decode(q, k_cache, v_cache, bt, sl, d ** -0.5, 64,
                                  num_splits=num_splits)
     counters = torch.zeros(len(seq_lens) * hkv + 3, dtype=torch.int32, device=DEVICE)
@@ -528,16 +532,8 @@ def test_decode_min_split_tokens(counted):
     """A split takes at least min_split_tokens of context: a sequence shorter than that
     uses one split whatever the grid (bit-identical to an unsplit launch), a longer one
     as many as it fills; the counters are zero after every call."""
-    gen = torch.Generator().manual_seed(15)
-    hq, hkv, d, bs = 4, 2, 16, 4
-    seq_lens = [37, 5, 64, 1, 100]
-    num_blocks = 80
-    k_cache, v_cache = make_cache(num_blocks, bs, hkv, d, torch.float32, gen)
-    bt = make_block_tables(seq_lens, bs, num_blocks, gen)
-    q = torch.randn(len(seq_lens), hq, d, generator=gen).to(DEVICE)
-    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
-    ref = ref_attention(q, k_cache, v_cache, bt, sl, qsl, d ** -0.5)
+    hkv, d, seq_lens = 2, 16, [37, 5, 64, 1, 100]
+    q, k_cache, v_cache, bt, sl, ref = decode_case(15, 4, hkv, d, 4, seq_lens, 80)
     counters = torch.zeros(len(seq_lens) * hkv, dtype=torch.int32, device=DEVICE) \
         if counted else None
     one = paged_attention_decode(q, k_cache, v_cache, bt, sl, d ** -0.5, 128, num_splits=1)
