@@ -96,6 +96,13 @@ class Results:
         return next((r for r in self.sections.get(section, []) if r.run == run), None)
 
 
+# A result file's "benchmark" -> the Results list it joins, or the dict of lists by folder.
+LISTED = {"vs_vllm": "vs_vllm", "w4_cpu": "w4", "attention-tuning": "tuning",
+          "step_profile": "profiles", "w7-spec": "w7", "quant-accuracy": "quant",
+          "kv-cache-fp8": "kv_cache_fp8", "decode_splits": "decode_splits"}
+BY_FOLDER = {"w3_serve": "w3", "vs_vllm_offline": "offline", "decode_steps": "decode_steps"}
+
+
 def load(dirs: list[Path], skip: Path | None = None) -> Results:
     res = Results()
     skip = skip.resolve() if skip else None
@@ -124,28 +131,10 @@ def load(dirs: list[Path], skip: Path | None = None) -> Results:
         r = Result(p, data)
         if data.get("section") in GPU_SECTIONS:
             res.sections.setdefault(data["section"], []).append(r)
-        elif data.get("benchmark") == "w3_serve":
-            res.w3.setdefault(p.parent, []).append(r)
-        elif data.get("benchmark") == "vs_vllm":
-            res.vs_vllm.append(r)
-        elif data.get("benchmark") == "w4_cpu":
-            res.w4.append(r)
-        elif data.get("benchmark") == "vs_vllm_offline":
-            res.offline.setdefault(p.parent, []).append(r)
-        elif data.get("benchmark") == "attention-tuning":
-            res.tuning.append(r)
-        elif data.get("benchmark") == "step_profile":
-            res.profiles.append(r)
-        elif data.get("benchmark") == "w7-spec":
-            res.w7.append(r)
-        elif data.get("benchmark") == "quant-accuracy":
-            res.quant.append(r)
-        elif data.get("benchmark") == "decode_steps":
-            res.decode_steps.setdefault(p.parent, []).append(r)
-        elif data.get("benchmark") == "kv-cache-fp8":
-            res.kv_cache_fp8.append(r)
-        elif data.get("benchmark") == "decode_splits":
-            res.decode_splits.append(r)
+        elif data.get("benchmark") in LISTED:
+            getattr(res, LISTED[data["benchmark"]]).append(r)
+        elif data.get("benchmark") in BY_FOLDER:
+            getattr(res, BY_FOLDER[data["benchmark"]]).setdefault(p.parent, []).append(r)
         else:
             res.ignored.append(p)
     return res
