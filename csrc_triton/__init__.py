@@ -248,24 +248,19 @@ def decode_min_split_tokens(num_seqs: int, num_kv_heads: int, device=None,
 _occupancy_cache: dict = {}
 
 
-def _programs_per_sm(jit_fn, key, args: tuple, kwargs: dict) -> int:
-    """How many programs of a compiled kernel an SM holds at once, from its registers,
-    shared memory and warps (compiled, not launched, on first use; cached by `key`)."""
-    n = _occupancy_cache.get(key)
-    if n is None:
-        kernel = jit_fn.warmup(*args, grid=(1,), **kwargs)
-        kernel._init_handles()  # loads the binary: sets n_regs
-        props = torch.cuda.get_device_properties(key[0])
-        warps = kernel.metadata.num_warps
-        regs_per_warp = -(-kernel.n_regs * 32 // 256) * 256  # allocated in units of 256
-        by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * warps)
-        # each resident program also reserves 1 KB of shared memory for the system
-        by_smem = (getattr(props, "shared_memory_per_multiprocessor", 233472)
-                   // (kernel.metadata.shared + 1024))
-        by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
-        n = max(1, min(by_regs, by_smem, by_threads, 32))
-        _occupancy_cache[key] = n
-    return n
+def _programs_per_sm(kernel, device_index: int) -> int:
+    """How many programs of a compiled (not yet launched) kernel an SM holds at once, from
+    its registers, shared memory and warps."""
+    kernel._init_handles()  # loads the binary: sets n_regs
+    props = torch.cuda.get_device_properties(device_index)
+    warps = kernel.metadata.num_warps
+    regs_per_warp = -(-kernel.n_regs * 32 // 256) * 256  # allocated in units of 256
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * warps)
+    # each resident program also reserves 1 KB of shared memory for the system
+    by_smem = (getattr(props, "shared_memory_per_multiprocessor", 233472)
+               // (kernel.metadata.shared + 1024))
+    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
+    return max(1, min(by_regs, by_smem, by_threads, 32))
 
 
 def _decode_config(head_dim: int, dtype: torch.dtype, interpreted: bool,
@@ -317,7 +312,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if B == 0:
         return out
     launch = _decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, counters)
-    kern, args, meta, cfg = launch
+    kern, args, meta = launch
     if num_splits is None:
         num_splits, min_tokens = _decode_plan(q, k_cache, launch, max_seq_len, counters)
     else:
@@ -333,7 +328,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_lse = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out
-    min_tiles = max(1, -(-int(min_tokens) // cfg["BLOCK_N"]))  # a split's least tiles
+    min_tiles = max(1, -(-int(min_tokens) // meta["BLOCK_N"]))  # a split's least tiles
     kern._decode_split_kernel[(B, Hkv, num_splits)](
         *_decode_args(args, part_o, part_lse, counters if fused else part_lse, min_tiles),
         NUM_SPLITS=num_splits, FUSED_REDUCE=fused, **meta)
@@ -341,7 +336,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         kern._decode_reduce_kernel[(B, Hq)](
             part_o, part_lse, out, seq_lens,
             out.stride(0), out.stride(1), out.stride(2), min_tiles,
-            NUM_Q_HEADS=Hq, HEAD_DIM=D, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=meta["BLOCK_D"],
+            NUM_Q_HEADS=Hq, HEAD_DIM=D, BLOCK_N=meta["BLOCK_N"], BLOCK_D=meta["BLOCK_D"],
             NUM_SPLITS=num_splits, BLOCK_S=_next_pow2(num_splits),
             num_warps=1 if _uses_interpreter(q.device) else 4, **_pdl_args(q.device),
         )
@@ -359,28 +354,28 @@ def decode_split_plan(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len: 
 
 
 def _decode_plan(q, k_cache, launch, max_seq_len: int, counters) -> tuple[int, int]:
-    kern, args, meta, cfg = launch
+    kern, args, meta = launch
     B, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     per_sm = 2  # interpreted (CPU) kernels: a small machine's guess
     if not _uses_interpreter(q.device):
         index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-        key = (index, q.dtype, k_cache.dtype, D, Hq // Hkv, counters is not None,
-               tuple(sorted(cfg.items())))
+        key = (index, q.dtype, k_cache.dtype, D, Hq // Hkv, k_cache.shape[1],
+               counters is not None)
         per_sm = _occupancy_cache.get(key)
-        if per_sm is None:  # the split variant's resources (the unsplit one lacks a store)
+        if per_sm is None:  # compiled once: the split variant (the unsplit one lacks a store)
             part = torch.empty(1, dtype=torch.float32, device=q.device)
-            per_sm = _programs_per_sm(
-                kern._decode_split_kernel, key,
-                _decode_args(args, part, part, part if counters is None else counters, 1),
-                dict(meta, NUM_SPLITS=2, FUSED_REDUCE=counters is not None))
+            kernel = kern._decode_split_kernel.warmup(
+                *_decode_args(args, part, part, part if counters is None else counters, 1),
+                grid=(1,), **dict(meta, NUM_SPLITS=2, FUSED_REDUCE=counters is not None))
+            per_sm = _occupancy_cache[key] = _programs_per_sm(kernel, index)
     return (decode_num_splits(B, Hkv, max_seq_len, q.device, per_sm),
             decode_min_split_tokens(B, Hkv, q.device, per_sm))
 
 
 def _decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, counters):
-    """The split kernel's module, leading arguments, compile-time arguments and tile
-    config (everything but the partials, the counters, the least chunk and the splits)."""
+    """The split kernel's module, leading arguments and compile-time arguments (everything
+    but the partials, the counters, the least chunk and the splits)."""
     B, Hq, D, bs, Hkv = _check_attention_shapes(q, k_cache, v_cache)
     gqa = Hq // Hkv
     interpreted = _uses_interpreter(q.device)
@@ -392,7 +387,7 @@ def _decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, coun
                 BLOCK_G=max(16, _next_pow2(gqa)), BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
                 DOT_FP32=_dot_fp32(q.dtype, interpreted), num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"], **_pdl_args(q.device))
-    return _kernels_for(q.device), args, meta, cfg
+    return _kernels_for(q.device), args, meta
 
 
 def _decode_args(args: tuple, part_o, part_lse, counters, min_tiles: int) -> tuple:
