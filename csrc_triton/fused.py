@@ -26,7 +26,7 @@ module's kernels (compiled, or interpreted if ``TRITON_INTERPRET=1`` was set
 when it was imported); CPU tensors always use a second copy of this file
 loaded under ``TRITON_INTERPRET=1`` (Triton's interpreter; slow, tests only).
 Under the interpreter bf16 casts truncate instead of rounding, so the kernels
-round to bf16 by hand there (``_rne_bf16``); compiled kernels use the native
+round to bf16 by hand there (``_numerics.rne_bf16``); compiled kernels use the native
 round-to-nearest-even conversion.  Compiled launches pass
 ``enable_fp_fusion=False`` so no multiply-add is contracted into an FMA that
 PyTorch would not use.
@@ -44,8 +44,10 @@ from csrc_triton._pdl import launch_args as pdl_args
 
 _fp8_cast = jit_helpers("_fp8_cast")
 _pdl = jit_helpers("_pdl")
+_numerics = jit_helpers("_numerics")
+_round = _numerics.round_to
 
-try:  # CUDA's own expf/rsqrtf (what PyTorch's CUDA kernels call)
+try:  # CUDA's own rsqrtf (what PyTorch's CUDA kernels call)
     from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - very old triton
     libdevice = None
@@ -71,30 +73,6 @@ _ROPE_TILE = {True: 8192, False: 2048}
 # ============================================================================
 # kernels
 # ============================================================================
-@triton.jit
-def _rne_bf16(x):
-    """fp32 -> the nearest-even bf16 value, kept in fp32 (exactly convertible
-    to bf16 afterwards, even by the interpreter's truncating cast)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _round(x, DT: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Round fp32 ``x`` to dtype code DT (0 fp32: no-op, 1 fp16, 2 bf16),
-    returning fp32: what PyTorch's ``op(...).to(dtype)`` would hold."""
-    y = x
-    if DT == 1:
-        y = x.to(tl.float16).to(tl.float32)
-    if DT == 2:
-        if INTERPRETED:
-            y = _rne_bf16(x)
-        else:
-            y = x.to(tl.bfloat16).to(tl.float32)
-    return y
-
-
 @triton.jit
 def _add(a, b):
     return a + b
@@ -207,10 +185,7 @@ def _rope_heads(
                          eps, inv_d, d_f, INTERPRETED)
             x1 = _round(w1[None, :] * _round(x1 * r[:, None], DT, INTERPRETED), DT, INTERPRETED)
             x2 = _round(w2[None, :] * _round(x2 * r[:, None], DT, INTERPRETED), DT, INTERPRETED)
-        o1 = _round(_round(x1 * c1, DT, INTERPRETED) + _round(-x2 * s1, DT, INTERPRETED),
-                    DT, INTERPRETED)
-        o2 = _round(_round(x2 * c2, DT, INTERPRETED) + _round(x1 * s2, DT, INTERPRETED),
-                    DT, INTERPRETED)
+        o1, o2 = _numerics.rotate(x1, x2, c1, s1, c2, s2, DT, INTERPRETED)
         dst = out_ptr + t * so_t + offs_h[:, None] * so_h + offs[None, :] * so_d
         tl.store(dst, o1.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + HALF * so_d, o2.to(out_ptr.dtype.element_ty), mask=mask)
@@ -298,13 +273,7 @@ def _silu_and_mul_kernel(
     row = x_ptr + t * sx_t
     g = tl.load(row + offs * sx_d, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(row + (offs + I) * sx_d, mask=mask, other=0.0).to(tl.float32)
-    # F.silu: x / (1 + exp(-x)) in fp32 (CUDA: expf and an IEEE division)
-    if INTERPRETED:
-        s = g / (1.0 + tl.exp(-g))
-    else:
-        s = tl.math.div_rn(g, 1.0 + libdevice.exp(-g))
-    s = _round(s, DT, INTERPRETED)
-    y = _round(s * u, DT, INTERPRETED)
+    y = _numerics.silu_mul(g, u, DT, INTERPRETED)
     tl.store(out_ptr + t * so_t + offs * so_d, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -34,6 +34,8 @@ CPU tensors run the kernels through Triton's interpreter (tests only), as in fus
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -45,8 +47,10 @@ from csrc_triton.int4_layout import int4_half, int4_packed_bytes
 
 _fp8_cast = jit_helpers("_fp8_cast")
 _pdl = jit_helpers("_pdl")
+_numerics = jit_helpers("_numerics")
 
-__all__ = ["int8_gemm", "int4_gemm", "fp8_weight_gemm", "fp8_quantize_rows", "linear_gemv"]
+__all__ = ["int8_gemm", "int4_gemm", "fp8_weight_gemm", "fp8_quantize_rows", "linear_gemv",
+           "GemvWeight", "gemv_silu_and_mul", "gemv_rotary"]
 
 
 # Integer codes to fp32 without I2F (a quarter-rate instruction, the int4 GEMV's limit):
@@ -205,31 +209,27 @@ def _int4_gemv_add(acc, b, s, z, x_ptr, k0, K, HALF: tl.constexpr, BLOCKS: tl.co
 
 
 @triton.jit
-def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, stride_wn,
-                    stride_sn, FORMAT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    INTERPRETED: tl.constexpr, FLOAT_ZERO: tl.constexpr,
-                    LOOP_STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
-    """One row of x against BLOCK_N rows of quantized weights (batch-1 decode), the whole
-    of K in one program: products accumulated element-wise in fp32 and summed over K once
-    at the end, the scale and bias applied and y written in x's dtype (no partial sums
-    and no second kernel). Tensor cores would pad the one row to 16 and shuffle operands
-    for nothing: the weights are only streamed. FORMAT 0 int8, 1 fp8, 2 int4, 3 16-bit
-    weights (the model's own, no scale). The first tile of weights is loaded before
-    waiting for the previous kernel (PDL), which wrote x. LOOP_STAGES > 1 (8- and 16-bit
-    weights) pipelines the loop's weight loads through shared memory (cp.async, that many
-    tiles in flight); 1 loads each tile when its step starts (plain loads, as a plain
-    range compiles)."""
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
+def _gemv_rows(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, offs_n, n_ok, K, stride_wn,
+               stride_sn, FORMAT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
+               HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               INTERPRETED: tl.constexpr, FLOAT_ZERO: tl.constexpr,
+               LOOP_STAGES: tl.constexpr, PDL: tl.constexpr):
+    """The GEMV kernels' body: one row of x against weight rows offs_n (any BLOCK_N rows),
+    the whole of K, products accumulated element-wise in fp32 and summed over K once at
+    the end; returns y [BLOCK_N] in fp32 with the scale and bias applied. FORMAT 0 int8,
+    1 fp8, 2 int4, 3 16-bit weights (the model's own, no scale). The first tile of weights
+    is loaded before waiting for the previous kernel (PDL), which wrote x. LOOP_STAGES > 1
+    (8- and 16-bit weights) pipelines the loop's weight loads through shared memory
+    (cp.async, that many tiles in flight); 1 loads each tile when its step starts (plain
+    loads, as a plain range compiles). (tl.full, not tl.zeros: the interpreter runs the
+    latter, a jitted helper of Triton's, only from a kernel's own body.)"""
     if FORMAT == 2:
         # A tile of BLOCK_K inputs is BLOCKS packed blocks.
         BLOCKS: tl.constexpr = BLOCK_K // (2 * HALF)
         b, s, z = _int4_gemv_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, 0, K,
                                      stride_wn, stride_sn, GROUP, HALF, BLOCKS)
         _pdl.wait_for_previous(PDL)
-        acc = _int4_gemv_add(tl.zeros((BLOCK_N, BLOCKS, HALF), dtype=tl.float32), b, s, z,
+        acc = _int4_gemv_add(tl.full((BLOCK_N, BLOCKS, HALF), 0.0, tl.float32), b, s, z,
                              x_ptr, 0, K, HALF, BLOCKS, FLOAT_ZERO)
         for k0 in range(BLOCK_K, K, BLOCK_K):
             b, s, z = _int4_gemv_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, k0, K,
@@ -243,7 +243,7 @@ def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, 
         offs_k = tl.arange(0, BLOCK_K)
         q = _gemv_weights(w_ptr, offs_n, n_ok, offs_k, K, stride_wn)
         _pdl.wait_for_previous(PDL)
-        acc = _gemv_add(tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32), q, x_ptr, offs_k, K,
+        acc = _gemv_add(tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32), q, x_ptr, offs_k, K,
                         FORMAT)
         for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=LOOP_STAGES):
             k = k0 + offs_k
@@ -257,7 +257,102 @@ def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, 
             y = y * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, stride_wn,
+                    stride_sn, FORMAT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    INTERPRETED: tl.constexpr, FLOAT_ZERO: tl.constexpr,
+                    LOOP_STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
+    """One row of x against BLOCK_N rows of quantized weights (batch-1 decode), y written
+    in x's dtype: no partial sums and no second kernel. Tensor cores would pad the one row
+    to 16 and shuffle operands for nothing: the weights are only streamed."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    y = _gemv_rows(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, offs_n, n_ok, K, stride_wn,
+                   stride_sn, FORMAT, GROUP, HALF, HAS_BIAS, BLOCK_N, BLOCK_K, INTERPRETED,
+                   FLOAT_ZERO, LOOP_STAGES, PDL)
     tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _gemv_silu_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, I, K, stride_wn,
+                      FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, DT: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      INTERPRETED: tl.constexpr, LOOP_STAGES: tl.constexpr = 1,
+                      PDL: tl.constexpr = False):
+    """The batch-1 gate/up projection with SiLU x up as its epilogue: a program's BLOCK_N
+    weight rows are BLOCK_N / 2 gate rows and the up rows of the same outputs, interleaved
+    (g0 u0 g1 u1 ..., so that one split pairs them); it writes silu(gate) * up [I], the
+    bytes the GEMV and silu_and_mul would give (gate and up rounded to x's dtype first)."""
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    r = tl.arange(0, BLOCK_N)
+    outs = tl.program_id(0) * PAIRS + r // 2
+    y = _gemv_rows(x_ptr, w_ptr, scale_ptr, scale_ptr, bias_ptr, outs + (r % 2) * I,
+                   outs < I, K, stride_wn, 0, FORMAT, 0, 0, HAS_BIAS, BLOCK_N, BLOCK_K,
+                   INTERPRETED, False, LOOP_STAGES, PDL)
+    # y as the plain GEMV stores it (the interpreter's cast truncates, so round_to would not)
+    y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+    gate, up = tl.split(tl.reshape(y, (PAIRS, 2)))
+    o = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
+    tl.store(out_ptr + o, _numerics.silu_mul(gate, up, DT, INTERPRETED).to(
+        out_ptr.dtype.element_ty), mask=o < I)
+
+
+@triton.jit
+def _gemv_rotary_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, q_ptr, pos_ptr, cos_ptr, sin_ptr,
+                        max_pos, slot_ptr, kc_ptr, vc_ptr, skc_b, skc_s, svc_b, svc_s,
+                        N, K, stride_wn, Q_SIZE, KV_SIZE, HALF_D: tl.constexpr,
+                        CACHE_BLOCK_SIZE: tl.constexpr, FORMAT: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, DT: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+                        LOOP_STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
+    """The batch-1 q/k/v projection with the rotary embedding and the K/V store as its
+    epilogue: a program's BLOCK_N weight rows are BLOCK_N / 2 rotary pairs (a head's rows j
+    and HALF_D + j, interleaved). q's rows are rotated into q_ptr [Q_SIZE], k's rotated and
+    v's as they are into the caches' slot (a negative slot is not stored): the bytes the
+    GEMV and rotary_embedding would give (fused.py; cos/sin and every step rounded the
+    same way)."""
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    r = tl.arange(0, BLOCK_N)
+    pair = tl.program_id(0) * PAIRS + r // 2
+    rows = (pair // HALF_D) * (2 * HALF_D) + pair % HALF_D + (r % 2) * HALF_D
+    y = _gemv_rows(x_ptr, w_ptr, scale_ptr, scale_ptr, bias_ptr, rows, pair < N // 2, K,
+                   stride_wn, 0, FORMAT, 0, 0, HAS_BIAS, BLOCK_N, BLOCK_K, INTERPRETED,
+                   False, LOOP_STAGES, PDL)
+    y = y.to(x_ptr.dtype.element_ty).to(tl.float32)  # as the plain GEMV stores it
+    x1, x2 = tl.split(tl.reshape(y, (PAIRS, 2)))
+    p = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
+    p_ok = p < N // 2
+    j = p % HALF_D
+    row = (p // HALF_D) * (2 * HALF_D) + j  # x1's row; x2's is HALF_D further
+    # The position (clamped, as rotary_embedding does) and its cos/sin in the dtype.
+    pos = tl.load(pos_ptr).to(tl.int64)
+    pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
+    c1 = _numerics.round_to(tl.load(cos_ptr + pos * 2 * HALF_D + j), DT, INTERPRETED)
+    c2 = _numerics.round_to(tl.load(cos_ptr + pos * 2 * HALF_D + HALF_D + j), DT, INTERPRETED)
+    s1 = _numerics.round_to(tl.load(sin_ptr + pos * 2 * HALF_D + j), DT, INTERPRETED)
+    s2 = _numerics.round_to(tl.load(sin_ptr + pos * 2 * HALF_D + HALF_D + j), DT, INTERPRETED)
+    o1, o2 = _numerics.rotate(x1, x2, c1, s1, c2, s2, DT, INTERPRETED)
+    is_q = p_ok & (row < Q_SIZE)
+    q_row = tl.where(is_q, row, 0)
+    tl.store(q_ptr + q_row, o1.to(q_ptr.dtype.element_ty), mask=is_q)
+    tl.store(q_ptr + q_row + HALF_D, o2.to(q_ptr.dtype.element_ty), mask=is_q)
+    slot = tl.load(slot_ptr).to(tl.int64) + tl.zeros([PAIRS], dtype=tl.int64)
+    slot_ok = slot >= 0
+    slot = tl.where(slot_ok, slot, 0)
+    blk = slot // CACHE_BLOCK_SIZE
+    off = slot % CACHE_BLOCK_SIZE
+    is_k = p_ok & slot_ok & (row >= Q_SIZE) & (row < Q_SIZE + KV_SIZE)
+    k_dst = kc_ptr + blk * skc_b + off * skc_s + tl.where(is_k, row - Q_SIZE, 0)
+    tl.store(k_dst, _fp8_cast.to_cache(o1, kc_ptr.dtype.element_ty), mask=is_k)
+    tl.store(k_dst + HALF_D, _fp8_cast.to_cache(o2, kc_ptr.dtype.element_ty), mask=is_k)
+    is_v = p_ok & slot_ok & (row >= Q_SIZE + KV_SIZE)
+    v_dst = vc_ptr + blk * svc_b + off * svc_s + tl.where(is_v, row - Q_SIZE - KV_SIZE, 0)
+    tl.store(v_dst, _fp8_cast.to_cache(x1, vc_ptr.dtype.element_ty), mask=is_v)
+    tl.store(v_dst + HALF_D, _fp8_cast.to_cache(x2, vc_ptr.dtype.element_ty), mask=is_v)
 
 
 # int4 codes to 16-bit floats for a tensor-core operand, two weights a 32-bit register:
@@ -778,6 +873,85 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor,
     out = _launch_gemv(mod, interpreted, x, weight, weight, None, bias, "w16", K, 0, N,
                        gemv_config("w16", 0, N, K, interpreted))
     return out.reshape(*x.shape[:-1], N)
+
+
+class GemvWeight(NamedTuple):
+    """A projection's weights as the batch-1 GEMV kernel reads them (a layer's
+    `gemv_weight`), for the kernels that put an epilogue after it."""
+    codes: torch.Tensor          # [N, K]: 16-bit weights, int8, or e4m3 viewed as uint8
+    scale: torch.Tensor | None   # fp32 [N] for the 8-bit formats
+    bias: torch.Tensor | None
+    fmt: str                     # "w16", "int8" or "fp8"
+
+
+_EPILOGUE_DT = {torch.float16: 1, torch.bfloat16: 2}
+
+
+def _epilogue_launch(x: torch.Tensor, w: GemvWeight, N: int, what: str):
+    """(kernel module, interpreted, launch keywords) of an epilogue GEMV; x one 16-bit row
+    (fp32 would let the compiler contract the rotary's products and sums into FMAs that
+    PyTorch does not use)."""
+    K = w.codes.shape[1]
+    if x.numel() != K or x.dtype not in _EPILOGUE_DT:
+        raise ValueError(f"{what} takes one 16-bit row of {K} inputs, got "
+                         f"{tuple(x.shape)} {x.dtype}")
+    if w.fmt not in ("w16", "int8", "fp8") or w.codes.shape[0] != N:
+        raise ValueError(f"{what}: weights {w.fmt} {tuple(w.codes.shape)} do not fit")
+    mod, interpreted = _kernels_for(x.device)
+    bn, bk, warps, loop_stages = gemv_config(w.fmt, 0, N, K, interpreted)
+    opts = {} if interpreted else {"num_warps": warps, "num_stages": 2, **pdl_args(x.device)}
+    scale = w.scale if w.scale is not None else w.codes
+    keywords = dict(FORMAT=_FORMATS[w.fmt], HAS_BIAS=w.bias is not None,
+                    DT=_EPILOGUE_DT[x.dtype], BLOCK_N=bn, BLOCK_K=bk, INTERPRETED=interpreted,
+                    LOOP_STAGES=loop_stages, **opts)
+    args = (x.reshape(1, K).contiguous(), w.codes, scale,
+            w.bias if w.bias is not None else scale)
+    return mod, args, keywords, triton.cdiv(N, bn)
+
+
+def gemv_silu_and_mul(x: torch.Tensor, w: GemvWeight) -> torch.Tensor:
+    """silu(gate) * up [1, I] for one row x and the gate/up weights [2 * I, K] (gate's
+    rows first): the batch-1 GEMV with SiLU x up as its epilogue, the bytes of the GEMV
+    followed by fused.silu_and_mul, one launch."""
+    N = w.codes.shape[0]
+    if N % 2:
+        raise ValueError(f"gate/up weights need an even number of rows, got {N}")
+    mod, args, keywords, programs = _epilogue_launch(x, w, N, "gemv_silu_and_mul")
+    out = torch.empty((1, N // 2), dtype=x.dtype, device=x.device)
+    mod._gemv_silu_kernel[(programs,)](*args, out, N // 2, w.codes.shape[1],
+                                       w.codes.stride(0), **keywords)
+    return out
+
+
+def gemv_rotary(x: torch.Tensor, w: GemvWeight, positions: torch.Tensor,
+                cos_table: torch.Tensor, sin_table: torch.Tensor, q_size: int, kv_size: int,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                slot_mapping: torch.Tensor) -> torch.Tensor:
+    """The batch-1 q/k/v projection (weights [q_size + 2 * kv_size, K], heads of
+    cos_table's width) with the rotary embedding at positions[0] and the K/V store into
+    slot slot_mapping[0] of the caches ([num_blocks, block_size, kv heads, head_dim], bf16,
+    fp16 or e4m3) as its epilogue; returns q [1, q_size] rotated. The bytes of the GEMV
+    followed by fused.rotary_embedding with the store, one launch."""
+    D = cos_table.shape[1]
+    N = q_size + 2 * kv_size
+    if (D % 2 or q_size % D or kv_size % D or sin_table.shape != cos_table.shape
+            or not cos_table.is_contiguous() or not sin_table.is_contiguous()):
+        raise ValueError(f"gemv_rotary: q {q_size} / kv {kv_size} are not heads of the "
+                         f"tables' {D} (contiguous cos and sin of one shape)")
+    for cache in (k_cache, v_cache):
+        if (cache.dim() != 4 or cache.shape[2] * cache.shape[3] != kv_size
+                or cache.shape[3] != D or cache.stride(3) != 1 or cache.stride(2) != D):
+            raise ValueError(f"gemv_rotary: a cache {tuple(cache.shape)} is not "
+                             f"[num_blocks, block_size, {kv_size // D}, {D}] with rows whole")
+    mod, args, keywords, _ = _epilogue_launch(x, w, N, "gemv_rotary")
+    q = torch.empty((1, q_size), dtype=x.dtype, device=x.device)
+    pairs_a_program = keywords["BLOCK_N"] // 2
+    mod._gemv_rotary_kernel[(triton.cdiv(N // 2, pairs_a_program),)](
+        *args, q, positions, cos_table, sin_table, cos_table.shape[0], slot_mapping,
+        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), N, w.codes.shape[1], w.codes.stride(0), q_size, kv_size,
+        HALF_D=D // 2, CACHE_BLOCK_SIZE=k_cache.shape[1], **keywords)
+    return q
 
 
 def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -185,3 +185,20 @@ def q4_1_weight(out_f: int, in_f: int, seed: int = 0) -> torch.Tensor:
     d = (torch.rand(out_f, in_f // 32, 1, generator=g) * 0.01 + 1e-3).half().float()
     m = (-d * (5 + 5 * torch.rand(out_f, in_f // 32, 1, generator=g))).half().float()
     return (m + q * d).reshape(out_f, in_f)
+
+
+def gemv_formats(linear: torch.nn.Linear, dtype: torch.dtype):
+    """(format, GemvWeight, the plain GEMV on a row) for 16-bit, fp8 and int8 weights."""
+    import csrc_triton
+    from minivllm.model.quantization import QuantizedLinear
+
+    w16 = linear.to(dtype)
+    yield ("w16", csrc_triton.GemvWeight(w16.weight, None, w16.bias, "w16"),
+           lambda x: csrc_triton.linear_gemv(x, w16.weight, w16.bias))
+    for method in ("fp8", "int8"):
+        layer = QuantizedLinear.from_linear(linear, method)
+        codes = layer.qweight.view(torch.uint8) if method == "fp8" else layer.qweight
+        gemm = csrc_triton.fp8_weight_gemm if method == "fp8" else csrc_triton.int8_gemm
+        yield (method, csrc_triton.GemvWeight(codes, layer.scale, layer.bias, method),
+               lambda x, layer=layer, gemm=gemm: gemm(x, layer.qweight, layer.scale,
+                                                      layer.bias))

@@ -12,13 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from minivllm import LLM, SamplingParams
+from minivllm.model.layers import RotaryEmbedding
 from minivllm.model.quantization import (FP8, GROUP_SIZE, METHODS, OWN_GRID_GROUP,
                                          QuantizedLinear, dequantize_int4, int4_half,
                                          int4_packed_bytes, own_int4_grid, pack_int4,
                                          quantize_activations_fp8, quantize_fp8,
                                          quantize_int4, quantize_int8, unpack_int4)
 from minivllm.server.testing import ServerThread, make_tiny_chat_model
-from conftest import q4_1_weight, random_prompts
+from conftest import gemv_formats, q4_1_weight, random_prompts
 
 
 def weights(out_f: int, in_f: int, seed: int = 0) -> torch.Tensor:
@@ -467,6 +468,56 @@ def test_linear_gemv_with_16_bit_weights(N, K):
                                    want - linear.bias.float(), rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError):
         csrc_triton.linear_gemv(torch.randn(2, K).to(torch.bfloat16), linear.weight.bfloat16())
+
+
+@pytest.mark.parametrize("I,K", [(20, 96), (7, 200)])
+def test_gemv_with_silu_and_mul_epilogue(I, K):
+    """Batch-1 gate/up with SiLU x up in the GEMV's epilogue (interpreted here): the same
+    bytes as the plain GEMV followed by silu_and_mul, for 16-bit, fp8 and int8 weights
+    and both 16-bit dtypes, a last program half full included (I odd)."""
+    import csrc_triton
+
+    torch.manual_seed(9)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.randn(1, K).to(dtype)
+        for fmt, w, plain in gemv_formats(torch.nn.Linear(K, 2 * I, bias=False), dtype):
+            got = csrc_triton.gemv_silu_and_mul(x, w)
+            assert got.shape == (1, I) and got.dtype == dtype
+            assert torch.equal(got, csrc_triton.silu_and_mul(plain(x))), (fmt, dtype)
+    with pytest.raises(ValueError):  # fp32 rows are not taken (see _epilogue_launch)
+        csrc_triton.gemv_silu_and_mul(torch.randn(1, K), w)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_gemv_with_rotary_and_kv_store_epilogue(cache_dtype):
+    """Batch-1 q/k/v with the rotary embedding and the K/V store in the GEMV's epilogue
+    (interpreted here): q and both caches hold the bytes of the plain GEMV followed by
+    rotary_embedding with its store, for 16-bit, fp8 and int8 weights with a bias (Qwen2),
+    a bf16 and an e4m3 cache; a negative slot stores nothing."""
+    import csrc_triton
+
+    torch.manual_seed(10)
+    hq, hkv, d, K, block = 2, 1, 16, 64, 4
+    q_size, kv_size = hq * d, hkv * d
+    rope = RotaryEmbedding(d, 32, 10000.0, None)
+    x = torch.randn(1, K).to(torch.bfloat16)
+    linear = torch.nn.Linear(K, q_size + 2 * kv_size, bias=True)
+    for fmt, w, plain in gemv_formats(linear, torch.bfloat16):
+        for slot in ((9, -1) if fmt == "w16" else (9,)):
+            positions, slots = torch.tensor([13, 0]), torch.tensor([slot, 0])
+            caches = [torch.zeros(3, block, hkv, d).to(cache_dtype) for _ in range(4)]
+            got_q = csrc_triton.gemv_rotary(x, w, positions, rope.cos_table, rope.sin_table,
+                                            q_size, kv_size, caches[0], caches[1], slots)
+            q, k, v = plain(x).split([q_size, kv_size, kv_size], dim=-1)
+            want_q, _ = csrc_triton.rotary_embedding(
+                positions, q.view(1, hq, d), k.view(1, hkv, d), rope.cos_table,
+                rope.sin_table, v=v.view(1, hkv, d), k_cache=caches[2], v_cache=caches[3],
+                slot_mapping=slots)
+            assert torch.equal(got_q.view(1, hq, d), want_q), (fmt, slot)
+            assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
+            assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))
+            for cache in caches[:2]:
+                assert (cache.float().abs().sum() > 0) == (slot >= 0)
 
 
 def test_fp8_bytes_decode_exactly_in_the_kernel():

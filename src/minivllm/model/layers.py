@@ -98,10 +98,17 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.fused_ops = fused_ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def gemv_weight(self, x: torch.Tensor) -> csrc_triton.GemvWeight | None:
+        """The weights for the batch-1 GEMV kernel when x goes there (one 16-bit row on a
+        GPU, the fused kernels on), else None."""
         if (self.fused_ops and x.shape[0] == 1 and x.is_cuda and x.dtype == self.weight.dtype
                 and x.dtype in (torch.float16, torch.bfloat16)
                 and not torch.compiler.is_compiling()):
+            return csrc_triton.GemvWeight(self.weight, None, self.bias, "w16")
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv_weight(x) is not None:
             return csrc_triton.linear_gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -116,8 +123,11 @@ class GatedMLP(nn.Module):
         self.fused_ops = fused_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
         if self.fused_ops:
-            return self.down_proj(csrc_triton.silu_and_mul(gate_up))
+            w = self.gate_up_proj.gemv_weight(x)
+            if w is not None:  # batch-1 decode: SiLU x up as the GEMV's epilogue
+                return self.down_proj(csrc_triton.gemv_silu_and_mul(x, w))
+            return self.down_proj(csrc_triton.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -60,6 +60,14 @@ class DecoderAttention(nn.Module):
 
     def forward(self, x: torch.Tensor | Fp8Activations, positions: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        w = self.qkv_proj.gemv_weight(x) if self.fused_ops and not self.qk_norm else None
+        if w is not None:
+            # Batch-1 decode: rotary and the K/V store as the q/k/v GEMV's epilogue.
+            q = csrc_triton.gemv_rotary(
+                x, w, positions, self.rotary.cos_table, self.rotary.sin_table, self.q_size,
+                self.kv_size, kv_cache[0], kv_cache[1], meta.slot_mapping)
+            out = self.attn.attend(q.view(-1, self.num_heads, self.head_dim), kv_cache, meta)
+            return self.o_proj(out.reshape(-1, self.q_size))
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)

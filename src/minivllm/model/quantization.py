@@ -265,6 +265,18 @@ class QuantizedLinear(nn.Module):
                                    self.group_size)
         return self.qweight.float() * self.scale[:, None]
 
+    def gemv_weight(self, x: torch.Tensor | Fp8Activations) -> csrc_triton.GemvWeight | None:
+        """The weights for the batch-1 GEMV kernel when x goes there and the kernels with
+        an epilogue can take it (one 16-bit row on a GPU, 8-bit weights, inputs in their
+        order), else None."""
+        if (isinstance(x, torch.Tensor) and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+                and x.dtype in (torch.float16, torch.bfloat16)
+                and self.method in ("fp8", "int8") and self.input_perm is None
+                and not quantizes_activations(x) and not torch.compiler.is_compiling()):
+            codes = self.qweight.view(torch.uint8) if self.method == "fp8" else self.qweight
+            return csrc_triton.GemvWeight(codes, self.scale, self.bias, self.method)
+        return None
+
     def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
         if isinstance(x, Fp8Activations):
             return self._fp8_scaled_mm(*x) if x.q.is_cuda else self.reference(x)
