@@ -37,6 +37,25 @@ def round_to(x, DT: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def round_opaque(x, DT: tl.constexpr, INTERPRETED: tl.constexpr):
+    """round_to through inline PTX, which the compiler cannot see into: with FMA
+    contraction on (the GEMV kernels keep it for their sums), LLVM turns round_to's cast
+    pairs around a product and a sum into one 16-bit FMA, which skips the product's
+    rounding (seen in the PTX: fma.rn.bf16)."""
+    if INTERPRETED or DT == 0:
+        y = round_to(x, DT, INTERPRETED)
+    elif DT == 1:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b16 h; cvt.rn.f16.f32 h, $1; cvt.f32.f16 $0, h; }", "=r,r", [x],
+            dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b16 h; cvt.rn.bf16.f32 h, $1; cvt.f32.bf16 $0, h; }", "=r,r", [x],
+            dtype=tl.float32, is_pure=True, pack=1)
+    return y
+
+
+@triton.jit
 def silu_mul(g, u, DT: tl.constexpr, INTERPRETED: tl.constexpr):
     """F.silu(g) * u from g and u already in the dtype: silu as x / (1 + exp(-x)) in fp32
     (CUDA: expf and an IEEE division), rounded, then the product rounded."""
@@ -50,10 +69,11 @@ def silu_mul(g, u, DT: tl.constexpr, INTERPRETED: tl.constexpr):
 @triton.jit
 def rotate(x1, x2, c1, s1, c2, s2, DT: tl.constexpr, INTERPRETED: tl.constexpr):
     """The neox rotary pair (x1 of a head's first half, x2 of its second): x*cos +
-    cat(-x2, x1)*sin, each product and the sum rounded to DT like PyTorch's ops. Needs no
-    FMA contraction where DT is fp32 (the rounding in between stops it otherwise)."""
-    o1 = round_to(round_to(x1 * c1, DT, INTERPRETED) + round_to(-x2 * s1, DT, INTERPRETED),
-                  DT, INTERPRETED)
-    o2 = round_to(round_to(x2 * c2, DT, INTERPRETED) + round_to(x1 * s2, DT, INTERPRETED),
-                  DT, INTERPRETED)
+    cat(-x2, x1)*sin, each product and the sum rounded to DT like PyTorch's ops (the
+    products through round_opaque). Where DT is fp32 the kernel must be compiled without
+    FMA contraction (fused.py's are; the GEMV epilogues take 16-bit rows only)."""
+    o1 = round_to(round_opaque(x1 * c1, DT, INTERPRETED) +
+                  round_opaque(-x2 * s1, DT, INTERPRETED), DT, INTERPRETED)
+    o2 = round_to(round_opaque(x2 * c2, DT, INTERPRETED) +
+                  round_opaque(x1 * s2, DT, INTERPRETED), DT, INTERPRETED)
     return o1, o2
