@@ -240,23 +240,34 @@ def _gemv_rows(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, offs_n, n_ok, K, str
         else:
             y = tl.sum(tl.sum(acc, axis=2), axis=1)
     else:
-        offs_k = tl.arange(0, BLOCK_K)
-        q = _gemv_weights(w_ptr, offs_n, n_ok, offs_k, K, stride_wn)
+        q = _gemv_weights(w_ptr, offs_n, n_ok, tl.arange(0, BLOCK_K), K, stride_wn)
         _pdl.wait_for_previous(PDL)
-        acc = _gemv_add(tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32), q, x_ptr, offs_k, K,
-                        FORMAT)
-        for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=LOOP_STAGES):
-            k = k0 + offs_k
-            acc = _gemv_add(acc, _gemv_weights(w_ptr, offs_n, n_ok, k, K, stride_wn), x_ptr,
-                            k, K, FORMAT)
-        if INTERPRETED:
-            y = tl.reduce(acc, 1, _add)
-        else:
-            y = tl.sum(acc, axis=1)
-        if FORMAT != 3:
-            y = y * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
+        y = _gemv_sum(q, x_ptr, w_ptr, scale_ptr, offs_n, n_ok, K, stride_wn, FORMAT,
+                      BLOCK_N, BLOCK_K, INTERPRETED, LOOP_STAGES)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _gemv_sum(q, x_ptr, w_ptr, scale_ptr, offs_n, n_ok, K, stride_wn, FORMAT: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+              LOOP_STAGES: tl.constexpr):
+    """_gemv_rows for 8- and 16-bit codes from the first tile's codes q (loaded before the
+    PDL wait): the loop over K, the row sums and the scale."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = _gemv_add(tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32), q, x_ptr, offs_k, K,
+                    FORMAT)
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=LOOP_STAGES):
+        k = k0 + offs_k
+        acc = _gemv_add(acc, _gemv_weights(w_ptr, offs_n, n_ok, k, K, stride_wn), x_ptr,
+                        k, K, FORMAT)
+    if INTERPRETED:
+        y = tl.reduce(acc, 1, _add)
+    else:
+        y = tl.sum(acc, axis=1)
+    if FORMAT != 3:
+        y = y * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
     return y
 
 
@@ -290,9 +301,10 @@ def _gemv_silu_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, I, K, stride_w
     PAIRS: tl.constexpr = BLOCK_N // 2
     r = tl.arange(0, BLOCK_N)
     outs = tl.program_id(0) * PAIRS + r // 2
-    y = _gemv_rows(x_ptr, w_ptr, scale_ptr, scale_ptr, bias_ptr, outs + (r % 2) * I,
-                   outs < I, K, stride_wn, 0, FORMAT, 0, 0, HAS_BIAS, BLOCK_N, BLOCK_K,
-                   INTERPRETED, False, LOOP_STAGES, PDL)
+    rows, rows_ok = outs + (r % 2) * I, outs < I
+    y = _gemv_rows(x_ptr, w_ptr, scale_ptr, scale_ptr, bias_ptr, rows, rows_ok, K,
+                   stride_wn, 0, FORMAT, 0, 0, HAS_BIAS, BLOCK_N, BLOCK_K, INTERPRETED,
+                   False, LOOP_STAGES, PDL)
     # y as the plain GEMV stores it (the interpreter's cast truncates, so round_to would not)
     y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
     gate, up = tl.split(tl.reshape(y, (PAIRS, 2)))
@@ -319,28 +331,38 @@ def _gemv_rotary_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, q_ptr, pos_ptr, cos_p
     r = tl.arange(0, BLOCK_N)
     pair = tl.program_id(0) * PAIRS + r // 2
     rows = (pair // HALF_D) * (2 * HALF_D) + pair % HALF_D + (r % 2) * HALF_D
-    y = _gemv_rows(x_ptr, w_ptr, scale_ptr, scale_ptr, bias_ptr, rows, pair < N // 2, K,
-                   stride_wn, 0, FORMAT, 0, 0, HAS_BIAS, BLOCK_N, BLOCK_K, INTERPRETED,
-                   False, LOOP_STAGES, PDL)
-    y = y.to(x_ptr.dtype.element_ty).to(tl.float32)  # as the plain GEMV stores it
-    x1, x2 = tl.split(tl.reshape(y, (PAIRS, 2)))
+    rows_ok = pair < N // 2
+    q = _gemv_weights(w_ptr, rows, rows_ok, tl.arange(0, BLOCK_K), K, stride_wn)
+    _pdl.wait_for_previous(PDL)
+    # The epilogue's inputs, loaded before the loop so that their latency hides behind it
+    # (a kernel before may have written the position and the slot): the position (clamped,
+    # as rotary_embedding does), its cos and sin in the dtype, and the KV slot.
     p = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
     p_ok = p < N // 2
     j = p % HALF_D
     row = (p // HALF_D) * (2 * HALF_D) + j  # x1's row; x2's is HALF_D further
-    # The position (clamped, as rotary_embedding does) and its cos/sin in the dtype.
     pos = tl.load(pos_ptr).to(tl.int64)
     pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
-    c1 = _numerics.round_to(tl.load(cos_ptr + pos * 2 * HALF_D + j), DT, INTERPRETED)
-    c2 = _numerics.round_to(tl.load(cos_ptr + pos * 2 * HALF_D + HALF_D + j), DT, INTERPRETED)
-    s1 = _numerics.round_to(tl.load(sin_ptr + pos * 2 * HALF_D + j), DT, INTERPRETED)
-    s2 = _numerics.round_to(tl.load(sin_ptr + pos * 2 * HALF_D + HALF_D + j), DT, INTERPRETED)
+    c1 = tl.load(cos_ptr + pos * 2 * HALF_D + j)
+    c2 = tl.load(cos_ptr + pos * 2 * HALF_D + HALF_D + j)
+    s1 = tl.load(sin_ptr + pos * 2 * HALF_D + j)
+    s2 = tl.load(sin_ptr + pos * 2 * HALF_D + HALF_D + j)
+    slot = tl.load(slot_ptr).to(tl.int64) + tl.zeros([PAIRS], dtype=tl.int64)
+    y = _gemv_sum(q, x_ptr, w_ptr, scale_ptr, rows, rows_ok, K, stride_wn, FORMAT, BLOCK_N,
+                  BLOCK_K, INTERPRETED, LOOP_STAGES)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=rows_ok, other=0.0).to(tl.float32)
+    y = y.to(x_ptr.dtype.element_ty).to(tl.float32)  # as the plain GEMV stores it
+    x1, x2 = tl.split(tl.reshape(y, (PAIRS, 2)))
+    c1 = _numerics.round_to(c1, DT, INTERPRETED)
+    c2 = _numerics.round_to(c2, DT, INTERPRETED)
+    s1 = _numerics.round_to(s1, DT, INTERPRETED)
+    s2 = _numerics.round_to(s2, DT, INTERPRETED)
     o1, o2 = _numerics.rotate(x1, x2, c1, s1, c2, s2, DT, INTERPRETED)
     is_q = p_ok & (row < Q_SIZE)
     q_row = tl.where(is_q, row, 0)
     tl.store(q_ptr + q_row, o1.to(q_ptr.dtype.element_ty), mask=is_q)
     tl.store(q_ptr + q_row + HALF_D, o2.to(q_ptr.dtype.element_ty), mask=is_q)
-    slot = tl.load(slot_ptr).to(tl.int64) + tl.zeros([PAIRS], dtype=tl.int64)
     slot_ok = slot >= 0
     slot = tl.where(slot_ok, slot, 0)
     blk = slot // CACHE_BLOCK_SIZE
