@@ -202,3 +202,25 @@ def gemv_formats(linear: torch.nn.Linear, dtype: torch.dtype):
         yield (method, csrc_triton.GemvWeight(codes, layer.scale, layer.bias, method),
                lambda x, layer=layer, gemm=gemm: gemm(x, layer.qweight, layer.scale,
                                                       layer.bias))
+
+
+def assert_gemv_rotary_matches(x, w, plain, rope, heads: tuple[int, int], positions,
+                               slots, cache_shape: tuple[int, int], cache_dtype):
+    """gemv_rotary against the plain GEMV followed by rotary_embedding with its store: the
+    same q and the same cache bytes; returns the epilogue's (k_cache, v_cache)."""
+    import csrc_triton
+
+    (hq, hkv), d = heads, rope.head_dim
+    q_size, kv_size = hq * d, hkv * d
+    caches = [torch.zeros(*cache_shape, hkv, d, device=x.device).to(cache_dtype)
+              for _ in range(4)]
+    got_q = csrc_triton.gemv_rotary(x, w, positions, rope.cos_table, rope.sin_table, q_size,
+                                    kv_size, caches[0], caches[1], slots)
+    q, k, v = plain(x).split([q_size, kv_size, kv_size], dim=-1)
+    want_q, _ = csrc_triton.rotary_embedding(
+        positions, q.view(1, hq, d), k.view(1, hkv, d), rope.cos_table, rope.sin_table,
+        v=v.view(1, hkv, d), k_cache=caches[2], v_cache=caches[3], slot_mapping=slots)
+    assert torch.equal(got_q.view(1, hq, d), want_q), (w.fmt, cache_dtype)
+    for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (w.fmt, cache_dtype)
+    return caches[0], caches[1]

@@ -10,7 +10,8 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm.model.layers import RotaryEmbedding
 from minivllm.model.quantization import GROUP_SIZE, METHODS, QuantizedLinear
-from conftest import GPU_TEST_CONFIG as CONFIG, gemv_formats, q4_1_weight, random_prompts
+from conftest import (GPU_TEST_CONFIG as CONFIG, assert_gemv_rotary_matches, gemv_formats,
+                      q4_1_weight, random_prompts)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -167,24 +168,13 @@ def test_gemv_epilogues_compiled(dtype):
         got = csrc_triton.gemv_silu_and_mul(x, w)
         assert torch.equal(got, csrc_triton.silu_and_mul(plain(x))), fmt
     rope = RotaryEmbedding(d, 8192, 500000.0, None).cuda()
-    q_size, kv_size = hq * d, hkv * d
-    qkv = torch.nn.Linear(K, q_size + 2 * kv_size, bias=True, device="cuda")
+    qkv = torch.nn.Linear(K, (hq + 2 * hkv) * d, bias=True, device="cuda")
     positions = torch.tensor([5000], device="cuda")
     slots = torch.tensor([77], device="cuda")
     for fmt, w, plain in gemv_formats(qkv, dtype):
         for cache_dtype in (dtype, torch.float8_e4m3fn):
-            caches = [torch.zeros(4, 64, hkv, d, device="cuda").to(cache_dtype)
-                      for _ in range(4)]
-            got_q = csrc_triton.gemv_rotary(x, w, positions, rope.cos_table, rope.sin_table,
-                                            q_size, kv_size, caches[0], caches[1], slots)
-            q, k, v = plain(x).split([q_size, kv_size, kv_size], dim=-1)
-            want_q, _ = csrc_triton.rotary_embedding(
-                positions, q.view(1, hq, d), k.view(1, hkv, d), rope.cos_table,
-                rope.sin_table, v=v.view(1, hkv, d), k_cache=caches[2], v_cache=caches[3],
-                slot_mapping=slots)
-            assert torch.equal(got_q.view(1, hq, d), want_q), (fmt, cache_dtype)
-            for a, b in ((caches[0], caches[2]), (caches[1], caches[3])):
-                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (fmt, cache_dtype)
+            assert_gemv_rotary_matches(x, w, plain, rope, (hq, hkv), positions, slots, (4, 64),
+                                       cache_dtype)
 
 
 @pytest.mark.parametrize("M,K", [(1, 4096), (300, 4160), (64, 14336), (3, 20000)])

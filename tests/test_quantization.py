@@ -19,7 +19,7 @@ from minivllm.model.quantization import (FP8, GROUP_SIZE, METHODS, OWN_GRID_GROU
                                          quantize_activations_fp8, quantize_fp8,
                                          quantize_int4, quantize_int8, unpack_int4)
 from minivllm.server.testing import ServerThread, make_tiny_chat_model
-from conftest import gemv_formats, q4_1_weight, random_prompts
+from conftest import assert_gemv_rotary_matches, gemv_formats, q4_1_weight, random_prompts
 
 
 def weights(out_f: int, in_f: int, seed: int = 0) -> torch.Tensor:
@@ -494,29 +494,17 @@ def test_gemv_with_rotary_and_kv_store_epilogue(cache_dtype):
     (interpreted here): q and both caches hold the bytes of the plain GEMV followed by
     rotary_embedding with its store, for 16-bit, fp8 and int8 weights with a bias (Qwen2),
     a bf16 and an e4m3 cache; a negative slot stores nothing."""
-    import csrc_triton
-
     torch.manual_seed(10)
-    hq, hkv, d, K, block = 2, 1, 16, 64, 4
-    q_size, kv_size = hq * d, hkv * d
+    hq, hkv, d, K = 2, 1, 16, 64
     rope = RotaryEmbedding(d, 32, 10000.0, None)
     x = torch.randn(1, K).to(torch.bfloat16)
-    linear = torch.nn.Linear(K, q_size + 2 * kv_size, bias=True)
+    linear = torch.nn.Linear(K, (hq + 2 * hkv) * d, bias=True)
     for fmt, w, plain in gemv_formats(linear, torch.bfloat16):
         for slot in ((9, -1) if fmt == "w16" else (9,)):
-            positions, slots = torch.tensor([13, 0]), torch.tensor([slot, 0])
-            caches = [torch.zeros(3, block, hkv, d).to(cache_dtype) for _ in range(4)]
-            got_q = csrc_triton.gemv_rotary(x, w, positions, rope.cos_table, rope.sin_table,
-                                            q_size, kv_size, caches[0], caches[1], slots)
-            q, k, v = plain(x).split([q_size, kv_size, kv_size], dim=-1)
-            want_q, _ = csrc_triton.rotary_embedding(
-                positions, q.view(1, hq, d), k.view(1, hkv, d), rope.cos_table,
-                rope.sin_table, v=v.view(1, hkv, d), k_cache=caches[2], v_cache=caches[3],
-                slot_mapping=slots)
-            assert torch.equal(got_q.view(1, hq, d), want_q), (fmt, slot)
-            assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
-            assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))
-            for cache in caches[:2]:
+            caches = assert_gemv_rotary_matches(x, w, plain, rope, (hq, hkv),
+                                                torch.tensor([13, 0]), torch.tensor([slot, 0]),
+                                                (3, 4), cache_dtype)
+            for cache in caches:
                 assert (cache.float().abs().sum() > 0) == (slot >= 0)
 
 
