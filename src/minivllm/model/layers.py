@@ -98,19 +98,19 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.fused_ops = fused_ops
 
-    def gemv_weight(self, x: torch.Tensor) -> csrc_triton.GemvWeight | None:
-        """The weights for the batch-1 GEMV kernel when x goes there (one 16-bit row on a
-        GPU, the fused kernels on), else None."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.fused_ops and x.shape[0] == 1 and x.is_cuda and x.dtype == self.weight.dtype
                 and x.dtype in (torch.float16, torch.bfloat16)
                 and not torch.compiler.is_compiling()):
-            return csrc_triton.GemvWeight(self.weight, None, self.bias, "w16")
-        return None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv_weight(x) is not None:
             return csrc_triton.linear_gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def gemv_weight(self, x: torch.Tensor) -> None:
+        """16-bit weights take no GEMV epilogue (QuantizedLinear.gemv_weight): their GEMV
+        runs 4 programs an SM, too few to hide each program's epilogue, which cost more
+        than the kernel it saves (Llama-3.1-8B W2 bf16: 234.5 tok/s with both epilogues,
+        238.2 with the rotary one, 241.4 without; docs/decisions.md)."""
+        return None
 
 
 class GatedMLP(nn.Module):

@@ -266,9 +266,10 @@ class QuantizedLinear(nn.Module):
         return self.qweight.float() * self.scale[:, None]
 
     def gemv_weight(self, x: torch.Tensor | Fp8Activations) -> csrc_triton.GemvWeight | None:
-        """The weights for the batch-1 GEMV kernel when x goes there and the kernels with
-        an epilogue can take it (one 16-bit row on a GPU, 8-bit weights, inputs in their
-        order), else None."""
+        """The weights for the batch-1 GEMV kernels with an epilogue (SiLU x up, the
+        rotary embedding and the K/V store) when x goes there: one 16-bit row on a GPU,
+        8-bit weights (whose GEMV programs are many to an SM, so each one's epilogue
+        hides behind the others' loads), inputs in their order; else None."""
         if (isinstance(x, torch.Tensor) and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
                 and x.dtype in (torch.float16, torch.bfloat16)
                 and self.method in ("fp8", "int8") and self.input_perm is None
