@@ -315,8 +315,8 @@ def _gemv_silu_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, I, K, stride_w
 
 @triton.jit
 def _gemv_rotary_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, q_ptr, pos_ptr, cos_ptr, sin_ptr,
-                        max_pos, slot_ptr, kc_ptr, vc_ptr, skc_b, skc_s, svc_b, svc_s,
-                        N, K, stride_wn, Q_SIZE, KV_SIZE, HALF_D: tl.constexpr,
+                        max_pos, slot_ptr, kc_ptr, vc_ptr, skc_b, skc_s, skc_h, skc_d,
+                        svc_b, svc_s, svc_h, svc_d, N, K, stride_wn, Q_SIZE, KV_SIZE, HALF_D: tl.constexpr,
                         CACHE_BLOCK_SIZE: tl.constexpr, FORMAT: tl.constexpr,
                         HAS_BIAS: tl.constexpr, DT: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
@@ -367,14 +367,21 @@ def _gemv_rotary_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, q_ptr, pos_ptr, cos_p
     slot = tl.where(slot_ok, slot, 0)
     blk = slot // CACHE_BLOCK_SIZE
     off = slot % CACHE_BLOCK_SIZE
+    # A cache row's head and dim by its strides (an e4m3 V cache is stored transposed).
     is_k = p_ok & slot_ok & (row >= Q_SIZE) & (row < Q_SIZE + KV_SIZE)
-    k_dst = kc_ptr + blk * skc_b + off * skc_s + tl.where(is_k, row - Q_SIZE, 0)
+    e = tl.where(is_k, row - Q_SIZE, 0)
+    k_dst = (kc_ptr + blk * skc_b + off * skc_s + (e // (2 * HALF_D)) * skc_h
+             + (e % (2 * HALF_D)) * skc_d)
     tl.store(k_dst, _fp8_cast.to_cache(o1, kc_ptr.dtype.element_ty), mask=is_k)
-    tl.store(k_dst + HALF_D, _fp8_cast.to_cache(o2, kc_ptr.dtype.element_ty), mask=is_k)
+    tl.store(k_dst + HALF_D * skc_d, _fp8_cast.to_cache(o2, kc_ptr.dtype.element_ty),
+             mask=is_k)
     is_v = p_ok & slot_ok & (row >= Q_SIZE + KV_SIZE)
-    v_dst = vc_ptr + blk * svc_b + off * svc_s + tl.where(is_v, row - Q_SIZE - KV_SIZE, 0)
+    e = tl.where(is_v, row - Q_SIZE - KV_SIZE, 0)
+    v_dst = (vc_ptr + blk * svc_b + off * svc_s + (e // (2 * HALF_D)) * svc_h
+             + (e % (2 * HALF_D)) * svc_d)
     tl.store(v_dst, _fp8_cast.to_cache(x1, vc_ptr.dtype.element_ty), mask=is_v)
-    tl.store(v_dst + HALF_D, _fp8_cast.to_cache(x2, vc_ptr.dtype.element_ty), mask=is_v)
+    tl.store(v_dst + HALF_D * svc_d, _fp8_cast.to_cache(x2, vc_ptr.dtype.element_ty),
+             mask=is_v)
 
 
 # int4 codes to 16-bit floats for a tensor-core operand, two weights a 32-bit register:
@@ -952,7 +959,7 @@ def gemv_rotary(x: torch.Tensor, w: GemvWeight, positions: torch.Tensor,
     """The batch-1 q/k/v projection (weights [q_size + 2 * kv_size, K], heads of
     cos_table's width) with the rotary embedding at positions[0] and the K/V store into
     slot slot_mapping[0] of the caches ([num_blocks, block_size, kv heads, head_dim], bf16,
-    fp16 or e4m3) as its epilogue; returns q [1, q_size] rotated. The bytes of the GEMV
+    fp16 or e4m3, any strides) as its epilogue; returns q [1, q_size] rotated. The bytes of the GEMV
     followed by fused.rotary_embedding with the store, one launch."""
     D = cos_table.shape[1]
     N = q_size + 2 * kv_size
@@ -960,18 +967,18 @@ def gemv_rotary(x: torch.Tensor, w: GemvWeight, positions: torch.Tensor,
             or not cos_table.is_contiguous() or not sin_table.is_contiguous()):
         raise ValueError(f"gemv_rotary: q {q_size} / kv {kv_size} are not heads of the "
                          f"tables' {D} (contiguous cos and sin of one shape)")
-    for cache in (k_cache, v_cache):
-        if (cache.dim() != 4 or cache.shape[2] * cache.shape[3] != kv_size
-                or cache.shape[3] != D or cache.stride(3) != 1 or cache.stride(2) != D):
-            raise ValueError(f"gemv_rotary: a cache {tuple(cache.shape)} is not "
-                             f"[num_blocks, block_size, {kv_size // D}, {D}] with rows whole")
+    if (k_cache.dim() != 4 or v_cache.shape != k_cache.shape
+            or tuple(k_cache.shape[2:]) != (kv_size // D, D)):
+        raise ValueError(f"gemv_rotary: caches {tuple(k_cache.shape)} / "
+                         f"{tuple(v_cache.shape)} are not [num_blocks, block_size, "
+                         f"{kv_size // D}, {D}]")
     mod, args, keywords, _ = _epilogue_launch(x, w, N, "gemv_rotary")
     q = torch.empty((1, q_size), dtype=x.dtype, device=x.device)
     pairs_a_program = keywords["BLOCK_N"] // 2
     mod._gemv_rotary_kernel[(triton.cdiv(N // 2, pairs_a_program),)](
         *args, q, positions, cos_table, sin_table, cos_table.shape[0], slot_mapping,
-        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), N, w.codes.shape[1], w.codes.stride(0), q_size, kv_size,
+        k_cache, v_cache, *k_cache.stride(), *v_cache.stride(), N, w.codes.shape[1],
+        w.codes.stride(0), q_size, kv_size,
         HALF_D=D // 2, CACHE_BLOCK_SIZE=k_cache.shape[1], **keywords)
     return q
 

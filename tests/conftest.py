@@ -209,11 +209,14 @@ def assert_gemv_rotary_matches(x, w, plain, rope, heads: tuple[int, int], positi
     """gemv_rotary against the plain GEMV followed by rotary_embedding with its store: the
     same q and the same cache bytes; returns the epilogue's (k_cache, v_cache)."""
     import csrc_triton
+    from minivllm.worker.kv_cache import value_cache
 
     (hq, hkv), d = heads, rope.head_dim
     q_size, kv_size = hq * d, hkv * d
-    caches = [torch.zeros(*cache_shape, hkv, d, device=x.device).to(cache_dtype)
-              for _ in range(4)]
+    shape = (*cache_shape, hkv, d)
+    # As the engine allocates them (an e4m3 V cache transposed in memory).
+    caches = [torch.zeros(shape, dtype=cache_dtype, device=x.device) if i % 2 == 0
+              else value_cache(shape, cache_dtype, x.device) for i in range(4)]
     got_q = csrc_triton.gemv_rotary(x, w, positions, rope.cos_table, rope.sin_table, q_size,
                                     kv_size, caches[0], caches[1], slots)
     q, k, v = plain(x).split([q_size, kv_size, kv_size], dim=-1)
