@@ -148,23 +148,61 @@ def test_model_logits_within_bounds(tiny_model_dirs, family, method):
     assert rel > 0  # it is quantized
 
 
-def _prompt_logits(runner, ids: torch.Tensor) -> torch.Tensor:
-    """The model's logits at every position of one prompt, through the runner's model and
-    a KV cache, as a prefill step computes them."""
+def _prompt_logits(runner, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """The model's logits at every position of one sequence's new tokens `ids` (positions
+    start.., the cache holding the tokens before), through the runner's model and a KV
+    cache, as a prefill or decode step computes them."""
     from minivllm.model.attention import AttentionMetadata
 
-    n = len(ids)
+    q, n = len(ids), start + len(ids)
     bs = runner.block_size
     blocks = list(range(-(-n // bs)))
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor([blocks[p // bs] * bs + p % bs for p in range(n)]),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        slot_mapping=torch.tensor([blocks[p // bs] * bs + p % bs for p in range(start, n)]),
+        query_start_loc=torch.tensor([0, q], dtype=torch.int32),
         seq_lens=torch.tensor([n], dtype=torch.int32),
         block_tables=torch.tensor([blocks], dtype=torch.int32),
-        max_query_len=n, max_seq_len=n, query_start_loc_host=[0, n], seq_lens_host=[n])
+        max_query_len=q, max_seq_len=n, query_start_loc_host=[0, q], seq_lens_host=[n])
     with torch.inference_mode():
-        hidden = runner.model(ids, torch.arange(n), runner.kv_cache.layers, meta)
+        hidden = runner.model(ids, torch.arange(start, n), runner.kv_cache.layers, meta)
         return runner.model.compute_logits(hidden).float()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_gemv_epilogues_in_the_decoder(tiny_model_dirs, monkeypatch, kv_cache_dtype):
+    """A batch-1 decode step of an fp8 bf16 model through the decoder with the GEMV
+    epilogues (SiLU x up, rotary + K/V store; kernels interpreted here, so the layers'
+    gate is opened for the CPU): the logits and every layer's cache as the step without
+    them, within the rounding of the kernels' own sums (the CPU's plain path is the
+    dequantized fp32 matmul); both caches, the e4m3 V cache stored transposed."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("MINIVLLM_FUSED_OPS", "1")
+    llm = LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, max_model_len=64,
+              dtype="bfloat16", quantization="fp8", kv_cache_dtype=kv_cache_dtype)
+    runner = llm.engine.runner
+    prompt = torch.tensor(random_prompts(1, 256, 9, 10, seed=9)[0])
+    _prompt_logits(runner, prompt[:-1])
+    plain = _prompt_logits(runner, prompt[-1:], start=len(prompt) - 1)
+    plain_caches = [t.float() for pair in runner.kv_cache.layers for t in pair]
+    taken = []
+    real = QuantizedLinear.gemv_weight
+
+    def on_the_cpu_too(self, x):
+        w = real(self, x, any_device=True)
+        taken.append(w is not None)
+        return w
+
+    monkeypatch.setattr(QuantizedLinear, "gemv_weight", on_the_cpu_too)
+    last = len(prompt) - 1  # the new token's slot (blocks in order): written again
+    for pair in runner.kv_cache.layers:
+        for t in pair:
+            t[last // runner.block_size, last % runner.block_size] = 0
+    fused = _prompt_logits(runner, prompt[-1:], start=len(prompt) - 1)
+    assert sum(taken) == 2 * 2  # q/k/v and gate/up in each of 2 layers
+    torch.testing.assert_close(fused, plain, rtol=2e-2, atol=2e-2)
+    for got, want in zip((t.float() for pair in runner.kv_cache.layers for t in pair),
+                         plain_caches, strict=True):
+        torch.testing.assert_close(got, want, rtol=7e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("method", METHODS)

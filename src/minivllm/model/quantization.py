@@ -265,12 +265,15 @@ class QuantizedLinear(nn.Module):
                                    self.group_size)
         return self.qweight.float() * self.scale[:, None]
 
-    def gemv_weight(self, x: torch.Tensor | Fp8Activations) -> csrc_triton.GemvWeight | None:
+    def gemv_weight(self, x: torch.Tensor | Fp8Activations,
+                    any_device: bool = False) -> csrc_triton.GemvWeight | None:
         """The weights for the batch-1 GEMV kernels with an epilogue (SiLU x up, the
         rotary embedding and the K/V store) when x goes there: one 16-bit row on a GPU,
         8-bit weights (whose GEMV programs are many to an SM, so each one's epilogue
-        hides behind the others' loads), inputs in their order; else None."""
-        if (isinstance(x, torch.Tensor) and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+        hides behind the others' loads), inputs in their order; else None. any_device:
+        on a CPU too, where the kernels run interpreted (tests)."""
+        if (isinstance(x, torch.Tensor) and (x.is_cuda or any_device)
+                and x.dim() == 2 and x.shape[0] == 1
                 and x.dtype in (torch.float16, torch.bfloat16)
                 and self.method in ("fp8", "int8") and self.input_perm is None
                 and not quantizes_activations(x) and not torch.compiler.is_compiling()):
