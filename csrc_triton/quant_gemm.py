@@ -917,9 +917,10 @@ _EPILOGUE_DT = {torch.float16: 1, torch.bfloat16: 2}
 
 
 def _epilogue_launch(x: torch.Tensor, w: GemvWeight, N: int, what: str):
-    """(kernel module, interpreted, launch keywords) of an epilogue GEMV; x one 16-bit row
-    (fp32 would let the compiler contract the rotary's products and sums into FMAs that
-    PyTorch does not use)."""
+    """(kernel module, leading arguments, launch keywords, programs) of an epilogue GEMV
+    over N weight rows, BLOCK_N rows (BLOCK_N / 2 output pairs) a program; x one 16-bit
+    row (fp32 would let the compiler contract the rotary's products and sums into FMAs
+    that PyTorch does not use)."""
     K = w.codes.shape[1]
     if x.numel() != K or x.dtype not in _EPILOGUE_DT:
         raise ValueError(f"{what} takes one 16-bit row of {K} inputs, got "
@@ -972,10 +973,9 @@ def gemv_rotary(x: torch.Tensor, w: GemvWeight, positions: torch.Tensor,
         raise ValueError(f"gemv_rotary: caches {tuple(k_cache.shape)} / "
                          f"{tuple(v_cache.shape)} are not [num_blocks, block_size, "
                          f"{kv_size // D}, {D}]")
-    mod, args, keywords, _ = _epilogue_launch(x, w, N, "gemv_rotary")
+    mod, args, keywords, programs = _epilogue_launch(x, w, N, "gemv_rotary")
     q = torch.empty((1, q_size), dtype=x.dtype, device=x.device)
-    pairs_a_program = keywords["BLOCK_N"] // 2
-    mod._gemv_rotary_kernel[(triton.cdiv(N // 2, pairs_a_program),)](
+    mod._gemv_rotary_kernel[(programs,)](
         *args, q, positions, cos_table, sin_table, cos_table.shape[0], slot_mapping,
         k_cache, v_cache, *k_cache.stride(), *v_cache.stride(), N, w.codes.shape[1],
         w.codes.stride(0), q_size, kv_size,
