@@ -209,35 +209,16 @@ def _int4_gemv_add(acc, b, s, z, x_ptr, k0, K, HALF: tl.constexpr, BLOCKS: tl.co
 
 
 @triton.jit
-def _gemv_load_first_tiles(w_ptr, offs_n, n_ok, K, stride_wn, BLOCK_K: tl.constexpr,
-                      TILES: tl.constexpr):
-    """The codes of the first TILES (1, 2 or 4) tiles of rows offs_n, to be loaded before
-    the PDL wait; the slots past TILES repeat the first tile (not loaded again)."""
-    offs_k = tl.arange(0, BLOCK_K)
-    q0 = _gemv_weights(w_ptr, offs_n, n_ok, offs_k, K, stride_wn)
-    q1 = q0
-    q2 = q0
-    q3 = q0
-    if TILES > 1:
-        q1 = _gemv_weights(w_ptr, offs_n, n_ok, BLOCK_K + offs_k, K, stride_wn)
-    if TILES > 2:
-        q2 = _gemv_weights(w_ptr, offs_n, n_ok, 2 * BLOCK_K + offs_k, K, stride_wn)
-        q3 = _gemv_weights(w_ptr, offs_n, n_ok, 3 * BLOCK_K + offs_k, K, stride_wn)
-    return q0, q1, q2, q3
-
-
-@triton.jit
 def _gemv_rows(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, offs_n, n_ok, K, stride_wn,
                stride_sn, FORMAT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
                HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                INTERPRETED: tl.constexpr, FLOAT_ZERO: tl.constexpr,
-               LOOP_STAGES: tl.constexpr, PDL: tl.constexpr, TILES: tl.constexpr = 1):
+               LOOP_STAGES: tl.constexpr, PDL: tl.constexpr):
     """The GEMV kernels' body: one row of x against weight rows offs_n (any BLOCK_N rows),
     the whole of K, products accumulated element-wise in fp32 and summed over K once at
     the end; returns y [BLOCK_N] in fp32 with the scale and bias applied. FORMAT 0 int8,
     1 fp8, 2 int4, 3 16-bit weights (the model's own, no scale). The first tile of weights
-    (8- and 16-bit codes: the first TILES) is loaded before waiting for the previous kernel
-    (PDL), which wrote x. LOOP_STAGES > 1
+    is loaded before waiting for the previous kernel (PDL), which wrote x. LOOP_STAGES > 1
     (8- and 16-bit weights) pipelines the loop's weight loads through shared memory
     (cp.async, that many tiles in flight); 1 loads each tile when its step starts (plain
     loads, as a plain range compiles). (tl.full, not tl.zeros: the interpreter runs the
@@ -259,32 +240,25 @@ def _gemv_rows(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, offs_n, n_ok, K, str
         else:
             y = tl.sum(tl.sum(acc, axis=2), axis=1)
     else:
-        first = _gemv_load_first_tiles(w_ptr, offs_n, n_ok, K, stride_wn, BLOCK_K, TILES)
+        q = _gemv_weights(w_ptr, offs_n, n_ok, tl.arange(0, BLOCK_K), K, stride_wn)
         _pdl.wait_for_previous(PDL)
-        y = _gemv_sum(first, x_ptr, w_ptr, scale_ptr, offs_n, n_ok, K, stride_wn, FORMAT,
-                      BLOCK_N, BLOCK_K, INTERPRETED, LOOP_STAGES, TILES)
+        y = _gemv_sum(q, x_ptr, w_ptr, scale_ptr, offs_n, n_ok, K, stride_wn, FORMAT,
+                      BLOCK_N, BLOCK_K, INTERPRETED, LOOP_STAGES)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     return y
 
 
 @triton.jit
-def _gemv_sum(first, x_ptr, w_ptr, scale_ptr, offs_n, n_ok, K, stride_wn,
-              FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              INTERPRETED: tl.constexpr, LOOP_STAGES: tl.constexpr, TILES: tl.constexpr):
-    """_gemv_rows for 8- and 16-bit codes from the first TILES tiles' codes (loaded before
-    the PDL wait, _gemv_load_first_tiles): the loop over K, the row sums and the scale. The
-    tiles are added in order, as the loop would: TILES does not change the result."""
+def _gemv_sum(q, x_ptr, w_ptr, scale_ptr, offs_n, n_ok, K, stride_wn, FORMAT: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+              LOOP_STAGES: tl.constexpr):
+    """_gemv_rows for 8- and 16-bit codes from the first tile's codes q (loaded before the
+    PDL wait): the loop over K, the row sums and the scale."""
     offs_k = tl.arange(0, BLOCK_K)
-    q0, q1, q2, q3 = first
-    acc = _gemv_add(tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32), q0, x_ptr, offs_k, K,
+    acc = _gemv_add(tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32), q, x_ptr, offs_k, K,
                     FORMAT)
-    if TILES > 1:
-        acc = _gemv_add(acc, q1, x_ptr, BLOCK_K + offs_k, K, FORMAT)
-    if TILES > 2:
-        acc = _gemv_add(acc, q2, x_ptr, 2 * BLOCK_K + offs_k, K, FORMAT)
-        acc = _gemv_add(acc, q3, x_ptr, 3 * BLOCK_K + offs_k, K, FORMAT)
-    for k0 in tl.range(TILES * BLOCK_K, K, BLOCK_K, num_stages=LOOP_STAGES):
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=LOOP_STAGES):
         k = k0 + offs_k
         acc = _gemv_add(acc, _gemv_weights(w_ptr, offs_n, n_ok, k, K, stride_wn), x_ptr,
                         k, K, FORMAT)
@@ -302,8 +276,7 @@ def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, 
                     stride_sn, FORMAT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     INTERPRETED: tl.constexpr, FLOAT_ZERO: tl.constexpr,
-                    LOOP_STAGES: tl.constexpr = 1, PDL: tl.constexpr = False,
-                    TILES: tl.constexpr = 1):
+                    LOOP_STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
     """One row of x against BLOCK_N rows of quantized weights (batch-1 decode), y written
     in x's dtype: no partial sums and no second kernel. Tensor cores would pad the one row
     to 16 and shuffle operands for nothing: the weights are only streamed."""
@@ -311,7 +284,7 @@ def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, 
     n_ok = offs_n < N
     y = _gemv_rows(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, offs_n, n_ok, K, stride_wn,
                    stride_sn, FORMAT, GROUP, HALF, HAS_BIAS, BLOCK_N, BLOCK_K, INTERPRETED,
-                   FLOAT_ZERO, LOOP_STAGES, PDL, TILES)
+                   FLOAT_ZERO, LOOP_STAGES, PDL)
     tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -320,7 +293,7 @@ def _gemv_silu_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, I, K, stride_w
                       FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, DT: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       INTERPRETED: tl.constexpr, LOOP_STAGES: tl.constexpr = 1,
-                      PDL: tl.constexpr = False, TILES: tl.constexpr = 1):
+                      PDL: tl.constexpr = False):
     """The batch-1 gate/up projection with SiLU x up as its epilogue: a program's BLOCK_N
     weight rows are BLOCK_N / 2 gate rows and the up rows of the same outputs, interleaved
     (g0 u0 g1 u1 ..., so that one split pairs them); it writes silu(gate) * up [I], the
@@ -331,7 +304,7 @@ def _gemv_silu_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, I, K, stride_w
     rows, rows_ok = outs + (r % 2) * I, outs < I
     y = _gemv_rows(x_ptr, w_ptr, scale_ptr, scale_ptr, bias_ptr, rows, rows_ok, K,
                    stride_wn, 0, FORMAT, 0, 0, HAS_BIAS, BLOCK_N, BLOCK_K, INTERPRETED,
-                   False, LOOP_STAGES, PDL, TILES)
+                   False, LOOP_STAGES, PDL)
     # y as the plain GEMV stores it (the interpreter's cast truncates, so round_to would not)
     y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
     gate, up = tl.split(tl.reshape(y, (PAIRS, 2)))
@@ -347,8 +320,7 @@ def _gemv_rotary_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, q_ptr, pos_ptr, cos_p
                         CACHE_BLOCK_SIZE: tl.constexpr, FORMAT: tl.constexpr,
                         HAS_BIAS: tl.constexpr, DT: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
-                        LOOP_STAGES: tl.constexpr = 1, PDL: tl.constexpr = False,
-                        TILES: tl.constexpr = 1):
+                        LOOP_STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
     """The batch-1 q/k/v projection with the rotary embedding and the K/V store as its
     epilogue: a program's BLOCK_N weight rows are BLOCK_N / 2 rotary pairs (a head's rows j
     and HALF_D + j, interleaved). q's rows are rotated into q_ptr [Q_SIZE], k's rotated and
@@ -360,7 +332,7 @@ def _gemv_rotary_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, q_ptr, pos_ptr, cos_p
     pair = tl.program_id(0) * PAIRS + r // 2
     rows = (pair // HALF_D) * (2 * HALF_D) + pair % HALF_D + (r % 2) * HALF_D
     rows_ok = pair < N // 2
-    first = _gemv_load_first_tiles(w_ptr, rows, rows_ok, K, stride_wn, BLOCK_K, TILES)
+    q = _gemv_weights(w_ptr, rows, rows_ok, tl.arange(0, BLOCK_K), K, stride_wn)
     _pdl.wait_for_previous(PDL)
     # The epilogue's inputs, loaded before the loop so that their latency hides behind it
     # (a kernel before may have written the position and the slot): the position (clamped,
@@ -376,8 +348,8 @@ def _gemv_rotary_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, q_ptr, pos_ptr, cos_p
     s1 = tl.load(sin_ptr + pos * 2 * HALF_D + j)
     s2 = tl.load(sin_ptr + pos * 2 * HALF_D + HALF_D + j)
     slot = tl.load(slot_ptr).to(tl.int64) + tl.zeros([PAIRS], dtype=tl.int64)
-    y = _gemv_sum(first, x_ptr, w_ptr, scale_ptr, rows, rows_ok, K, stride_wn, FORMAT,
-                  BLOCK_N, BLOCK_K, INTERPRETED, LOOP_STAGES, TILES)
+    y = _gemv_sum(q, x_ptr, w_ptr, scale_ptr, rows, rows_ok, K, stride_wn, FORMAT, BLOCK_N,
+                  BLOCK_K, INTERPRETED, LOOP_STAGES)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=rows_ok, other=0.0).to(tl.float32)
     y = y.to(x_ptr.dtype.element_ty).to(tl.float32)  # as the plain GEMV stores it
@@ -701,19 +673,6 @@ def gemv_config(fmt: str, half: int, N: int, K: int, interpreted: bool = False):
     return bn, bk, warps, 3 if fmt == "fp8" and not interpreted else 1
 
 
-def gemv_first_tiles(fmt: str, N: int, K: int, block_k: int) -> int:
-    """How many tiles of weights (1, 2 or 4) a batch-1 GEMV program of 8- or 16-bit
-    weights loads before it waits for the kernel before it (PDL): its programs can hold
-    them while that kernel still runs."""
-    return _usable_tiles(1, K, block_k)
-
-
-def _usable_tiles(tiles: int, K: int, block_k: int) -> int:
-    """tiles, at most the row's tiles, as 1, 2 or 4 (what the kernels unroll)."""
-    tiles = min(tiles, triton.cdiv(K, block_k))
-    return 4 if tiles >= 4 else 2 if tiles >= 2 else 1
-
-
 def _float_zero(zero) -> bool:
     """int4 zero points with fractions (a checkpoint's own grid), not integer codes."""
     return zero is not None and zero.dtype.is_floating_point
@@ -721,10 +680,8 @@ def _float_zero(zero) -> bool:
 
 def _launch_gemv(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
                  scale: torch.Tensor, zero, bias, fmt: str, group: int, half: int, N: int,
-                 config, first_tiles: int | None = None) -> torch.Tensor:
+                 config) -> torch.Tensor:
     bn, bk, warps, loop_stages = config
-    if first_tiles is None:
-        first_tiles = 1 if fmt == "int4" else gemv_first_tiles(fmt, N, x.shape[1], bk)
     out = torch.empty((1, N), dtype=x.dtype, device=x.device)
     opts = {} if interpreted else {"num_warps": warps, "num_stages": 2, **pdl_args(x.device)}
     mod._wq_gemv_kernel[(triton.cdiv(N, bn),)](
@@ -732,7 +689,7 @@ def _launch_gemv(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
         out, N, x.shape[1], w.stride(0), scale.stride(0) if fmt == "int4" else 0,
         FORMAT=_FORMATS[fmt], GROUP=group, HALF=half, HAS_BIAS=bias is not None, BLOCK_N=bn,
         BLOCK_K=bk, INTERPRETED=interpreted, FLOAT_ZERO=_float_zero(zero),
-        LOOP_STAGES=loop_stages, TILES=first_tiles, **opts)
+        LOOP_STAGES=loop_stages, **opts)
     return out
 
 
@@ -976,7 +933,7 @@ def _epilogue_launch(x: torch.Tensor, w: GemvWeight, N: int, what: str):
     scale = w.scale if w.scale is not None else w.codes
     keywords = dict(FORMAT=_FORMATS[w.fmt], HAS_BIAS=w.bias is not None,
                     DT=_EPILOGUE_DT[x.dtype], BLOCK_N=bn, BLOCK_K=bk, INTERPRETED=interpreted,
-                    LOOP_STAGES=loop_stages, TILES=gemv_first_tiles(w.fmt, N, K, bk), **opts)
+                    LOOP_STAGES=loop_stages, **opts)
     args = (x.reshape(1, K).contiguous(), w.codes, scale,
             w.bias if w.bias is not None else scale)
     return mod, args, keywords, triton.cdiv(N, bn)

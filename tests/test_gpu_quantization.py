@@ -125,9 +125,8 @@ def test_linear_gemv_compiled(N, K):
 @pytest.mark.parametrize("N,K", [(4096, 14336), (6144, 4096)])
 def test_gemv_loop_stages_compiled(fmt, N, K):
     """The GEMV's weight loads pipelined through shared memory (LOOP_STAGES 2 to 4, as
-    bench/diagnostics/gemv_sweep.py launches them), or its first 2 or 4 tiles loaded
-    before the PDL wait: the same products in the same order, so the plain loop's result
-    bit for bit."""
+    bench/diagnostics/gemv_sweep.py launches them): the same products in the same order,
+    so the plain loop's result bit for bit."""
     from csrc_triton import quant_gemm
     from minivllm.model.quantization import quantize_fp8
 
@@ -141,9 +140,9 @@ def test_gemv_loop_stages_compiled(fmt, N, K):
         q, scale = w.bfloat16(), torch.ones(N, device="cuda")
     config = quant_gemm.gemv_config(fmt, 0, N, K)
 
-    def run(stages, tiles=1):
+    def run(stages):
         return quant_gemm._launch_gemv(quant_gemm, False, x, q, scale, None, None, fmt, K, 0,
-                                       N, (*config[:3], stages), tiles)
+                                       N, (*config[:3], stages))
 
     plain = run(1)
     want = x.float() @ (q.view(torch.float8_e4m3fn).float() * scale[:, None]
@@ -151,22 +150,15 @@ def test_gemv_loop_stages_compiled(fmt, N, K):
     assert (plain.float() - want).norm() / want.norm() < 1e-2
     for stages in (2, 3, 4):
         assert torch.equal(run(stages), plain)
-    for tiles in (2, 4):
-        assert torch.equal(run(config[3], tiles), plain)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tiles", [1, 4])
-def test_gemv_epilogues_compiled(dtype, tiles, monkeypatch):
+def test_gemv_epilogues_compiled(dtype):
     """The batch-1 GEMV with SiLU x up, or the rotary embedding and the K/V store (bf16 or
-    e4m3 cache), as its epilogue, compiled and launched as the engine launches it (with 1
-    or 4 tiles of weights loaded before the PDL wait): the bytes of the plain GEMV and the
-    fused kernel after it, at Llama-3.1-8B's shapes, for 16-bit, fp8 and int8 weights."""
+    e4m3 cache), as its epilogue, compiled and launched as the engine launches it: the
+    bytes of the plain GEMV and the fused kernel after it, at Llama-3.1-8B's shapes, for
+    16-bit, fp8 and int8 weights."""
     import csrc_triton
-    from csrc_triton import quant_gemm
-
-    monkeypatch.setattr(quant_gemm, "gemv_first_tiles",
-                        lambda fmt, n, k, bk: quant_gemm._usable_tiles(tiles, k, bk))
 
     torch.manual_seed(0)
     K, inter, hq, hkv, d = 4096, 14336, 32, 8, 128

@@ -375,40 +375,6 @@ def test_gemv_loop_stages_change_nothing_but_the_loads():
                 plain)
 
 
-def test_gemv_weights_loaded_ahead_change_nothing(monkeypatch):
-    """The batch-1 GEMVs with their first 2 or 4 tiles of weights loaded before the PDL
-    wait (interpreted here: the order of the sums is what is checked) give the bytes of
-    one tile ahead: the plain GEMV and both epilogues, 16-bit, fp8 and int8 weights; a row
-    of fewer tiles than asked takes what it has, as 1, 2 or 4."""
-    import csrc_triton
-    from csrc_triton import quant_gemm
-
-    torch.manual_seed(13)
-    K, hq, hkv, d = 300, 2, 1, 16  # 5 tiles of 64 in the interpreter
-    rope = RotaryEmbedding(d, 32, 10000.0, None)
-    x = torch.randn(1, K).to(torch.bfloat16)
-    qkv = torch.nn.Linear(K, (hq + 2 * hkv) * d, bias=True)
-    gate_up = torch.nn.Linear(K, 2 * 12, bias=False)
-
-    def run(tiles):
-        monkeypatch.setattr(quant_gemm, "gemv_first_tiles",
-                            lambda fmt, n, k, bk: quant_gemm._usable_tiles(tiles, k, bk))
-        out = []
-        for (fmt, w, plain), (_, w2, _) in zip(gemv_formats(qkv, torch.bfloat16),
-                                               gemv_formats(gate_up, torch.bfloat16)):
-            caches = [torch.zeros(3, 4, hkv, d, dtype=torch.bfloat16) for _ in range(2)]
-            q = csrc_triton.gemv_rotary(x, w, torch.tensor([5]), rope.cos_table,
-                                        rope.sin_table, hq * d, hkv * d, *caches,
-                                        torch.tensor([6]))
-            out += [plain(x), q, *caches, csrc_triton.gemv_silu_and_mul(x, w2)]
-        return out
-
-    one = run(1)
-    assert [quant_gemm._usable_tiles(4, k, 64) for k in (64, 130, 192, 256)] == [1, 2, 2, 4]
-    for tiles in (2, 4):
-        assert all(torch.equal(a, b) for a, b in zip(run(tiles), one)), tiles
-
-
 _GEMV_PTX_SCRIPT = """
 import sys
 from triton.backends.compiler import GPUTarget
