@@ -1,12 +1,12 @@
-"""The activation dtype's rounding, RMSNorm, SiLU x up and the rotary pair as eager PyTorch
-computes them: fp32 arithmetic rounded to the dtype where PyTorch's separate ops round.
-Shared by fused.py's kernels and the batch-1 GEMV's epilogues (quant_gemm.py), so that both
-give the same bytes. Loaded through _interpret.jit_helpers, like _fp8_cast."""
+"""The activation dtype's rounding, SiLU x up and the rotary pair as eager PyTorch computes
+them: fp32 arithmetic rounded to the dtype where PyTorch's separate ops round. Shared by
+fused.py's kernels and the batch-1 GEMV's epilogues (quant_gemm.py), so that both give the
+same bytes. Loaded through _interpret.jit_helpers, like _fp8_cast."""
 
 import triton
 import triton.language as tl
 
-try:  # CUDA's own expf and rsqrtf (what PyTorch's CUDA kernels call)
+try:  # CUDA's own expf (what PyTorch's CUDA kernels call)
     from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - very old triton
     libdevice = None
@@ -77,42 +77,3 @@ def rotate(x1, x2, c1, s1, c2, s2, DT: tl.constexpr, INTERPRETED: tl.constexpr):
     o2 = round_to(round_opaque(x2 * c2, DT, INTERPRETED) +
                   round_opaque(x1 * s2, DT, INTERPRETED), DT, INTERPRETED)
     return o1, o2
-
-
-@triton.jit
-def _add(a, b):
-    return a + b
-
-
-@triton.jit
-def row_sum(x, INTERPRETED: tl.constexpr):
-    """Sum over axis 1. Under the interpreter, tl.sum is unusable when triton itself was
-    imported without TRITON_INTERPRET=1 (it is then a compiled-only @jit helper), so
-    reduce with our own combine function."""
-    if INTERPRETED:
-        s = tl.reduce(x, 1, _add)
-    else:
-        s = tl.sum(x, axis=1)
-    return s
-
-
-@triton.jit
-def inv_rms(sumsq, eps, inv_d, d_f, INTERPRETED: tl.constexpr):
-    """rsqrt(mean(x^2) + eps) as PyTorch computes it: on CPU mean = sum / n and rsqrt =
-    1 / sqrt; on CUDA mean = sum * (1/n) and rsqrt = rsqrtf."""
-    if INTERPRETED:
-        r = 1.0 / tl.sqrt(sumsq / d_f + eps)
-    else:
-        r = libdevice.rsqrt(sumsq * inv_d + eps)
-    return r
-
-
-@triton.jit
-def rms_normalize(x, w, eps, inv_d, d_f, X_DT: tl.constexpr, OUT_DT: tl.constexpr,
-                  INTERPRETED: tl.constexpr):
-    """RMSNorm.forward of rows x [R, D] (fp32 holding X_DT values, zeros past D) with
-    weight w [D] (fp32): weight * (x * rsqrt(mean(x^2) + eps)).to(X_DT), rounded to
-    OUT_DT; returns fp32."""
-    r = inv_rms(row_sum(x * x, INTERPRETED), eps, inv_d, d_f, INTERPRETED)
-    n = round_to(x * r[:, None], X_DT, INTERPRETED)      # x32.to(in_dtype)
-    return round_to(w[None, :] * n, OUT_DT, INTERPRETED)  # weight * n

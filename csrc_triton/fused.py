@@ -46,8 +46,11 @@ _fp8_cast = jit_helpers("_fp8_cast")
 _pdl = jit_helpers("_pdl")
 _numerics = jit_helpers("_numerics")
 _round = _numerics.round_to
-_row_sum = _numerics.row_sum
-_inv_rms = _numerics.inv_rms
+
+try:  # CUDA's own rsqrtf (what PyTorch's CUDA kernels call)
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - very old triton
+    libdevice = None
 
 __all__ = [
     "rms_norm",
@@ -71,19 +74,46 @@ _ROPE_TILE = {True: 8192, False: 2048}
 # kernels
 # ============================================================================
 @triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _row_sum(x, INTERPRETED: tl.constexpr):
+    """Sum over axis 1.  Under the interpreter, tl.sum is unusable when
+    triton itself was imported without TRITON_INTERPRET=1 (it is then a
+    compiled-only @jit helper), so reduce with our own combine function."""
+    if INTERPRETED:
+        s = tl.reduce(x, 1, _add)
+    else:
+        s = tl.sum(x, axis=1)
+    return s
+
+
+@triton.jit
 def _max(a, b):
     return tl.maximum(a, b)
 
 
 @triton.jit
 def _row_max(x, INTERPRETED: tl.constexpr):
-    """Maximum over axis 1 (by our own combine function when interpreted, as
-    _numerics.row_sum)."""
+    """Maximum over axis 1 (by our own combine function when interpreted, as _row_sum)."""
     if INTERPRETED:
         m = tl.reduce(x, 1, _max)
     else:
         m = tl.max(x, axis=1)
     return m
+
+
+@triton.jit
+def _inv_rms(sumsq, eps, inv_d, d_f, INTERPRETED: tl.constexpr):
+    """rsqrt(mean(x^2) + eps) as PyTorch computes it: on CPU mean = sum / n
+    and rsqrt = 1 / sqrt; on CUDA mean = sum * (1/n) and rsqrt = rsqrtf."""
+    if INTERPRETED:
+        r = 1.0 / tl.sqrt(sumsq / d_f + eps)
+    else:
+        r = libdevice.rsqrt(sumsq * inv_d + eps)
+    return r
 
 
 @triton.jit
@@ -114,8 +144,10 @@ def _rms_norm_kernel(
         x = _round(res + x, X_DT, INTERPRETED)  # PyTorch's `residual + x` in dtype
         tl.store(res_out_ptr + t * sro_t + offs_r[:, None] * sro_r + offs_d[None, :] * sro_d,
                  x.to(res_out_ptr.dtype.element_ty), mask=mask)
+    r = _inv_rms(_row_sum(x * x, INTERPRETED), eps, inv_d, d_f, INTERPRETED)
+    n = _round(x * r[:, None], X_DT, INTERPRETED)           # x32.to(in_dtype)
     w = tl.load(w_ptr + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-    y = _numerics.rms_normalize(x, w, eps, inv_d, d_f, X_DT, OUT_DT, INTERPRETED)
+    y = _round(w[None, :] * n, OUT_DT, INTERPRETED)           # weight * n
     if FP8_OUT:
         scale = tl.maximum(_row_max(tl.abs(y), INTERPRETED) / 448.0, 1e-12)
         tl.store(scale_ptr + t * R + offs_r, scale, mask=offs_r < R)

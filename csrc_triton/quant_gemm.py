@@ -34,10 +34,8 @@ CPU tensors run the kernels through Triton's interpreter (tests only), as in fus
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -52,7 +50,7 @@ _pdl = jit_helpers("_pdl")
 _numerics = jit_helpers("_numerics")
 
 __all__ = ["int8_gemm", "int4_gemm", "fp8_weight_gemm", "fp8_quantize_rows", "linear_gemv",
-           "GemvWeight", "gemv_silu_and_mul", "gemv_rotary", "gemv_add_rms_norm"]
+           "GemvWeight", "gemv_silu_and_mul", "gemv_rotary"]
 
 
 # Integer codes to fp32 without I2F (a quarter-rate instruction, the int4 GEMV's limit):
@@ -384,44 +382,6 @@ def _gemv_rotary_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, q_ptr, pos_ptr, cos_p
     tl.store(v_dst, _fp8_cast.to_cache(x1, vc_ptr.dtype.element_ty), mask=is_v)
     tl.store(v_dst + HALF_D * svc_d, _fp8_cast.to_cache(x2, vc_ptr.dtype.element_ty),
              mask=is_v)
-
-
-@triton.jit
-def _gemv_add_rms_norm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, norm_w_ptr, out_ptr,
-                              counter_ptr, N, K, stride_wn, eps, inv_d, d_f,
-                              FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, DT: tl.constexpr,
-                              OUT_DT: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                              INTERPRETED: tl.constexpr, LOOP_STAGES: tl.constexpr = 1,
-                              PDL: tl.constexpr = False):
-    """The batch-1 o or down projection with the residual add and the next RMSNorm as its
-    epilogue: each program adds its BLOCK_N outputs to the residual row (in place); the
-    program that finishes last (counted at counter_ptr, set back to zero after) normalizes
-    the whole row into out_ptr [N]. The bytes of the GEMV followed by fused_add_rms_norm
-    (its sum of squares taken over the same [1, BLOCK_D] tile, in this kernel's layout)."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    y = _gemv_rows(x_ptr, w_ptr, scale_ptr, scale_ptr, bias_ptr, offs_n, n_ok, K, stride_wn,
-                   0, FORMAT, 0, 0, HAS_BIAS, BLOCK_N, BLOCK_K, INTERPRETED, False,
-                   LOOP_STAGES, PDL)
-    y = y.to(x_ptr.dtype.element_ty).to(tl.float32)  # as the plain GEMV stores it
-    res = tl.load(res_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    h = _numerics.round_to(res + y, DT, INTERPRETED)  # PyTorch's `residual + x`
-    tl.store(res_ptr + offs_n, h.to(res_ptr.dtype.element_ty), mask=n_ok)
-    # Every thread's stores are issued before one thread's release-acquire increment, so
-    # the program that sees the final count also sees every program's rows.
-    tl.debug_barrier()
-    done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) - 1:
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < N
-        row = tl.load(res_ptr + offs_d[None, :], mask=d_ok[None, :], other=0.0,
-                      cache_modifier=".cg").to(tl.float32)  # from L2: others wrote it
-        w = tl.load(norm_w_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-        normed = _numerics.rms_normalize(row, w, eps, inv_d, d_f, DT, OUT_DT, INTERPRETED)
-        tl.store(out_ptr + offs_d[None, :], normed.to(out_ptr.dtype.element_ty),
-                 mask=d_ok[None, :])
-        tl.store(counter_ptr, 0)
 
 
 # int4 codes to 16-bit floats for a tensor-core operand, two weights a 32-bit register:
@@ -954,7 +914,6 @@ class GemvWeight(NamedTuple):
 
 
 _EPILOGUE_DT = {torch.float16: 1, torch.bfloat16: 2}
-_NORM_OUT_DT = {torch.float32: 0, **_EPILOGUE_DT}
 
 
 def _epilogue_launch(x: torch.Tensor, w: GemvWeight, N: int, what: str):
@@ -1022,43 +981,6 @@ def gemv_rotary(x: torch.Tensor, w: GemvWeight, positions: torch.Tensor,
         w.codes.stride(0), q_size, kv_size,
         HALF_D=D // 2, CACHE_BLOCK_SIZE=k_cache.shape[1], **keywords)
     return q
-
-
-@functools.cache
-def _finish_counter(device: torch.device) -> torch.Tensor:
-    """The int32 that gemv_add_rms_norm's programs count on, one per device, zero between
-    launches (each launch sets it back; the step's kernels run in one stream, in order)."""
-    return torch.zeros(1, dtype=torch.int32, device=device)
-
-
-# The residual row one program normalizes at the end (registers: 4,096 is 32 a thread).
-_NORM_TAIL_MAX = 16384
-
-
-def gemv_add_rms_norm(x: torch.Tensor, w: GemvWeight, residual: torch.Tensor,
-                      norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """For one row x and a projection onto the residual stream (o or down, weights [H, K]):
-    residual += x @ W^T (in place, [1, H]); returns rms_norm(residual) with norm_weight
-    [H]. The batch-1 GEMV with the residual add and the next RMSNorm as its epilogue: the
-    bytes of the GEMV followed by fused.fused_add_rms_norm (up to that kernel's own
-    summation order on a GPU), one launch. The first launch on a device allocates its
-    counter: warm up before a CUDA-graph capture."""
-    H = w.codes.shape[0]
-    if residual.shape != (1, H) or residual.dtype != x.dtype or not residual.is_contiguous():
-        raise ValueError(f"gemv_add_rms_norm: residual {tuple(residual.shape)} "
-                         f"{residual.dtype} is not one contiguous row of {H} in x's dtype")
-    if norm_weight.shape != (H,) or H > _NORM_TAIL_MAX:
-        raise ValueError(f"gemv_add_rms_norm: norm weight {tuple(norm_weight.shape)} does "
-                         f"not fit {H} outputs (at most {_NORM_TAIL_MAX})")
-    mod, args, keywords, programs = _epilogue_launch(x, w, H, "gemv_add_rms_norm")
-    out_dtype = torch.promote_types(x.dtype, norm_weight.dtype)
-    out = torch.empty((1, H), dtype=out_dtype, device=x.device)
-    inv_d = float(np.float32(1.0) / np.float32(H))
-    mod._gemv_add_rms_norm_kernel[(programs,)](
-        *args, residual, norm_weight, out, _finish_counter(x.device), H, w.codes.shape[1],
-        w.codes.stride(0), float(eps), inv_d, float(H),
-        OUT_DT=_NORM_OUT_DT[out_dtype], BLOCK_D=triton.next_power_of_2(H), **keywords)
-    return out
 
 
 def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -154,10 +154,10 @@ def test_gemv_loop_stages_compiled(fmt, N, K):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gemv_epilogues_compiled(dtype):
-    """The batch-1 GEMV with SiLU x up, the rotary embedding and the K/V store (bf16 or
-    e4m3 cache), or the residual add and the next norm as its epilogue, compiled and
-    launched as the engine launches it: the bytes of the plain GEMV and the fused kernel
-    after it, at Llama-3.1-8B's shapes, for 16-bit, fp8 and int8 weights."""
+    """The batch-1 GEMV with SiLU x up, or the rotary embedding and the K/V store (bf16 or
+    e4m3 cache), as its epilogue, compiled and launched as the engine launches it: the
+    bytes of the plain GEMV and the fused kernel after it, at Llama-3.1-8B's shapes, for
+    16-bit, fp8 and int8 weights."""
     import csrc_triton
 
     torch.manual_seed(0)
@@ -175,30 +175,6 @@ def test_gemv_epilogues_compiled(dtype):
         for cache_dtype in (dtype, torch.float8_e4m3fn):
             assert_gemv_rotary_matches(x, w, plain, rope, (hq, hkv), positions, slots, (4, 64),
                                        cache_dtype)
-    # o and down with the residual add and the next norm: the residual bit for bit; the
-    # norm summed in another order than fused_add_rms_norm's 8 warps, so a rare last-bit
-    # flip; and again from a graph replay (the finish counter back at zero each time).
-    norm_weight = (torch.randn(K, device="cuda") * 0.2 + 1).to(dtype)
-    for k_in in (hq * d, inter):
-        xi = torch.randn(1, k_in, device="cuda").to(dtype)
-        for fmt, w, plain in gemv_formats(torch.nn.Linear(k_in, K, bias=False,
-                                                          device="cuda"), dtype):
-            start = torch.randn(1, K, device="cuda").to(dtype)
-            want_res = start.clone()
-            want, _ = csrc_triton.fused_add_rms_norm(plain(xi), want_res, norm_weight, 1e-5)
-            residual = start.clone()
-            got = csrc_triton.gemv_add_rms_norm(xi, w, residual, norm_weight, 1e-5)
-            assert torch.equal(residual, want_res), fmt
-            assert (got != want).float().mean() < 0.01, fmt
-            torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-5)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                replayed = csrc_triton.gemv_add_rms_norm(xi, w, residual, norm_weight, 1e-5)
-            for _ in range(2):
-                residual.copy_(start)
-                graph.replay()
-                torch.cuda.synchronize()
-                assert torch.equal(residual, want_res) and torch.equal(replayed, got), fmt
 
 
 @pytest.mark.parametrize("M,K", [(1, 4096), (300, 4160), (64, 14336), (3, 20000)])

@@ -122,16 +122,12 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False, fused_ops=fused_ops)
         self.fused_ops = fused_ops
 
-    def activation(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up: the down projection's input."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_ops:
             w = self.gate_up_proj.gemv_weight(x)
             if w is not None:  # batch-1 decode: SiLU x up as the GEMV's epilogue
-                return csrc_triton.gemv_silu_and_mul(x, w)
-            return csrc_triton.silu_and_mul(self.gate_up_proj(x))
+                return self.down_proj(csrc_triton.gemv_silu_and_mul(x, w))
+            return self.down_proj(csrc_triton.silu_and_mul(self.gate_up_proj(x)))
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.activation(x))
+        return self.down_proj(F.silu(gate) * up)

@@ -60,8 +60,6 @@ class DecoderAttention(nn.Module):
 
     def forward(self, x: torch.Tensor | Fp8Activations, positions: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """The attention's output [tokens, q_size], before o_proj (the layer applies it,
-        with the residual add and the next norm)."""
         w = self.qkv_proj.gemv_weight(x) if self.fused_ops and not self.qk_norm else None
         if w is not None:
             # Batch-1 decode: rotary and the K/V store as the q/k/v GEMV's epilogue.
@@ -69,7 +67,7 @@ class DecoderAttention(nn.Module):
                 x, w, positions, self.rotary.cos_table, self.rotary.sin_table, self.q_size,
                 self.kv_size, kv_cache[0], kv_cache[1], meta.slot_mapping)
             out = self.attn.attend(q.view(-1, self.num_heads, self.head_dim), kv_cache, meta)
-            return out.reshape(-1, self.q_size)
+            return self.o_proj(out.reshape(-1, self.q_size))
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -89,7 +87,7 @@ class DecoderAttention(nn.Module):
                 k = self.k_norm(k)
             q, k = self.rotary(positions, q, k)
             out = self.attn(q, k, v, kv_cache, meta)
-        return out.reshape(-1, self.q_size)
+        return self.o_proj(out.reshape(-1, self.q_size))
 
 
 def add_and_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
@@ -113,23 +111,9 @@ def add_and_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
     return norm(residual), residual
 
 
-def project_add_and_norm(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor,
-                         norm: RMSNorm, fused_ops: bool, then: nn.Module | None = None
-                         ) -> tuple[torch.Tensor | Fp8Activations, torch.Tensor]:
-    """add_and_norm(proj(x), ...): a projection onto the residual stream (o, down), the
-    residual add and the norm after it. At batch-1 decode with 8-bit weights one kernel,
-    the GEMV with the add and the norm as its epilogue."""
-    w = proj.gemv_weight(x) if fused_ops else None
-    if w is not None:
-        return csrc_triton.gemv_add_rms_norm(x, w, residual, norm.weight, norm.eps), residual
-    return add_and_norm(proj(x), residual, norm, fused_ops, then)
-
-
 class DecoderLayer(nn.Module):
     """Carries the residual stream separately (vLLM's layout) so the residual add and
-    the next norm can be one fused kernel. A layer takes its input normalized and ends
-    with the next layer's input norm (or the model's final one): its last projection can
-    then fold the add and that norm into its kernel."""
+    the next norm can be one fused kernel: layer i adds its input to the residual."""
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: str,
                  fused_ops: bool) -> None:
@@ -140,18 +124,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor | Fp8Activations, residual: torch.Tensor,
-                positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-                next_norm: RMSNorm, next_proj: nn.Module | None,
-                ) -> tuple[torch.Tensor | Fp8Activations, torch.Tensor]:
-        """h: this layer's normalized input; returns (next_norm of the residual stream
-        after this layer, for next_proj; the residual stream)."""
-        a = self.self_attn(h, positions, kv_cache, meta)
-        h, residual = project_add_and_norm(self.self_attn.o_proj, a, residual,
-                                           self.post_attention_layernorm, self.fused_ops,
-                                           then=self.mlp.gate_up_proj)
-        return project_add_and_norm(self.mlp.down_proj, self.mlp.activation(h), residual,
-                                    next_norm, self.fused_ops, then=next_proj)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = add_and_norm(x, residual, self.input_layernorm, self.fused_ops,
+                                   then=self.self_attn.qkv_proj)
+        h = self.self_attn(h, positions, kv_cache, meta)
+        h, residual = add_and_norm(h, residual, self.post_attention_layernorm, self.fused_ops,
+                                   then=self.mlp.gate_up_proj)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -168,17 +149,11 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        first = self.layers[0]
-        h, residual = add_and_norm(self.embed_tokens(input_ids), None, first.input_layernorm,
-                                   self.fused_ops, then=first.self_attn.qkv_proj)
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            if i + 1 < len(self.layers):
-                after = self.layers[i + 1]
-                next_norm, next_proj = after.input_layernorm, after.self_attn.qkv_proj
-            else:
-                next_norm, next_proj = self.norm, None
-            h, residual = layer(h, residual, positions, kv_cache, meta, next_norm, next_proj)
-        return h
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, positions, kv_cache, meta)
+        return add_and_norm(x, residual, self.norm, self.fused_ops)[0]
 
 
 class LlamaForCausalLM(nn.Module):
