@@ -836,18 +836,30 @@ class Report:
     # -- minivllm vs vLLM --
 
     def newest_vs_vllm(self) -> list[Result]:
-        """The newest vs_vllm run of each model and variant (GPU runs first): a run of only
-        quantized engines ("W1 fp8" rows) does not stand in for the unquantized one."""
+        """The newest vs_vllm runs of each model and variant (GPU runs first): a run of only
+        quantized engines ("W1 fp8" rows) does not stand in for the unquantized one, and an
+        older run stays while it has a workload the newer ones lack (each run's cells were
+        measured together, so runs are shown whole, not merged)."""
         def variant(r: Result) -> str:
             if any((r.data.get("offline") or {}).values()):
                 return ""
             return ",".join(sorted(r.data.get("offline_quantized") or {}))
 
-        newest: dict[tuple[str, str], Result] = {}
-        for r in sorted(self.res.vs_vllm, key=lambda r: (bool(r.env.get("gpu")), r.date,
-                                                         str(r.path))):
-            newest[r.data.get("model", "?"), variant(r)] = r
-        return list(newest.values())
+        runs = sorted(self.res.vs_vllm, key=lambda r: (bool(r.env.get("gpu")), r.date,
+                                                       str(r.path)))
+        # Keys in the order of their oldest run, each key's runs newest first.
+        shown: dict[tuple[str, str], list[Result]] = {}
+        for r in runs:
+            shown.setdefault((r.data.get("model", "?"), variant(r)), [])
+        covered: dict[tuple[str, str], set] = {}
+        for r in reversed(runs):
+            key = (r.data.get("model", "?"), variant(r))
+            cells = {row.get("workload") for row in r.data.get("rows", [])}
+            if key in covered and cells <= covered[key]:
+                continue
+            covered.setdefault(key, set()).update(cells)
+            shown[key].append(r)
+        return [r for group in shown.values() for r in group]
 
     def vs_vllm(self) -> None:
         self.h(2, "minivllm against vLLM (each workload's two engines in one device call)")
@@ -1119,7 +1131,8 @@ class Report:
         vs = self.newest_vs_vllm()
         if not vs:
             rows.append(["vs vLLM", "vLLM", NOT_MEASURED + " (no committed result yet)", "-"])
-        for r in vs:
+        named = set()
+        for r in vs:  # each key's newest run first: it gives a cell two runs have
             version = ((r.data.get("offline") or {}).get("vllm") or {}).get("version")
             for x in r.data.get("rows", []):
                 if x["metric"] not in ("output_tok_per_s", "prompt_tok_per_s"):
@@ -1128,6 +1141,9 @@ class Report:
                 on = "" if not gpu or "H200" in gpu else f" ({gpu.replace('NVIDIA ', '')})"
                 name = (f"{r.data.get('model')} {x['workload']}, "
                         f"{x['metric'].replace('_per_s', '/s').replace('_', ' ')}{on}")
+                if name in named:
+                    continue
+                named.add(name)
                 rows.append([name, "minivllm", fmt(x.get("minivllm")) if x.get("minivllm")
                              else NOT_MEASURED, "-"])
                 rows.append([name, f"vLLM {version or ''}".strip(),
