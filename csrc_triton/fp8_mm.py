@@ -41,13 +41,16 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, co
                    M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   INTERPRETED: tl.constexpr, PDL: tl.constexpr = False):
+                   INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
+                   SWAP_AB: tl.constexpr = False):
     """A [BLOCK_M, BLOCK_N] tile of y over program_id(2)'s k_per_split inputs (a multiple
     of BLOCK_K). Hopper's fp8 MMAs add into an accumulator of less than fp32's precision
     (Triton's default on sm_90 never leaves it: 1.1% of the output's range off cuBLAS at
     14,336 inputs); max_num_imprecise_acc=128 moves the sum into a true fp32 accumulator
-    every 128 inputs, as cuBLAS does. Interpreted, the e4m3 bytes come as uint8 and are
-    multiplied in fp32 (exact products, as the tensor cores' are)."""
+    every 128 inputs, as cuBLAS does. SWAP_AB computes the tile transposed, the weights
+    as the MMA's first operand: Hopper's MMA takes 64 rows there, and a decode step's few
+    rows of x, padded to BLOCK_M = 16, fill its other side. Interpreted, the e4m3 bytes
+    come as uint8 and are multiplied in fp32 (exact products, as the tensor cores' are)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -61,7 +64,10 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, co
     k_hi = tl.minimum(k_lo + k_per_split, K)
     x_at = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     w_at = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             a = tl.load(x_at + k, mask=m_ok[:, None], other=0.0)
@@ -73,9 +79,16 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, co
         if INTERPRETED:
             a = a.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             b = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-        else:  # fp32 sums every 128 inputs: see the docstring
+            if SWAP_AB:
+                acc = tl.dot(b, tl.trans(a), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        elif SWAP_AB:  # fp32 sums every 128 inputs: see the docstring
+            acc = tl.dot(b, tl.trans(a), acc, max_num_imprecise_acc=128)
+        else:
             acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=128)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     ok = m_ok[:, None] & n_ok[None, :]
     last = True
     if SPLIT_K > 1:
@@ -124,7 +137,8 @@ def _split_counters(device: torch.device) -> torch.Tensor:
 
 
 def fp8_mm_config(M: int, N: int, K: int, sm_count: int | None):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) of the Triton kernel for
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, SWAP_AB]) of the Triton
+    kernel for
     M rows against an [N, K] weight, or None: torch._scaled_mm. Up to 64 rows every
     projection, [64, 64] tiles; 65-128 rows those with no more outputs than inputs (o,
     down), [128, 64] tiles; K split in 2 (in 4 from 8,192 inputs) where the tiles are
@@ -148,7 +162,7 @@ def _launch(mod, interpreted: bool, xq: torch.Tensor, xs: torch.Tensor, w: torch
             ws: torch.Tensor, bias, out_dtype: torch.dtype, config) -> torch.Tensor:
     M, K = xq.shape
     N = w.shape[0]
-    bm, bn, bk, split, warps, stages = config
+    bm, bn, bk, split, warps, stages, swap = (*config, False)[:7]
     k_per_split = triton.cdiv(triton.cdiv(K, bk), split) * bk
     split = triton.cdiv(K, k_per_split)
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
@@ -167,7 +181,7 @@ def _launch(mod, interpreted: bool, xq: torch.Tensor, xs: torch.Tensor, w: torch
         xq, xs, w, ws, bias if bias is not None else ws, out, part, counters, M, N, K,
         xq.stride(0), w.stride(0), out.stride(0), k_per_split, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_K=bk, SPLIT_K=split, EVEN_K=K % bk == 0, HAS_BIAS=bias is not None,
-        INTERPRETED=interpreted, **opts)
+        INTERPRETED=interpreted, SWAP_AB=bool(swap), **opts)
     return out
 
 

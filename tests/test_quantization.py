@@ -584,9 +584,10 @@ def test_fp8_row_quantization_kernel_matches_torch(K):
 @pytest.mark.parametrize("M,N,K,bias", [(5, 40, 96, False), (33, 24, 100, True),
                                          (17, 48, 256, False)])
 def test_fp8_split_k_matmul_matches_the_reference(M, N, K, bias):
-    """W8A8's Triton matmul (interpreted): K split 1-4 ways, uneven K, a bias; the partials
-    summed in a fixed order (the same bytes on every call and from every split count
-    within a rounding), and the split counters back at zero for the next call."""
+    """W8A8's Triton matmul (interpreted): K split 1-4 ways, uneven K, a bias, the tile
+    computed as it is or transposed (SWAP_AB); the partials summed in a fixed order (the
+    same bytes on every call and from every split count within a rounding), and the split
+    counters back at zero for the next call."""
     import csrc_triton
     from csrc_triton import fp8_mm
 
@@ -599,16 +600,15 @@ def test_fp8_split_k_matmul_matches_the_reference(M, N, K, bias):
         want = want.to(torch.bfloat16).float() + b.float()
     mod, interpreted = fp8_mm._kernels_for(torch.device("cpu"))
     assert interpreted
-    for split in (1, 2, 3, 4):
+    for config in [(16, 16, 32, split, 1, 1) for split in (1, 2, 4)] + [
+            (16, 16, 32, 3, 1, 1, True), (16, 32, 32, 4, 1, 1, True)]:
         for out_dtype in (torch.bfloat16, torch.float32):
-            got = fp8_mm._launch(mod, True, xq, xs, q, s, b, out_dtype,
-                                 (16, 16, 32, split, 1, 1))
+            got = fp8_mm._launch(mod, True, xq, xs, q, s, b, out_dtype, config)
             assert got.dtype == out_dtype
             tol = 1e-5 if out_dtype == torch.float32 and not bias else 8e-3
-            assert ((got.float() - want).abs().max() / want.abs().max()) < tol, (split,
+            assert ((got.float() - want).abs().max() / want.abs().max()) < tol, (config,
                                                                                  out_dtype)
-            again = fp8_mm._launch(mod, True, xq, xs, q, s, b, out_dtype,
-                                   (16, 16, 32, split, 1, 1))
+            again = fp8_mm._launch(mod, True, xq, xs, q, s, b, out_dtype, config)
             assert torch.equal(got, again)
     assert int(fp8_mm._split_counters(torch.device("cpu")).abs().sum()) == 0
     # The public entry point: the interpreter's configuration.

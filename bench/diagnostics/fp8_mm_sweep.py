@@ -7,7 +7,11 @@ against an fp32 product of the same e4m3 numbers, as _scaled_mm's is (max differ
 relative to the output's largest value).
 
     python -m bench.diagnostics.fp8_mm_sweep --out FILE [--rows 48,64,...] [--shapes qkv,o]
-        [--quick] [--operands bf16]
+        [--quick] [--operands bf16] [--swapped none|also|only]
+
+--swapped also (the default) adds, at up to 32 rows, the tile computed transposed
+(SWAP_AB: the weights as the MMA's first operand, x's rows padded to 16 or 32); "only"
+times just those.
 
 --operands bf16 asks whether the same split-K kernel would pay for 16-bit weights: bf16
 operands with unit scales (the kernel's loads and MMAs take them as they come) against
@@ -29,6 +33,18 @@ from bench.common import environment
 from bench.diagnostics.gemv_sweep import L2_CYCLE_BYTES, SHAPES, _time_graph
 
 ROWS = (48, 64, 96, 128, 192, 256)
+
+
+def _swapped_configs(M: int, quick: bool):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages, SWAP_AB) with the tile
+    transposed, at up to 32 rows: x's rows padded to 16 or 32, 64 or 128 weight rows."""
+    if M > 32:
+        return []
+    bm = 16 if M <= 16 else 32
+    stages = [3, 4, 6] if not quick else [4]
+    return [(bm, bn, bk, split, 4, st, True)
+            for bn, bk, split, st in itertools.product([64, 128], [128, 256], [1, 2, 4, 8],
+                                                       stages)]
 
 
 def _configs(M: int, quick: bool):
@@ -53,6 +69,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--operands", choices=("fp8", "bf16"), default="fp8")
+    ap.add_argument("--swapped", choices=("none", "also", "only"), default="also")
     args = ap.parse_args()
     from csrc_triton import fp8_mm
     from minivllm.model.quantization import quantize_activations_fp8, quantize_fp8
@@ -92,7 +109,10 @@ def main() -> None:
                 rows.append({"shape": name, "N": N, "K": K, "M": M, "kernel": "scaled_mm",
                              "us": round(base, 2), "rel_err": err})
             best = (base, "cuBLAS")
-            for cfg in _configs(M, args.quick):
+            configs = [] if args.swapped == "only" else _configs(M, args.quick)
+            if args.swapped != "none":
+                configs += _swapped_configs(M, args.quick)
+            for cfg in configs:
 
                 def kern(i, cfg=cfg):
                     qi, si = ws[i]
