@@ -138,14 +138,14 @@ def _split_counters(device: torch.device) -> torch.Tensor:
 
 def fp8_mm_config(M: int, N: int, K: int, sm_count: int | None):
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, SWAP_AB]) of the Triton
-    kernel for
-    M rows against an [N, K] weight, or None: torch._scaled_mm. Up to 64 rows every
-    projection, [64, 64] tiles; 65-128 rows those with no more outputs than inputs (o,
-    down), [128, 64] tiles; K split in 2 (in 4 from 8,192 inputs) where the tiles are
+    kernel for M rows against an [N, K] weight, or None: torch._scaled_mm. Up to 64 rows
+    every projection, [64, 64] tiles; 65-128 rows those with no more outputs than inputs
+    (o, down), [128, 64] tiles; K split in 2 (in 4 from 8,192 inputs) where the tiles are
     fewer than the SMs. On Llama-3.1-8B's projections on the H200, these were the fastest
     of 33-60 configurations at every row count they take, and cuBLAS was within 1 us or
     faster where they give way (bench/diagnostics/fp8_mm_sweep.py, docs/decisions.md).
-    sm_count None: the interpreter's tiny tiles (every call takes the kernel)."""
+    SWAP_AB (absent: False) is not chosen yet: not timed on a GPU. sm_count None: the
+    interpreter's tiny tiles (every call takes the kernel)."""
     if sm_count is None:
         return 16, 16, 32, (2 if K > 32 else 1), 1, 1
     if M > 128 or (M > 64 and N > K):
