@@ -38,6 +38,11 @@ def parse_variant(text: str) -> dict:
     return {"label": label, "env": env, "flags": shlex.split(parts[2])}
 
 
+def _cell(value: float) -> str:
+    """Throughputs as whole numbers, a decode sweep's milliseconds a step to the microsecond."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3f}"
+
+
 def run_process(args, variant: dict, index: int, timeout: float) -> dict:
     out = Path(args.out) / variant["label"] / f"p{index}"
     cmd = [sys.executable, "-m", "bench.vs_vllm", "offline", "--engine", "minivllm",
@@ -99,7 +104,7 @@ def table(record: dict) -> str:
     names = sorted({w for runs in record["runs"].values() for r in runs for w in r["best"]})
     lines = ["| variant | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for label, runs in record["runs"].items():
-        cells = [" / ".join(f"{r['best'][w]:,.0f}" for r in runs if w in r["best"]) or "-"
+        cells = [" / ".join(_cell(r["best"][w]) for r in runs if w in r["best"]) or "-"
                  for w in names]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
