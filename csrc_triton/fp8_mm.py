@@ -76,16 +76,13 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, co
             k_ok = (k + offs_k < K)[None, :]
             a = tl.load(x_at + k, mask=m_ok[:, None] & k_ok, other=0.0)
             b = tl.load(w_at + k, mask=n_ok[:, None] & k_ok, other=0.0)
+        if SWAP_AB:
+            a, b = b, a
         if INTERPRETED:
             a = a.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             b = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            if SWAP_AB:
-                acc = tl.dot(b, tl.trans(a), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-        elif SWAP_AB:  # fp32 sums every 128 inputs: see the docstring
-            acc = tl.dot(b, tl.trans(a), acc, max_num_imprecise_acc=128)
-        else:
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        else:  # fp32 sums every 128 inputs: see the docstring
             acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=128)
     if SWAP_AB:
         acc = tl.trans(acc)
