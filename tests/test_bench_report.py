@@ -345,3 +345,31 @@ def test_kv_cache_fp8_and_decode_splits_tables(tmp_path):
     assert "| 64 x 8192 | 20.00 | 13.40 | 0.67x |" in md
     assert "| batch x context | cache | 1 splits | 3 splits |" in md
     assert "| 64 x 8192 | float8_e4m3fn | 332.3 | 275.7* |" in md
+
+
+def test_vs_vllm_older_run_stays_for_the_workloads_newer_runs_lack(tmp_path):
+    """Of one model's fp8 runs against vLLM, the newest gives each cell it has (W2 fp8 from
+    the run with the decode sweep); an older run stays for the workloads only it has (W1,
+    W6 fp8), and a run whose workloads newer runs all cover is not shown."""
+    fp8 = RESULTS / "2026-12-02-h200-vs-vllm-llama-3.1-8b-fp8" / "vs_vllm.json"
+    sweep = RESULTS / "2026-12-03-h200-vs-vllm-llama-3.1-8b-fp8-decode-sweep" / "vs_vllm.json"
+    if not (fp8.exists() and sweep.exists()):
+        pytest.skip("the committed fp8 runs against vLLM are not in this tree")
+    root = tmp_path / "results"
+    for name, path in (("older", fp8), ("newer", sweep)):
+        (root / name).mkdir(parents=True)
+        shutil.copy(path, root / name / "vs_vllm.json")
+    oldest = json.loads(fp8.read_text())
+    oldest["environment"]["date"] = "2026-12-01 00:00:00 UTC"
+    oldest["rows"] = [r for r in oldest["rows"] if r["workload"] == "W2 fp8"]
+    for r in oldest["rows"]:
+        r["minivllm"] = 123.4
+    (root / "oldest").mkdir()
+    (root / "oldest" / "vs_vllm.json").write_text(json.dumps(oldest))
+    md = report.render([root], tmp_path / "out", base=tmp_path).read_text()
+    headline = md.split("\n## ")[1]
+    assert "| llama-3.1-8b W2 fp8, output tok/s | minivllm | 375.5 | - |" in headline
+    assert "| llama-3.1-8b W1 fp8, output tok/s | minivllm | 11,880 | - |" in headline
+    assert "| llama-3.1-8b W6 fp8, output tok/s | minivllm | 1,011 | - |" in headline
+    assert headline.count("W2 fp8, output tok/s | minivllm") == 1
+    assert "123.4" not in md and "359.2" not in headline
