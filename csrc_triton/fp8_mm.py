@@ -135,22 +135,30 @@ def _split_counters(device: torch.device) -> torch.Tensor:
 
 def fp8_mm_config(M: int, N: int, K: int, sm_count: int | None):
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, SWAP_AB]) of the Triton
-    kernel for M rows against an [N, K] weight, or None: torch._scaled_mm. Up to 64 rows
-    every projection, [64, 64] tiles; 65-128 rows those with no more outputs than inputs
-    (o, down), [128, 64] tiles; K split in 2 (in 4 from 8,192 inputs) where the tiles are
+    kernel for M rows against an [N, K] weight, or None: torch._scaled_mm. Up to 16 rows
+    the tile computed transposed (SWAP_AB: 64 weight rows on the MMA's 64-row side, x's
+    rows padded to 16), K split until every SM has a program; 17-64 rows every
+    projection, [64, 64] tiles; 65-128 rows those with no more outputs than inputs (o,
+    down), [128, 64] tiles; K split in 2 (in 4 from 8,192 inputs) where the tiles are
     fewer than the SMs. On Llama-3.1-8B's projections on the H200, these were the fastest
-    of 33-60 configurations at every row count they take, and cuBLAS was within 1 us or
+    of 33-96 configurations at every row count they take, and cuBLAS was within 1 us or
     faster where they give way (bench/diagnostics/fp8_mm_sweep.py, docs/decisions.md).
-    SWAP_AB (absent: False) is not chosen yet: not timed on a GPU. sm_count None: the
-    interpreter's tiny tiles (every call takes the kernel)."""
+    sm_count None: the interpreter's tiny tiles (every call takes the kernel)."""
     if sm_count is None:
         return 16, 16, 32, (2 if K > 32 else 1), 1, 1
     if M > 128 or (M > 64 and N > K):
         return None
+    bk = 256 if K >= 8192 else 128
+    if M <= 16:
+        tiles = triton.cdiv(N, 64)
+        split = 1 if tiles >= sm_count else 2 if 2 * tiles >= sm_count else 4
+        # the stage counts the sweep found fastest at each split (docs/decisions.md)
+        stages = 3 if split == 1 else 6 if split == 2 and bk == 128 else 4
+        return 16, 64, bk, split, 4, stages, True
     bm, bn = (64, 64) if M <= 64 else (128, 64)
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     split = 1 if tiles >= sm_count else 4 if K >= 8192 else 2
-    bk = 256 if K >= 8192 and bm == 64 else 128
+    bk = bk if bm == 64 else 128
     stages = 3 if bk == 256 or split == 1 else 4
     return bm, bn, bk, split, 4 if bm == 64 else 8, stages
 
