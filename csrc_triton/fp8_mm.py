@@ -135,9 +135,9 @@ def _split_counters(device: torch.device) -> torch.Tensor:
 
 def fp8_mm_config(M: int, N: int, K: int, sm_count: int | None):
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, SWAP_AB]) of the Triton
-    kernel for M rows against an [N, K] weight, or None: torch._scaled_mm. Up to 16 rows
+    kernel for M rows against an [N, K] weight, or None: torch._scaled_mm. Up to 32 rows
     the tile computed transposed (SWAP_AB: 64 weight rows on the MMA's 64-row side, x's
-    rows padded to 16), K split until every SM has a program; 17-64 rows every
+    rows padded to 16 or 32), K split until every SM has a program; 33-64 rows every
     projection, [64, 64] tiles; 65-128 rows those with no more outputs than inputs (o,
     down), [128, 64] tiles; K split in 2 (in 4 from 8,192 inputs) where the tiles are
     fewer than the SMs. On Llama-3.1-8B's projections on the H200, these were the fastest
@@ -149,12 +149,12 @@ def fp8_mm_config(M: int, N: int, K: int, sm_count: int | None):
     if M > 128 or (M > 64 and N > K):
         return None
     bk = 256 if K >= 8192 else 128
-    if M <= 16:
+    if M <= 32:
         tiles = triton.cdiv(N, 64)
         split = 1 if tiles >= sm_count else 2 if 2 * tiles >= sm_count else 4
         # the stage counts the sweep found fastest at each split (docs/decisions.md)
         stages = 3 if split == 1 else 6 if split == 2 and bk == 128 else 4
-        return 16, 64, bk, split, 4, stages, True
+        return (16 if M <= 16 else 32), 64, bk, split, 4, stages, True
     bm, bn = (64, 64) if M <= 64 else (128, 64)
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     split = 1 if tiles >= sm_count else 4 if K >= 8192 else 2

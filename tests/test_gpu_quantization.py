@@ -189,7 +189,7 @@ def test_fp8_row_quantization_is_torchs(M, K):
     assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
 
 
-@pytest.mark.parametrize("M", [2, 8, 33, 64, 100, 256])
+@pytest.mark.parametrize("M", [2, 8, 24, 33, 64, 100, 256])
 @pytest.mark.parametrize("N,K", [(4096, 4096), (512, 14336), (6144, 4096)])
 def test_fp8_split_k_matmul_compiled(M, N, K):
     """The split-K W8A8 kernel against an fp32 product of the same e4m3 numbers: within a
@@ -208,7 +208,8 @@ def test_fp8_split_k_matmul_compiled(M, N, K):
     cublas = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s[None, :],
                               out_dtype=torch.bfloat16).float()
     assert ((cublas - want).abs().max() / want.abs().max()) < 5e-3
-    swapped = [(16, 64, 128, 2, 4, 4, True), (16, 128, 256, 4, 4, 3, True)] if M <= 16 else []
+    swapped = ([(16, 64, 128, 2, 4, 4, True), (16, 128, 256, 4, 4, 3, True)] if M <= 16 else
+               [(32, 64, 128, 2, 4, 6, True), (32, 64, 256, 4, 4, 4, True)] if M <= 32 else [])
     for cfg in [(64, 128, 128, 1, 4, 3), (64, 128, 128, 4, 4, 4), (128, 64, 128, 8, 8, 3),
                 (64, 256, 128, 2, 4, 3), *swapped]:
         run = lambda: fp8_mm._launch(fp8_mm, False, xq, xs, q, s, None,  # noqa: E731
