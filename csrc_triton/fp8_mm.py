@@ -49,8 +49,9 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, co
     14,336 inputs); max_num_imprecise_acc=128 moves the sum into a true fp32 accumulator
     every 128 inputs, as cuBLAS does. SWAP_AB computes the tile transposed, the weights
     as the MMA's first operand: Hopper's MMA takes 64 rows there, and a decode step's few
-    rows of x, padded to BLOCK_M = 16, fill its other side. Interpreted, the e4m3 bytes
-    come as uint8 and are multiplied in fp32 (exact products, as the tensor cores' are)."""
+    rows of x, padded to BLOCK_M = 16 or 32, fill its other side. Interpreted, the e4m3
+    bytes come as uint8 and are multiplied in fp32 (exact products, as the tensor cores'
+    are)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -141,8 +142,9 @@ def fp8_mm_config(M: int, N: int, K: int, sm_count: int | None):
     projection, [64, 64] tiles; 65-128 rows those with no more outputs than inputs (o,
     down), [128, 64] tiles; K split in 2 (in 4 from 8,192 inputs) where the tiles are
     fewer than the SMs. On Llama-3.1-8B's projections on the H200, these were the fastest
-    of 33-96 configurations at every row count they take, and cuBLAS was within 1 us or
-    faster where they give way (bench/diagnostics/fp8_mm_sweep.py, docs/decisions.md).
+    of 33-96 configurations at every row count they take (within 0.7 us of it at 24 and
+    32 rows), and cuBLAS was within 1 us or faster where they give way
+    (bench/diagnostics/fp8_mm_sweep.py, docs/decisions.md).
     sm_count None: the interpreter's tiny tiles (every call takes the kernel)."""
     if sm_count is None:
         return 16, 16, 32, (2 if K > 32 else 1), 1, 1
