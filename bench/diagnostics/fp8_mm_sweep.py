@@ -9,8 +9,8 @@ relative to the output's largest value).
     python -m bench.diagnostics.fp8_mm_sweep --out FILE [--rows 48,64,...] [--shapes qkv,o]
         [--quick] [--operands bf16] [--swapped none|also|only]
 
---swapped also (the default) adds, at up to 32 rows, the tile computed transposed
-(SWAP_AB: the weights as the MMA's first operand, x's rows padded to 16 or 32); "only"
+--swapped also (the default) adds, at up to 64 rows, the tile computed transposed
+(SWAP_AB: the weights as the MMA's first operand, x's rows padded to 16, 32 or 64); "only"
 times just those.
 
 --operands bf16 asks whether the same split-K kernel would pay for 16-bit weights: bf16
@@ -37,10 +37,10 @@ ROWS = (48, 64, 96, 128, 192, 256)
 
 def _swapped_configs(M: int, quick: bool):
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages, SWAP_AB) with the tile
-    transposed, at up to 32 rows: x's rows padded to 16 or 32, 64 or 128 weight rows."""
-    if M > 32:
+    transposed, at up to 64 rows: x's rows padded to 16, 32 or 64, 64 or 128 weight rows."""
+    if M > 64:
         return []
-    bm = 16 if M <= 16 else 32
+    bm = 16 if M <= 16 else 32 if M <= 32 else 64
     stages = [3, 4, 6] if not quick else [4]
     return [(bm, bn, bk, split, 4, st, True)
             for bn, bk, split, st in itertools.product([64, 128], [128, 256], [1, 2, 4, 8],
