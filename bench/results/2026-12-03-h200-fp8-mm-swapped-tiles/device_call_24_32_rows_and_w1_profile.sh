@@ -7,7 +7,7 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_quant
 tail -3 $R/gpu_tests.log
 timeout 200 python3 -m bench.diagnostics.fp8_mm_sweep --rows 24,32 --swapped also --out $R/fp8_mm_sweep_24_32_swapped.json > $R/sweep.log 2>&1; t sweep $?
 tail -4 $R/sweep.log
-python3 .ab/pick_fp8mm.py $R/fp8_mm_sweep_24_32_swapped.json $R/picks_24_32.json > $R/picks.log 2>&1; cat $R/picks.log
+python3 bench/results/2026-12-03-h200-fp8-split-k-matmul/pick_fp8mm.py $R/fp8_mm_sweep_24_32_swapped.json $R/picks_24_32.json > $R/picks.log 2>&1; cat $R/picks.log
 MINIVLLM_PDL=0 timeout 180 python3 -m bench.step_profile --model llama-3.1-8b --workload W1 --requests 128 --quantization fp8 --out $R/step_profile_w1_fp8_no_pdl.json > $R/profile.log 2>&1; t profile $?
 tail -3 $R/profile.log; cat $R/times.log
 tar czf $OUT/out.tgz -C $OUT r

@@ -7,7 +7,7 @@ timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_quanti
 tail -3 $R/gpu_tests.log
 timeout 240 python3 -m bench.diagnostics.fp8_mm_sweep --rows 8,16 --swapped also --out $R/fp8_mm_sweep_8_16_swapped.json > $R/sweep.log 2>&1; t sweep $?
 tail -8 $R/sweep.log
-python3 .ab/pick_fp8mm.py $R/fp8_mm_sweep_8_16_swapped.json $R/picks.json > $R/picks.log 2>&1; cat $R/picks.log
+python3 bench/results/2026-12-03-h200-fp8-split-k-matmul/pick_fp8mm.py $R/fp8_mm_sweep_8_16_swapped.json $R/picks.json > $R/picks.log 2>&1; cat $R/picks.log
 A="PYTHONPATH=$PWD/.ab:$PWD/src:$PWD AB_FP8_MM_PICK=$R/picks.json AB_FP8_MM_PICK_FALLBACK=1"
 L=$(left 560); timeout $L python3 -m bench.offline_ab --model llama-3.1-8b --workloads sweep \
   --variant "shipped;;--quantization fp8" --variant "picked;$A;--quantization fp8" \
