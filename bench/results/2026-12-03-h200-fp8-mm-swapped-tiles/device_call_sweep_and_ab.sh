@@ -1,4 +1,4 @@
-# Next session: SWAP_AB at 8 / 16 rows. Tests, sweep (shipped tiles and swapped), picks, A/B of the decode sweep.
+# SWAP_AB at 8 / 16 rows: GPU tests, the sweep (shipped tiles and swapped), picks, the decode sweep A/B (.ab/sitecustomize.py is ab_hooks.py here).
 set -u
 export PYTHONPATH=$PWD/src:$PWD MINIVLLM_GIT_COMMIT=$(cat bench/.commit) HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 S=$(date +%s); R=$OUT/r; mkdir -p $R; t(){ echo "$1 rc=$2 $(( $(date +%s)-S ))s" >> $R/times.log; }
