@@ -69,7 +69,6 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, co
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    prev = tl.zeros_like(acc)  # the chunk before: added one step later
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             a = tl.load(x_at + k, mask=m_ok[:, None], other=0.0)
@@ -85,10 +84,7 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, co
             b = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
         else:  # fp32 sums every 128 inputs: see the docstring
-            cur = tl.dot(a, tl.trans(b))
-            acc += prev
-            prev = cur
-    acc += prev
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=128)
     if SWAP_AB:
         acc = tl.trans(acc)
     ok = m_ok[:, None] & n_ok[None, :]
