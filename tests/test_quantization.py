@@ -616,6 +616,32 @@ def test_fp8_split_k_matmul_matches_the_reference(M, N, K, bias):
     assert ((got.float() - want).abs().max() / want.abs().max()) < 8e-3
 
 
+@pytest.mark.parametrize("sm_count", [132, 58])
+def test_fp8_matmul_configs_fit_in_shared_memory(sm_count):
+    """The W8A8 kernel's configurations on real projection shapes (Llama-3.1-8B, Qwen2.5-0.5B,
+    Qwen3-0.6B) at every decode-sized row count: the pipeline's shared memory (stages x
+    (BLOCK_M + BLOCK_N) x BLOCK_K bytes, what Triton 3.6 allocates for it on sm_90a) fits
+    the 99 KB a block may use on sm_89 GPUs (L4, L40S), not only Hopper's 227 KB; the
+    transposed tile takes up to 32 rows and pads them to 16 or 32; past 128 rows cuBLAS."""
+    from csrc_triton.fp8_mm import fp8_mm_config
+
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),  # Llama-3.1-8B
+              (1152, 896), (896, 896), (9728, 896), (896, 4864),  # Qwen2.5-0.5B
+              (4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]  # Qwen3-0.6B
+    for N, K in shapes:
+        for M in range(1, 257):
+            config = fp8_mm_config(M, N, K, sm_count)
+            if M > 128:
+                assert config is None
+            if config is None:
+                continue
+            bm, bn, bk, split, warps, stages, swap = (*config, False)[:7]
+            assert stages * (bm + bn) * bk <= 101376, (M, N, K, config)
+            assert bool(swap) == (M <= 32), (M, config)
+            assert bm >= M if swap else bm in (64, 128), (M, config)
+            assert split in (1, 2, 4) and warps in (4, 8)
+
+
 def test_fp8_activations_from_the_norm_kernels(tiny_model_dirs, monkeypatch):
     """With the fused kernels (interpreted here), a W8A8 step's norms write e4m3 rows and
     scales for the projections after them: the logits equal those of the same kernels
