@@ -1,7 +1,9 @@
 """Compile the W8A8 kernel (csrc_triton/fp8_mm.py under ROOT) for sm_90a on the CPU and
 print its MMAs, its wgmma waits and what ptxas -v says (registers, injected waits).
 
-    PYTHONPATH=<triton 3.6 site> python fp8_mm_waits.py ROOT BM,BN,BK,SPLIT,WARPS,STAGES,SWAP
+    PYTHONPATH=<triton 3.6 site> python fp8_mm_waits.py ROOT BM,BN,BK,SPLIT,WARPS,STAGES,SWAP[,PROMOTE]
+
+PROMOTE sets the kernel's PROMOTE_EVERY (a kernel without it takes six values and SWAP).
 """
 import os
 import re
@@ -16,13 +18,15 @@ from triton.compiler import ASTSource
 sys.path.insert(0, sys.argv[1])
 from csrc_triton import fp8_mm as fm  # noqa: E402
 
-bm, bn, bk, split, warps, stages, swap = [int(v) for v in sys.argv[2].split(",")]
+bm, bn, bk, split, warps, stages, swap, *promote = [int(v) for v in sys.argv[2].split(",")]
 fn = fm._fp8_mm_kernel
 sig = {n: "i32" for n in fn.arg_names}
 sig.update(x_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32",
            bias_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32")
 const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=True, HAS_BIAS=False,
              INTERPRETED=False, PDL=True, SWAP_AB=bool(swap))
+if promote:
+    const["PROMOTE_EVERY"] = promote[0]
 sig.update({c: "constexpr" for c in const})
 div = ["x_ptr", "w_ptr", "out_ptr", "part_ptr", "N", "K", "stride_xm", "stride_wn",
        "stride_om", "k_per_split"]
