@@ -48,11 +48,11 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, co
     (Triton's default on sm_90 never leaves it: 1.1% of the output's range off cuBLAS at
     14,336 inputs); max_num_imprecise_acc moves the sum into a true fp32 accumulator
     every PROMOTE_EVERY inputs, 128 as cuBLAS does (256, with 256 inputs a step, is for
-    bench/diagnostics/fp8_mm_sweep.py to time). SWAP_AB computes the tile transposed, the weights
-    as the MMA's first operand: Hopper's MMA takes 64 rows there, and a decode step's few
-    rows of x, padded to BLOCK_M = 16 or 32, fill its other side. Interpreted, the e4m3
-    bytes come as uint8 and are multiplied in fp32 (exact products, as the tensor cores'
-    are)."""
+    bench/diagnostics/fp8_mm_sweep.py to time). SWAP_AB computes the tile transposed,
+    the weights as the MMA's first operand: Hopper's MMA takes 64 rows there, and a
+    decode step's few rows of x, padded to BLOCK_M = 16 or 32, fill its other side.
+    Interpreted, the e4m3 bytes come as uint8 and are multiplied in fp32 (exact
+    products, as the tensor cores' are)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
