@@ -151,8 +151,8 @@ def fp8_mm_config(M: int, N: int, K: int, sm_count: int | None):
         return 16, 16, 32, (2 if K > 32 else 1), 1, 1
     if M > 128 or (M > 64 and N > K):
         return None
-    bk = 256 if K >= 8192 else 128
     if M <= 32:
+        bk = 256 if K >= 8192 else 128
         tiles = triton.cdiv(N, 64)
         split = 1 if tiles >= sm_count else 2 if 2 * tiles >= sm_count else 4
         # the stage counts the sweep found fastest at each split (docs/decisions.md)
@@ -161,7 +161,7 @@ def fp8_mm_config(M: int, N: int, K: int, sm_count: int | None):
     bm, bn = (64, 64) if M <= 64 else (128, 64)
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     split = 1 if tiles >= sm_count else 4 if K >= 8192 else 2
-    bk = bk if bm == 64 else 128
+    bk = 256 if K >= 8192 and bm == 64 else 128
     stages = 3 if bk == 256 or split == 1 else 4
     return bm, bn, bk, split, 4 if bm == 64 else 8, stages
 

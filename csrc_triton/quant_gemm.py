@@ -316,7 +316,8 @@ def _gemv_silu_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, I, K, stride_w
 @triton.jit
 def _gemv_rotary_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, q_ptr, pos_ptr, cos_ptr, sin_ptr,
                         max_pos, slot_ptr, kc_ptr, vc_ptr, skc_b, skc_s, skc_h, skc_d,
-                        svc_b, svc_s, svc_h, svc_d, N, K, stride_wn, Q_SIZE, KV_SIZE, HALF_D: tl.constexpr,
+                        svc_b, svc_s, svc_h, svc_d, N, K, stride_wn, Q_SIZE, KV_SIZE,
+                        HALF_D: tl.constexpr,
                         CACHE_BLOCK_SIZE: tl.constexpr, FORMAT: tl.constexpr,
                         HAS_BIAS: tl.constexpr, DT: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
@@ -960,8 +961,8 @@ def gemv_rotary(x: torch.Tensor, w: GemvWeight, positions: torch.Tensor,
     """The batch-1 q/k/v projection (weights [q_size + 2 * kv_size, K], heads of
     cos_table's width) with the rotary embedding at positions[0] and the K/V store into
     slot slot_mapping[0] of the caches ([num_blocks, block_size, kv heads, head_dim], bf16,
-    fp16 or e4m3, any strides) as its epilogue; returns q [1, q_size] rotated. The bytes of the GEMV
-    followed by fused.rotary_embedding with the store, one launch."""
+    fp16 or e4m3, any strides) as its epilogue; returns q [1, q_size] rotated. The bytes
+    of the GEMV followed by fused.rotary_embedding with the store, one launch."""
     D = cos_table.shape[1]
     N = q_size + 2 * kv_size
     if (D % 2 or q_size % D or kv_size % D or sin_table.shape != cos_table.shape
