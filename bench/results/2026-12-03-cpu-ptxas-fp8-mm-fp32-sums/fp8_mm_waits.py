@@ -3,7 +3,7 @@ print its MMAs, its wgmma waits and what ptxas -v says (registers, injected wait
 
     PYTHONPATH=<triton 3.6 site> python fp8_mm_waits.py ROOT BM,BN,BK,SPLIT,WARPS,STAGES,SWAP[,PROMOTE]
 
-PROMOTE sets the kernel's PROMOTE_EVERY (a kernel without it takes six values and SWAP).
+PROMOTE sets the kernel's PROMOTE_EVERY (128 if not given; a kernel without it ignores it).
 """
 import os
 import re
@@ -25,8 +25,8 @@ sig.update(x_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32",
            bias_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32")
 const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=True, HAS_BIAS=False,
              INTERPRETED=False, PDL=True, SWAP_AB=bool(swap))
-if promote:
-    const["PROMOTE_EVERY"] = promote[0]
+if "PROMOTE_EVERY" in fn.arg_names:  # a constexpr: given, as every launch gives it
+    const["PROMOTE_EVERY"] = promote[0] if promote else 128
 sig.update({c: "constexpr" for c in const})
 div = ["x_ptr", "w_ptr", "out_ptr", "part_ptr", "N", "K", "stride_xm", "stride_wn",
        "stride_om", "k_per_split"]
