@@ -261,51 +261,20 @@ def _rotary_kernel(
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, scale_ptr, I,
+    x_ptr, out_ptr, I,
     sx_t, sx_d, so_t, so_d,
     DT: tl.constexpr, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
-    FP8_OUT: tl.constexpr = False, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
-    # FP8_OUT: one program a row (BLOCK inputs at a time) writes the row in e4m3, scaled
-    # so that its absolute maximum is 448, the scale into scale_ptr[t] (down's W8A8
-    # input). A row longer than BLOCK is computed twice: for its maximum, then its bytes.
     _pdl.wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < I
     row = x_ptr + t * sx_t
-    if FP8_OUT:
-        offs = tl.arange(0, BLOCK)
-        if BLOCK >= I:
-            mask = offs < I
-            y = _numerics.silu_mul(tl.load(row + offs * sx_d, mask=mask, other=0.0).to(tl.float32),
-                                   tl.load(row + (offs + I) * sx_d, mask=mask, other=0.0).to(tl.float32),
-                                   DT, INTERPRETED)
-            scale = tl.maximum(_row_max(tl.abs(y)[None, :], INTERPRETED) / 448.0, 1e-12)
-            tl.store(scale_ptr + t + tl.arange(0, 1), scale)
-            tl.store(out_ptr + t * so_t + offs * so_d,
-                     _fp8_cast.activation_bytes(y, scale, INTERPRETED), mask=mask)
-        else:
-            amax = tl.zeros((BLOCK,), dtype=tl.float32)
-            for i0 in range(0, I, BLOCK):
-                mask = i0 + offs < I
-                g = tl.load(row + (i0 + offs) * sx_d, mask=mask, other=0.0).to(tl.float32)
-                u = tl.load(row + (i0 + offs + I) * sx_d, mask=mask, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.abs(_numerics.silu_mul(g, u, DT, INTERPRETED)))
-            scale = tl.maximum(_row_max(amax[None, :], INTERPRETED) / 448.0, 1e-12)
-            tl.store(scale_ptr + t + tl.arange(0, 1), scale)
-            for i0 in range(0, I, BLOCK):
-                mask = i0 + offs < I
-                g = tl.load(row + (i0 + offs) * sx_d, mask=mask, other=0.0).to(tl.float32)
-                u = tl.load(row + (i0 + offs + I) * sx_d, mask=mask, other=0.0).to(tl.float32)
-                y = _numerics.silu_mul(g, u, DT, INTERPRETED)
-                tl.store(out_ptr + t * so_t + (i0 + offs) * so_d,
-                         _fp8_cast.activation_bytes(y, scale, INTERPRETED), mask=mask)
-    else:
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < I
-        g = tl.load(row + offs * sx_d, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(row + (offs + I) * sx_d, mask=mask, other=0.0).to(tl.float32)
-        y = _numerics.silu_mul(g, u, DT, INTERPRETED)
-        tl.store(out_ptr + t * so_t + offs * so_d, y.to(out_ptr.dtype.element_ty), mask=mask)
+    g = tl.load(row + offs * sx_d, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(row + (offs + I) * sx_d, mask=mask, other=0.0).to(tl.float32)
+    y = _numerics.silu_mul(g, u, DT, INTERPRETED)
+    tl.store(out_ptr + t * so_t + offs * so_d, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # ============================================================================
@@ -588,8 +557,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 # ============================================================================
 # SwiGLU
 # ============================================================================
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None,
-                 scale_out: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``F.silu(gate) * up`` for ``x = [gate | up]`` of shape ``[T, 2*I]``
     (the output of the fused gate_up projection; any strides).  Returns
     ``[T, I]`` in x's dtype (into ``out`` when given).
@@ -599,11 +567,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None,
     formula), rounded to the dtype, then the product rounded: bit-exact on
     CUDA by construction; on CPU (interpreter) numpy's exp can differ from
     PyTorch's by an fp32 ulp, which very rarely flips a bf16/fp16 rounding.
-
-    An ``out`` of dtype ``torch.float8_e4m3fn`` takes the result in e4m3, each row
-    scaled so that its absolute maximum is 448, the scales into ``scale_out`` (fp32,
-    one per row): the down projection's W8A8 input, the bytes and scales that
-    ``fp8_quantize_rows`` of the 16-bit result gives, without a kernel of its own.
     """
     if x.dim() != 2 or x.shape[1] % 2:
         raise ValueError(f"x must be [T, 2*I], got {tuple(x.shape)}")
@@ -612,21 +575,13 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None,
         out = torch.empty((T, I), dtype=x.dtype, device=x.device)
     elif out.shape != (T, I):
         raise ValueError(f"out must be [{T}, {I}], got {tuple(out.shape)}")
-    fp8_out = out.dtype == torch.float8_e4m3fn
-    if fp8_out and (scale_out is None or scale_out.dtype != torch.float32
-                    or scale_out.numel() != T or not scale_out.is_contiguous()):
-        raise ValueError(f"an e4m3 out needs scale_out: {T} contiguous fp32 scales")
     if T == 0 or I == 0:
         return out
     mod, interp = _kernels_for(x.device)
-    # e4m3: a row a program, kept in registers up to 8,192 inputs; a longer one is
-    # computed twice, for its maximum and its bytes (its second read mostly from L2).
-    # 16,384 at once spilled (sm_90, 16 warps: 128 registers a thread, 332 bytes spilled).
-    block = min(_next_pow2(I), (64 if interp else 8192) if fp8_out else (4096 if interp else 1024))
-    o = out.view(torch.uint8) if fp8_out else out
-    mod._silu_and_mul_kernel[(T, 1 if fp8_out else triton.cdiv(I, block))](
-        x, o, scale_out if fp8_out else x, I, x.stride(0), x.stride(1), o.stride(0),
-        o.stride(1), DT=_dt(x.dtype, "x"), BLOCK=block, INTERPRETED=interp, FP8_OUT=fp8_out,
+    block = min(_next_pow2(I), 4096 if interp else 1024)
+    mod._silu_and_mul_kernel[(T, triton.cdiv(I, block))](
+        x, out, I, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+        DT=_dt(x.dtype, "x"), BLOCK=block, INTERPRETED=interp,
         **_launch_opts(interp, _warps(block), x.device),
     )
     return out

@@ -643,13 +643,13 @@ def test_fp8_matmul_configs_fit_in_shared_memory(sm_count):
             assert split in (1, 2, 4) and warps in (4, 8)
 
 
-def test_fp8_activations_from_the_norm_and_silu_kernels(tiny_model_dirs, monkeypatch):
-    """With the fused kernels (interpreted here), a W8A8 step's norms and SiLU x up write
-    e4m3 rows and scales for the projections after them: the logits equal those of the
-    same kernels writing 16 bits and the projections rounding them, bit for bit; a step of
-    one token keeps 16 bits."""
+def test_fp8_activations_from_the_norm_kernels(tiny_model_dirs, monkeypatch):
+    """With the fused kernels (interpreted here), a W8A8 step's norms write e4m3 rows and
+    scales for the projections after them: the logits equal those of the same kernels
+    writing 16 bits and the projections rounding them, bit for bit; a step of one token
+    keeps 16 bits."""
     pytest.importorskip("triton")
-    from minivllm.model import layers, llama, quantization
+    from minivllm.model import llama, quantization
 
     monkeypatch.setenv("MINIVLLM_FUSED_OPS", "1")
     llm = LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, max_model_len=64,
@@ -663,15 +663,13 @@ def test_fp8_activations_from_the_norm_and_silu_kernels(tiny_model_dirs, monkeyp
         return fp8
 
     prompt = torch.tensor(random_prompts(1, 256, 40, 41, seed=8)[0])
-    for module in (llama, layers):
-        monkeypatch.setattr(module, "fp8_activations_for", counted)
+    monkeypatch.setattr(llama, "fp8_activations_for", counted)
     fused = _prompt_logits(llm.engine.runner, prompt)
-    assert sum(handed) == 3 * 2  # qkv, gate/up and down in each of 2 layers
+    assert sum(handed) == 2 * 2  # qkv and gate/up in each of 2 layers
     handed.clear()
     _prompt_logits(llm.engine.runner, prompt[:quantization.FP8_ACTIVATION_MIN_TOKENS])
     assert handed and not any(handed)
-    for module in (llama, layers):
-        monkeypatch.setattr(module, "fp8_activations_for", lambda *a: None)
+    monkeypatch.setattr(llama, "fp8_activations_for", lambda *a: None)
     assert torch.equal(fused, _prompt_logits(llm.engine.runner, prompt))
 
 

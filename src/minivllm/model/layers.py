@@ -14,8 +14,6 @@ from torch import nn
 
 import csrc_triton
 
-from .quantization import fp8_activations_for
-
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -129,12 +127,7 @@ class GatedMLP(nn.Module):
             w = self.gate_up_proj.gemv_weight(x)
             if w is not None:  # batch-1 decode: SiLU x up as the GEMV's epilogue
                 return self.down_proj(csrc_triton.gemv_silu_and_mul(x, w))
-            gate_up = self.gate_up_proj(x)
-            fp8 = fp8_activations_for(self.down_proj, gate_up.shape[0], gate_up.device)
-            if fp8 is not None:  # W8A8: SiLU x up writes down's e4m3 input itself
-                csrc_triton.silu_and_mul(gate_up, out=fp8.q, scale_out=fp8.scale)
-                return self.down_proj(fp8)
-            return self.down_proj(csrc_triton.silu_and_mul(gate_up))
+            return self.down_proj(csrc_triton.silu_and_mul(self.gate_up_proj(x)))
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
