@@ -42,13 +42,12 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, co
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                    INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
-                   SWAP_AB: tl.constexpr = False, PROMOTE_EVERY: tl.constexpr = 128):
+                   SWAP_AB: tl.constexpr = False):
     """A [BLOCK_M, BLOCK_N] tile of y over program_id(2)'s k_per_split inputs (a multiple
     of BLOCK_K). Hopper's fp8 MMAs add into an accumulator of less than fp32's precision
     (Triton's default on sm_90 never leaves it: 1.1% of the output's range off cuBLAS at
     14,336 inputs); max_num_imprecise_acc moves the sum into a true fp32 accumulator
-    every PROMOTE_EVERY inputs, 128 as cuBLAS does (256, with 256 inputs a step, is for
-    bench/diagnostics/fp8_mm_sweep.py to time). SWAP_AB computes the tile transposed,
+    every 128 inputs, as cuBLAS does. SWAP_AB computes the tile transposed,
     the weights as the MMA's first operand: Hopper's MMA takes 64 rows there, and a
     decode step's few rows of x, padded to BLOCK_M = 16 or 32, fill its other side.
     Interpreted, the e4m3 bytes come as uint8 and are multiplied in fp32 (exact
@@ -84,8 +83,8 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, co
             a = a.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             b = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-        else:  # fp32 sums every PROMOTE_EVERY inputs: see the docstring
-            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE_EVERY)
+        else:  # fp32 sums every 128 inputs: see the docstring
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=128)
     if SWAP_AB:
         acc = tl.trans(acc)
     ok = m_ok[:, None] & n_ok[None, :]
@@ -136,16 +135,16 @@ def _split_counters(device: torch.device) -> torch.Tensor:
 
 
 def fp8_mm_config(M: int, N: int, K: int, sm_count: int | None):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, SWAP_AB[, PROMOTE_EVERY]])
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, SWAP_AB])
     of the Triton kernel for M rows against an [N, K] weight, or None: torch._scaled_mm.
     Up to 32 rows the tile computed transposed (SWAP_AB: 64 weight rows on the MMA's
     64-row side, x's rows padded to 16 or 32), K split until every SM has a program;
     33-64 rows every projection, [64, 64] tiles; 65-128 rows those with no more outputs
     than inputs (o, down), [128, 64] tiles; K split in 2 (in 4 from 8,192 inputs) where
     the tiles are fewer than the SMs. On Llama-3.1-8B's projections on the H200, these
-    were the fastest of 33-96 configurations at every row count they take (within 0.7 us
-    of it at 24 and 32 rows), and cuBLAS was within 1 us or faster where they give way
-    (bench/diagnostics/fp8_mm_sweep.py, docs/decisions.md). PROMOTE_EVERY is 128 here.
+    were the fastest of 33-96 configurations at every row count they take (within 0.9 us
+    of it at 24-64 rows), and cuBLAS was within 1 us or faster where they give way
+    (bench/diagnostics/fp8_mm_sweep.py, docs/decisions.md).
     sm_count None: the interpreter's tiny tiles (every call takes the kernel)."""
     if sm_count is None:
         return 16, 16, 32, (2 if K > 32 else 1), 1, 1
@@ -172,7 +171,6 @@ def _launch(mod, interpreted: bool, xq: torch.Tensor, xs: torch.Tensor, w: torch
     N = w.shape[0]
     bm, bn, bk, split, warps, stages = config[:6]
     swap = config[6] if len(config) > 6 else False
-    promote_every = config[7] if len(config) > 7 else 128
     k_per_split = triton.cdiv(triton.cdiv(K, bk), split) * bk
     split = triton.cdiv(K, k_per_split)
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
@@ -191,7 +189,7 @@ def _launch(mod, interpreted: bool, xq: torch.Tensor, xs: torch.Tensor, w: torch
         xq, xs, w, ws, bias if bias is not None else ws, out, part, counters, M, N, K,
         xq.stride(0), w.stride(0), out.stride(0), k_per_split, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_K=bk, SPLIT_K=split, EVEN_K=K % bk == 0, HAS_BIAS=bias is not None,
-        INTERPRETED=interpreted, SWAP_AB=bool(swap), PROMOTE_EVERY=promote_every, **opts)
+        INTERPRETED=interpreted, SWAP_AB=bool(swap), **opts)
     return out
 
 

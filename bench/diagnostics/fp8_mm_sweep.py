@@ -7,11 +7,7 @@ against an fp32 product of the same e4m3 numbers, as _scaled_mm's is (max differ
 relative to the output's largest value).
 
     python -m bench.diagnostics.fp8_mm_sweep --out FILE [--rows 48,64,...] [--shapes qkv,o]
-        [--quick] [--operands bf16] [--swapped none|also|only] [--promote-every 256]
-
---promote-every 256 adds, for every configuration taking 256 inputs a step, the same with
-the fp8 MMAs' sums moved into fp32 every 256 inputs instead of 128 (fewer waits on the
-MMAs; the error column says what it costs).
+        [--quick] [--operands bf16] [--swapped none|also|only]
 
 --swapped also (the default) adds, at up to 64 rows, the tile computed transposed
 (SWAP_AB: the weights as the MMA's first operand, x's rows padded to 16, 32 or 64); "only"
@@ -74,8 +70,6 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--operands", choices=("fp8", "bf16"), default="fp8")
     ap.add_argument("--swapped", choices=("none", "also", "only"), default="also")
-    ap.add_argument("--promote-every", default="",
-                    help="comma-separated fp32-sum intervals to add besides 128 (e.g. 256)")
     args = ap.parse_args()
     from csrc_triton import fp8_mm
     from minivllm.model.quantization import quantize_activations_fp8, quantize_fp8
@@ -118,9 +112,6 @@ def main() -> None:
             configs = [] if args.swapped == "only" else _configs(M, args.quick)
             if args.swapped != "none":
                 configs += _swapped_configs(M, args.quick)
-            for every in [int(v) for v in args.promote_every.split(",") if v]:
-                configs += [(*c[:6], c[6] if len(c) > 6 else False, every)
-                            for c in configs if len(c) < 8 and c[2] >= every]
             for cfg in configs:
 
                 def kern(i, cfg=cfg):
