@@ -2,11 +2,13 @@
 """Tile-config sweep of the paged prefill attention kernel on a CUDA GPU.
 
 For each model's head layout and each prefill shape of the GPU workloads (W5: two 4096-token
-prompts per step; W6: one 8192-token prompt, alone and beside 16 decode rows at ~8k
-context; W1: a ragged batch of 100..1024; a 2048-token chunk on a 6144-token cached prefix) it runs every config of the sweep through
+prompts per step; W6: one 8192-token prompt, alone, beside 16 decode rows at ~8k context,
+and after 32 of them as the engine orders a step; W1: a ragged batch of 100..1024; a
+2048-token chunk on a 6144-token cached prefix) it runs every config of the sweep through
 csrc_triton._launch_prefill, checks it against the current default's output, and times it
 (triton.testing.do_bench, median). Fresh prompts are also timed with torch's SDPA backends
-(flash, cuDNN) on contiguous K/V: the reference a paged kernel is measured against.
+(flash, cuDNN) on contiguous K/V: the reference a paged kernel is measured against. A
+mixed shape's prompt and decode rows are also timed apart (`split_times`).
 
     python bench/attention_tuning.py [--out FILE] [--models qwen3,llama-3.1-8b] [--quick]
 
@@ -41,6 +43,8 @@ SHAPES = {  # name: [(cached prefix, new tokens), ...]
     # W6 as the engine runs it: a prompt's chunk beside the decode rows of earlier prompts.
     # Tiles that won on "w6" alone (128x128 for head_dim 128) lost W6 end to end here.
     "w6-mixed": [(0, 8192 - 16)] + [(8192 + 16 * i, 1) for i in range(16)],
+    # ... in the engine's order (running sequences first), mid-way through W6's prompts
+    "w6-engine": [(8192 + 4 * i, 1) for i in range(32)] + [(0, 8192 - 32)],
     "w1": [(0, n) for n in (100, 1024, 333, 768, 512, 150, 900, 421)],
     "chunk": [(6144, 2048)],
 }
@@ -103,6 +107,29 @@ def sdpa_refs(pb, hq, hkv, d):
             out[name] = bench(fn)
         except Exception as e:  # a backend this build or GPU lacks
             out[name] = f"unavailable: {type(e).__name__}: {str(e)[:120]}"
+    return out
+
+
+def split_times(shape, hq, hkv, d, dtype, cache_dtype, block_size):
+    """A mixed shape's parts timed apart (us): its prompt rows alone through the prefill
+    kernel (default config), and its decode rows alone through the prefill kernel and
+    through the split-KV decode kernel: what the decode rows cost inside the mixed launch."""
+    out = {}
+    for name, part in (("prompt_alone", [sn for sn in shape if sn[1] > 1]),
+                       ("decode_rows_prefill_kernel", [sn for sn in shape if sn[1] == 1])):
+        pb = problem(part, hq, hkv, d, dtype, cache_dtype=cache_dtype, block_size=block_size)
+        max_q, max_s = max(pb["q_lens_l"]), max(pb["seq_lens_l"])
+        cfg = csrc_triton._prefill_config(max_q * hq // hkv, d, dtype, False,
+                                          long_ctx=max_s >= 2 * max_q, long_query=max_q >= 2048,
+                                          cache_dtype=cache_dtype)
+        o = torch.empty_like(pb["q"])
+        out[f"{name}_us"] = 1e6 * bench(lambda: csrc_triton._launch_prefill(
+            pb["q"], pb["k_cache"], pb["v_cache"], pb["block_tables"], pb["seq_lens"],
+            pb["qsl"], pb["scale"], o, cfg))
+        if max_q == 1:
+            out["decode_rows_decode_kernel_us"] = 1e6 * bench(lambda: csrc_triton.paged_attention_decode(
+                pb["q"], pb["k_cache"], pb["v_cache"], pb["block_tables"], pb["seq_lens"],
+                pb["scale"], max_s, out=o))
     return out
 
 
@@ -173,10 +200,15 @@ def main():
                 if ok and t < best[0]:
                     best = (t, dict(cfg))
             refs = sdpa_refs(pb, hq, hkv, d) if all(c == 0 for c, _ in shape) else {}
+            if any(n == 1 for _, n in shape) and any(n > 1 for _, n in shape):
+                refs.update(split_times(shape, hq, hkv, d, dtype, cache_dtype, args.block_size))
             s = dict(model=model, shape=shape_name, tokens=sum(pb["q_lens_l"]), gflop=flops / 1e9,
-                     default=default_cfg, default_TFLOPs=flops / t_default / 1e12,
+                     default=default_cfg, default_us=t_default * 1e6,
+                     default_TFLOPs=flops / t_default / 1e12,
                      best=best[1], best_TFLOPs=flops / best[0] / 1e12,
-                     **{k: (flops / v / 1e12 if isinstance(v, float) else v) for k, v in refs.items()})
+                     **{k: (flops / v / 1e12 if isinstance(v, float) else v)
+                        for k, v in refs.items() if k.startswith("sdpa")},
+                     **{k: v for k, v in refs.items() if not k.startswith("sdpa")})
             summary.append(s)
             print(f"[{time.time() - t0:6.1f}s] {model:13s} {shape_name:6s} default "
                   f"{s['default_TFLOPs']:6.1f}  best {s['best_TFLOPs']:6.1f} {best[1]}  "
