@@ -4,10 +4,10 @@ Public API
 ----------
 store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                scale, max_query_len, max_seq_len, out=None)
+                scale, max_query_len, max_seq_len, out=None, decode_rows_apart=False)
 paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale,
                        max_seq_len, out=None, num_splits=None, counters=None,
-                       min_split_tokens=None)
+                       min_split_tokens=None, query_start_loc=None)
 decode_split_plan(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len): the decode
           launch's split count and least tokens a split, from decode_num_splits(num_seqs,
           num_kv_heads, max_seq_len, device, programs_per_sm) and decode_min_split_tokens
@@ -292,7 +292,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            max_seq_len: int, out: torch.Tensor | None = None,
                            num_splits: int | None = None,
                            counters: torch.Tensor | None = None,
-                           min_split_tokens: int | None = None) -> torch.Tensor:
+                           min_split_tokens: int | None = None,
+                           query_start_loc: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention: one query token per sequence, ``q`` is ``[B, Hq, D]``.
 
     Sequence ``b`` attends to kv positions ``0 .. seq_lens[b]-1``.  Rows with
@@ -305,15 +306,24 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``counters``: an int32 workspace of at least ``B * Hkv`` zeros (the caller keeps
     it; the kernel leaves it zeroed). With it, the splits are combined by the last
     split program of each (sequence, kv head) instead of a second kernel.
+
+    ``query_start_loc``: a mixed step's batch (``q`` is ``[T, Hq, D]``, ``B`` the
+    sequences of ``seq_lens``): only the sequences of one query row are attended, and
+    written at their row of ``out``; the other rows are left as they are (see
+    :func:`paged_attention`'s ``decode_rows_apart``).
     """
-    B, Hq, D, bs, Hkv = _check_attention_shapes(q, k_cache, v_cache)
-    if seq_lens.shape[0] != B:
-        raise ValueError(f"seq_lens has {seq_lens.shape[0]} rows, q has {B}")
+    T, Hq, D, bs, Hkv = _check_attention_shapes(q, k_cache, v_cache)
+    B = seq_lens.shape[0]
+    if query_start_loc is None and B != T:
+        raise ValueError(f"seq_lens has {B} rows, q has {T}")
+    if query_start_loc is not None and query_start_loc.shape[0] != B + 1:
+        raise ValueError("query_start_loc must have num_seqs + 1 entries")
     if out is None:
-        out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
+        out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
     if B == 0:
         return out
-    launch = _decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, counters)
+    launch = _decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, counters,
+                            query_start_loc)
     kern, args, meta = launch
     if num_splits is None:
         num_splits, min_tokens = _decode_plan(q, k_cache, launch, max_seq_len, counters)
@@ -336,11 +346,11 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         NUM_SPLITS=num_splits, FUSED_REDUCE=fused, **meta)
     if num_splits > 1 and not fused:
         kern._decode_reduce_kernel[(B, Hq)](
-            part_o, part_lse, out, seq_lens,
-            out.stride(0), out.stride(1), out.stride(2), min_tiles,
-            NUM_Q_HEADS=Hq, HEAD_DIM=D, BLOCK_N=meta["BLOCK_N"], BLOCK_D=meta["BLOCK_D"],
-            NUM_SPLITS=num_splits, BLOCK_S=_next_pow2(num_splits),
-            num_warps=1 if _uses_interpreter(q.device) else 4, **_pdl_args(q.device),
+            part_o, part_lse, out, seq_lens, args[6], out.stride(0), out.stride(1),
+            out.stride(2), min_tiles, NUM_Q_HEADS=Hq, HEAD_DIM=D, BLOCK_N=meta["BLOCK_N"],
+            BLOCK_D=meta["BLOCK_D"], NUM_SPLITS=num_splits, BLOCK_S=_next_pow2(num_splits),
+            RAGGED=meta["RAGGED"], num_warps=1 if _uses_interpreter(q.device) else 4,
+            **_pdl_args(q.device),
         )
     return out
 
@@ -357,13 +367,13 @@ def decode_split_plan(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len: 
 
 def _decode_plan(q, k_cache, launch, max_seq_len: int, counters) -> tuple[int, int]:
     kern, args, meta = launch
-    B, Hq, D = q.shape
-    Hkv = k_cache.shape[2]
+    _, Hq, D = q.shape
+    B, Hkv = args[5].shape[0], k_cache.shape[2]  # the sequences (seq_lens), kv heads
     per_sm = 2  # interpreted (CPU) kernels: a small machine's guess
     if not _uses_interpreter(q.device):
         index = q.device.index if q.device.index is not None else torch.cuda.current_device()
         key = (index, q.dtype, k_cache.dtype, D, Hq // Hkv, k_cache.shape[1],
-               counters is not None)
+               counters is not None, meta["RAGGED"])
         per_sm = _occupancy_cache.get(key)
         if per_sm is None:  # compiled once: the split variant (the unsplit one lacks a store)
             part = torch.empty(1, dtype=torch.float32, device=q.device)
@@ -375,27 +385,31 @@ def _decode_plan(q, k_cache, launch, max_seq_len: int, counters) -> tuple[int, i
             decode_min_split_tokens(B, Hkv, q.device, per_sm))
 
 
-def _decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, counters):
+def _decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, counters,
+                   query_start_loc=None):
     """The split kernel's module, leading arguments and compile-time arguments (everything
     but the partials, the counters, the least chunk and the splits)."""
-    B, Hq, D, bs, Hkv = _check_attention_shapes(q, k_cache, v_cache)
+    _, Hq, D, bs, Hkv = _check_attention_shapes(q, k_cache, v_cache)
     gqa = Hq // Hkv
     interpreted = _uses_interpreter(q.device)
     cfg = _decode_config(D, q.dtype, interpreted, k_cache.dtype)
     block_d = _next_pow2(max(D, 16))
-    args = (q, k_cache, v_cache, out, block_tables, seq_lens, float(scale) * _LOG2E,
+    ragged = query_start_loc is not None
+    args = (q, k_cache, v_cache, out, block_tables, seq_lens,
+            query_start_loc if ragged else seq_lens, float(scale) * _LOG2E,
             _attention_strides(q, out, k_cache, v_cache, block_tables))
     meta = dict(NUM_Q_HEADS=Hq, GQA=gqa, HEAD_DIM=D, BLOCK_SIZE=bs,
                 BLOCK_G=max(16, _next_pow2(gqa)), BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
-                DOT_FP32=_dot_fp32(q.dtype, interpreted), num_warps=cfg["num_warps"],
-                num_stages=cfg["num_stages"], **_pdl_args(q.device))
+                DOT_FP32=_dot_fp32(q.dtype, interpreted), RAGGED=ragged,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                **_pdl_args(q.device))
     return _kernels_for(q.device), args, meta
 
 
 def _decode_args(args: tuple, part_o, part_lse, counters, min_tiles: int) -> tuple:
-    q, k_cache, v_cache, out, block_tables, seq_lens, qk_scale, strides = args
+    q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, qk_scale, strides = args
     return (q, k_cache, v_cache, out, part_o, part_lse, counters, block_tables, seq_lens,
-            qk_scale, *strides, min_tiles)
+            query_start_loc, qk_scale, *strides, min_tiles)
 
 
 # ----------------------------------------------------------------------------
@@ -437,7 +451,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                     max_seq_len: int, out: torch.Tensor | None = None,
                     decode_counters: torch.Tensor | None = None,
-                    use_tma: bool | None = None) -> torch.Tensor:
+                    use_tma: bool | None = None,
+                    decode_rows_apart: bool = False) -> torch.Tensor:
     """Ragged causal attention over the paged KV cache (prefill, chunked
     prefill, decode, or a mix of them).
 
@@ -449,7 +464,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q's dtype.  Rows of ``out`` that belong to no sequence are not written.
     Dispatches to :func:`paged_attention_decode` when ``max_query_len == 1``
     and there is one query row per sequence (``decode_counters`` goes with it, as
-    its ``counters``). ``use_tma``: see :func:`_launch_prefill`.
+    its ``counters``). ``use_tma``: see :func:`_launch_prefill`. ``decode_rows_apart``:
+    in a mixed step, the sequences of one query row go to the decode kernel (their
+    long contexts split across programs) and the rest to the prefill kernel, two
+    launches instead of one (bench/attention_tuning.py times both ways).
     """
     T, Hq, D, bs, Hkv = _check_attention_shapes(q, k_cache, v_cache)
     num_seqs = seq_lens.shape[0]
@@ -468,7 +486,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                           long_ctx=int(max_seq_len) >= 2 * int(max_query_len),
                           long_query=int(max_query_len) >= 2048, cache_dtype=k_cache.dtype)
     _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, cfg,
-                    use_tma)
+                    use_tma, skip_decode_rows=decode_rows_apart)
+    if decode_rows_apart:
+        paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len,
+                               out=out, query_start_loc=query_start_loc)
     return out
 
 
@@ -502,10 +523,13 @@ def _tma_available(device: torch.device) -> bool:
 
 
 def _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                    cfg: dict, use_tma: bool | None = None) -> None:
+                    cfg: dict, use_tma: bool | None = None,
+                    skip_decode_rows: bool = False) -> None:
     """The prefill kernel's launch with an explicit tile config (bench/attention_tuning.py
     sweeps configs through it). use_tma: load K/V tiles through tensor descriptors (None:
-    wherever the GPU and the cache allow it; True under the interpreter for tests)."""
+    wherever the GPU and the cache allow it; True under the interpreter for tests).
+    skip_decode_rows: sequences of one query row are not attended (their rows of out are
+    left as they are)."""
     T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -539,7 +563,7 @@ def _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         GQA=gqa, HEAD_DIM=D, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
         DOT_FP32=_dot_fp32(q.dtype, interpreted),
-        HEAVY_FIRST=cfg.get("HEAVY_FIRST", False),
+        HEAVY_FIRST=cfg.get("HEAVY_FIRST", False), SKIP_DECODE_ROWS=skip_decode_rows,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **descs,
         **_pdl_args(q.device),
     )
