@@ -129,9 +129,10 @@ def split_times(shape, hq, hkv, d, dtype, cache_dtype, block_size):
             pb["q"], pb["k_cache"], pb["v_cache"], pb["block_tables"], pb["seq_lens"],
             pb["qsl"], pb["scale"], o, cfg))
         if max_q == 1:
-            out["decode_rows_decode_kernel_us"] = 1e6 * bench(lambda: csrc_triton.paged_attention_decode(
-                pb["q"], pb["k_cache"], pb["v_cache"], pb["block_tables"], pb["seq_lens"],
-                pb["scale"], max_s, out=o))
+            out["decode_rows_decode_kernel_us"] = 1e6 * bench(
+                lambda: csrc_triton.paged_attention_decode(
+                    pb["q"], pb["k_cache"], pb["v_cache"], pb["block_tables"], pb["seq_lens"],
+                    pb["scale"], max_s, out=o))
     return out
 
 

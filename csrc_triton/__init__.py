@@ -346,8 +346,10 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         NUM_SPLITS=num_splits, FUSED_REDUCE=fused, **meta)
     if num_splits > 1 and not fused:
         kern._decode_reduce_kernel[(B, Hq)](
-            part_o, part_lse, out, seq_lens, args[6], out.stride(0), out.stride(1),
-            out.stride(2), min_tiles, NUM_Q_HEADS=Hq, HEAD_DIM=D, BLOCK_N=meta["BLOCK_N"],
+            part_o, part_lse, out, seq_lens,
+            seq_lens if query_start_loc is None else query_start_loc,  # unread unless RAGGED
+            out.stride(0), out.stride(1), out.stride(2), min_tiles,
+            NUM_Q_HEADS=Hq, HEAD_DIM=D, BLOCK_N=meta["BLOCK_N"],
             BLOCK_D=meta["BLOCK_D"], NUM_SPLITS=num_splits, BLOCK_S=_next_pow2(num_splits),
             RAGGED=meta["RAGGED"], num_warps=1 if _uses_interpreter(q.device) else 4,
             **_pdl_args(q.device),
