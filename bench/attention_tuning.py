@@ -112,6 +112,14 @@ def sdpa_refs(pb, hq, hkv, d):
     return out
 
 
+def default_config(pb, hq, hkv, d, dtype, cache_dtype):
+    """The engine's tile config for a problem (csrc_triton.paged_attention's choice)."""
+    max_q, max_s = max(pb["q_lens_l"]), max(pb["seq_lens_l"])
+    return csrc_triton._prefill_config(max_q * hq // hkv, d, dtype, False,
+                                       long_ctx=max_s >= 2 * max_q, long_query=max_q >= 2048,
+                                       cache_dtype=cache_dtype)
+
+
 def split_times(shape, hq, hkv, d, dtype, cache_dtype, block_size):
     """A mixed shape's parts timed apart (us): its prompt rows alone through the prefill
     kernel (default config), and its decode rows alone through the prefill kernel and
@@ -121,9 +129,7 @@ def split_times(shape, hq, hkv, d, dtype, cache_dtype, block_size):
                        ("decode_rows_prefill_kernel", [sn for sn in shape if sn[1] == 1])):
         pb = problem(part, hq, hkv, d, dtype, cache_dtype=cache_dtype, block_size=block_size)
         max_q, max_s = max(pb["q_lens_l"]), max(pb["seq_lens_l"])
-        cfg = csrc_triton._prefill_config(max_q * hq // hkv, d, dtype, False,
-                                          long_ctx=max_s >= 2 * max_q, long_query=max_q >= 2048,
-                                          cache_dtype=cache_dtype)
+        cfg = default_config(pb, hq, hkv, d, dtype, cache_dtype)
         o = torch.empty_like(pb["q"])
         out[f"{name}_us"] = 1e6 * bench(lambda: csrc_triton._launch_prefill(
             pb["q"], pb["k_cache"], pb["v_cache"], pb["block_tables"], pb["seq_lens"],
@@ -173,10 +179,7 @@ def main():
                          block_size=args.block_size)
             flops = attn_flops(pb, hq, d)
             max_q, max_s = max(pb["q_lens_l"]), max(pb["seq_lens_l"])
-            default_cfg = csrc_triton._prefill_config(max_q * hq // hkv, d, dtype, False,
-                                                      long_ctx=max_s >= 2 * max_q,
-                                                      long_query=max_q >= 2048,
-                                                      cache_dtype=cache_dtype)
+            default_cfg = default_config(pb, hq, hkv, d, dtype, cache_dtype)
             ref = torch.empty_like(pb["q"], memory_format=torch.contiguous_format)
 
             def launch(cfg, out):

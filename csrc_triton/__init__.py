@@ -326,7 +326,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                             query_start_loc)
     kern, args, meta = launch
     if num_splits is None:
-        num_splits, min_tokens = _decode_plan(q, k_cache, launch, max_seq_len, counters)
+        num_splits, min_tokens = _decode_plan(q, k_cache, launch, B, max_seq_len, counters)
     else:
         min_tokens = 1
     if min_split_tokens is not None:
@@ -364,13 +364,14 @@ def decode_split_plan(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len: 
     holds (``decode_num_splits``, ``decode_min_split_tokens``)."""
     out = torch.empty_like(q)
     launch = _decode_launch(q, k_cache, v_cache, block_tables, seq_lens, 1.0, out, counters)
-    return _decode_plan(q, k_cache, launch, max_seq_len, counters)
+    return _decode_plan(q, k_cache, launch, seq_lens.shape[0], max_seq_len, counters)
 
 
-def _decode_plan(q, k_cache, launch, max_seq_len: int, counters) -> tuple[int, int]:
+def _decode_plan(q, k_cache, launch, num_seqs: int, max_seq_len: int,
+                 counters) -> tuple[int, int]:
     kern, args, meta = launch
     _, Hq, D = q.shape
-    B, Hkv = args[5].shape[0], k_cache.shape[2]  # the sequences (seq_lens), kv heads
+    Hkv = k_cache.shape[2]
     per_sm = 2  # interpreted (CPU) kernels: a small machine's guess
     if not _uses_interpreter(q.device):
         index = q.device.index if q.device.index is not None else torch.cuda.current_device()
@@ -383,8 +384,8 @@ def _decode_plan(q, k_cache, launch, max_seq_len: int, counters) -> tuple[int, i
                 *_decode_args(args, part, part, part if counters is None else counters, 1),
                 grid=(1,), **dict(meta, NUM_SPLITS=2, FUSED_REDUCE=counters is not None))
             per_sm = _occupancy_cache[key] = _programs_per_sm(kernel, index)
-    return (decode_num_splits(B, Hkv, max_seq_len, q.device, per_sm),
-            decode_min_split_tokens(B, Hkv, q.device, per_sm))
+    return (decode_num_splits(num_seqs, Hkv, max_seq_len, q.device, per_sm),
+            decode_min_split_tokens(num_seqs, Hkv, q.device, per_sm))
 
 
 def _decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, counters,

@@ -411,8 +411,8 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, seq64, row64, head, offs_d, g_valid, qo_mask,
-                    chunk, seq_len, stride_ot, stride_oh, stride_od,
+def _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, seq64, row64, head, offs_d, g_valid,
+                    qo_mask, chunk, seq_len, stride_ot, stride_oh, stride_od,
                     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """The fused reduce: weight each used split's output by its share of the total

@@ -169,8 +169,7 @@ def _launch(mod, interpreted: bool, xq: torch.Tensor, xs: torch.Tensor, w: torch
             ws: torch.Tensor, bias, out_dtype: torch.dtype, config) -> torch.Tensor:
     M, K = xq.shape
     N = w.shape[0]
-    bm, bn, bk, split, warps, stages = config[:6]
-    swap = config[6] if len(config) > 6 else False
+    bm, bn, bk, split, warps, stages, swap = (*config, False)[:7]
     k_per_split = triton.cdiv(triton.cdiv(K, bk), split) * bk
     split = triton.cdiv(K, k_per_split)
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
