@@ -8,9 +8,7 @@ and after 32 of them as the engine orders a step; W1: a ragged batch of 100..102
 csrc_triton._launch_prefill, checks it against the current default's output, and times it
 (triton.testing.do_bench, median). Fresh prompts are also timed with torch's SDPA backends
 (flash, cuDNN) on contiguous K/V: the reference a paged kernel is measured against. A
-mixed shape's prompt and decode rows are also timed apart (`split_times`), and the whole
-shape with its decode rows sent to the decode kernel (`paged_attention(...,
-decode_rows_apart=True)`, `decode_rows_apart_us`) against `default_us`.
+mixed shape's prompt and decode rows are also timed apart (`split_times`).
 
     python bench/attention_tuning.py [--out FILE] [--models qwen3,llama-3.1-8b] [--quick]
 
@@ -208,12 +206,6 @@ def main():
             refs = sdpa_refs(pb, hq, hkv, d) if all(c == 0 for c, _ in shape) else {}
             if any(n == 1 for _, n in shape) and any(n > 1 for _, n in shape):
                 refs.update(split_times(shape, hq, hkv, d, dtype, cache_dtype, args.block_size))
-                # the candidate: the decode rows through the decode kernel, a second launch
-                refs["decode_rows_apart_us"] = 1e6 * bench(lambda: csrc_triton.paged_attention(
-                    pb["q"], pb["k_cache"], pb["v_cache"], pb["block_tables"], pb["seq_lens"],
-                    pb["qsl"], pb["scale"], max_q, max_s, out=out, decode_rows_apart=True))
-                refs["decode_rows_apart_rel_err"] = (
-                    (out.float() - ref.float()).norm() / ref.float().norm()).item()
             s = dict(model=model, shape=shape_name, tokens=sum(pb["q_lens_l"]), gflop=flops / 1e9,
                      default=default_cfg, default_us=t_default * 1e6,
                      default_TFLOPs=flops / t_default / 1e12,

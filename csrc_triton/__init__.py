@@ -4,10 +4,10 @@ Public API
 ----------
 store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                scale, max_query_len, max_seq_len, out=None, decode_rows_apart=False)
+                scale, max_query_len, max_seq_len, out=None)
 paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale,
                        max_seq_len, out=None, num_splits=None, counters=None,
-                       min_split_tokens=None, query_start_loc=None)
+                       min_split_tokens=None)
 decode_split_plan(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len): the decode
           launch's split count and least tokens a split, from decode_num_splits(num_seqs,
           num_kv_heads, max_seq_len, device, programs_per_sm) and decode_min_split_tokens
@@ -292,8 +292,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            max_seq_len: int, out: torch.Tensor | None = None,
                            num_splits: int | None = None,
                            counters: torch.Tensor | None = None,
-                           min_split_tokens: int | None = None,
-                           query_start_loc: torch.Tensor | None = None) -> torch.Tensor:
+                           min_split_tokens: int | None = None) -> torch.Tensor:
     """Decode attention: one query token per sequence, ``q`` is ``[B, Hq, D]``.
 
     Sequence ``b`` attends to kv positions ``0 .. seq_lens[b]-1``.  Rows with
@@ -306,27 +305,18 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``counters``: an int32 workspace of at least ``B * Hkv`` zeros (the caller keeps
     it; the kernel leaves it zeroed). With it, the splits are combined by the last
     split program of each (sequence, kv head) instead of a second kernel.
-
-    ``query_start_loc``: a mixed step's batch (``q`` is ``[T, Hq, D]``, ``B`` the
-    sequences of ``seq_lens``): only the sequences of one query row are attended, and
-    written at their row of ``out``; the other rows are left as they are (see
-    :func:`paged_attention`'s ``decode_rows_apart``).
     """
-    T, Hq, D, bs, Hkv = _check_attention_shapes(q, k_cache, v_cache)
-    B = seq_lens.shape[0]
-    if query_start_loc is None and B != T:
-        raise ValueError(f"seq_lens has {B} rows, q has {T}")
-    if query_start_loc is not None and query_start_loc.shape[0] != B + 1:
-        raise ValueError("query_start_loc must have num_seqs + 1 entries")
+    B, Hq, D, bs, Hkv = _check_attention_shapes(q, k_cache, v_cache)
+    if seq_lens.shape[0] != B:
+        raise ValueError(f"seq_lens has {seq_lens.shape[0]} rows, q has {B}")
     if out is None:
-        out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
+        out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
     if B == 0:
         return out
-    launch = _decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, counters,
-                            query_start_loc)
+    launch = _decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, counters)
     kern, args, meta = launch
     if num_splits is None:
-        num_splits, min_tokens = _decode_plan(q, k_cache, launch, B, max_seq_len, counters)
+        num_splits, min_tokens = _decode_plan(q, k_cache, launch, max_seq_len, counters)
     else:
         min_tokens = 1
     if min_split_tokens is not None:
@@ -347,12 +337,10 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits > 1 and not fused:
         kern._decode_reduce_kernel[(B, Hq)](
             part_o, part_lse, out, seq_lens,
-            seq_lens if query_start_loc is None else query_start_loc,  # unread unless RAGGED
             out.stride(0), out.stride(1), out.stride(2), min_tiles,
-            NUM_Q_HEADS=Hq, HEAD_DIM=D, BLOCK_N=meta["BLOCK_N"],
-            BLOCK_D=meta["BLOCK_D"], NUM_SPLITS=num_splits, BLOCK_S=_next_pow2(num_splits),
-            RAGGED=meta["RAGGED"], num_warps=1 if _uses_interpreter(q.device) else 4,
-            **_pdl_args(q.device),
+            NUM_Q_HEADS=Hq, HEAD_DIM=D, BLOCK_N=meta["BLOCK_N"], BLOCK_D=meta["BLOCK_D"],
+            NUM_SPLITS=num_splits, BLOCK_S=_next_pow2(num_splits),
+            num_warps=1 if _uses_interpreter(q.device) else 4, **_pdl_args(q.device),
         )
     return out
 
@@ -364,19 +352,18 @@ def decode_split_plan(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len: 
     holds (``decode_num_splits``, ``decode_min_split_tokens``)."""
     out = torch.empty_like(q)
     launch = _decode_launch(q, k_cache, v_cache, block_tables, seq_lens, 1.0, out, counters)
-    return _decode_plan(q, k_cache, launch, seq_lens.shape[0], max_seq_len, counters)
+    return _decode_plan(q, k_cache, launch, max_seq_len, counters)
 
 
-def _decode_plan(q, k_cache, launch, num_seqs: int, max_seq_len: int,
-                 counters) -> tuple[int, int]:
+def _decode_plan(q, k_cache, launch, max_seq_len: int, counters) -> tuple[int, int]:
     kern, args, meta = launch
-    _, Hq, D = q.shape
+    B, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     per_sm = 2  # interpreted (CPU) kernels: a small machine's guess
     if not _uses_interpreter(q.device):
         index = q.device.index if q.device.index is not None else torch.cuda.current_device()
         key = (index, q.dtype, k_cache.dtype, D, Hq // Hkv, k_cache.shape[1],
-               counters is not None, meta["RAGGED"])
+               counters is not None)
         per_sm = _occupancy_cache.get(key)
         if per_sm is None:  # compiled once: the split variant (the unsplit one lacks a store)
             part = torch.empty(1, dtype=torch.float32, device=q.device)
@@ -384,35 +371,31 @@ def _decode_plan(q, k_cache, launch, num_seqs: int, max_seq_len: int,
                 *_decode_args(args, part, part, part if counters is None else counters, 1),
                 grid=(1,), **dict(meta, NUM_SPLITS=2, FUSED_REDUCE=counters is not None))
             per_sm = _occupancy_cache[key] = _programs_per_sm(kernel, index)
-    return (decode_num_splits(num_seqs, Hkv, max_seq_len, q.device, per_sm),
-            decode_min_split_tokens(num_seqs, Hkv, q.device, per_sm))
+    return (decode_num_splits(B, Hkv, max_seq_len, q.device, per_sm),
+            decode_min_split_tokens(B, Hkv, q.device, per_sm))
 
 
-def _decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, counters,
-                   query_start_loc=None):
+def _decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, counters):
     """The split kernel's module, leading arguments and compile-time arguments (everything
     but the partials, the counters, the least chunk and the splits)."""
-    _, Hq, D, bs, Hkv = _check_attention_shapes(q, k_cache, v_cache)
+    B, Hq, D, bs, Hkv = _check_attention_shapes(q, k_cache, v_cache)
     gqa = Hq // Hkv
     interpreted = _uses_interpreter(q.device)
     cfg = _decode_config(D, q.dtype, interpreted, k_cache.dtype)
     block_d = _next_pow2(max(D, 16))
-    ragged = query_start_loc is not None
-    args = (q, k_cache, v_cache, out, block_tables, seq_lens,
-            query_start_loc if ragged else seq_lens, float(scale) * _LOG2E,
+    args = (q, k_cache, v_cache, out, block_tables, seq_lens, float(scale) * _LOG2E,
             _attention_strides(q, out, k_cache, v_cache, block_tables))
     meta = dict(NUM_Q_HEADS=Hq, GQA=gqa, HEAD_DIM=D, BLOCK_SIZE=bs,
                 BLOCK_G=max(16, _next_pow2(gqa)), BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
-                DOT_FP32=_dot_fp32(q.dtype, interpreted), RAGGED=ragged,
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                **_pdl_args(q.device))
+                DOT_FP32=_dot_fp32(q.dtype, interpreted), num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"], **_pdl_args(q.device))
     return _kernels_for(q.device), args, meta
 
 
 def _decode_args(args: tuple, part_o, part_lse, counters, min_tiles: int) -> tuple:
-    q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, qk_scale, strides = args
+    q, k_cache, v_cache, out, block_tables, seq_lens, qk_scale, strides = args
     return (q, k_cache, v_cache, out, part_o, part_lse, counters, block_tables, seq_lens,
-            query_start_loc, qk_scale, *strides, min_tiles)
+            qk_scale, *strides, min_tiles)
 
 
 # ----------------------------------------------------------------------------
@@ -454,8 +437,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                     max_seq_len: int, out: torch.Tensor | None = None,
                     decode_counters: torch.Tensor | None = None,
-                    use_tma: bool | None = None,
-                    decode_rows_apart: bool = False) -> torch.Tensor:
+                    use_tma: bool | None = None) -> torch.Tensor:
     """Ragged causal attention over the paged KV cache (prefill, chunked
     prefill, decode, or a mix of them).
 
@@ -467,10 +449,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q's dtype.  Rows of ``out`` that belong to no sequence are not written.
     Dispatches to :func:`paged_attention_decode` when ``max_query_len == 1``
     and there is one query row per sequence (``decode_counters`` goes with it, as
-    its ``counters``). ``use_tma``: see :func:`_launch_prefill`. ``decode_rows_apart``:
-    in a mixed step, the sequences of one query row go to the decode kernel (their
-    long contexts split across programs) and the rest to the prefill kernel, two
-    launches instead of one (bench/attention_tuning.py times both ways).
+    its ``counters``). ``use_tma``: see :func:`_launch_prefill`.
     """
     T, Hq, D, bs, Hkv = _check_attention_shapes(q, k_cache, v_cache)
     num_seqs = seq_lens.shape[0]
@@ -489,10 +468,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                           long_ctx=int(max_seq_len) >= 2 * int(max_query_len),
                           long_query=int(max_query_len) >= 2048, cache_dtype=k_cache.dtype)
     _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, cfg,
-                    use_tma, skip_decode_rows=decode_rows_apart)
-    if decode_rows_apart:
-        paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len,
-                               out=out, query_start_loc=query_start_loc)
+                    use_tma)
     return out
 
 
@@ -526,13 +502,10 @@ def _tma_available(device: torch.device) -> bool:
 
 
 def _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                    cfg: dict, use_tma: bool | None = None,
-                    skip_decode_rows: bool = False) -> None:
+                    cfg: dict, use_tma: bool | None = None) -> None:
     """The prefill kernel's launch with an explicit tile config (bench/attention_tuning.py
     sweeps configs through it). use_tma: load K/V tiles through tensor descriptors (None:
-    wherever the GPU and the cache allow it; True under the interpreter for tests).
-    skip_decode_rows: sequences of one query row are not attended (their rows of out are
-    left as they are)."""
+    wherever the GPU and the cache allow it; True under the interpreter for tests)."""
     T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -566,7 +539,7 @@ def _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         GQA=gqa, HEAD_DIM=D, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
         DOT_FP32=_dot_fp32(q.dtype, interpreted),
-        HEAVY_FIRST=cfg.get("HEAVY_FIRST", False), SKIP_DECODE_ROWS=skip_decode_rows,
+        HEAVY_FIRST=cfg.get("HEAVY_FIRST", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **descs,
         **_pdl_args(q.device),
     )

@@ -205,7 +205,6 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr, HEAVY_FIRST: tl.constexpr,
     k_desc=None, v_desc=None, USE_TMA: tl.constexpr = False, PDL: tl.constexpr = False,
-    SKIP_DECODE_ROWS: tl.constexpr = False,
 ):
     """Varlen causal attention over the paged cache.
 
@@ -222,8 +221,6 @@ def _prefill_kernel(
 
     HEAVY_FIRST: programs run in reverse tile order. A sequence's last row tiles attend
     to the most keys; started first, they leave short tiles for the tail of the launch.
-    SKIP_DECODE_ROWS: sequences of one query row are left to the decode kernel
-    (_decode_split_kernel with RAGGED), which splits their context.
     """
     _pdl.wait_for_previous(PDL)  # before the early return below (see _pdl)
     tile = tl.program_id(0)
@@ -242,9 +239,6 @@ def _prefill_kernel(
     row0 = pid_m * BLOCK_M
     if (row0 < 0) | (row0 >= qlen * GQA):  # below: tiles before qsl[0] > 0
         return
-    if SKIP_DECODE_ROWS:
-        if qlen == 1:
-            return
 
     rows = row0 + tl.arange(0, BLOCK_M)
     tok = rows // GQA
@@ -293,7 +287,7 @@ def _prefill_kernel(
 @triton.jit(do_not_specialize=["stride_bts", "min_tiles"])  # see _prefill_kernel
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    block_tables_ptr, seq_lens_ptr,
     qk_scale,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
@@ -303,7 +297,7 @@ def _decode_split_kernel(
     NUM_Q_HEADS: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, FUSED_REDUCE: tl.constexpr,
-    PDL: tl.constexpr = False, RAGGED: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Flash-decoding, one query token per sequence.
 
@@ -317,10 +311,6 @@ def _decode_split_kernel(
     its log2-sum-exp go to part_o [S, Hq, NUM_SPLITS, D] / part_lse
     [S, Hq, NUM_SPLITS] for _decode_reduce_kernel.
 
-    RAGGED: the batch of a mixed step (query rows by query_start_loc_ptr): only sequences
-    of one query row are attended, their row at query_start_loc[seq] (the prefill kernel
-    takes the others, SKIP_DECODE_ROWS).
-
     FUSED_REDUCE: no second kernel. Each program with tokens counts itself done on an
     int32 counter per (sequence, kv head) (counters_ptr, zero before the launch); the one
     that completes the count reads every used split's partials and writes the output,
@@ -332,12 +322,6 @@ def _decode_split_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
 
-    row = seq
-    if RAGGED:
-        row = tl.load(query_start_loc_ptr + seq)
-        if tl.load(query_start_loc_ptr + seq + 1) - row != 1:
-            return
-    row64 = row.to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
     chunk = _split_chunk(seq_len, min_tiles, NUM_SPLITS, BLOCK_N)
     lo = split * chunk
@@ -356,7 +340,7 @@ def _decode_split_kernel(
     qo_mask = g_valid[:, None] & d_mask[None, :]
     seq64 = seq.to(tl.int64)
 
-    q = tl.load(q_ptr + row64 * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+    q = tl.load(q_ptr + seq64 * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=qo_mask, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
@@ -386,10 +370,10 @@ def _decode_split_kernel(
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + row64 * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+        tl.store(out_ptr + seq64 * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
                  o.to(out_ptr.dtype.element_ty), mask=qo_mask)
     elif n_used == 1:  # the whole context in this split: nothing to combine
-        tl.store(out_ptr + row64 * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+        tl.store(out_ptr + seq64 * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
                  o.to(out_ptr.dtype.element_ty), mask=qo_mask)
     else:
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
@@ -403,7 +387,7 @@ def _decode_split_kernel(
             counter = counters_ptr + seq64 * tl.num_programs(1) + kvh
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if done == n_used - 1:
-                _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, seq64, row64, head, offs_d,
+                _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, seq64, head, offs_d,
                                 g_valid, qo_mask, chunk, seq_len, stride_ot, stride_oh,
                                 stride_od, NUM_Q_HEADS, HEAD_DIM, BLOCK_G, BLOCK_D,
                                 NUM_SPLITS)
@@ -411,8 +395,8 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, seq64, row64, head, offs_d, g_valid,
-                    qo_mask, chunk, seq_len, stride_ot, stride_oh, stride_od,
+def _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, seq64, head, offs_d, g_valid, qo_mask,
+                    chunk, seq_len, stride_ot, stride_oh, stride_od,
                     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """The fused reduce: weight each used split's output by its share of the total
@@ -438,7 +422,7 @@ def _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, seq64, row64, head, offs_
         denom += w
     denom = tl.where(denom > 0.0, denom, 1.0)
     res = acc / denom[:, None]
-    tl.store(out_ptr + row64 * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+    tl.store(out_ptr + seq64 * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
              res.to(out_ptr.dtype.element_ty), mask=qo_mask)
 
 
@@ -453,23 +437,16 @@ def _split_chunk(seq_len, min_tiles, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.const
 
 @triton.jit(do_not_specialize=["min_tiles"])
 def _decode_reduce_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, query_start_loc_ptr,
+    part_o_ptr, part_lse_ptr, out_ptr, seq_lens_ptr,
     stride_ot, stride_oh, stride_od, min_tiles,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
-    RAGGED: tl.constexpr = False,
 ):
-    """Combine the NUM_SPLITS partial results of one (sequence, query head) (RAGGED: as
-    _decode_split_kernel's)."""
+    """Combine the NUM_SPLITS partial results of one (sequence, query head)."""
     _pdl.wait_for_previous(PDL)
     seq = tl.program_id(0)
     h = tl.program_id(1)
-    row = seq
-    if RAGGED:
-        row = tl.load(query_start_loc_ptr + seq)
-        if tl.load(query_start_loc_ptr + seq + 1) - row != 1:
-            return
     seq_len = tl.load(seq_lens_ptr + seq)
     chunk = _split_chunk(seq_len, min_tiles, NUM_SPLITS, BLOCK_N)
     n_used = tl.cdiv(seq_len, tl.maximum(chunk, 1))  # splits that saw >= 1 token
@@ -493,5 +470,5 @@ def _decode_reduce_kernel(
     denom = tl.sum(w, 0)
     denom = tl.where(denom > 0.0, denom, 1.0)
     res = tl.sum(o * w[:, None], 0) / denom
-    tl.store(out_ptr + row.to(tl.int64) * stride_ot + h * stride_oh + offs_d * stride_od,
+    tl.store(out_ptr + seq64 * stride_ot + h * stride_oh + offs_d * stride_od,
              res.to(out_ptr.dtype.element_ty), mask=d_mask)

@@ -220,46 +220,6 @@ def test_attention_ignores_nan_past_a_sequence_end(cache_dtype):
         assert rel_err(out, ref) < TOL[torch.float32]
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
-def test_mixed_step_with_decode_rows_apart(cache_dtype):
-    """A mixed step's sequences of one query row through the decode kernel (reading their
-    rows at query_start_loc, splits combined by a second kernel or by the counting
-    program) and the rest through the prefill kernel, which skips them: the reference's
-    output, whatever the sequences' order."""
-    gen = torch.Generator().manual_seed(47)
-    # decode rows first, between prompts and last; a prompt on a cached prefix
-    seq_lens, q_lens, bs, hq, hkv, d = [300, 9, 261, 40, 290], [1, 9, 1, 7, 1], 16, 4, 2, 16
-    k_cache, v_cache = make_cache(64, bs, hkv, d, cache_dtype, gen)
-    bt = make_block_tables(seq_lens, bs, 64, gen)
-    T = sum(q_lens)
-    q = torch.randn(T, hq, d, generator=gen).to(DEVICE)
-    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    qsl = torch.tensor([0, 1, 10, 11, 18, 19], dtype=torch.int32, device=DEVICE)
-    want = ref_attention(q, k_cache, v_cache, bt, sl, qsl, d ** -0.5)
-    tol = TOL[torch.float32]
-    apart = paged_attention(q, k_cache, v_cache, bt, sl, qsl, d ** -0.5, 9, max(seq_lens),
-                            decode_rows_apart=True)
-    assert rel_err(apart, want) < tol
-    decode_rows = [0, 10, 18]
-    others = [r for r in range(T) if r not in decode_rows]
-    out = torch.full_like(q, 7.0)
-    cfg = csrc_triton._prefill_config(9 * hq // hkv, d, q.dtype, INTERPRET or DEVICE == "cpu")
-    csrc_triton._launch_prefill(q, k_cache, v_cache, bt, sl, qsl, d ** -0.5, out, cfg,
-                                skip_decode_rows=True)
-    assert (out[decode_rows] == 7.0).all() and rel_err(out[others], want[others]) < tol
-    for counters in (None, torch.zeros(len(seq_lens) * hkv, dtype=torch.int32, device=DEVICE)):
-        out = torch.full_like(q, 7.0)
-        paged_attention_decode(q, k_cache, v_cache, bt, sl, d ** -0.5, max(seq_lens), out=out,
-                               num_splits=3, counters=counters, query_start_loc=qsl)
-        assert rel_err(out[decode_rows], want[decode_rows]) < tol
-        assert (out[others] == 7.0).all()  # the prompts' rows are the prefill kernel's
-        if counters is not None:
-            assert not counters.any()  # left zeroed for the next launch
-    with pytest.raises(ValueError, match="query_start_loc"):
-        paged_attention_decode(q, k_cache, v_cache, bt, sl, d ** -0.5, 300,
-                               query_start_loc=qsl[:-1])
-
-
 def test_store_kv_cache_all_padding_and_empty():
     gen = torch.Generator().manual_seed(2)
     k_cache, v_cache = make_cache(4, 4, 1, 16, torch.float32, gen)
