@@ -4,11 +4,13 @@ replays of `csrc_triton.paged_attention_decode` with the split combine fused (as
 engine's decode graphs), block tables shuffled over the pool. Each split count given
 runs with a tile as a split's least context; the row with `"plan"` is the launch as the
 engine makes it (`decode_split_plan`: the split count and least tokens for that grid).
-Also the compiled kernels' registers and shared memory (they set how many programs an
-SM holds).
+With `--graph-len N` also the launch the engine's decode graphs make: planned for a grid of
+N positions (their `max_model_len`), a sequence's least chunk taken at run time (the row
+with `"graph_len"`). Also the compiled kernels' registers and shared memory (they set how
+many programs an SM holds).
 
     python -m bench.diagnostics.decode_splits --out FILE [--points 64x8192,...]
-        [--splits 1,2,3,4,8]
+        [--splits 1,2,3,4,8] [--graph-len 8704]
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--points", default="64x8192,32x8192,64x4096,128x2048,64x1000,16x4000")
     ap.add_argument("--splits", default="1,2,3,4,8")
+    ap.add_argument("--graph-len", type=int, default=0)
     args = ap.parse_args()
     dev = torch.device("cuda")
     points = [tuple(int(v) for v in p.split("x")) for p in args.points.split(",")]
@@ -101,6 +104,16 @@ def main() -> None:
                              "splits": splits or plan[0], "us": round(us, 1)}
                             | ({"plan": True, "min_split_tokens": plan[1]} if splits is None
                                else {}))
+                print(rows[-1], flush=True)
+            if args.graph_len:
+                graph_plan = csrc_triton.decode_split_plan(q, k, v, tables, lens, args.graph_len,
+                                                           counters)
+                us = replay_us(lambda: csrc_triton.paged_attention_decode(
+                    q, k, v, tables, lens, D ** -0.5, args.graph_len, out=out,
+                    counters=counters))
+                rows.append({"batch": batch, "context": ctx, "cache": str(dtype).split(".")[-1],
+                             "splits": graph_plan[0], "us": round(us, 1),
+                             "graph_len": args.graph_len, "min_split_tokens": graph_plan[1]})
                 print(rows[-1], flush=True)
             del q, k, v, tables, lens, out
             torch.cuda.empty_cache()
