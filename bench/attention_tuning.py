@@ -115,7 +115,7 @@ def default_config(pb, hq, hkv, d, dtype, cache_dtype):
     max_q, max_s = max(pb["q_lens_l"]), max(pb["seq_lens_l"])
     return csrc_triton._prefill_config(max_q * hq // hkv, d, dtype, False,
                                        long_ctx=max_s >= 2 * max_q, long_query=max_q >= 2048,
-                                       cache_dtype=cache_dtype)
+                                       cache_dtype=cache_dtype, gqa=hq // hkv)
 
 
 def split_times(shape, hq, hkv, d, dtype, cache_dtype, block_size):

@@ -403,14 +403,17 @@ def _decode_args(args: tuple, part_o, part_lse, counters, min_tiles: int) -> tup
 # ----------------------------------------------------------------------------
 def _prefill_config(rows: int, head_dim: int, dtype: torch.dtype, interpreted: bool,
                     long_ctx: bool = False, long_query: bool = False,
-                    cache_dtype: torch.dtype | None = None):
+                    cache_dtype: torch.dtype | None = None, gqa: int = 1):
     """Tile config.  rows = max_query_len * GQA (the packed M extent);
     long_ctx: the kv range is long compared with the queries (chunked prefill with a
     cached prefix); long_query: a query of >= 2048 tokens (a long prompt's chunk).  Tuned
     on an H200 (triton 3.6) for bf16 with head_dim 64 / 128 (bench/attention_tuning.py and
     the W5/W6 A/B in bench/results/2026-12-01-h200-prefill-tiles/): for head_dim 64, tiles
-    of 64 rows and heavy tiles first on long queries (W6 +12%); for head_dim 128 the wider
-    tiles that won alone lost W6 when a step also carries decode rows, so it keeps 64x64."""
+    of 64 rows and heavy tiles first on long queries (W6 +12%); for head_dim 128, 64x64, and
+    on a long query with query heads in groups of 4 or more (gqa; a 64-row tile would hold
+    16 tokens or fewer) 128 rows: 32 tokens a K/V tile is loaded for, as 64 rows give
+    groups of 2 (Llama-3.1-8B W5 +1.2%, W6 +0.7%: docs/decisions.md, "Prefill attention
+    tiles, by head dim")."""
     small_m = max(16, _next_pow2(rows))
     if interpreted:
         return dict(BLOCK_M=min(32, small_m), BLOCK_N=16, num_warps=4, num_stages=1)
@@ -423,6 +426,8 @@ def _prefill_config(rows: int, head_dim: int, dtype: torch.dtype, interpreted: b
         # Llama-3.1-8B's prefill shapes (bench/results/2026-12-02-h200-kv-cache-fp8-tiles/)
         return dict(BLOCK_M=min(128, small_m), BLOCK_N=64, num_warps=4, num_stages=1,
                     HEAVY_FIRST=long_query)
+    if head_dim > 64 and long_query and gqa >= 4:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2)
     if head_dim > 64:
         return dict(BLOCK_M=min(64, small_m), BLOCK_N=64, num_warps=4, num_stages=3)
     if long_ctx:
@@ -466,7 +471,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     rows = int(max_query_len) * (Hq // Hkv)
     cfg = _prefill_config(rows, D, q.dtype, interpreted,
                           long_ctx=int(max_seq_len) >= 2 * int(max_query_len),
-                          long_query=int(max_query_len) >= 2048, cache_dtype=k_cache.dtype)
+                          long_query=int(max_query_len) >= 2048, cache_dtype=k_cache.dtype,
+                          gqa=Hq // Hkv)
     _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, cfg,
                     use_tma)
     return out
