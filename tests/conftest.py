@@ -19,6 +19,38 @@ if not torch.cuda.is_available():
     # any kernel is defined.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# ---- pytest-xdist: modules kept on one worker ---------------------------------------------
+
+# With -n, each of these modules runs on a single worker, so that its module- and
+# session-scoped fixtures (servers, a loaded real model, the HF reference outputs, the real
+# GGUF's reader) are built once instead of once per worker that gets one of its tests;
+# every other test is handed to whichever worker is free, one at a time. (xdist's own
+# --dist loadgroup would do this with marks, but under pytest 9 its group names never reach
+# the scheduler: it renames items through an attribute pytest 9 no longer reads.)
+SAME_WORKER_MODULES = {
+    "tests/test_server.py",                  # two servers (engine thread / process)
+    "tests/test_openai_compat.py",           # three servers
+    "tests/test_parity_smollm2.py",          # HF's reference outputs (~20 s), the engine
+    "tests/test_gguf_and_default_model.py",  # the real GGUF's reader, the HF tokenizer
+}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "load":
+        return None  # an explicit --dist other than load: xdist's own
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesTogether(LoadScopeScheduling):
+        """--dist loadscope for SAME_WORKER_MODULES, --dist load (one test at a time) for
+        the rest. The largest scopes are handed out first (xdist's loadscope order)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in SAME_WORKER_MODULES else nodeid
+
+    return ModulesTogether(config, log)
+
+
 TINY_CONFIGS = {
     "llama": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
