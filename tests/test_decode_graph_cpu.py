@@ -109,8 +109,10 @@ def test_profile_batch_is_a_valid_prefill(tiny_model_dirs, budget, max_len):
 def test_profile_batch_runs_through_triton_kernels(tiny_model_dirs, monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "triton")
+    # 24 tokens: sequences of 16 (the whole rotary table) and 8; each token is a program of
+    # every interpreted kernel.
     llm = LLM(str(tiny_model_dirs["qwen2"]), skip_tokenizer_init=True, max_model_len=16,
-              max_num_batched_tokens=40, max_num_seqs=4)
+              max_num_batched_tokens=24, max_num_seqs=4)
     ids, pos, meta, scratch = llm.engine.runner.profile_batch()
     with torch.inference_mode():
         hidden = llm.engine.runner.model(ids, pos, scratch.layers, meta)
