@@ -19,6 +19,66 @@ if not torch.cuda.is_available():
     # any kernel is defined.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# ---- pytest-xdist: modules kept on one worker ---------------------------------------------
+
+# With -n, each of these modules runs on a single worker, so that its module- and
+# session-scoped fixtures (servers, a loaded real model, the HF reference outputs, the real
+# GGUF's reader) are built once instead of once per worker that gets one of its tests;
+# every other test is handed to whichever worker is free, one at a time. (xdist's own
+# --dist loadgroup would do this with marks, but under pytest 9 its group names never reach
+# the scheduler: it renames items through an attribute pytest 9 no longer reads.)
+SAME_WORKER_MODULES = {
+    "tests/test_server.py",                  # two servers (engine thread / process)
+    "tests/test_openai_compat.py",           # three servers
+    "tests/test_parity_smollm2.py",          # HF's reference outputs (~20 s), the engine
+    "tests/test_gguf_and_default_model.py",  # the real GGUF's reader, the HF tokenizer
+    "tests/test_bench_report.py",            # the committed results' report (~10 s)
+}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "load":
+        return None  # an explicit --dist other than load: xdist's own
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesTogether(LoadScopeScheduling):
+        """--dist loadscope for SAME_WORKER_MODULES, --dist load (one test at a time) for
+        the rest. The largest scopes are handed out first (xdist's loadscope order)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in SAME_WORKER_MODULES else nodeid
+
+    return ModulesTogether(config, log)
+
+
+# Tests of 15 s or more on the 2-core machine (in a whole run): with -n they are handed out
+# first (after the modules above), so that the run does not end with one worker on such a
+# test while the other has nothing left.
+START_FIRST = (
+    "tests/test_mixed_graph_cpu.py::test_mixed_steps_match_eager[triton]",
+    "tests/test_gguf_engine.py::",
+    "tests/test_gpu_check_smoke.py::test_every_section_runs_in_smoke_mode",
+    "tests/test_decode_graph_cpu.py::test_compiled_decode_step_matches_eager",
+    "tests/test_speculative.py::test_real_model_chat_with_stop_string_and_server",
+    "tests/test_api_servers.py::test_two_api_servers_share_one_engine",
+    "tests/test_api_servers.py::test_killing_the_main_server_ends_every_process",
+    "tests/test_api_servers.py::test_an_engine_that_fails_to_start_ends_every_process",
+    "tests/test_quantization.py::test_fp8_kv_cache",
+    "tests/test_quantization.py::test_gemv_epilogues_in_the_decoder",
+    "tests/test_decode_graph_cpu.py::test_triton_backend_in_interpreter_matches_torch",
+    "tests/test_vs_vllm_smoke.py::test_offline_ab_interleaves_variants",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist, START_FIRST's tests move to the front of the collection (stable: the
+    rest keep their order). None of them uses a module-scoped fixture, so moving them
+    builds no module fixture twice."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: not item.nodeid.startswith(START_FIRST))
+
+
 TINY_CONFIGS = {
     "llama": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,

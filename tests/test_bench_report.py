@@ -36,10 +36,25 @@ def _envs(root: Path) -> list[dict]:
     return out
 
 
-def test_report_regenerates_from_committed_results(tmp_path):
-    out = tmp_path / "report"
-    md_path = report.render([RESULTS], out, base=REPO)
-    md = md_path.read_text()
+@pytest.fixture(scope="module")
+def committed_report(tmp_path_factory):
+    """(exit status, folder) of `python -m bench report` on the committed results, rendered
+    once for the two tests that read it (the plots take matplotlib ~10 s). Run from the
+    repository root, the entry point renders with base=REPO, as report.render([RESULTS],
+    out, base=REPO)."""
+    from bench.__main__ import main
+
+    out = tmp_path_factory.mktemp("report")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(REPO)
+        status = main(["report", "--results", str(RESULTS), "--out", str(out)])
+    return status, out
+
+
+def test_report_regenerates_from_committed_results(committed_report):
+    status, out = committed_report
+    assert status == 0
+    md = (out / "report.md").read_text()
     pngs = sorted(out.glob("*.png"))
     assert pngs, "no plots"
     for p in pngs:
@@ -203,11 +218,12 @@ def test_w3_server_variants_and_engine_trace(tmp_path):
            "mv-receiver 0.3) |" in md  # idle processes left out
 
 
-def test_python_m_bench_report_entry_point(tmp_path):
+def test_python_m_bench_report_entry_point(committed_report):
     from bench.__main__ import main
 
-    assert main(["report", "--results", str(RESULTS), "--out", str(tmp_path / "r")]) == 0
-    assert (tmp_path / "r" / "report.md").exists()
+    status, out = committed_report
+    assert status == 0
+    assert (out / "report.md").exists()
     assert main(["no-such-command"]) == 2
 
 

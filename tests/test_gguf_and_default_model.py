@@ -312,6 +312,14 @@ def default_gguf(default_model_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def default_gguf_reader(default_gguf):
+    """One reader of the real GGUF for the tests that look inside it: opening it parses
+    its 49,152-entry vocabulary in Python (~8 s on the 2-core machine). Read-only; the
+    module runs on one pytest-xdist worker (conftest.SAME_WORKER_MODULES)."""
+    return gl.open_gguf(default_gguf)
+
+
+@pytest.fixture(scope="session")
 def folder_tokenizer(default_model_dir):
     from transformers import AutoTokenizer
 
@@ -349,7 +357,8 @@ def test_default_model_generates_paris(default_model_dir, folder_tokenizer):
 
 
 @pytest.mark.slow
-def test_default_model_weights_equal_transformers_gguf_load(default_model_dir, default_gguf):
+def test_default_model_weights_equal_transformers_gguf_load(default_model_dir, default_gguf,
+                                                            default_gguf_reader):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -365,14 +374,15 @@ def test_default_model_weights_equal_transformers_gguf_load(default_model_dir, d
         assert t.shape == theirs[name].shape, name
         assert torch.allclose(t, theirs[name], rtol=0, atol=1e-7), name
     # the Q/K un-permutation really did something
-    raw = {t.name: t for t in gl.open_gguf(default_gguf).tensors}
+    raw = {t.name: t for t in default_gguf_reader.tensors}
     q_raw = torch.from_numpy(dequantize(raw["blk.0.attn_q.weight"].data, raw["blk.0.attn_q.weight"].tensor_type))
     assert not torch.equal(q_raw, ours["model.layers.0.self_attn.q_proj.weight"])
     assert torch.equal(gl.unpermute_qk_from_gguf(q_raw, 9), ours["model.layers.0.self_attn.q_proj.weight"])
 
 
 @pytest.mark.slow
-def test_default_model_tokenizer(default_model_dir, default_gguf, folder_tokenizer):
+def test_default_model_tokenizer(default_model_dir, default_gguf, default_gguf_reader,
+                                 folder_tokenizer):
     from transformers import AutoTokenizer
 
     tok = folder_tokenizer
@@ -395,7 +405,8 @@ def test_default_model_tokenizer(default_model_dir, default_gguf, folder_tokeniz
     assert rendered.startswith("<|im_start|>system\n")
     tcfg = json.loads((default_model_dir / "tokenizer_config.json").read_text())
     assert "<|im_start|>" in tcfg["chat_template"] and tcfg["eos_token"] == "<|im_end|>"
-    assert tcfg["chat_template"] == gl.read_gguf_metadata(default_gguf)["tokenizer.chat_template"]
+    assert tcfg["chat_template"] == gl.read_gguf_metadata(default_gguf_reader)[
+        "tokenizer.chat_template"]
 
 
 @pytest.mark.slow

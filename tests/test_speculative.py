@@ -199,10 +199,12 @@ def test_real_model_chat_with_stop_string_and_server(default_model_dir, drafts_a
     kw = dict(max_model_len=512, max_num_seqs=4)
     plain = LLM(str(default_model_dir), **kw)
     spec = LLM(str(default_model_dir), speculative_config=NGRAM, **kw)
-    for p in (params, stop):
+    plain_text = {}  # the plain engine's answers, for the server below
+    for name, p in (("full", params), ("stop", stop)):
         a = plain.chat(question, p, use_tqdm=False)[0].outputs[0]
         b = spec.chat(question, p, use_tqdm=False)[0].outputs[0]
         assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+        plain_text[name] = a.text
     s = spec.engine.stats
     assert s["spec_decode_num_accepted_tokens"] > s["spec_decode_num_draft_tokens"] / 2
     assert s["spec_decode_num_accepted_tokens"] >= 20  # the answer quotes the text
@@ -212,7 +214,7 @@ def test_real_model_chat_with_stop_string_and_server(default_model_dir, drafts_a
                                timeout=120)
         out = client.chat.completions.create(model=client.models.list().data[0].id,
                                              messages=question, max_tokens=48, temperature=0.0)
-        a = plain.chat(question, params, use_tqdm=False)[0].outputs[0].text
+        a = plain_text["full"]  # greedy: the same answer as above
         assert out.choices[0].message.content == a
         stream = client.chat.completions.create(model=out.model, messages=question,
                                                 max_tokens=48, temperature=0.0, stream=True)
