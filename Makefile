@@ -24,8 +24,9 @@ model: setup
 serve: model
 	$(BIN)/minivllm serve $(ARGS)
 
-# One pytest worker per core (pytest-xdist), each single-threaded: 313 s instead of 558 s
-# for the whole suite on the 2-core development machine. TEST_WORKERS=0 runs in-process.
+# One pytest worker per core (pytest-xdist), each single-threaded: ~430 s for the whole
+# suite on the 2-core development machine (docs/decisions.md, "Tests run on every core").
+# TEST_WORKERS=0 runs in-process.
 TEST_WORKERS ?= auto
 
 test: setup
