@@ -238,6 +238,19 @@ def test_metadata_reader(tmp_path):
     assert meta["tokenizer.ggml.eos_token_id"] == 2
 
 
+def test_an_unchanged_file_is_parsed_once(tmp_path):
+    """A .gguf model is opened for its config and again for its weights: the second open
+    reuses the first reader while the file is unchanged, and a rewritten file is read anew."""
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, "qwen3", _tiny_hf_model("qwen3", True), GGMLQuantizationType.F32)
+    first = gl.open_gguf(path)
+    assert gl.open_gguf(str(path)) is first
+    _write_gguf(path, "llama", _tiny_hf_model("llama", True), GGMLQuantizationType.F16)
+    again = gl.open_gguf(path)
+    assert again is not first
+    assert gl.read_gguf_metadata(again)["general.architecture"] == "llama"
+
+
 def test_unsupported_architecture(tmp_path):
     path = tmp_path / "x.gguf"
     w = gguf.GGUFWriter(str(path), "mamba")
