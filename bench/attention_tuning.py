@@ -112,10 +112,8 @@ def sdpa_refs(pb, hq, hkv, d):
 
 def default_config(pb, hq, hkv, d, dtype, cache_dtype):
     """The engine's tile config for a problem (csrc_triton.paged_attention's choice)."""
-    max_q, max_s = max(pb["q_lens_l"]), max(pb["seq_lens_l"])
-    return csrc_triton._prefill_config(max_q * hq // hkv, d, dtype, False,
-                                       long_ctx=max_s >= 2 * max_q, long_query=max_q >= 2048,
-                                       cache_dtype=cache_dtype, gqa=hq // hkv)
+    return csrc_triton._prefill_config(max(pb["q_lens_l"]), max(pb["seq_lens_l"]), hq // hkv,
+                                       d, dtype, False, cache_dtype)
 
 
 def split_times(shape, hq, hkv, d, dtype, cache_dtype, block_size):
@@ -176,7 +174,6 @@ def main():
             pb = problem(shape, hq, hkv, d, dtype, cache_dtype=cache_dtype,
                          block_size=args.block_size)
             flops = attn_flops(pb, hq, d)
-            max_q, max_s = max(pb["q_lens_l"]), max(pb["seq_lens_l"])
             default_cfg = default_config(pb, hq, hkv, d, dtype, cache_dtype)
             ref = torch.empty_like(pb["q"], memory_format=torch.contiguous_format)
 

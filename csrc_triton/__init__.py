@@ -406,19 +406,23 @@ def _decode_args(args: tuple, part_o, part_lse, counters, min_tiles: int) -> tup
 # ----------------------------------------------------------------------------
 # varlen prefill / chunked prefill / mixed
 # ----------------------------------------------------------------------------
-def _prefill_config(rows: int, head_dim: int, dtype: torch.dtype, interpreted: bool,
-                    long_ctx: bool = False, long_query: bool = False,
-                    cache_dtype: torch.dtype | None = None, gqa: int = 1):
-    """Tile config.  rows = max_query_len * GQA (the packed M extent);
-    long_ctx: the kv range is long compared with the queries (chunked prefill with a
-    cached prefix); long_query: a query of >= 2048 tokens (a long prompt's chunk).  Tuned
-    on an H200 (triton 3.6) for bf16 with head_dim 64 / 128 (bench/attention_tuning.py and
-    the W5/W6 A/B in bench/results/2026-12-01-h200-prefill-tiles/): for head_dim 64, tiles
-    of 64 rows and heavy tiles first on long queries (W6 +12%); for head_dim 128, 64x64, and
-    on a long query with query heads in groups of 4 or more (gqa; a 64-row tile would hold
-    16 tokens or fewer) 128 rows: 32 tokens a K/V tile is loaded for, as 64 rows give
-    groups of 2 (Llama-3.1-8B W5 +1.2%, W6 +0.7%: docs/decisions.md, "Prefill attention
-    tiles, by head dim")."""
+def _prefill_config(max_query_len: int, max_seq_len: int, gqa: int, head_dim: int,
+                    dtype: torch.dtype, interpreted: bool,
+                    cache_dtype: torch.dtype | None = None):
+    """Tile config for a batch whose longest query is max_query_len tokens and longest
+    sequence max_seq_len, query heads in groups of gqa. The packed M extent is
+    max_query_len * gqa rows; long_ctx: the kv range is long compared with the queries
+    (chunked prefill with a cached prefix); long_query: a query of >= 2048 tokens (a long
+    prompt's chunk). Tuned on an H200 (triton 3.6) for bf16 with head_dim 64 / 128
+    (bench/attention_tuning.py and the W5/W6 A/B in
+    bench/results/2026-12-01-h200-prefill-tiles/): for head_dim 64, tiles of 64 rows and
+    heavy tiles first on long queries (W6 +12%); for head_dim 128, 64x64, and on a long
+    query with groups of 4 or more (a 64-row tile would hold 16 tokens or fewer) 128 rows:
+    32 tokens a K/V tile is loaded for, as 64 rows give groups of 2 (Llama-3.1-8B W5
+    +1.2%, W6 +0.7%: docs/decisions.md, "Prefill attention tiles, by head dim")."""
+    rows = max_query_len * gqa
+    long_ctx = max_seq_len >= 2 * max_query_len
+    long_query = max_query_len >= 2048
     small_m = max(16, _next_pow2(rows))
     if interpreted:
         return dict(BLOCK_M=min(32, small_m), BLOCK_N=16, num_warps=4, num_stages=1)
@@ -473,11 +477,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale,
                                       max_seq_len, out=out, counters=decode_counters)
     interpreted = _uses_interpreter(q.device)
-    rows = int(max_query_len) * (Hq // Hkv)
-    cfg = _prefill_config(rows, D, q.dtype, interpreted,
-                          long_ctx=int(max_seq_len) >= 2 * int(max_query_len),
-                          long_query=int(max_query_len) >= 2048, cache_dtype=k_cache.dtype,
-                          gqa=Hq // Hkv)
+    cfg = _prefill_config(int(max_query_len), int(max_seq_len), Hq // Hkv, D, q.dtype,
+                          interpreted, k_cache.dtype)
     _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, cfg,
                     use_tma)
     return out

@@ -142,8 +142,7 @@ def main() -> None:
         lens = torch.full((B,), T, device=dev, dtype=torch.int32)
         qsl = torch.arange(0, B * T + 1, T, device=dev, dtype=torch.int32)
         variants = []
-        default_cfg = csrc_triton._prefill_config(T * H // Hkv, D, q.dtype, False,
-                                                  long_query=True, gqa=H // Hkv)
+        default_cfg = csrc_triton._prefill_config(T, T, H // Hkv, D, q.dtype, False)
         for bs in (16, 64, 128):
             nblk = B * T // bs
             kc = k.view(nblk, bs, Hkv, D).contiguous()
