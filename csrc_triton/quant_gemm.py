@@ -43,6 +43,7 @@ import triton.language as tl
 from csrc_triton import _sm_count
 from csrc_triton._interpret import jit_helpers, kernels_for
 from csrc_triton._pdl import launch_args as pdl_args
+from csrc_triton.fused import _norm_consts
 from csrc_triton.int4_layout import int4_half, int4_packed_bytes
 
 _fp8_cast = jit_helpers("_fp8_cast")
@@ -50,7 +51,8 @@ _pdl = jit_helpers("_pdl")
 _numerics = jit_helpers("_numerics")
 
 __all__ = ["int8_gemm", "int4_gemm", "fp8_weight_gemm", "fp8_quantize_rows", "linear_gemv",
-           "GemvWeight", "gemv_silu_and_mul", "gemv_rotary"]
+           "GemvWeight", "gemv_silu_and_mul", "gemv_rotary",
+           "gemv_add_residual"]
 
 
 # Integer codes to fp32 without I2F (a quarter-rate instruction, the int4 GEMV's limit):
@@ -166,15 +168,26 @@ def _gemv_weights(w_ptr, offs_n, n_ok, k, K, stride_wn):
 
 
 @triton.jit
-def _gemv_add(acc, q, x_ptr, k, K, FORMAT: tl.constexpr):
-    """acc + the products of codes q (inputs k) with x, element-wise in fp32."""
+def _gemv_input(x_ptr, g_ptr, k, K, NORM: tl.constexpr):
+    """(x at inputs k in fp32, what the weights multiply): with NORM, x times the RMS
+    norm's weight g (the row's scale comes at the end, from its squares' sum)."""
+    xk = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    if NORM:
+        xg = xk * tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    else:
+        xg = xk
+    return xk, xg
+
+
+@triton.jit
+def _gemv_add(acc, q, xk, FORMAT: tl.constexpr):
+    """acc + the products of codes q with the inputs xk, element-wise in fp32."""
     if FORMAT == 0:
         w = (q.to(tl.int32) + _MAGIC_S).to(tl.float32, bitcast=True) - 12582912.0
     elif FORMAT == 1:
         w = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
         w = q.to(tl.float32)
-    xk = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
     return acc + w * xk[None, :]
 
 
@@ -210,10 +223,10 @@ def _int4_gemv_add(acc, b, s, z, x_ptr, k0, K, HALF: tl.constexpr, BLOCKS: tl.co
 
 @triton.jit
 def _gemv_rows(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, offs_n, n_ok, K, stride_wn,
-               stride_sn, FORMAT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
-               HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               INTERPRETED: tl.constexpr, FLOAT_ZERO: tl.constexpr,
-               LOOP_STAGES: tl.constexpr, PDL: tl.constexpr):
+               stride_sn, g_ptr, eps, inv_k, k_f, FORMAT: tl.constexpr, GROUP: tl.constexpr,
+               HALF: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, FLOAT_ZERO: tl.constexpr,
+               LOOP_STAGES: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     """The GEMV kernels' body: one row of x against weight rows offs_n (any BLOCK_N rows),
     the whole of K, products accumulated element-wise in fp32 and summed over K once at
     the end; returns y [BLOCK_N] in fp32 with the scale and bias applied. FORMAT 0 int8,
@@ -221,7 +234,8 @@ def _gemv_rows(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, offs_n, n_ok, K, str
     is loaded before waiting for the previous kernel (PDL), which wrote x. LOOP_STAGES > 1
     (8- and 16-bit weights) pipelines the loop's weight loads through shared memory
     (cp.async, that many tiles in flight); 1 loads each tile when its step starts (plain
-    loads, as a plain range compiles). (tl.full, not tl.zeros: the interpreter runs the
+    loads, as a plain range compiles). NORM (8- and 16-bit weights): x is RMS-normalized
+    with weight g on the way (_gemv_sum). (tl.full, not tl.zeros: the interpreter runs the
     latter, a jitted helper of Triton's, only from a kernel's own body.)"""
     if FORMAT == 2:
         # A tile of BLOCK_K inputs is BLOCKS packed blocks.
@@ -242,30 +256,44 @@ def _gemv_rows(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, offs_n, n_ok, K, str
     else:
         q = _gemv_weights(w_ptr, offs_n, n_ok, tl.arange(0, BLOCK_K), K, stride_wn)
         _pdl.wait_for_previous(PDL)
-        y = _gemv_sum(q, x_ptr, w_ptr, scale_ptr, offs_n, n_ok, K, stride_wn, FORMAT,
-                      BLOCK_N, BLOCK_K, INTERPRETED, LOOP_STAGES)
+        y = _gemv_sum(q, x_ptr, w_ptr, scale_ptr, offs_n, n_ok, K, stride_wn, g_ptr, eps,
+                      inv_k, k_f, FORMAT, BLOCK_N, BLOCK_K, INTERPRETED, LOOP_STAGES, NORM)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     return y
 
 
 @triton.jit
-def _gemv_sum(q, x_ptr, w_ptr, scale_ptr, offs_n, n_ok, K, stride_wn, FORMAT: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
-              LOOP_STAGES: tl.constexpr):
+def _gemv_sum(q, x_ptr, w_ptr, scale_ptr, offs_n, n_ok, K, stride_wn, g_ptr, eps, inv_k,
+              k_f, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              INTERPRETED: tl.constexpr, LOOP_STAGES: tl.constexpr, NORM: tl.constexpr):
     """_gemv_rows for 8- and 16-bit codes from the first tile's codes q (loaded before the
-    PDL wait): the loop over K, the row sums and the scale."""
+    PDL wait): the loop over K, the row sums and the scale. NORM: the products are of x
+    times the norm's weight g, and the sums are scaled by rsqrt(mean(x^2) + eps) at the
+    end, the row's squares summed as its inputs come by (every program reads all of x
+    anyway): RMSNorm(x) @ W^T without a kernel for the norm. Not the norm kernel's bytes,
+    which rounds the normalized row to the dtype before the product."""
     offs_k = tl.arange(0, BLOCK_K)
-    acc = _gemv_add(tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32), q, x_ptr, offs_k, K,
-                    FORMAT)
+    xk, xg = _gemv_input(x_ptr, g_ptr, offs_k, K, NORM)
+    squares = xk * xk
+    acc = _gemv_add(tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32), q, xg, FORMAT)
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=LOOP_STAGES):
         k = k0 + offs_k
-        acc = _gemv_add(acc, _gemv_weights(w_ptr, offs_n, n_ok, k, K, stride_wn), x_ptr,
-                        k, K, FORMAT)
+        xk, xg = _gemv_input(x_ptr, g_ptr, k, K, NORM)
+        if NORM:
+            squares += xk * xk
+        acc = _gemv_add(acc, _gemv_weights(w_ptr, offs_n, n_ok, k, K, stride_wn), xg,
+                        FORMAT)
     if INTERPRETED:
         y = tl.reduce(acc, 1, _add)
     else:
         y = tl.sum(acc, axis=1)
+    if NORM:
+        if INTERPRETED:
+            sumsq = tl.reduce(squares, 0, _add)
+        else:
+            sumsq = tl.sum(squares, axis=0)
+        y = y * _numerics.inv_rms(sumsq, eps, inv_k, k_f, INTERPRETED)
     if FORMAT != 3:
         y = y * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
     return y
@@ -283,17 +311,17 @@ def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, 
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     y = _gemv_rows(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, offs_n, n_ok, K, stride_wn,
-                   stride_sn, FORMAT, GROUP, HALF, HAS_BIAS, BLOCK_N, BLOCK_K, INTERPRETED,
-                   FLOAT_ZERO, LOOP_STAGES, PDL)
+                   stride_sn, scale_ptr, 0.0, 0.0, 0.0, FORMAT, GROUP, HALF, HAS_BIAS,
+                   BLOCK_N, BLOCK_K, INTERPRETED, FLOAT_ZERO, LOOP_STAGES, False, PDL)
     tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
-def _gemv_silu_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, I, K, stride_wn,
-                      FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, DT: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      INTERPRETED: tl.constexpr, LOOP_STAGES: tl.constexpr = 1,
-                      PDL: tl.constexpr = False):
+def _gemv_silu_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, g_ptr, eps, inv_k, k_f, out_ptr, I,
+                      K, stride_wn, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      INTERPRETED: tl.constexpr, NORM: tl.constexpr,
+                      LOOP_STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
     """The batch-1 gate/up projection with SiLU x up as its epilogue: a program's BLOCK_N
     weight rows are BLOCK_N / 2 gate rows and the up rows of the same outputs, interleaved
     (g0 u0 g1 u1 ..., so that one split pairs them); it writes silu(gate) * up [I], the
@@ -303,8 +331,8 @@ def _gemv_silu_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, I, K, stride_w
     outs = tl.program_id(0) * PAIRS + r // 2
     rows, rows_ok = outs + (r % 2) * I, outs < I
     y = _gemv_rows(x_ptr, w_ptr, scale_ptr, scale_ptr, bias_ptr, rows, rows_ok, K,
-                   stride_wn, 0, FORMAT, 0, 0, HAS_BIAS, BLOCK_N, BLOCK_K, INTERPRETED,
-                   False, LOOP_STAGES, PDL)
+                   stride_wn, 0, g_ptr, eps, inv_k, k_f, FORMAT, 0, 0, HAS_BIAS, BLOCK_N,
+                   BLOCK_K, INTERPRETED, False, LOOP_STAGES, NORM, PDL)
     # y as the plain GEMV stores it (the interpreter's cast truncates, so round_to would not)
     y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
     gate, up = tl.split(tl.reshape(y, (PAIRS, 2)))
@@ -314,13 +342,36 @@ def _gemv_silu_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, I, K, stride_w
 
 
 @triton.jit
-def _gemv_rotary_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, q_ptr, pos_ptr, cos_ptr, sin_ptr,
-                        max_pos, slot_ptr, kc_ptr, vc_ptr, skc_b, skc_s, skc_h, skc_d,
+def _gemv_residual_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, N, K, stride_wn,
+                          FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, DT: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          INTERPRETED: tl.constexpr, LOOP_STAGES: tl.constexpr = 1,
+                          PDL: tl.constexpr = False):
+    """A batch-1 projection added into the residual stream as its epilogue (o, down):
+    residual[n] += y[n] in place, each program its own outputs, with the bytes of the GEMV
+    followed by fused_add_rms_norm's add (y rounded to the dtype, then the sum)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    q = _gemv_weights(w_ptr, offs_n, n_ok, tl.arange(0, BLOCK_K), K, stride_wn)
+    _pdl.wait_for_previous(PDL)
+    res = tl.load(res_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    y = _gemv_sum(q, x_ptr, w_ptr, scale_ptr, offs_n, n_ok, K, stride_wn, scale_ptr, 0.0, 0.0,
+                  0.0, FORMAT, BLOCK_N, BLOCK_K, INTERPRETED, LOOP_STAGES, False)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    y = y.to(x_ptr.dtype.element_ty).to(tl.float32)  # as the plain GEMV stores it
+    tl.store(res_ptr + offs_n, _numerics.round_to(res + y, DT, INTERPRETED).to(
+        res_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _gemv_rotary_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, g_ptr, eps, inv_k, k_f, q_ptr,
+                        pos_ptr, cos_ptr, sin_ptr, max_pos, slot_ptr, kc_ptr, vc_ptr, skc_b, skc_s, skc_h, skc_d,
                         svc_b, svc_s, svc_h, svc_d, N, K, stride_wn, Q_SIZE, KV_SIZE,
                         HALF_D: tl.constexpr,
                         CACHE_BLOCK_SIZE: tl.constexpr, FORMAT: tl.constexpr,
                         HAS_BIAS: tl.constexpr, DT: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+                        BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, NORM: tl.constexpr,
                         LOOP_STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
     """The batch-1 q/k/v projection with the rotary embedding and the K/V store as its
     epilogue: a program's BLOCK_N weight rows are BLOCK_N / 2 rotary pairs (a head's rows j
@@ -349,8 +400,8 @@ def _gemv_rotary_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, q_ptr, pos_ptr, cos_p
     s1 = tl.load(sin_ptr + pos * 2 * HALF_D + j)
     s2 = tl.load(sin_ptr + pos * 2 * HALF_D + HALF_D + j)
     slot = tl.load(slot_ptr).to(tl.int64) + tl.zeros([PAIRS], dtype=tl.int64)
-    y = _gemv_sum(q, x_ptr, w_ptr, scale_ptr, rows, rows_ok, K, stride_wn, FORMAT, BLOCK_N,
-                  BLOCK_K, INTERPRETED, LOOP_STAGES)
+    y = _gemv_sum(q, x_ptr, w_ptr, scale_ptr, rows, rows_ok, K, stride_wn, g_ptr, eps, inv_k,
+                  k_f, FORMAT, BLOCK_N, BLOCK_K, INTERPRETED, LOOP_STAGES, NORM)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=rows_ok, other=0.0).to(tl.float32)
     y = y.to(x_ptr.dtype.element_ty).to(tl.float32)  # as the plain GEMV stores it
@@ -917,12 +968,20 @@ class GemvWeight(NamedTuple):
 _EPILOGUE_DT = {torch.float16: 1, torch.bfloat16: 2}
 
 
-def _epilogue_launch(x: torch.Tensor, w: GemvWeight, N: int, what: str):
+def _epilogue_launch(x: torch.Tensor, w: GemvWeight, N: int, what: str,
+                     takes_norm: bool = True, norm_weight: torch.Tensor | None = None,
+                     eps: float = 0.0):
     """(kernel module, leading arguments, launch keywords, programs) of an epilogue GEMV
     over N weight rows, BLOCK_N rows (BLOCK_N / 2 output pairs) a program; x one 16-bit
     row (fp32 would let the compiler contract the rotary's products and sums into FMAs
-    that PyTorch does not use)."""
+    that PyTorch does not use). takes_norm: the kernel's arguments after the bias are the
+    RMS norm's (weight, eps, 1 / K, K), which x goes through on the way with a
+    norm_weight (_gemv_sum)."""
     K = w.codes.shape[1]
+    if norm_weight is not None and (norm_weight.shape != (K,)
+                                    or not norm_weight.is_contiguous()):
+        raise ValueError(f"{what}: the norm's weight {tuple(norm_weight.shape)} is not "
+                         f"a contiguous [{K}]")
     if x.numel() != K or x.dtype not in _EPILOGUE_DT:
         raise ValueError(f"{what} takes one 16-bit row of {K} inputs, got "
                          f"{tuple(x.shape)} {x.dtype}")
@@ -937,32 +996,56 @@ def _epilogue_launch(x: torch.Tensor, w: GemvWeight, N: int, what: str):
                     LOOP_STAGES=loop_stages, **opts)
     args = (x.reshape(1, K).contiguous(), w.codes, scale,
             w.bias if w.bias is not None else scale)
+    if takes_norm:
+        inv_k, k_f = _norm_consts(K)
+        args += ((norm_weight, float(eps), inv_k, k_f) if norm_weight is not None
+                 else (scale, 0.0, 0.0, 0.0))
+        keywords["NORM"] = norm_weight is not None
     return mod, args, keywords, triton.cdiv(N, bn)
 
 
-def gemv_silu_and_mul(x: torch.Tensor, w: GemvWeight) -> torch.Tensor:
+def gemv_silu_and_mul(x: torch.Tensor, w: GemvWeight, norm_weight: torch.Tensor | None = None,
+                      eps: float = 0.0) -> torch.Tensor:
     """silu(gate) * up [1, I] for one row x and the gate/up weights [2 * I, K] (gate's
     rows first): the batch-1 GEMV with SiLU x up as its epilogue, the bytes of the GEMV
-    followed by fused.silu_and_mul, one launch."""
+    followed by fused.silu_and_mul, one launch. With norm_weight, of RMSNorm(x) (weight,
+    eps) instead, normalized in the same launch (not rms_norm's bytes: _gemv_sum)."""
     N = w.codes.shape[0]
     if N % 2:
         raise ValueError(f"gate/up weights need an even number of rows, got {N}")
-    mod, args, keywords, programs = _epilogue_launch(x, w, N, "gemv_silu_and_mul")
+    mod, args, keywords, programs = _epilogue_launch(x, w, N, "gemv_silu_and_mul",
+                                                     norm_weight=norm_weight, eps=eps)
     out = torch.empty((1, N // 2), dtype=x.dtype, device=x.device)
     mod._gemv_silu_kernel[(programs,)](*args, out, N // 2, w.codes.shape[1],
                                        w.codes.stride(0), **keywords)
     return out
 
 
+def gemv_add_residual(x: torch.Tensor, w: GemvWeight, residual: torch.Tensor) -> torch.Tensor:
+    """residual += x @ W^T in place for one row x and a residual [1, N] of x's dtype (o and
+    down at batch 1): the GEMV with the residual add as its epilogue, the bytes of the
+    GEMV followed by fused_add_rms_norm's add, one launch; returns residual."""
+    N = w.codes.shape[0]
+    if residual.shape != (1, N) or residual.dtype != x.dtype or not residual.is_contiguous():
+        raise ValueError(f"gemv_add_residual: residual {tuple(residual.shape)} "
+                         f"{residual.dtype} is not a contiguous [1, {N}] of {x.dtype}")
+    mod, args, keywords, programs = _epilogue_launch(x, w, N, "gemv_add_residual",
+                                                     takes_norm=False)
+    mod._gemv_residual_kernel[(programs,)](*args, residual, N, w.codes.shape[1],
+                                           w.codes.stride(0), **keywords)
+    return residual
+
+
 def gemv_rotary(x: torch.Tensor, w: GemvWeight, positions: torch.Tensor,
                 cos_table: torch.Tensor, sin_table: torch.Tensor, q_size: int, kv_size: int,
-                k_cache: torch.Tensor, v_cache: torch.Tensor,
-                slot_mapping: torch.Tensor) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """The batch-1 q/k/v projection (weights [q_size + 2 * kv_size, K], heads of
     cos_table's width) with the rotary embedding at positions[0] and the K/V store into
     slot slot_mapping[0] of the caches ([num_blocks, block_size, kv heads, head_dim], bf16,
     fp16 or e4m3, any strides) as its epilogue; returns q [1, q_size] rotated. The bytes
-    of the GEMV followed by fused.rotary_embedding with the store, one launch."""
+    of the GEMV followed by fused.rotary_embedding with the store, one launch. With
+    norm_weight, of RMSNorm(x) instead, as gemv_silu_and_mul."""
     D = cos_table.shape[1]
     N = q_size + 2 * kv_size
     if (D % 2 or q_size % D or kv_size % D or sin_table.shape != cos_table.shape
@@ -974,7 +1057,8 @@ def gemv_rotary(x: torch.Tensor, w: GemvWeight, positions: torch.Tensor,
         raise ValueError(f"gemv_rotary: caches {tuple(k_cache.shape)} / "
                          f"{tuple(v_cache.shape)} are not [num_blocks, block_size, "
                          f"{kv_size // D}, {D}]")
-    mod, args, keywords, programs = _epilogue_launch(x, w, N, "gemv_rotary")
+    mod, args, keywords, programs = _epilogue_launch(x, w, N, "gemv_rotary",
+                                                     norm_weight=norm_weight, eps=eps)
     q = torch.empty((1, q_size), dtype=x.dtype, device=x.device)
     mod._gemv_rotary_kernel[(programs,)](
         *args, q, positions, cos_table, sin_table, cos_table.shape[0], slot_mapping,

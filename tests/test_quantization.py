@@ -4,6 +4,7 @@ and the engine and the server end to end with each method (the CPU's reference p
 
 from __future__ import annotations
 
+import collections
 import json
 
 import openai
@@ -171,11 +172,14 @@ def _prompt_logits(runner, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_gemv_epilogues_in_the_decoder(tiny_model_dirs, monkeypatch, kv_cache_dtype):
     """A batch-1 decode step of an fp8 bf16 model through the decoder with the GEMV
-    epilogues (SiLU x up, rotary + K/V store; kernels interpreted here, so the layers'
-    gate is opened for the CPU): the logits and every layer's cache as the step without
+    epilogues (SiLU x up, rotary + K/V store, the residual add) and the norms inside the
+    GEMVs (kernels interpreted here, so the layers' gate is opened for the CPU): no norm
+    kernel but the last, and the logits and every layer's cache as the step without
     them, within the rounding of the kernels' own sums (the CPU's plain path is the
     dequantized fp32 matmul); both caches, the e4m3 V cache stored transposed."""
     pytest.importorskip("triton")
+    import csrc_triton
+
     monkeypatch.setenv("MINIVLLM_FUSED_OPS", "1")
     llm = LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, max_model_len=64,
               dtype="bfloat16", quantization="fp8", kv_cache_dtype=kv_cache_dtype)
@@ -184,21 +188,24 @@ def test_gemv_epilogues_in_the_decoder(tiny_model_dirs, monkeypatch, kv_cache_dt
     _prompt_logits(runner, prompt[:-1])
     plain = _prompt_logits(runner, prompt[-1:], start=len(prompt) - 1)
     plain_caches = [t.float() for pair in runner.kv_cache.layers for t in pair]
-    taken = []
     real = QuantizedLinear.gemv_weight
-
-    def on_the_cpu_too(self, x):
-        w = real(self, x, any_device=True)
-        taken.append(w is not None)
-        return w
-
-    monkeypatch.setattr(QuantizedLinear, "gemv_weight", on_the_cpu_too)
+    monkeypatch.setattr(QuantizedLinear, "gemv_weight",
+                        lambda self, x: real(self, x, any_device=True))
+    calls = collections.Counter()
+    for name in ("gemv_rotary", "gemv_silu_and_mul", "gemv_add_residual", "rms_norm",
+                 "fused_add_rms_norm"):
+        def counted(*args, _name=name, _kernel=getattr(csrc_triton, name), **kwargs):
+            calls[_name] += 1
+            return _kernel(*args, **kwargs)
+        monkeypatch.setattr(csrc_triton, name, counted)
     last = len(prompt) - 1  # the new token's slot (blocks in order): written again
     for pair in runner.kv_cache.layers:
         for t in pair:
             t[last // runner.block_size, last % runner.block_size] = 0
     fused = _prompt_logits(runner, prompt[-1:], start=len(prompt) - 1)
-    assert sum(taken) == 2 * 2  # q/k/v and gate/up in each of 2 layers
+    # 2 layers: q/k/v and gate/up with the norm, o and down adding; the final norm.
+    assert calls == {"gemv_rotary": 2, "gemv_silu_and_mul": 2, "gemv_add_residual": 4,
+                     "rms_norm": 1}
     torch.testing.assert_close(fused, plain, rtol=2e-2, atol=2e-2)
     for got, want in zip((t.float() for pair in runner.kv_cache.layers for t in pair),
                          plain_caches, strict=True):
@@ -544,6 +551,43 @@ def test_gemv_with_rotary_and_kv_store_epilogue(cache_dtype):
                                                 (3, 4), cache_dtype)
             for cache in caches:
                 assert (cache.float().abs().sum() > 0) == (slot >= 0)
+
+
+@pytest.mark.parametrize("K", [96, 200])
+def test_gemv_norm_inside_and_residual_epilogue(K):
+    """The batch-1 GEMVs that normalize their row on the way (interpreted here): SiLU x up
+    and the rotary epilogue of RMSNorm(x) against rms_norm followed by the plain kernels,
+    within a few roundings of the dtype (the kernel never rounds the normalized row); the
+    residual add as an epilogue: fused_add_rms_norm's residual, byte for byte, in place."""
+    import csrc_triton
+
+    torch.manual_seed(11)
+    x = (torch.randn(1, K) * 3).to(torch.bfloat16)
+    g = (torch.rand(K) + 0.5).to(torch.bfloat16)
+    normed = csrc_triton.rms_norm(x, g, 1e-5)
+    for fmt, w, plain in gemv_formats(torch.nn.Linear(K, 2 * 24, bias=False), torch.bfloat16):
+        got = csrc_triton.gemv_silu_and_mul(x, w, g, 1e-5)
+        torch.testing.assert_close(got, csrc_triton.silu_and_mul(plain(normed)), rtol=2e-2,
+                                   atol=2e-2, msg=fmt)
+        assert not torch.equal(got, csrc_triton.gemv_silu_and_mul(x, w)), fmt
+    rope = RotaryEmbedding(16, 32, 10000.0, None)
+    positions, slots = torch.tensor([13]), torch.tensor([9])
+    for fmt, w, plain in gemv_formats(torch.nn.Linear(K, 4 * 16, bias=True), torch.bfloat16):
+        caches = [torch.zeros(3, 4, 1, 16, dtype=torch.bfloat16) for _ in range(4)]
+        got = csrc_triton.gemv_rotary(x, w, positions, rope.cos_table, rope.sin_table, 32, 16,
+                                      caches[0], caches[1], slots, g, 1e-5)
+        want = csrc_triton.gemv_rotary(normed, w, positions, rope.cos_table, rope.sin_table,
+                                       32, 16, caches[2], caches[3], slots)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, msg=fmt)
+        for a, b in ((caches[0], caches[2]), (caches[1], caches[3])):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2, msg=fmt)
+    for fmt, w, plain in gemv_formats(torch.nn.Linear(K, 40, bias=True), torch.bfloat16):
+        residual = torch.randn(1, 40).to(torch.bfloat16)
+        _, want = csrc_triton.fused_add_rms_norm(plain(x), residual.clone(), g[:40], 1e-5)
+        got = csrc_triton.gemv_add_residual(x, w, residual)
+        assert got is residual and torch.equal(residual, want), fmt
+    with pytest.raises(ValueError):  # the norm's weight must fit the row
+        csrc_triton.gemv_silu_and_mul(x, w, g[:-1], 1e-5)
 
 
 def test_fp8_bytes_decode_exactly_in_the_kernel():

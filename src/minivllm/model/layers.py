@@ -7,6 +7,7 @@ so that fp32 greedy output matches token for token and bf16 stays as close as it
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +87,32 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+class RmsNormedRow(NamedTuple):
+    """RMSNorm(row) for the batch-1 GEMV that takes it (gemv_weight): the kernel
+    normalizes the row as it multiplies it (csrc_triton.gemv_silu_and_mul / gemv_rotary
+    with the norm's weight), so the norm runs no kernel of its own; the row itself is the
+    residual stream, left as it is."""
+    row: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+
+def gemv_row(x):
+    """The row a batch-1 GEMV reads: an RmsNormedRow's, or x itself."""
+    return x.row if isinstance(x, RmsNormedRow) else x
+
+
+def add_projection(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor,
+                   fused_ops: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """proj(x) on its way into the residual stream: (None, residual) when the batch-1 GEMV
+    added it into the residual itself (its epilogue; the next add_and_norm only
+    normalizes), else (proj(x), residual)."""
+    w = proj.gemv_weight(x) if fused_ops else None
+    if w is None:
+        return proj(x), residual
+    return None, csrc_triton.gemv_add_residual(x, w, residual)
+
+
 class Linear(nn.Linear):
     """A decoder projection: nn.Linear, except that with the fused kernels on (fused_ops) a
     single row (batch-1 decode) of 16-bit weights goes to the Triton GEMV kernel
@@ -105,7 +132,7 @@ class Linear(nn.Linear):
             return csrc_triton.linear_gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    def gemv_weight(self, x: torch.Tensor) -> None:
+    def gemv_weight(self, x) -> None:
         """16-bit weights take no GEMV epilogue (QuantizedLinear.gemv_weight): their GEMV
         runs 4 programs an SM, too few to hide each program's epilogue, which cost more
         than the kernel it saves (Llama-3.1-8B W2 bf16: 234.5 tok/s with both epilogues,
@@ -122,12 +149,23 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False, fused_ops=fused_ops)
         self.fused_ops = fused_ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_ops:
-            w = self.gate_up_proj.gemv_weight(x)
-            if w is not None:  # batch-1 decode: SiLU x up as the GEMV's epilogue
-                return self.down_proj(csrc_triton.gemv_silu_and_mul(x, w))
-            return self.down_proj(csrc_triton.silu_and_mul(self.gate_up_proj(x)))
-        gate_up = self.gate_up_proj(x)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def gemv_weight(self, x) -> csrc_triton.GemvWeight | None:
+        """gate/up's weights when x goes to its batch-1 GEMV (with SiLU x up and, for an
+        RmsNormedRow, the norm in it), else None."""
+        return self.gate_up_proj.gemv_weight(x) if self.fused_ops else None
+
+    def forward(self, x: torch.Tensor | RmsNormedRow, residual: torch.Tensor,
+                ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(down's output, residual) for the next add_and_norm to add, or (None, residual)
+        with it added already (add_projection)."""
+        if not self.fused_ops:
+            gate_up = self.gate_up_proj(x)
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up), residual
+        w = self.gemv_weight(x)
+        if w is not None:  # batch-1 decode: SiLU x up (and the norm) in the GEMV
+            act = (csrc_triton.gemv_silu_and_mul(x.row, w, x.weight, x.eps)
+                   if isinstance(x, RmsNormedRow) else csrc_triton.gemv_silu_and_mul(x, w))
+        else:
+            act = csrc_triton.silu_and_mul(self.gate_up_proj(x))
+        return add_projection(self.down_proj, act, residual, self.fused_ops)

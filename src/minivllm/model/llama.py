@@ -20,7 +20,8 @@ import csrc_triton
 
 from ..config import ModelConfig
 from .attention import AttentionMetadata, PagedAttention
-from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from .layers import (GatedMLP, Linear, RMSNorm, RmsNormedRow, RotaryEmbedding,
+                     add_projection)
 from .prequantized import PackedParts
 from .quantization import Fp8Activations, fp8_activations_for
 
@@ -58,16 +59,28 @@ class DecoderAttention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, backend)
 
-    def forward(self, x: torch.Tensor | Fp8Activations, positions: torch.Tensor,
-                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        w = self.qkv_proj.gemv_weight(x) if self.fused_ops and not self.qk_norm else None
+    def gemv_weight(self, x) -> csrc_triton.GemvWeight | None:
+        """q/k/v's weights when x goes to its batch-1 GEMV (with the rotary embedding, the
+        K/V store and, for an RmsNormedRow, the norm in it), else None. Qwen3's per-head
+        q/k norm needs whole heads: its rotary stays a kernel of its own."""
+        return self.qkv_proj.gemv_weight(x) if self.fused_ops and not self.qk_norm else None
+
+    def forward(self, x: torch.Tensor | Fp8Activations | RmsNormedRow, positions: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata, residual: torch.Tensor,
+                ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(o's output, residual) for the next add_and_norm to add, or (None, residual)
+        with it added already (add_projection)."""
+        w = self.gemv_weight(x)
         if w is not None:
             # Batch-1 decode: rotary and the K/V store as the q/k/v GEMV's epilogue.
+            row, norm = (x.row, x) if isinstance(x, RmsNormedRow) else (x, None)
             q = csrc_triton.gemv_rotary(
-                x, w, positions, self.rotary.cos_table, self.rotary.sin_table, self.q_size,
-                self.kv_size, kv_cache[0], kv_cache[1], meta.slot_mapping)
+                row, w, positions, self.rotary.cos_table, self.rotary.sin_table, self.q_size,
+                self.kv_size, kv_cache[0], kv_cache[1], meta.slot_mapping,
+                *((norm.weight, norm.eps) if norm is not None else ()))
             out = self.attn.attend(q.view(-1, self.num_heads, self.head_dim), kv_cache, meta)
-            return self.o_proj(out.reshape(-1, self.q_size))
+            return add_projection(self.o_proj, out.reshape(-1, self.q_size), residual,
+                                  self.fused_ops)
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -87,23 +100,33 @@ class DecoderAttention(nn.Module):
                 k = self.k_norm(k)
             q, k = self.rotary(positions, q, k)
             out = self.attn(q, k, v, kv_cache, meta)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return add_projection(self.o_proj, out.reshape(-1, self.q_size), residual,
+                              self.fused_ops)
 
 
-def add_and_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
-                 fused_ops: bool, then: nn.Module | None = None
-                 ) -> tuple[torch.Tensor | Fp8Activations, torch.Tensor]:
-    """residual += x (x alone for the first layer), then normalize the residual. Returns
-    (normed, residual). The fused kernel updates the residual in place, and when `then`
-    (the projection the normed rows go to) multiplies them in W8A8, it writes them in e4m3
-    with their scales (Fp8Activations)."""
+def add_and_norm(x: torch.Tensor | None, residual: torch.Tensor | None, norm: RMSNorm,
+                 fused_ops: bool, then: nn.Module | None = None,
+                 gemv_by: nn.Module | None = None,
+                 ) -> tuple[torch.Tensor | Fp8Activations | RmsNormedRow, torch.Tensor]:
+    """residual += x (x alone for the first layer; None: a GEMV added it already), then
+    normalize the residual. Returns (normed, residual). The fused kernel updates the
+    residual in place, and when `then` (the projection the normed rows go to) multiplies
+    them in W8A8, it writes them in e4m3 with their scales (Fp8Activations). Where the
+    residual holds the sum and `gemv_by` (the module the rows go to) takes it in its
+    batch-1 GEMV, the norm is left to that GEMV (RmsNormedRow): no kernel here."""
     if fused_ops:
-        fp8 = fp8_activations_for(then, x.shape[0], x.device)
-        out, scale = (None, None) if fp8 is None else fp8
         if residual is None:
-            normed = csrc_triton.rms_norm(x, norm.weight, norm.eps, out=out, scale_out=scale)
-            residual = x
+            residual, x = x, None
+        if x is None:
+            if gemv_by is not None and gemv_by.gemv_weight(residual) is not None:
+                return RmsNormedRow(residual, norm.weight, norm.eps), residual
+            fp8 = fp8_activations_for(then, residual.shape[0], residual.device)
+            out, scale = (None, None) if fp8 is None else fp8
+            normed = csrc_triton.rms_norm(residual, norm.weight, norm.eps, out=out,
+                                          scale_out=scale)
         else:
+            fp8 = fp8_activations_for(then, x.shape[0], x.device)
+            out, scale = (None, None) if fp8 is None else fp8
             normed, residual = csrc_triton.fused_add_rms_norm(
                 x, residual, norm.weight, norm.eps, out=out, scale_out=scale)
         return (normed if fp8 is None else fp8), residual
@@ -124,15 +147,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                kv_cache: KVCache, meta: AttentionMetadata,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor | None, residual: torch.Tensor | None,
+                positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(x, residual) for the next layer: x is this layer's output to add into the
+        residual, or None where a batch-1 GEMV added it already."""
         h, residual = add_and_norm(x, residual, self.input_layernorm, self.fused_ops,
-                                   then=self.self_attn.qkv_proj)
-        h = self.self_attn(h, positions, kv_cache, meta)
+                                   then=self.self_attn.qkv_proj, gemv_by=self.self_attn)
+        h, residual = self.self_attn(h, positions, kv_cache, meta, residual)
         h, residual = add_and_norm(h, residual, self.post_attention_layernorm, self.fused_ops,
-                                   then=self.mlp.gate_up_proj)
-        return self.mlp(h), residual
+                                   then=self.mlp.gate_up_proj, gemv_by=self.mlp)
+        return self.mlp(h, residual)
 
 
 class DecoderModel(nn.Module):
