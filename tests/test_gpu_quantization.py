@@ -178,21 +178,29 @@ def test_gemv_epilogues_compiled(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gemv_norm_inside_and_residual_epilogue_compiled(dtype):
-    """Compiled at Llama-3.1-8B's shapes: gate/up and q/k/v normalizing their row on the
-    way against rms_norm and the plain kernels (within the dtype's roundings of the
-    normalized row), and o and down adding into the residual with the bytes of the GEMV
-    and fused_add_rms_norm's add, for 16-bit, fp8 and int8 weights."""
+def test_gemv_residual_epilogue_and_norm_in_the_next_gemv_compiled(dtype):
+    """Compiled at Llama-3.1-8B's shapes, for 16-bit, fp8 and int8 weights: o and down
+    adding into the residual with the bytes of the GEMV and fused_add_rms_norm's add, and
+    beginning the next norm (h * weight, h's squares in parts); gate/up and q/k/v
+    finishing it against rms_norm and the plain kernels (within the dtype's roundings of
+    the normalized row)."""
     import csrc_triton
 
     torch.manual_seed(0)
     K, inter, hq, hkv, d = 4096, 14336, 32, 8, 128
-    x = (torch.randn(1, K, device="cuda") * 3).to(dtype)
     g = (torch.rand(K, device="cuda") + 0.5).to(dtype)
-    normed = csrc_triton.rms_norm(x, g, 1e-5)
+    act = torch.randn(1, inter, device="cuda").to(dtype)
+    down = torch.nn.Linear(inter, K, bias=False, device="cuda")
+    for fmt, w, plain in gemv_formats(down, dtype):
+        residual = (torch.randn(1, K, device="cuda") * 3).to(dtype)
+        normed, want = csrc_triton.fused_add_rms_norm(plain(act), residual.clone(), g, 1e-5)
+        scaled, squares = csrc_triton.gemv_add_residual(act, w, residual, g)
+        assert torch.equal(residual, want), fmt
+        assert torch.equal(scaled, (want.float() * g.float()).to(dtype)), fmt
+        torch.testing.assert_close(squares.sum(), want.float().square().sum())
     gate_up = torch.nn.Linear(K, 2 * inter, bias=False, device="cuda")
     for fmt, w, plain in gemv_formats(gate_up, dtype):
-        torch.testing.assert_close(csrc_triton.gemv_silu_and_mul(x, w, g, 1e-5),
+        torch.testing.assert_close(csrc_triton.gemv_silu_and_mul(scaled, w, squares, 1e-5),
                                    csrc_triton.silu_and_mul(plain(normed)), rtol=2e-2,
                                    atol=2e-2, msg=fmt)
     rope = RotaryEmbedding(d, 8192, 500000.0, None).cuda()
@@ -200,21 +208,14 @@ def test_gemv_norm_inside_and_residual_epilogue_compiled(dtype):
     positions, slots = torch.tensor([5000], device="cuda"), torch.tensor([77], device="cuda")
     for fmt, w, plain in gemv_formats(qkv, dtype):
         caches = [torch.zeros(4, 64, hkv, d, dtype=dtype, device="cuda") for _ in range(4)]
-        got = csrc_triton.gemv_rotary(x, w, positions, rope.cos_table, rope.sin_table,
-                                      hq * d, hkv * d, caches[0], caches[1], slots, g, 1e-5)
-        want = csrc_triton.gemv_rotary(normed, w, positions, rope.cos_table, rope.sin_table,
-                                       hq * d, hkv * d, caches[2], caches[3], slots)
-        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, msg=fmt)
+        got = csrc_triton.gemv_rotary(scaled, w, positions, rope.cos_table, rope.sin_table,
+                                      hq * d, hkv * d, caches[0], caches[1], slots, squares,
+                                      1e-5)
+        want_q = csrc_triton.gemv_rotary(normed, w, positions, rope.cos_table,
+                                         rope.sin_table, hq * d, hkv * d, caches[2],
+                                         caches[3], slots)
+        torch.testing.assert_close(got, want_q, rtol=2e-2, atol=2e-2, msg=fmt)
         torch.testing.assert_close(caches[:2], caches[2:], rtol=2e-2, atol=2e-2, msg=fmt)
-    act = torch.randn(1, inter, device="cuda").to(dtype)
-    for rows_in, layer in ((act, torch.nn.Linear(inter, K, bias=False, device="cuda")),
-                           (x, torch.nn.Linear(K, K, bias=False, device="cuda"))):
-        for fmt, w, plain in gemv_formats(layer, dtype):
-            residual = torch.randn(1, K, device="cuda").to(dtype)
-            _, want = csrc_triton.fused_add_rms_norm(plain(rows_in), residual.clone(), g,
-                                                     1e-5)
-            csrc_triton.gemv_add_residual(rows_in, w, residual)
-            assert torch.equal(residual, want), fmt
 
 
 @pytest.mark.parametrize("M,K", [(1, 4096), (300, 4160), (64, 14336), (3, 20000)])

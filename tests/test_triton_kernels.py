@@ -688,10 +688,10 @@ def test_gpu_decode_cuda_graph():
 def test_gpu_kernels_launched_early_equal_plain_launches_in_a_graph(weights, monkeypatch):
     """Programmatic dependent launch (csrc_triton/_pdl.py): four decoder layers at batch 1
     (norm, projections through the GEMV, rotary with the K/V store, decode attention, SiLU;
-    fp8_epilogues: the GEMVs normalizing their row, with the rotary and K/V store, SiLU and
-    the residual add in place as epilogues), every buffer reused by each layer so that a
-    kernel starting early would read stale inputs or overwrite what the one before still
-    reads. Captured in a CUDA graph with PDL and replayed on new inputs, the output equals
+    fp8_epilogues: the GEMVs with the rotary and K/V store, SiLU, and the residual add in
+    place with the next norm's first half as epilogues, each norm finished in the GEMV
+    after), every buffer reused by each layer so that a kernel starting early would read
+    stale inputs or overwrite what the one before still reads. Captured in a CUDA graph with PDL and replayed on new inputs, the output equals
     the same chain launched plainly."""
     from csrc_triton import (GemvWeight, fp8_weight_gemm, fused_add_rms_norm,
                              gemv_add_residual, gemv_rotary, gemv_silu_and_mul, int4_gemm,
@@ -737,15 +737,20 @@ def test_gpu_kernels_launched_early_equal_plain_launches_in_a_graph(weights, mon
     def chain():
         residual.copy_(x_in)
         if weights == "fp8_epilogues":
-            for layer in layers:
-                q = gemv_rotary(residual, layer["qkv"], pos, cos, sin, hq * d, hkv * d,
-                                k_cache, v_cache, slot, layer["norm1"], 1e-6)
+            x = fused_add_rms_norm(torch.zeros_like(x_in), residual, layers[0]["norm1"],
+                                   1e-6)[0]
+            squares = None
+            for i, layer in enumerate(layers):
+                q = gemv_rotary(x, layer["qkv"], pos, cos, sin, hq * d, hkv * d, k_cache,
+                                v_cache, slot, *(() if squares is None else (squares, 1e-6)))
                 attn = paged_attention_decode(q.view(1, hq, d), k_cache, v_cache, bt,
                                               seq_lens, d ** -0.5, 1024, num_splits=4,
                                               counters=counters)
-                gemv_add_residual(attn.reshape(1, hq * d), layer["o"], residual)
-                act = gemv_silu_and_mul(residual, layer["gate_up"], layer["norm2"], 1e-6)
-                gemv_add_residual(act, layer["down"], residual)
+                x, squares = gemv_add_residual(attn.reshape(1, hq * d), layer["o"], residual,
+                                               layer["norm2"])
+                act = gemv_silu_and_mul(x, layer["gate_up"], squares, 1e-6)
+                nxt = layers[(i + 1) % len(layers)]["norm1"]
+                x, squares = gemv_add_residual(act, layer["down"], residual, nxt)
             return residual.clone()
         h = torch.zeros_like(x_in)
         for layer in layers:

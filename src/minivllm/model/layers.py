@@ -87,30 +87,38 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
-class RmsNormedRow(NamedTuple):
-    """RMSNorm(row) for the batch-1 GEMV that takes it (gemv_weight): the kernel
-    normalizes the row as it multiplies it (csrc_triton.gemv_silu_and_mul / gemv_rotary
-    with the norm's weight), so the norm runs no kernel of its own; the row itself is the
-    residual stream, left as it is."""
-    row: torch.Tensor
-    weight: torch.Tensor
+class PrenormedRow(NamedTuple):
+    """RMSNorm(h) of the residual h, for the batch-1 GEMV that takes it, in the two halves
+    that the GEMV which added into h wrote (csrc_triton.gemv_add_residual's epilogue): h
+    times the norm's weight, and h's squares summed per program; the next GEMV sums those
+    and scales its own sums by rsqrt(mean + eps) (gemv_silu_and_mul, gemv_rotary). So the
+    norm runs no kernel of its own."""
+    scaled: torch.Tensor   # [1, hidden] h * weight, in the dtype
+    squares: torch.Tensor  # fp32 [P]
     eps: float
 
 
 def gemv_row(x):
-    """The row a batch-1 GEMV reads: an RmsNormedRow's, or x itself."""
-    return x.row if isinstance(x, RmsNormedRow) else x
+    """The row a batch-1 GEMV reads: a PrenormedRow's, or x itself."""
+    return x.scaled if isinstance(x, PrenormedRow) else x
 
 
 def add_projection(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor,
-                   fused_ops: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """proj(x) on its way into the residual stream: (None, residual) when the batch-1 GEMV
-    added it into the residual itself (its epilogue; the next add_and_norm only
-    normalizes), else (proj(x), residual)."""
+                   fused_ops: bool, then_norm: RMSNorm | None = None,
+                   then: nn.Module | None = None,
+                   ) -> tuple[torch.Tensor | PrenormedRow | None, torch.Tensor]:
+    """proj(x) on its way into the residual stream: (proj(x), residual) for the next
+    add_and_norm to add; or, where proj's batch-1 GEMV adds it into the residual itself
+    (its epilogue), (None, residual), or (PrenormedRow, residual) when `then` (the module
+    after the norm then_norm) takes the normed row in its batch-1 GEMV too."""
     w = proj.gemv_weight(x) if fused_ops else None
     if w is None:
         return proj(x), residual
-    return None, csrc_triton.gemv_add_residual(x, w, residual)
+    if then is not None and then.gemv_weight(residual) is not None:
+        scaled, squares = csrc_triton.gemv_add_residual(x, w, residual, then_norm.weight)
+        return PrenormedRow(scaled, squares, then_norm.eps), residual
+    csrc_triton.gemv_add_residual(x, w, residual)
+    return None, residual
 
 
 class Linear(nn.Linear):
@@ -150,22 +158,23 @@ class GatedMLP(nn.Module):
         self.fused_ops = fused_ops
 
     def gemv_weight(self, x) -> csrc_triton.GemvWeight | None:
-        """gate/up's weights when x goes to its batch-1 GEMV (with SiLU x up and, for an
-        RmsNormedRow, the norm in it), else None."""
+        """gate/up's weights when x goes to its batch-1 GEMV (with SiLU x up and, for a
+        PrenormedRow, the norm in it), else None."""
         return self.gate_up_proj.gemv_weight(x) if self.fused_ops else None
 
-    def forward(self, x: torch.Tensor | RmsNormedRow, residual: torch.Tensor,
-                ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """(down's output, residual) for the next add_and_norm to add, or (None, residual)
-        with it added already (add_projection)."""
+    def forward(self, x: torch.Tensor | PrenormedRow, residual: torch.Tensor,
+                then_norm: RMSNorm | None = None, then: nn.Module | None = None,
+                ) -> tuple[torch.Tensor | PrenormedRow | None, torch.Tensor]:
+        """(down's output, residual) for the next add_and_norm to add, or with it added
+        already (add_projection, which `then_norm` and `then` are for)."""
         if not self.fused_ops:
             gate_up = self.gate_up_proj(x)
             gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up), residual
         w = self.gemv_weight(x)
         if w is not None:  # batch-1 decode: SiLU x up (and the norm) in the GEMV
-            act = (csrc_triton.gemv_silu_and_mul(x.row, w, x.weight, x.eps)
-                   if isinstance(x, RmsNormedRow) else csrc_triton.gemv_silu_and_mul(x, w))
+            act = (csrc_triton.gemv_silu_and_mul(x.scaled, w, x.squares, x.eps)
+                   if isinstance(x, PrenormedRow) else csrc_triton.gemv_silu_and_mul(x, w))
         else:
             act = csrc_triton.silu_and_mul(self.gate_up_proj(x))
-        return add_projection(self.down_proj, act, residual, self.fused_ops)
+        return add_projection(self.down_proj, act, residual, self.fused_ops, then_norm, then)

@@ -20,7 +20,7 @@ import csrc_triton
 
 from ..config import ModelConfig
 from .attention import AttentionMetadata, PagedAttention
-from .layers import (GatedMLP, Linear, RMSNorm, RmsNormedRow, RotaryEmbedding,
+from .layers import (GatedMLP, Linear, PrenormedRow, RMSNorm, RotaryEmbedding,
                      add_projection)
 from .prequantized import PackedParts
 from .quantization import Fp8Activations, fp8_activations_for
@@ -61,26 +61,28 @@ class DecoderAttention(nn.Module):
 
     def gemv_weight(self, x) -> csrc_triton.GemvWeight | None:
         """q/k/v's weights when x goes to its batch-1 GEMV (with the rotary embedding, the
-        K/V store and, for an RmsNormedRow, the norm in it), else None. Qwen3's per-head
+        K/V store and, for a PrenormedRow, the norm in it), else None. Qwen3's per-head
         q/k norm needs whole heads: its rotary stays a kernel of its own."""
         return self.qkv_proj.gemv_weight(x) if self.fused_ops and not self.qk_norm else None
 
-    def forward(self, x: torch.Tensor | Fp8Activations | RmsNormedRow, positions: torch.Tensor,
-                kv_cache: KVCache, meta: AttentionMetadata, residual: torch.Tensor,
-                ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """(o's output, residual) for the next add_and_norm to add, or (None, residual)
-        with it added already (add_projection)."""
+    def forward(self, x: torch.Tensor | Fp8Activations | PrenormedRow,
+                positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                residual: torch.Tensor, then_norm: RMSNorm | None = None,
+                then: nn.Module | None = None,
+                ) -> tuple[torch.Tensor | PrenormedRow | None, torch.Tensor]:
+        """(o's output, residual) for the next add_and_norm to add, or with it added
+        already (add_projection, which `then_norm` and `then` are for)."""
         w = self.gemv_weight(x)
         if w is not None:
             # Batch-1 decode: rotary and the K/V store as the q/k/v GEMV's epilogue.
-            row, norm = (x.row, x) if isinstance(x, RmsNormedRow) else (x, None)
+            norm = (x.squares, x.eps) if isinstance(x, PrenormedRow) else ()
             q = csrc_triton.gemv_rotary(
-                row, w, positions, self.rotary.cos_table, self.rotary.sin_table, self.q_size,
-                self.kv_size, kv_cache[0], kv_cache[1], meta.slot_mapping,
-                *((norm.weight, norm.eps) if norm is not None else ()))
+                x.scaled if norm else x, w, positions, self.rotary.cos_table,
+                self.rotary.sin_table, self.q_size, self.kv_size, kv_cache[0], kv_cache[1],
+                meta.slot_mapping, *norm)
             out = self.attn.attend(q.view(-1, self.num_heads, self.head_dim), kv_cache, meta)
             return add_projection(self.o_proj, out.reshape(-1, self.q_size), residual,
-                                  self.fused_ops)
+                                  self.fused_ops, then_norm, then)
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -101,25 +103,23 @@ class DecoderAttention(nn.Module):
             q, k = self.rotary(positions, q, k)
             out = self.attn(q, k, v, kv_cache, meta)
         return add_projection(self.o_proj, out.reshape(-1, self.q_size), residual,
-                              self.fused_ops)
+                              self.fused_ops, then_norm, then)
 
 
-def add_and_norm(x: torch.Tensor | None, residual: torch.Tensor | None, norm: RMSNorm,
-                 fused_ops: bool, then: nn.Module | None = None,
-                 gemv_by: nn.Module | None = None,
-                 ) -> tuple[torch.Tensor | Fp8Activations | RmsNormedRow, torch.Tensor]:
+def add_and_norm(x: torch.Tensor | PrenormedRow | None, residual: torch.Tensor | None,
+                 norm: RMSNorm, fused_ops: bool, then: nn.Module | None = None,
+                 ) -> tuple[torch.Tensor | Fp8Activations | PrenormedRow, torch.Tensor]:
     """residual += x (x alone for the first layer; None: a GEMV added it already), then
     normalize the residual. Returns (normed, residual). The fused kernel updates the
     residual in place, and when `then` (the projection the normed rows go to) multiplies
-    them in W8A8, it writes them in e4m3 with their scales (Fp8Activations). Where the
-    residual holds the sum and `gemv_by` (the module the rows go to) takes it in its
-    batch-1 GEMV, the norm is left to that GEMV (RmsNormedRow): no kernel here."""
+    them in W8A8, it writes them in e4m3 with their scales (Fp8Activations). A
+    PrenormedRow is the sum and the norm's first half already (add_projection): passed on."""
+    if isinstance(x, PrenormedRow):
+        return x, residual
     if fused_ops:
         if residual is None:
             residual, x = x, None
         if x is None:
-            if gemv_by is not None and gemv_by.gemv_weight(residual) is not None:
-                return RmsNormedRow(residual, norm.weight, norm.eps), residual
             fp8 = fp8_activations_for(then, residual.shape[0], residual.device)
             out, scale = (None, None) if fp8 is None else fp8
             normed = csrc_triton.rms_norm(residual, norm.weight, norm.eps, out=out,
@@ -147,17 +147,22 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor | None, residual: torch.Tensor | None,
+    def forward(self, x: torch.Tensor | PrenormedRow | None, residual: torch.Tensor | None,
                 positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-                ) -> tuple[torch.Tensor | None, torch.Tensor]:
+                next_layer: DecoderLayer | None = None,
+                ) -> tuple[torch.Tensor | PrenormedRow | None, torch.Tensor]:
         """(x, residual) for the next layer: x is this layer's output to add into the
-        residual, or None where a batch-1 GEMV added it already."""
+        residual, or None where a batch-1 GEMV added it already, or a PrenormedRow where
+        that GEMV began next_layer's input norm too."""
         h, residual = add_and_norm(x, residual, self.input_layernorm, self.fused_ops,
-                                   then=self.self_attn.qkv_proj, gemv_by=self.self_attn)
-        h, residual = self.self_attn(h, positions, kv_cache, meta, residual)
+                                   then=self.self_attn.qkv_proj)
+        h, residual = self.self_attn(h, positions, kv_cache, meta, residual,
+                                     self.post_attention_layernorm, self.mlp)
         h, residual = add_and_norm(h, residual, self.post_attention_layernorm, self.fused_ops,
-                                   then=self.mlp.gate_up_proj, gemv_by=self.mlp)
-        return self.mlp(h, residual)
+                                   then=self.mlp.gate_up_proj)
+        if next_layer is None:
+            return self.mlp(h, residual)
+        return self.mlp(h, residual, next_layer.input_layernorm, next_layer.self_attn)
 
 
 class DecoderModel(nn.Module):
@@ -176,8 +181,9 @@ class DecoderModel(nn.Module):
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, kv_cache, meta)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            next_layer = self.layers[i + 1] if i + 1 < len(self.layers) else None
+            x, residual = layer(x, residual, positions, kv_cache, meta, next_layer)
         return add_and_norm(x, residual, self.norm, self.fused_ops)[0]
 
 

@@ -32,7 +32,7 @@ import csrc_triton
 from csrc_triton.int4_layout import (int4_half, int4_packed_bytes, pack_int4,  # noqa: F401
                                      unpack_int4)
 
-from .layers import RmsNormedRow, gemv_row
+from .layers import PrenormedRow, gemv_row
 
 METHODS = ("fp8", "int8", "int4")
 # Read from a quantized checkpoint (prequantized.py), by the checkpoint's quant_method.
@@ -267,7 +267,7 @@ class QuantizedLinear(nn.Module):
                                    self.group_size)
         return self.qweight.float() * self.scale[:, None]
 
-    def gemv_weight(self, x: torch.Tensor | Fp8Activations | RmsNormedRow,
+    def gemv_weight(self, x: torch.Tensor | Fp8Activations | PrenormedRow,
                     any_device: bool = False) -> csrc_triton.GemvWeight | None:
         """The weights for the batch-1 GEMV kernels with an epilogue (SiLU x up, the
         rotary embedding and the K/V store, the residual add; the norm before) when x goes
