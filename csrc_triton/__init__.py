@@ -14,9 +14,8 @@ decode_split_plan(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len): the
 int8_gemm, int4_gemm, fp8_weight_gemm, fp8_quantize_rows: weight-only quantized
           matmuls and W8A8's activation quantization (quant_gemm.py)
 linear_gemv: a single row against 16-bit weights, the same GEMV kernel (quant_gemm.py)
-gemv_silu_and_mul, gemv_rotary, gemv_add_residual: that GEMV with SiLU x up, the rotary
-          embedding and the K/V store, or the residual add as its epilogue (batch-1
-          decode; quant_gemm.py); the first two can RMS-normalize x on the way too
+gemv_silu_and_mul, gemv_rotary: that GEMV with SiLU x up, or the rotary embedding and the
+          K/V store, as its epilogue (batch-1 decode; quant_gemm.py)
 fp8_scaled_mm: W8A8 fp8 matmul, K split across programs for decode-sized batches
           (fp8_mm.py)
 argmax_rows, decode_slots: the greedy argmax and the decode rows' positions and KV slots
@@ -578,8 +577,7 @@ __all__ += list(_FUSED_EXPORTS)
 
 # weight-only quantized GEMMs (csrc_triton/quant_gemm.py), imported the same way
 _QUANT_EXPORTS = ("int8_gemm", "int4_gemm", "fp8_weight_gemm", "fp8_quantize_rows",
-                  "linear_gemv", "GemvWeight", "gemv_silu_and_mul", "gemv_rotary",
-                  "gemv_add_residual")
+                  "linear_gemv", "GemvWeight", "gemv_silu_and_mul", "gemv_rotary")
 __all__ += list(_QUANT_EXPORTS)
 
 # W8A8 fp8 matmul for decode-sized batches (csrc_triton/fp8_mm.py)

@@ -1,5 +1,5 @@
-"""The activation dtype's rounding, the RMS norm's scale, SiLU x up and the rotary pair as
-eager PyTorch computes them: fp32 arithmetic rounded to the dtype where PyTorch's separate ops round. Shared by
+"""The activation dtype's rounding, SiLU x up and the rotary pair as eager PyTorch computes
+them: fp32 arithmetic rounded to the dtype where PyTorch's separate ops round. Shared by
 fused.py's kernels and the batch-1 GEMV's epilogues (quant_gemm.py), so that both give the
 same bytes. Loaded through _interpret.jit_helpers, like _fp8_cast."""
 
@@ -53,17 +53,6 @@ def round_opaque(x, DT: tl.constexpr, INTERPRETED: tl.constexpr):
             "{ .reg .b16 h; cvt.rn.bf16.f32 h, $1; cvt.f32.bf16 $0, h; }", "=r,r", [x],
             dtype=tl.float32, is_pure=True, pack=1)
     return y
-
-
-@triton.jit
-def inv_rms(sumsq, eps, inv_d, d_f, INTERPRETED: tl.constexpr):
-    """rsqrt(mean(x^2) + eps) as PyTorch computes it: on CPU mean = sum / n
-    and rsqrt = 1 / sqrt; on CUDA mean = sum * (1/n) and rsqrt = rsqrtf."""
-    if INTERPRETED:
-        r = 1.0 / tl.sqrt(sumsq / d_f + eps)
-    else:
-        r = libdevice.rsqrt(sumsq * inv_d + eps)
-    return r
 
 
 @triton.jit

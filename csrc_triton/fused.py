@@ -47,6 +47,11 @@ _pdl = jit_helpers("_pdl")
 _numerics = jit_helpers("_numerics")
 _round = _numerics.round_to
 
+try:  # CUDA's own rsqrtf (what PyTorch's CUDA kernels call)
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - very old triton
+    libdevice = None
+
 __all__ = [
     "rms_norm",
     "fused_add_rms_norm",
@@ -101,6 +106,17 @@ def _row_max(x, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _inv_rms(sumsq, eps, inv_d, d_f, INTERPRETED: tl.constexpr):
+    """rsqrt(mean(x^2) + eps) as PyTorch computes it: on CPU mean = sum / n
+    and rsqrt = 1 / sqrt; on CUDA mean = sum * (1/n) and rsqrt = rsqrtf."""
+    if INTERPRETED:
+        r = 1.0 / tl.sqrt(sumsq / d_f + eps)
+    else:
+        r = libdevice.rsqrt(sumsq * inv_d + eps)
+    return r
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr,
     R, D, eps, inv_d, d_f,
@@ -128,7 +144,7 @@ def _rms_norm_kernel(
         x = _round(res + x, X_DT, INTERPRETED)  # PyTorch's `residual + x` in dtype
         tl.store(res_out_ptr + t * sro_t + offs_r[:, None] * sro_r + offs_d[None, :] * sro_d,
                  x.to(res_out_ptr.dtype.element_ty), mask=mask)
-    r = _numerics.inv_rms(_row_sum(x * x, INTERPRETED), eps, inv_d, d_f, INTERPRETED)
+    r = _inv_rms(_row_sum(x * x, INTERPRETED), eps, inv_d, d_f, INTERPRETED)
     n = _round(x * r[:, None], X_DT, INTERPRETED)           # x32.to(in_dtype)
     w = tl.load(w_ptr + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
     y = _round(w[None, :] * n, OUT_DT, INTERPRETED)           # weight * n
@@ -165,7 +181,7 @@ def _rope_heads(
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF * s_d, mask=mask, other=0.0).to(tl.float32)
         if HAS_NORM:
-            r = _numerics.inv_rms(_row_sum(x1 * x1, INTERPRETED) + _row_sum(x2 * x2, INTERPRETED),
+            r = _inv_rms(_row_sum(x1 * x1, INTERPRETED) + _row_sum(x2 * x2, INTERPRETED),
                          eps, inv_d, d_f, INTERPRETED)
             x1 = _round(w1[None, :] * _round(x1 * r[:, None], DT, INTERPRETED), DT, INTERPRETED)
             x2 = _round(w2[None, :] * _round(x2 * r[:, None], DT, INTERPRETED), DT, INTERPRETED)

@@ -43,7 +43,6 @@ import triton.language as tl
 from csrc_triton import _sm_count
 from csrc_triton._interpret import jit_helpers, kernels_for
 from csrc_triton._pdl import launch_args as pdl_args
-from csrc_triton.fused import _norm_consts
 from csrc_triton.int4_layout import int4_half, int4_packed_bytes
 
 _fp8_cast = jit_helpers("_fp8_cast")
@@ -51,8 +50,7 @@ _pdl = jit_helpers("_pdl")
 _numerics = jit_helpers("_numerics")
 
 __all__ = ["int8_gemm", "int4_gemm", "fp8_weight_gemm", "fp8_quantize_rows", "linear_gemv",
-           "GemvWeight", "gemv_silu_and_mul", "gemv_rotary",
-           "gemv_add_residual"]
+           "GemvWeight", "gemv_silu_and_mul", "gemv_rotary"]
 
 
 # Integer codes to fp32 without I2F (a quarter-rate instruction, the int4 GEMV's limit):
@@ -212,11 +210,10 @@ def _int4_gemv_add(acc, b, s, z, x_ptr, k0, K, HALF: tl.constexpr, BLOCKS: tl.co
 
 @triton.jit
 def _gemv_rows(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, offs_n, n_ok, K, stride_wn,
-               stride_sn, sq_ptr, P, eps, inv_k, k_f, FORMAT: tl.constexpr,
-               GROUP: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
-               FLOAT_ZERO: tl.constexpr, LOOP_STAGES: tl.constexpr, NORM: tl.constexpr,
-               BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+               stride_sn, FORMAT: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
+               HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               INTERPRETED: tl.constexpr, FLOAT_ZERO: tl.constexpr,
+               LOOP_STAGES: tl.constexpr, PDL: tl.constexpr):
     """The GEMV kernels' body: one row of x against weight rows offs_n (any BLOCK_N rows),
     the whole of K, products accumulated element-wise in fp32 and summed over K once at
     the end; returns y [BLOCK_N] in fp32 with the scale and bias applied. FORMAT 0 int8,
@@ -224,8 +221,7 @@ def _gemv_rows(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, offs_n, n_ok, K, str
     is loaded before waiting for the previous kernel (PDL), which wrote x. LOOP_STAGES > 1
     (8- and 16-bit weights) pipelines the loop's weight loads through shared memory
     (cp.async, that many tiles in flight); 1 loads each tile when its step starts (plain
-    loads, as a plain range compiles). NORM (8- and 16-bit weights): x is the half of an
-    RMS norm that the GEMV before wrote, finished here (_gemv_sum). (tl.full, not tl.zeros: the interpreter runs the
+    loads, as a plain range compiles). (tl.full, not tl.zeros: the interpreter runs the
     latter, a jitted helper of Triton's, only from a kernel's own body.)"""
     if FORMAT == 2:
         # A tile of BLOCK_K inputs is BLOCKS packed blocks.
@@ -246,25 +242,19 @@ def _gemv_rows(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, offs_n, n_ok, K, str
     else:
         q = _gemv_weights(w_ptr, offs_n, n_ok, tl.arange(0, BLOCK_K), K, stride_wn)
         _pdl.wait_for_previous(PDL)
-        y = _gemv_sum(q, x_ptr, w_ptr, scale_ptr, offs_n, n_ok, K, stride_wn, sq_ptr, P, eps,
-                      inv_k, k_f, FORMAT, BLOCK_N, BLOCK_K, INTERPRETED, LOOP_STAGES, NORM,
-                      BLOCK_P)
+        y = _gemv_sum(q, x_ptr, w_ptr, scale_ptr, offs_n, n_ok, K, stride_wn, FORMAT,
+                      BLOCK_N, BLOCK_K, INTERPRETED, LOOP_STAGES)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     return y
 
 
 @triton.jit
-def _gemv_sum(q, x_ptr, w_ptr, scale_ptr, offs_n, n_ok, K, stride_wn, sq_ptr, P, eps, inv_k,
-              k_f, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              INTERPRETED: tl.constexpr, LOOP_STAGES: tl.constexpr, NORM: tl.constexpr,
-              BLOCK_P: tl.constexpr):
+def _gemv_sum(q, x_ptr, w_ptr, scale_ptr, offs_n, n_ok, K, stride_wn, FORMAT: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+              LOOP_STAGES: tl.constexpr):
     """_gemv_rows for 8- and 16-bit codes from the first tile's codes q (loaded before the
-    PDL wait): the loop over K, the row sums and the scale. NORM: x is h times an RMS
-    norm's weight and sq_ptr holds h's squares summed in P parts (both written by the
-    residual GEMV before, _gemv_residual_kernel); the sums are scaled by
-    rsqrt(mean(h^2) + eps) at the end: RMSNorm(h) @ W^T with the loop as it is and no
-    kernel for the norm. (Not the norm kernel's bytes, which rounds h * rsqrt first.)"""
+    PDL wait): the loop over K, the row sums and the scale."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = _gemv_add(tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32), q, x_ptr, offs_k, K,
                     FORMAT)
@@ -276,14 +266,6 @@ def _gemv_sum(q, x_ptr, w_ptr, scale_ptr, offs_n, n_ok, K, stride_wn, sq_ptr, P,
         y = tl.reduce(acc, 1, _add)
     else:
         y = tl.sum(acc, axis=1)
-    if NORM:
-        offs_p = tl.arange(0, BLOCK_P)
-        parts = tl.load(sq_ptr + offs_p, mask=offs_p < P, other=0.0)
-        if INTERPRETED:
-            sumsq = tl.reduce(parts, 0, _add)
-        else:
-            sumsq = tl.sum(parts, axis=0)
-        y = y * _numerics.inv_rms(sumsq, eps, inv_k, k_f, INTERPRETED)
     if FORMAT != 3:
         y = y * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
     return y
@@ -301,17 +283,17 @@ def _wq_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K, 
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     y = _gemv_rows(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, offs_n, n_ok, K, stride_wn,
-                   stride_sn, scale_ptr, 0, 0.0, 0.0, 0.0, FORMAT, GROUP, HALF, HAS_BIAS,
-                   BLOCK_N, BLOCK_K, INTERPRETED, FLOAT_ZERO, LOOP_STAGES, False, 1, PDL)
+                   stride_sn, FORMAT, GROUP, HALF, HAS_BIAS, BLOCK_N, BLOCK_K, INTERPRETED,
+                   FLOAT_ZERO, LOOP_STAGES, PDL)
     tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
-def _gemv_silu_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, sq_ptr, P, eps, inv_k, k_f, out_ptr,
-                      I, K, stride_wn, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      INTERPRETED: tl.constexpr, NORM: tl.constexpr, BLOCK_P: tl.constexpr,
-                      LOOP_STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
+def _gemv_silu_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, I, K, stride_wn,
+                      FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, DT: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      INTERPRETED: tl.constexpr, LOOP_STAGES: tl.constexpr = 1,
+                      PDL: tl.constexpr = False):
     """The batch-1 gate/up projection with SiLU x up as its epilogue: a program's BLOCK_N
     weight rows are BLOCK_N / 2 gate rows and the up rows of the same outputs, interleaved
     (g0 u0 g1 u1 ..., so that one split pairs them); it writes silu(gate) * up [I], the
@@ -321,8 +303,8 @@ def _gemv_silu_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, sq_ptr, P, eps, inv_k, 
     outs = tl.program_id(0) * PAIRS + r // 2
     rows, rows_ok = outs + (r % 2) * I, outs < I
     y = _gemv_rows(x_ptr, w_ptr, scale_ptr, scale_ptr, bias_ptr, rows, rows_ok, K,
-                   stride_wn, 0, sq_ptr, P, eps, inv_k, k_f, FORMAT, 0, 0, HAS_BIAS, BLOCK_N,
-                   BLOCK_K, INTERPRETED, False, LOOP_STAGES, NORM, BLOCK_P, PDL)
+                   stride_wn, 0, FORMAT, 0, 0, HAS_BIAS, BLOCK_N, BLOCK_K, INTERPRETED,
+                   False, LOOP_STAGES, PDL)
     # y as the plain GEMV stores it (the interpreter's cast truncates, so round_to would not)
     y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
     gate, up = tl.split(tl.reshape(y, (PAIRS, 2)))
@@ -332,51 +314,14 @@ def _gemv_silu_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, sq_ptr, P, eps, inv_k, 
 
 
 @triton.jit
-def _gemv_residual_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, hg_ptr, sq_ptr,
-                          N, K, stride_wn, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          INTERPRETED: tl.constexpr, NEXT_NORM: tl.constexpr,
-                          LOOP_STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
-    """A batch-1 projection added into the residual stream as its epilogue (o, down):
-    residual[n] += y[n] in place, each program its own outputs, with the bytes of the GEMV
-    followed by fused_add_rms_norm's add (y rounded to the dtype, then the sum).
-    NEXT_NORM: the first half of the next RMS norm too, for the GEMV after (_gemv_sum):
-    the new residual h times the norm's weight g, rounded to the dtype, into hg_ptr, and
-    the sum of this program's h^2 into sq_ptr[program]."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    q = _gemv_weights(w_ptr, offs_n, n_ok, tl.arange(0, BLOCK_K), K, stride_wn)
-    _pdl.wait_for_previous(PDL)
-    res = tl.load(res_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    y = _gemv_sum(q, x_ptr, w_ptr, scale_ptr, offs_n, n_ok, K, stride_wn, scale_ptr, 0, 0.0,
-                  0.0, 0.0, FORMAT, BLOCK_N, BLOCK_K, INTERPRETED, LOOP_STAGES, False, 1)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    y = y.to(x_ptr.dtype.element_ty).to(tl.float32)  # as the plain GEMV stores it
-    h = _numerics.round_to(res + y, DT, INTERPRETED)
-    tl.store(res_ptr + offs_n, h.to(res_ptr.dtype.element_ty), mask=n_ok)
-    if NEXT_NORM:
-        g = tl.load(g_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(hg_ptr + offs_n, _numerics.round_to(h * g, DT, INTERPRETED).to(
-            hg_ptr.dtype.element_ty), mask=n_ok)
-        squares = tl.where(n_ok, h * h, 0.0)
-        if INTERPRETED:
-            part = tl.reduce(squares, 0, _add)
-        else:
-            part = tl.sum(squares, axis=0)
-        tl.store(sq_ptr + tl.program_id(0), part)
-
-
-@triton.jit
-def _gemv_rotary_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, sq_ptr, P, eps, inv_k, k_f, q_ptr,
-                        pos_ptr, cos_ptr, sin_ptr, max_pos, slot_ptr, kc_ptr, vc_ptr, skc_b, skc_s, skc_h, skc_d,
+def _gemv_rotary_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, q_ptr, pos_ptr, cos_ptr, sin_ptr,
+                        max_pos, slot_ptr, kc_ptr, vc_ptr, skc_b, skc_s, skc_h, skc_d,
                         svc_b, svc_s, svc_h, svc_d, N, K, stride_wn, Q_SIZE, KV_SIZE,
                         HALF_D: tl.constexpr,
                         CACHE_BLOCK_SIZE: tl.constexpr, FORMAT: tl.constexpr,
                         HAS_BIAS: tl.constexpr, DT: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, NORM: tl.constexpr,
-                        BLOCK_P: tl.constexpr, LOOP_STAGES: tl.constexpr = 1,
-                        PDL: tl.constexpr = False):
+                        BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+                        LOOP_STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
     """The batch-1 q/k/v projection with the rotary embedding and the K/V store as its
     epilogue: a program's BLOCK_N weight rows are BLOCK_N / 2 rotary pairs (a head's rows j
     and HALF_D + j, interleaved). q's rows are rotated into q_ptr [Q_SIZE], k's rotated and
@@ -404,8 +349,8 @@ def _gemv_rotary_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, sq_ptr, P, eps, inv_k
     s1 = tl.load(sin_ptr + pos * 2 * HALF_D + j)
     s2 = tl.load(sin_ptr + pos * 2 * HALF_D + HALF_D + j)
     slot = tl.load(slot_ptr).to(tl.int64) + tl.zeros([PAIRS], dtype=tl.int64)
-    y = _gemv_sum(q, x_ptr, w_ptr, scale_ptr, rows, rows_ok, K, stride_wn, sq_ptr, P, eps,
-                  inv_k, k_f, FORMAT, BLOCK_N, BLOCK_K, INTERPRETED, LOOP_STAGES, NORM, BLOCK_P)
+    y = _gemv_sum(q, x_ptr, w_ptr, scale_ptr, rows, rows_ok, K, stride_wn, FORMAT, BLOCK_N,
+                  BLOCK_K, INTERPRETED, LOOP_STAGES)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=rows_ok, other=0.0).to(tl.float32)
     y = y.to(x_ptr.dtype.element_ty).to(tl.float32)  # as the plain GEMV stores it
@@ -972,18 +917,12 @@ class GemvWeight(NamedTuple):
 _EPILOGUE_DT = {torch.float16: 1, torch.bfloat16: 2}
 
 
-def _epilogue_launch(x: torch.Tensor, w: GemvWeight, N: int, what: str,
-                     takes_norm: bool = True, squares: torch.Tensor | None = None,
-                     eps: float = 0.0):
+def _epilogue_launch(x: torch.Tensor, w: GemvWeight, N: int, what: str):
     """(kernel module, leading arguments, launch keywords, programs) of an epilogue GEMV
     over N weight rows, BLOCK_N rows (BLOCK_N / 2 output pairs) a program; x one 16-bit
     row (fp32 would let the compiler contract the rotary's products and sums into FMAs
-    that PyTorch does not use). takes_norm: the kernel's arguments after the bias are an
-    RMS norm's (squares, their count, eps, 1 / K, K), used with `squares` (_gemv_sum)."""
+    that PyTorch does not use)."""
     K = w.codes.shape[1]
-    if squares is not None and (squares.dim() != 1 or squares.dtype != torch.float32):
-        raise ValueError(f"{what}: the squares' parts must be fp32 [P], got "
-                         f"{tuple(squares.shape)} {squares.dtype}")
     if x.numel() != K or x.dtype not in _EPILOGUE_DT:
         raise ValueError(f"{what} takes one 16-bit row of {K} inputs, got "
                          f"{tuple(x.shape)} {x.dtype}")
@@ -998,76 +937,32 @@ def _epilogue_launch(x: torch.Tensor, w: GemvWeight, N: int, what: str,
                     LOOP_STAGES=loop_stages, **opts)
     args = (x.reshape(1, K).contiguous(), w.codes, scale,
             w.bias if w.bias is not None else scale)
-    if takes_norm:
-        inv_k, k_f = _norm_consts(K)
-        parts = 0 if squares is None else squares.shape[0]
-        args += (scale if squares is None else squares, parts, float(eps), inv_k, k_f)
-        keywords.update(NORM=squares is not None, BLOCK_P=triton.next_power_of_2(max(parts, 1)))
     return mod, args, keywords, triton.cdiv(N, bn)
 
 
-def gemv_silu_and_mul(x: torch.Tensor, w: GemvWeight, squares: torch.Tensor | None = None,
-                      eps: float = 0.0) -> torch.Tensor:
+def gemv_silu_and_mul(x: torch.Tensor, w: GemvWeight) -> torch.Tensor:
     """silu(gate) * up [1, I] for one row x and the gate/up weights [2 * I, K] (gate's
     rows first): the batch-1 GEMV with SiLU x up as its epilogue, the bytes of the GEMV
-    followed by fused.silu_and_mul, one launch. With squares, x and squares are what
-    gemv_add_residual wrote for the norm after it (h times the norm's weight, h's squares
-    summed in parts) and the GEMV's input is RMSNorm(h) with that eps (not rms_norm's
-    bytes, which rounds h * rsqrt(mean + eps) to the dtype before the weight)."""
+    followed by fused.silu_and_mul, one launch."""
     N = w.codes.shape[0]
     if N % 2:
         raise ValueError(f"gate/up weights need an even number of rows, got {N}")
-    mod, args, keywords, programs = _epilogue_launch(x, w, N, "gemv_silu_and_mul",
-                                                     squares=squares, eps=eps)
+    mod, args, keywords, programs = _epilogue_launch(x, w, N, "gemv_silu_and_mul")
     out = torch.empty((1, N // 2), dtype=x.dtype, device=x.device)
     mod._gemv_silu_kernel[(programs,)](*args, out, N // 2, w.codes.shape[1],
                                        w.codes.stride(0), **keywords)
     return out
 
 
-def gemv_add_residual(x: torch.Tensor, w: GemvWeight, residual: torch.Tensor,
-                      next_norm_weight: torch.Tensor | None = None,
-                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """residual += x @ W^T in place for one row x and a residual [1, N] of x's dtype (o and
-    down at batch 1): the GEMV with the residual add as its epilogue, the bytes of the
-    GEMV followed by fused_add_rms_norm's add, one launch. With next_norm_weight [N],
-    returns the first half of that RMS norm of the new residual h for the next GEMV
-    (gemv_silu_and_mul, gemv_rotary): (h * weight [1, N] in the dtype, h's squares summed
-    per program, fp32 [P]); else None."""
-    N = w.codes.shape[0]
-    if residual.shape != (1, N) or residual.dtype != x.dtype or not residual.is_contiguous():
-        raise ValueError(f"gemv_add_residual: residual {tuple(residual.shape)} "
-                         f"{residual.dtype} is not a contiguous [1, {N}] of {x.dtype}")
-    if next_norm_weight is not None and (next_norm_weight.shape != (N,)
-                                         or not next_norm_weight.is_contiguous()):
-        raise ValueError(f"gemv_add_residual: the norm's weight "
-                         f"{tuple(next_norm_weight.shape)} is not a contiguous [{N}]")
-    mod, args, keywords, programs = _epilogue_launch(x, w, N, "gemv_add_residual",
-                                                     takes_norm=False)
-    if next_norm_weight is None:
-        out = None
-        g, hg, sq = residual, residual, residual  # not read or written
-    else:
-        g = next_norm_weight
-        out = hg, sq = (torch.empty_like(residual),
-                        torch.empty(programs, dtype=torch.float32, device=x.device))
-    mod._gemv_residual_kernel[(programs,)](*args, residual, g, hg, sq, N, w.codes.shape[1],
-                                           w.codes.stride(0),
-                                           NEXT_NORM=next_norm_weight is not None,
-                                           **keywords)
-    return out
-
-
 def gemv_rotary(x: torch.Tensor, w: GemvWeight, positions: torch.Tensor,
                 cos_table: torch.Tensor, sin_table: torch.Tensor, q_size: int, kv_size: int,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                squares: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                slot_mapping: torch.Tensor) -> torch.Tensor:
     """The batch-1 q/k/v projection (weights [q_size + 2 * kv_size, K], heads of
     cos_table's width) with the rotary embedding at positions[0] and the K/V store into
     slot slot_mapping[0] of the caches ([num_blocks, block_size, kv heads, head_dim], bf16,
     fp16 or e4m3, any strides) as its epilogue; returns q [1, q_size] rotated. The bytes
-    of the GEMV followed by fused.rotary_embedding with the store, one launch. With
-    squares, of RMSNorm(h) instead, as gemv_silu_and_mul."""
+    of the GEMV followed by fused.rotary_embedding with the store, one launch."""
     D = cos_table.shape[1]
     N = q_size + 2 * kv_size
     if (D % 2 or q_size % D or kv_size % D or sin_table.shape != cos_table.shape
@@ -1079,8 +974,7 @@ def gemv_rotary(x: torch.Tensor, w: GemvWeight, positions: torch.Tensor,
         raise ValueError(f"gemv_rotary: caches {tuple(k_cache.shape)} / "
                          f"{tuple(v_cache.shape)} are not [num_blocks, block_size, "
                          f"{kv_size // D}, {D}]")
-    mod, args, keywords, programs = _epilogue_launch(x, w, N, "gemv_rotary",
-                                                     squares=squares, eps=eps)
+    mod, args, keywords, programs = _epilogue_launch(x, w, N, "gemv_rotary")
     q = torch.empty((1, q_size), dtype=x.dtype, device=x.device)
     mod._gemv_rotary_kernel[(programs,)](
         *args, q, positions, cos_table, sin_table, cos_table.shape[0], slot_mapping,

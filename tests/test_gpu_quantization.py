@@ -177,47 +177,6 @@ def test_gemv_epilogues_compiled(dtype):
                                        cache_dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gemv_residual_epilogue_and_norm_in_the_next_gemv_compiled(dtype):
-    """Compiled at Llama-3.1-8B's shapes, for 16-bit, fp8 and int8 weights: o and down
-    adding into the residual with the bytes of the GEMV and fused_add_rms_norm's add, and
-    beginning the next norm (h * weight, h's squares in parts); gate/up and q/k/v
-    finishing it against rms_norm and the plain kernels (within the dtype's roundings of
-    the normalized row)."""
-    import csrc_triton
-
-    torch.manual_seed(0)
-    K, inter, hq, hkv, d = 4096, 14336, 32, 8, 128
-    g = (torch.rand(K, device="cuda") + 0.5).to(dtype)
-    act = torch.randn(1, inter, device="cuda").to(dtype)
-    down = torch.nn.Linear(inter, K, bias=False, device="cuda")
-    for fmt, w, plain in gemv_formats(down, dtype):
-        residual = (torch.randn(1, K, device="cuda") * 3).to(dtype)
-        normed, want = csrc_triton.fused_add_rms_norm(plain(act), residual.clone(), g, 1e-5)
-        scaled, squares = csrc_triton.gemv_add_residual(act, w, residual, g)
-        assert torch.equal(residual, want), fmt
-        assert torch.equal(scaled, (want.float() * g.float()).to(dtype)), fmt
-        torch.testing.assert_close(squares.sum(), want.float().square().sum())
-    gate_up = torch.nn.Linear(K, 2 * inter, bias=False, device="cuda")
-    for fmt, w, plain in gemv_formats(gate_up, dtype):
-        torch.testing.assert_close(csrc_triton.gemv_silu_and_mul(scaled, w, squares, 1e-5),
-                                   csrc_triton.silu_and_mul(plain(normed)), rtol=2e-2,
-                                   atol=2e-2, msg=fmt)
-    rope = RotaryEmbedding(d, 8192, 500000.0, None).cuda()
-    qkv = torch.nn.Linear(K, (hq + 2 * hkv) * d, bias=True, device="cuda")
-    positions, slots = torch.tensor([5000], device="cuda"), torch.tensor([77], device="cuda")
-    for fmt, w, plain in gemv_formats(qkv, dtype):
-        caches = [torch.zeros(4, 64, hkv, d, dtype=dtype, device="cuda") for _ in range(4)]
-        got = csrc_triton.gemv_rotary(scaled, w, positions, rope.cos_table, rope.sin_table,
-                                      hq * d, hkv * d, caches[0], caches[1], slots, squares,
-                                      1e-5)
-        want_q = csrc_triton.gemv_rotary(normed, w, positions, rope.cos_table,
-                                         rope.sin_table, hq * d, hkv * d, caches[2],
-                                         caches[3], slots)
-        torch.testing.assert_close(got, want_q, rtol=2e-2, atol=2e-2, msg=fmt)
-        torch.testing.assert_close(caches[:2], caches[2:], rtol=2e-2, atol=2e-2, msg=fmt)
-
-
 @pytest.mark.parametrize("M,K", [(1, 4096), (300, 4160), (64, 14336), (3, 20000)])
 def test_fp8_row_quantization_is_torchs(M, K):
     import csrc_triton
@@ -271,8 +230,8 @@ def test_fp8_split_k_matmul_compiled(M, N, K):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_graphs_match_eager_with_quantization(tmp_path, method):
-    """A batch of 8 and a lone prompt (batch-1 decode: the GEMV epilogues, the norms inside
-    the GEMVs) through the CUDA graphs, against eager steps."""
+    """A batch of 8 and a lone prompt (batch-1 decode: the GEMV epilogues) through the CUDA
+    graphs, against eager steps."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(CONFIG))
     prompts = random_prompts(8, 4096, 3, 100, seed=9)

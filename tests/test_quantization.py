@@ -4,7 +4,6 @@ and the engine and the server end to end with each method (the CPU's reference p
 
 from __future__ import annotations
 
-import collections
 import json
 
 import openai
@@ -172,14 +171,11 @@ def _prompt_logits(runner, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_gemv_epilogues_in_the_decoder(tiny_model_dirs, monkeypatch, kv_cache_dtype):
     """A batch-1 decode step of an fp8 bf16 model through the decoder with the GEMV
-    epilogues (SiLU x up, rotary + K/V store, the residual add and the next norm's first
-    half; kernels interpreted here, so the layers' gate is opened for the CPU): no norm
-    kernel but the first and the last, and the logits and every layer's cache as the step without
+    epilogues (SiLU x up, rotary + K/V store; kernels interpreted here, so the layers'
+    gate is opened for the CPU): the logits and every layer's cache as the step without
     them, within the rounding of the kernels' own sums (the CPU's plain path is the
     dequantized fp32 matmul); both caches, the e4m3 V cache stored transposed."""
     pytest.importorskip("triton")
-    import csrc_triton
-
     monkeypatch.setenv("MINIVLLM_FUSED_OPS", "1")
     llm = LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, max_model_len=64,
               dtype="bfloat16", quantization="fp8", kv_cache_dtype=kv_cache_dtype)
@@ -188,25 +184,21 @@ def test_gemv_epilogues_in_the_decoder(tiny_model_dirs, monkeypatch, kv_cache_dt
     _prompt_logits(runner, prompt[:-1])
     plain = _prompt_logits(runner, prompt[-1:], start=len(prompt) - 1)
     plain_caches = [t.float() for pair in runner.kv_cache.layers for t in pair]
+    taken = []
     real = QuantizedLinear.gemv_weight
-    monkeypatch.setattr(QuantizedLinear, "gemv_weight",
-                        lambda self, x: real(self, x, any_device=True))
-    calls = collections.Counter()
-    for name in ("gemv_rotary", "gemv_silu_and_mul", "gemv_add_residual", "rms_norm",
-                 "fused_add_rms_norm"):
-        def counted(*args, _name=name, _kernel=getattr(csrc_triton, name), **kwargs):
-            calls[_name] += 1
-            return _kernel(*args, **kwargs)
-        monkeypatch.setattr(csrc_triton, name, counted)
+
+    def on_the_cpu_too(self, x):
+        w = real(self, x, any_device=True)
+        taken.append(w is not None)
+        return w
+
+    monkeypatch.setattr(QuantizedLinear, "gemv_weight", on_the_cpu_too)
     last = len(prompt) - 1  # the new token's slot (blocks in order): written again
     for pair in runner.kv_cache.layers:
         for t in pair:
             t[last // runner.block_size, last % runner.block_size] = 0
     fused = _prompt_logits(runner, prompt[-1:], start=len(prompt) - 1)
-    # 2 layers: q/k/v and gate/up finishing the norm that o and down began as they added
-    # into the residual; a norm kernel for the embeddings and the final norm only.
-    assert calls == {"gemv_rotary": 2, "gemv_silu_and_mul": 2, "gemv_add_residual": 4,
-                     "rms_norm": 2}
+    assert sum(taken) == 2 * 2  # q/k/v and gate/up in each of 2 layers
     torch.testing.assert_close(fused, plain, rtol=2e-2, atol=2e-2)
     for got, want in zip((t.float() for pair in runner.kv_cache.layers for t in pair),
                          plain_caches, strict=True):
@@ -552,45 +544,6 @@ def test_gemv_with_rotary_and_kv_store_epilogue(cache_dtype):
                                                 (3, 4), cache_dtype)
             for cache in caches:
                 assert (cache.float().abs().sum() > 0) == (slot >= 0)
-
-
-@pytest.mark.parametrize("K", [96, 200])
-def test_gemv_residual_epilogue_and_norm_in_the_next_gemv(K):
-    """The batch-1 residual GEMV (interpreted here): residual += x W^T in place, byte for
-    byte fused_add_rms_norm's residual; with the next norm's weight, also h * weight in
-    the dtype and h's squares in parts. From those two, SiLU x up and the rotary epilogue
-    of RMSNorm(h) against rms_norm followed by the plain kernels, within a few roundings
-    of the dtype (the kernels never round the normalized row)."""
-    import csrc_triton
-
-    torch.manual_seed(11)
-    x = (torch.randn(1, K) * 3).to(torch.bfloat16)
-    g = (torch.rand(K) + 0.5).to(torch.bfloat16)
-    for fmt, w, plain in gemv_formats(torch.nn.Linear(K, K, bias=True), torch.bfloat16):
-        residual = torch.randn(1, K).to(torch.bfloat16)
-        normed, want = csrc_triton.fused_add_rms_norm(plain(x), residual.clone(), g, 1e-5)
-        assert csrc_triton.gemv_add_residual(x, w, residual.clone()) is None
-        scaled, squares = csrc_triton.gemv_add_residual(x, w, residual, g)
-        assert torch.equal(residual, want), fmt
-        assert torch.equal(scaled, (want.float() * g.float()).to(torch.bfloat16)), fmt
-        assert squares.shape == (-(-K // 4),)  # a part per program of 4 rows (interpreted)
-        torch.testing.assert_close(squares.sum(), want.float().square().sum())
-    for fmt, w, plain in gemv_formats(torch.nn.Linear(K, 2 * 24, bias=False), torch.bfloat16):
-        got = csrc_triton.gemv_silu_and_mul(scaled, w, squares, 1e-5)
-        torch.testing.assert_close(got, csrc_triton.silu_and_mul(plain(normed)), rtol=2e-2,
-                                   atol=2e-2, msg=fmt)
-    rope = RotaryEmbedding(16, 32, 10000.0, None)
-    positions, slots = torch.tensor([13]), torch.tensor([9])
-    for fmt, w, plain in gemv_formats(torch.nn.Linear(K, 4 * 16, bias=True), torch.bfloat16):
-        caches = [torch.zeros(3, 4, 1, 16, dtype=torch.bfloat16) for _ in range(4)]
-        got = csrc_triton.gemv_rotary(scaled, w, positions, rope.cos_table, rope.sin_table,
-                                      32, 16, caches[0], caches[1], slots, squares, 1e-5)
-        want_q = csrc_triton.gemv_rotary(normed, w, positions, rope.cos_table,
-                                         rope.sin_table, 32, 16, caches[2], caches[3], slots)
-        torch.testing.assert_close(got, want_q, rtol=2e-2, atol=2e-2, msg=fmt)
-        torch.testing.assert_close(caches[:2], caches[2:], rtol=2e-2, atol=2e-2, msg=fmt)
-    with pytest.raises(ValueError):  # the norm's weight must fit the residual
-        csrc_triton.gemv_add_residual(x, w, torch.zeros(1, 64, dtype=torch.bfloat16), g)
 
 
 def test_fp8_bytes_decode_exactly_in_the_kernel():

@@ -684,18 +684,15 @@ def test_gpu_decode_cuda_graph():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("weights", ["bf16", "fp8", "int4", "fp8_epilogues"])
+@pytest.mark.parametrize("weights", ["bf16", "fp8", "int4"])
 def test_gpu_kernels_launched_early_equal_plain_launches_in_a_graph(weights, monkeypatch):
     """Programmatic dependent launch (csrc_triton/_pdl.py): four decoder layers at batch 1
-    (norm, projections through the GEMV, rotary with the K/V store, decode attention, SiLU;
-    fp8_epilogues: the GEMVs with the rotary and K/V store, SiLU, and the residual add in
-    place with the next norm's first half as epilogues, each norm finished in the GEMV
-    after), every buffer reused by each layer so that a kernel starting early would read
-    stale inputs or overwrite what the one before still reads. Captured in a CUDA graph with PDL and replayed on new inputs, the output equals
-    the same chain launched plainly."""
-    from csrc_triton import (GemvWeight, fp8_weight_gemm, fused_add_rms_norm,
-                             gemv_add_residual, gemv_rotary, gemv_silu_and_mul, int4_gemm,
-                             linear_gemv, rotary_embedding, silu_and_mul)
+    (norm, projections through the GEMV, rotary with the K/V store, decode attention, SiLU),
+    every buffer reused by each layer so that a kernel starting early would read stale
+    inputs or overwrite what the one before still reads. Captured in a CUDA graph with PDL
+    and replayed on new inputs, the output equals the same chain launched plainly."""
+    from csrc_triton import (fp8_weight_gemm, fused_add_rms_norm, int4_gemm, linear_gemv,
+                             rotary_embedding, silu_and_mul)
     from csrc_triton import _pdl
     from minivllm.model.quantization import GROUP_SIZE, quantize_fp8, quantize_int4
 
@@ -710,9 +707,6 @@ def test_gpu_kernels_launched_early_equal_plain_launches_in_a_graph(weights, mon
         w = rand(n, k, s=k ** -0.5)
         if weights == "bf16":
             return lambda x: linear_gemv(x, w)
-        if weights == "fp8_epilogues":
-            q, scale = quantize_fp8(w)
-            return GemvWeight(q.view(torch.uint8), scale, None, "fp8")
         if weights == "fp8":
             q, scale = quantize_fp8(w)
             return lambda x: fp8_weight_gemm(x, q, scale)
@@ -736,22 +730,6 @@ def test_gpu_kernels_launched_early_equal_plain_launches_in_a_graph(weights, mon
 
     def chain():
         residual.copy_(x_in)
-        if weights == "fp8_epilogues":
-            x = fused_add_rms_norm(torch.zeros_like(x_in), residual, layers[0]["norm1"],
-                                   1e-6)[0]
-            squares = None
-            for i, layer in enumerate(layers):
-                q = gemv_rotary(x, layer["qkv"], pos, cos, sin, hq * d, hkv * d, k_cache,
-                                v_cache, slot, *(() if squares is None else (squares, 1e-6)))
-                attn = paged_attention_decode(q.view(1, hq, d), k_cache, v_cache, bt,
-                                              seq_lens, d ** -0.5, 1024, num_splits=4,
-                                              counters=counters)
-                x, squares = gemv_add_residual(attn.reshape(1, hq * d), layer["o"], residual,
-                                               layer["norm2"])
-                act = gemv_silu_and_mul(x, layer["gate_up"], squares, 1e-6)
-                nxt = layers[(i + 1) % len(layers)]["norm1"]
-                x, squares = gemv_add_residual(act, layer["down"], residual, nxt)
-            return residual.clone()
         h = torch.zeros_like(x_in)
         for layer in layers:
             x, _ = fused_add_rms_norm(h, residual, layer["norm1"], 1e-6)

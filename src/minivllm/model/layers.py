@@ -7,7 +7,6 @@ so that fp32 greedy output matches token for token and bf16 stays as close as it
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -87,40 +86,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
-class PrenormedRow(NamedTuple):
-    """RMSNorm(h) of the residual h, for the batch-1 GEMV that takes it, in the two halves
-    that the GEMV which added into h wrote (csrc_triton.gemv_add_residual's epilogue): h
-    times the norm's weight, and h's squares summed per program; the next GEMV sums those
-    and scales its own sums by rsqrt(mean + eps) (gemv_silu_and_mul, gemv_rotary). So the
-    norm runs no kernel of its own."""
-    scaled: torch.Tensor   # [1, hidden] h * weight, in the dtype
-    squares: torch.Tensor  # fp32 [P]
-    eps: float
-
-
-def gemv_row(x):
-    """The row a batch-1 GEMV reads: a PrenormedRow's, or x itself."""
-    return x.scaled if isinstance(x, PrenormedRow) else x
-
-
-def add_projection(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor,
-                   fused_ops: bool, then_norm: RMSNorm | None = None,
-                   then: nn.Module | None = None,
-                   ) -> tuple[torch.Tensor | PrenormedRow | None, torch.Tensor]:
-    """proj(x) on its way into the residual stream: (proj(x), residual) for the next
-    add_and_norm to add; or, where proj's batch-1 GEMV adds it into the residual itself
-    (its epilogue), (None, residual), or (PrenormedRow, residual) when `then` (the module
-    after the norm then_norm) takes the normed row in its batch-1 GEMV too."""
-    w = proj.gemv_weight(x) if fused_ops else None
-    if w is None:
-        return proj(x), residual
-    if then is not None and then.gemv_weight(residual) is not None:
-        scaled, squares = csrc_triton.gemv_add_residual(x, w, residual, then_norm.weight)
-        return PrenormedRow(scaled, squares, then_norm.eps), residual
-    csrc_triton.gemv_add_residual(x, w, residual)
-    return None, residual
-
-
 class Linear(nn.Linear):
     """A decoder projection: nn.Linear, except that with the fused kernels on (fused_ops) a
     single row (batch-1 decode) of 16-bit weights goes to the Triton GEMV kernel
@@ -140,7 +105,7 @@ class Linear(nn.Linear):
             return csrc_triton.linear_gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    def gemv_weight(self, x) -> None:
+    def gemv_weight(self, x: torch.Tensor) -> None:
         """16-bit weights take no GEMV epilogue (QuantizedLinear.gemv_weight): their GEMV
         runs 4 programs an SM, too few to hide each program's epilogue, which cost more
         than the kernel it saves (Llama-3.1-8B W2 bf16: 234.5 tok/s with both epilogues,
@@ -157,24 +122,12 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False, fused_ops=fused_ops)
         self.fused_ops = fused_ops
 
-    def gemv_weight(self, x) -> csrc_triton.GemvWeight | None:
-        """gate/up's weights when x goes to its batch-1 GEMV (with SiLU x up and, for a
-        PrenormedRow, the norm in it), else None."""
-        return self.gate_up_proj.gemv_weight(x) if self.fused_ops else None
-
-    def forward(self, x: torch.Tensor | PrenormedRow, residual: torch.Tensor,
-                then_norm: RMSNorm | None = None, then: nn.Module | None = None,
-                ) -> tuple[torch.Tensor | PrenormedRow | None, torch.Tensor]:
-        """(down's output, residual) for the next add_and_norm to add, or with it added
-        already (add_projection, which `then_norm` and `then` are for)."""
-        if not self.fused_ops:
-            gate_up = self.gate_up_proj(x)
-            gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up), residual
-        w = self.gemv_weight(x)
-        if w is not None:  # batch-1 decode: SiLU x up (and the norm) in the GEMV
-            act = (csrc_triton.gemv_silu_and_mul(x.scaled, w, x.squares, x.eps)
-                   if isinstance(x, PrenormedRow) else csrc_triton.gemv_silu_and_mul(x, w))
-        else:
-            act = csrc_triton.silu_and_mul(self.gate_up_proj(x))
-        return add_projection(self.down_proj, act, residual, self.fused_ops, then_norm, then)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_ops:
+            w = self.gate_up_proj.gemv_weight(x)
+            if w is not None:  # batch-1 decode: SiLU x up as the GEMV's epilogue
+                return self.down_proj(csrc_triton.gemv_silu_and_mul(x, w))
+            return self.down_proj(csrc_triton.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -20,8 +20,7 @@ import csrc_triton
 
 from ..config import ModelConfig
 from .attention import AttentionMetadata, PagedAttention
-from .layers import (GatedMLP, Linear, PrenormedRow, RMSNorm, RotaryEmbedding,
-                     add_projection)
+from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from .prequantized import PackedParts
 from .quantization import Fp8Activations, fp8_activations_for
 
@@ -59,30 +58,16 @@ class DecoderAttention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, backend)
 
-    def gemv_weight(self, x) -> csrc_triton.GemvWeight | None:
-        """q/k/v's weights when x goes to its batch-1 GEMV (with the rotary embedding, the
-        K/V store and, for a PrenormedRow, the norm in it), else None. Qwen3's per-head
-        q/k norm needs whole heads: its rotary stays a kernel of its own."""
-        return self.qkv_proj.gemv_weight(x) if self.fused_ops and not self.qk_norm else None
-
-    def forward(self, x: torch.Tensor | Fp8Activations | PrenormedRow,
-                positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-                residual: torch.Tensor, then_norm: RMSNorm | None = None,
-                then: nn.Module | None = None,
-                ) -> tuple[torch.Tensor | PrenormedRow | None, torch.Tensor]:
-        """(o's output, residual) for the next add_and_norm to add, or with it added
-        already (add_projection, which `then_norm` and `then` are for)."""
-        w = self.gemv_weight(x)
+    def forward(self, x: torch.Tensor | Fp8Activations, positions: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        w = self.qkv_proj.gemv_weight(x) if self.fused_ops and not self.qk_norm else None
         if w is not None:
             # Batch-1 decode: rotary and the K/V store as the q/k/v GEMV's epilogue.
-            norm = (x.squares, x.eps) if isinstance(x, PrenormedRow) else ()
             q = csrc_triton.gemv_rotary(
-                x.scaled if norm else x, w, positions, self.rotary.cos_table,
-                self.rotary.sin_table, self.q_size, self.kv_size, kv_cache[0], kv_cache[1],
-                meta.slot_mapping, *norm)
+                x, w, positions, self.rotary.cos_table, self.rotary.sin_table, self.q_size,
+                self.kv_size, kv_cache[0], kv_cache[1], meta.slot_mapping)
             out = self.attn.attend(q.view(-1, self.num_heads, self.head_dim), kv_cache, meta)
-            return add_projection(self.o_proj, out.reshape(-1, self.q_size), residual,
-                                  self.fused_ops, then_norm, then)
+            return self.o_proj(out.reshape(-1, self.q_size))
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -102,31 +87,23 @@ class DecoderAttention(nn.Module):
                 k = self.k_norm(k)
             q, k = self.rotary(positions, q, k)
             out = self.attn(q, k, v, kv_cache, meta)
-        return add_projection(self.o_proj, out.reshape(-1, self.q_size), residual,
-                              self.fused_ops, then_norm, then)
+        return self.o_proj(out.reshape(-1, self.q_size))
 
 
-def add_and_norm(x: torch.Tensor | PrenormedRow | None, residual: torch.Tensor | None,
-                 norm: RMSNorm, fused_ops: bool, then: nn.Module | None = None,
-                 ) -> tuple[torch.Tensor | Fp8Activations | PrenormedRow, torch.Tensor]:
-    """residual += x (x alone for the first layer; None: a GEMV added it already), then
-    normalize the residual. Returns (normed, residual). The fused kernel updates the
-    residual in place, and when `then` (the projection the normed rows go to) multiplies
-    them in W8A8, it writes them in e4m3 with their scales (Fp8Activations). A
-    PrenormedRow is the sum and the norm's first half already (add_projection): passed on."""
-    if isinstance(x, PrenormedRow):
-        return x, residual
+def add_and_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                 fused_ops: bool, then: nn.Module | None = None
+                 ) -> tuple[torch.Tensor | Fp8Activations, torch.Tensor]:
+    """residual += x (x alone for the first layer), then normalize the residual. Returns
+    (normed, residual). The fused kernel updates the residual in place, and when `then`
+    (the projection the normed rows go to) multiplies them in W8A8, it writes them in e4m3
+    with their scales (Fp8Activations)."""
     if fused_ops:
+        fp8 = fp8_activations_for(then, x.shape[0], x.device)
+        out, scale = (None, None) if fp8 is None else fp8
         if residual is None:
-            residual, x = x, None
-        if x is None:
-            fp8 = fp8_activations_for(then, residual.shape[0], residual.device)
-            out, scale = (None, None) if fp8 is None else fp8
-            normed = csrc_triton.rms_norm(residual, norm.weight, norm.eps, out=out,
-                                          scale_out=scale)
+            normed = csrc_triton.rms_norm(x, norm.weight, norm.eps, out=out, scale_out=scale)
+            residual = x
         else:
-            fp8 = fp8_activations_for(then, x.shape[0], x.device)
-            out, scale = (None, None) if fp8 is None else fp8
             normed, residual = csrc_triton.fused_add_rms_norm(
                 x, residual, norm.weight, norm.eps, out=out, scale_out=scale)
         return (normed if fp8 is None else fp8), residual
@@ -147,22 +124,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor | PrenormedRow | None, residual: torch.Tensor | None,
-                positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-                next_layer: DecoderLayer | None = None,
-                ) -> tuple[torch.Tensor | PrenormedRow | None, torch.Tensor]:
-        """(x, residual) for the next layer: x is this layer's output to add into the
-        residual, or None where a batch-1 GEMV added it already, or a PrenormedRow where
-        that GEMV began next_layer's input norm too."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = add_and_norm(x, residual, self.input_layernorm, self.fused_ops,
                                    then=self.self_attn.qkv_proj)
-        h, residual = self.self_attn(h, positions, kv_cache, meta, residual,
-                                     self.post_attention_layernorm, self.mlp)
+        h = self.self_attn(h, positions, kv_cache, meta)
         h, residual = add_and_norm(h, residual, self.post_attention_layernorm, self.fused_ops,
                                    then=self.mlp.gate_up_proj)
-        if next_layer is None:
-            return self.mlp(h, residual)
-        return self.mlp(h, residual, next_layer.input_layernorm, next_layer.self_attn)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -181,9 +151,8 @@ class DecoderModel(nn.Module):
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         residual = None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            next_layer = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            x, residual = layer(x, residual, positions, kv_cache, meta, next_layer)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, positions, kv_cache, meta)
         return add_and_norm(x, residual, self.norm, self.fused_ops)[0]
 
 

@@ -32,8 +32,6 @@ import csrc_triton
 from csrc_triton.int4_layout import (int4_half, int4_packed_bytes, pack_int4,  # noqa: F401
                                      unpack_int4)
 
-from .layers import PrenormedRow, gemv_row
-
 METHODS = ("fp8", "int8", "int4")
 # Read from a quantized checkpoint (prequantized.py), by the checkpoint's quant_method.
 CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors")
@@ -267,14 +265,13 @@ class QuantizedLinear(nn.Module):
                                    self.group_size)
         return self.qweight.float() * self.scale[:, None]
 
-    def gemv_weight(self, x: torch.Tensor | Fp8Activations | PrenormedRow,
+    def gemv_weight(self, x: torch.Tensor | Fp8Activations,
                     any_device: bool = False) -> csrc_triton.GemvWeight | None:
         """The weights for the batch-1 GEMV kernels with an epilogue (SiLU x up, the
-        rotary embedding and the K/V store, the residual add; the norm before) when x goes
-        there: one 16-bit row on a GPU, 8-bit weights (whose GEMV programs are many to an
-        SM, so each one's epilogue hides behind the others' loads), inputs in their order;
-        else None. any_device: on a CPU too, where the kernels run interpreted (tests)."""
-        x = gemv_row(x)
+        rotary embedding and the K/V store) when x goes there: one 16-bit row on a GPU,
+        8-bit weights (whose GEMV programs are many to an SM, so each one's epilogue
+        hides behind the others' loads), inputs in their order; else None. any_device:
+        on a CPU too, where the kernels run interpreted (tests)."""
         if (isinstance(x, torch.Tensor) and (x.is_cuda or any_device)
                 and x.dim() == 2 and x.shape[0] == 1
                 and x.dtype in (torch.float16, torch.bfloat16)
