@@ -568,6 +568,19 @@ def test_gpu_realistic_prefill_and_chunked(dtype, hq, hkv, d):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_long_prompt_with_query_groups_of_4(dtype):
+    """Llama-3.1-8B's heads (32 query, 8 kv, head_dim 128) with a prompt chunk of >= 2,048
+    tokens beside a decode row and a cached prefix: the tiles of 128 packed rows that
+    _prefill_config gives such a batch, against the reference."""
+    from csrc_triton import _prefill_config
+
+    assert _prefill_config(2200, 2300, 4, 128, dtype, False)["BLOCK_M"] == 128
+    run_case([2300, 700], [2200, 1], 32, 8, 128, 64, dtype, seed=12, fused_qkv=True)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (16, 8, 128)])
 def test_gpu_descriptor_tiles_equal_gathered_tiles_in_a_graph(dtype, hq, hkv, d):
     """Blocks of 64: the prefill kernel with whole-tile descriptor loads, captured in a CUDA
