@@ -22,3 +22,9 @@ timeout 300 python3 -m pytest -v -p no:cacheprovider -m gpu --durations=12 tests
 timeout 200 python3 -m pytest -v -p no:cacheprovider -m gpu --durations=5 tests/test_gpu_quantization.py -k "graphs_match_eager or epilogues_compiled" > $R/gpu_quant_tests.log 2>&1; t quant_tests $?
 cat $R/times.log; grep -c PASSED $R/gpu_*tests.log; grep -h "FAILED\|ERROR\|passed\|failed" $R/gpu_*tests.log | tail -8
 tar czf $OUT/out.tgz -C $OUT r
+# the 128-row prefill tiles' GPU test at 53ef01f, a third call
+set -u
+export PYTHONPATH=$PWD/src:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+S=$(date +%s); R=$OUT/r; mkdir -p $R
+timeout 200 python3 -m pytest -v -p no:cacheprovider -m gpu --durations=5 tests/test_triton_kernels.py -k "groups_of_4 or descriptor_tiles" > $R/gpu_prefill_128_rows_tests.log 2>&1; echo "rc=$? $(( $(date +%s)-S ))s" >> $R/gpu_prefill_128_rows_tests.log
+tail -12 $R/gpu_prefill_128_rows_tests.log
