@@ -43,6 +43,7 @@ import triton.language as tl
 from csrc_triton import _sm_count
 from csrc_triton._interpret import jit_helpers, kernels_for
 from csrc_triton._pdl import launch_args as pdl_args
+from csrc_triton.fp8_mm import MAX_SPLIT_TILES, _split_counters
 from csrc_triton.int4_layout import int4_half, int4_packed_bytes
 
 _fp8_cast = jit_helpers("_fp8_cast")
@@ -466,43 +467,65 @@ def _int4_mma_add(acc, b, s, z, x_ptr, offs_m, m_ok, blk, K, stride_xm, HALF: tl
 
 
 @triton.jit
-def _int4_mma_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, M, N, K,
-                     stride_xm, stride_wn, stride_sn, stride_om, GROUP: tl.constexpr,
-                     HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                     SLICES: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr,
-                     PDL: tl.constexpr = False):
+def _int4_mma_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr,
+                     count_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
+                     blocks_per_split, GROUP: tl.constexpr, HALF: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SLICES: tl.constexpr,
+                     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     INTERPRETED: tl.constexpr, PDL: tl.constexpr = False):
     """BLOCK_M rows of x against BLOCK_N rows of int4 weights on the tensor cores, the
     weights as the MMA's first operand (the output transposed: its rows are the weights',
     which fill the MMA's 16 rows where a few rows of x would not). K is cut into SLICES
     interleaved slices of packed blocks, each an MMA of its own (a warp's, with a warp
     per slice), summed at the end: enough loads in flight without a second kernel. Each
     packed block is one group: (code - zero) enters the MMA exactly in x's 16-bit type,
-    and the group's scale is applied to the block's fp32 product. Integer zero points."""
+    and the group's scale is applied to the block's fp32 product. Integer zero points.
+    SPLIT_K > 1: K is also split between programs (grid axis 2, blocks_per_split packed
+    blocks each) for projections with too few rows to give every SM programs enough; each
+    writes its fp32 partial, counts itself in at its tile's counter, and the last to count
+    adds the partials in a fixed order (deterministic) and writes y, as fp8_mm.py does."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
-    n_blocks = tl.cdiv(K, 2 * HALF)
-    blk = tl.arange(0, SLICES)
-    b, s, z = _int4_mma_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, blk, n_blocks,
+    split = tl.program_id(2)
+    first = split * blocks_per_split
+    end = tl.minimum(first + blocks_per_split, tl.cdiv(K, 2 * HALF))
+    slice_ = tl.arange(0, SLICES)
+    b, s, z = _int4_mma_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, first + slice_, end,
                                 stride_wn, stride_sn, GROUP, HALF)
     _pdl.wait_for_previous(PDL)  # the weights' first blocks are on their way; x is not yet
     acc = _int4_mma_add(tl.zeros((SLICES, BLOCK_N, BLOCK_M), dtype=tl.float32), b, s, z,
-                        x_ptr, offs_m, m_ok, blk, K, stride_xm, HALF, INTERPRETED)
-    for blk0 in range(SLICES, n_blocks, SLICES):
-        b, s, z = _int4_mma_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, blk0 + blk,
-                                    n_blocks, stride_wn, stride_sn, GROUP, HALF)
-        acc = _int4_mma_add(acc, b, s, z, x_ptr, offs_m, m_ok, blk0 + blk, K, stride_xm,
+                        x_ptr, offs_m, m_ok, first + slice_, K, stride_xm, HALF, INTERPRETED)
+    for blk0 in range(first + SLICES, end, SLICES):
+        b, s, z = _int4_mma_weights(w_ptr, scale_ptr, zero_ptr, offs_n, n_ok, blk0 + slice_,
+                                    end, stride_wn, stride_sn, GROUP, HALF)
+        acc = _int4_mma_add(acc, b, s, z, x_ptr, offs_m, m_ok, blk0 + slice_, K, stride_xm,
                             HALF, INTERPRETED)
     if INTERPRETED:  # tl.sum is a compiled-only helper here (see fused.py's _row_sum)
         y = tl.reduce(acc, 0, _add)
     else:
         y = tl.sum(acc, axis=0)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None],
-             y.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+    ok = m_ok[None, :] & n_ok[:, None]
+    last = True
+    if SPLIT_K > 1:
+        tile = tl.program_id(1) * tl.num_programs(0) + pid_n
+        tile_at = offs_m[None, :] * N + offs_n[:, None]
+        tl.store(part_ptr + split * M * N + tile_at, y, mask=ok)
+        tl.debug_barrier()  # every thread's partial stored before the count (release)
+        last = tl.atomic_add(count_ptr + tile, 1) == SPLIT_K - 1
+        if last:
+            y = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for p in range(SPLIT_K):  # a fixed order, whichever program came last
+                y += tl.load(part_ptr + p * M * N + tile_at, mask=ok, other=0.0,
+                             cache_modifier=".cg")
+            tl.store(count_ptr + tile, 0)
+    if last:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None],
+                 y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -712,35 +735,54 @@ def int4_mma_config(M: int, N: int, K: int, interpreted: bool = False):
 def _launch_int4_mma(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
                      scale: torch.Tensor, zero: torch.Tensor, bias, group: int, half: int,
                      N: int, config, tiles: bool = False) -> torch.Tensor:
-    """The sliced kernel (config: BLOCK_N, BLOCK_M, SLICES, warps, stages) or with tiles
-    the tile kernel (config: BLOCK_N, BLOCK_M, warps, stages[, splits of K])."""
-    M, K = x.shape
-    split = 1
+    """The sliced kernel (config: BLOCK_N, BLOCK_M, SLICES, warps, stages[, splits of K])
+    or with tiles the tile kernel (config: BLOCK_N, BLOCK_M, warps, stages[, splits of
+    K])."""
     if tiles:
-        bn, bm, warps, stages, *more = config
-        n_blocks = triton.cdiv(K, 2 * half)
-        per_split = triton.cdiv(n_blocks, more[0] if more else 1)
-        split = triton.cdiv(n_blocks, per_split)
-        kernel = mod._int4_mma_tile_kernel
-        grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
-        extra = {"SPLIT_K": split}
-    else:
-        bn, bm, slices, warps, stages = config
-        kernel, grid = mod._int4_mma_kernel, (triton.cdiv(N, bn), triton.cdiv(M, bm))
-        extra = {"SLICES": slices}
+        return _launch_int4_tiles(mod, interpreted, x, w, scale, zero, bias, group, half, N,
+                                  config)
+    M, K = x.shape
+    bn, bm, slices, warps, stages, *more = config
+    n_blocks = triton.cdiv(K, 2 * half)
+    # each split whole steps of SLICES blocks
+    per_split = triton.cdiv(triton.cdiv(n_blocks, more[0] if more else 1), slices) * slices
+    split = triton.cdiv(n_blocks, per_split)
+    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
+    if split > 1 and grid[0] * grid[1] > MAX_SPLIT_TILES:
+        raise ValueError(f"int4_gemm: {grid[0] * grid[1]} tiles split along K, more than "
+                         f"the {MAX_SPLIT_TILES} counters")
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    part = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
+    opts = {} if interpreted else {"num_warps": warps, "num_stages": stages,
+                                   **pdl_args(x.device)}
+    mod._int4_mma_kernel[grid](
+        x, w, scale, zero, bias if bias is not None else scale, out, part,
+        _split_counters(x.device) if split > 1 else scale, M, N, K, x.stride(0), w.stride(0),
+        scale.stride(0), out.stride(0), per_split, GROUP=group, HALF=half, BLOCK_N=bn,
+        BLOCK_M=bm, SLICES=slices, SPLIT_K=split, HAS_BIAS=bias is not None,
+        INTERPRETED=interpreted, **opts)
+    return out
+
+
+def _launch_int4_tiles(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
+                       scale: torch.Tensor, zero: torch.Tensor, bias, group: int, half: int,
+                       N: int, config) -> torch.Tensor:
+    M, K = x.shape
+    bn, bm, warps, stages, *more = config
+    n_blocks = triton.cdiv(K, 2 * half)
+    per_split = triton.cdiv(n_blocks, more[0] if more else 1)
+    split = triton.cdiv(n_blocks, per_split)
     if split == 1:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     else:  # fp32 partial tiles, summed in a fixed order below
         out = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
     opts = {} if interpreted else {"num_warps": warps, "num_stages": stages,
                                    **pdl_args(x.device)}
-    strides = (x.stride(0), w.stride(0), scale.stride(0), out.stride(-2))
-    if tiles:
-        strides += (out.stride(0) if split > 1 else 0, per_split)
-    kernel[grid](
-        x, w, scale, zero, bias if bias is not None else scale, out, M, N, K, *strides,
-        GROUP=group, HALF=half, BLOCK_N=bn, BLOCK_M=bm, HAS_BIAS=bias is not None,
-        INTERPRETED=interpreted, **extra, **opts)
+    mod._int4_mma_tile_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn), split)](
+        x, w, scale, zero, bias if bias is not None else scale, out, M, N, K, x.stride(0),
+        w.stride(0), scale.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
+        per_split, GROUP=group, HALF=half, BLOCK_N=bn, BLOCK_M=bm,
+        HAS_BIAS=bias is not None, INTERPRETED=interpreted, SPLIT_K=split, **opts)
     if split == 1:
         return out
     out = out.sum(0)

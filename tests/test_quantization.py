@@ -428,8 +428,8 @@ def test_gemv_loop_stages_pipeline_the_loads_for_hopper(stages, pipelined):
 def test_int4_on_the_tensor_cores(M, N, K, group):
     """The tensor-core int4 kernels (int4 with 16-bit activations goes there; here
     interpreted, in fp32) against the dequantized matmul: a short last group, several
-    groups, a bias; the sliced kernel with up to 16 rows of x, the tile kernel with more;
-    and the dense path of many rows."""
+    groups, a bias; the sliced kernel with up to 16 rows of x (K split between its
+    programs too), the tile kernel with more; and the dense path of many rows."""
     import csrc_triton
     from csrc_triton import quant_gemm
 
@@ -448,6 +448,12 @@ def test_int4_on_the_tensor_cores(M, N, K, group):
         assert got.dtype == dtype
         tol = 1e-4 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max())
+        # K split between the sliced kernel's programs too (the last adds the partials).
+        for split in (2, 3):
+            got = quant_gemm._launch_int4_mma(mod, interpreted, x, packed, scale, zero, bias,
+                                              group, half, N, (*config, split))
+            torch.testing.assert_close(got.float(), want, rtol=tol,
+                                       atol=tol * want.abs().max())
         # More rows: the tile kernel, one program per [BLOCK_N, BLOCK_M] of the output.
         rows = torch.randn(M + 20, K).to(dtype)
         got = quant_gemm._launch_int4_mma(

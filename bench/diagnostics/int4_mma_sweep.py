@@ -2,8 +2,8 @@
 four projections. At M = 1 the byte GEMV (`_wq_gemv_kernel`), at 4 and 16 the split-K
 dequantizing GEMM (`_wq_gemm_kernel`), both against the sliced tensor-core kernel
 (`_int4_mma_kernel`) over its configurations (BLOCK_N, BLOCK_M, slices of K, warps,
-stages). From 32 rows the tile kernel (`_int4_mma_tile_kernel`: BLOCK_N, BLOCK_M, warps,
-stages[, splits of K]) against the split-K GEMM (up to 64 rows), dequantize-then-cuBLAS
+stages[, splits of K between programs]). From 32 rows the tile kernel
+(`_int4_mma_tile_kernel`: BLOCK_N, BLOCK_M, warps, stages[, splits of K]) against the split-K GEMM (up to 64 rows), dequantize-then-cuBLAS
 (`_int4_dequantized_matmul`) and cuBLAS on bf16 weights. CUDA-graph replays, the weights
 cycling through copies larger than L2 (as bench.diagnostics.gemv_sweep).
 
@@ -22,9 +22,10 @@ import triton
 from bench.common import environment
 from bench.diagnostics.gemv_sweep import L2_CYCLE_BYTES, SHAPES, _time_graph, _weights, qg_dequant
 
-MMA_CONFIGS = {  # rows of x -> (BLOCK_N, BLOCK_M, SLICES, warps, stages)
-    1: [(16, 8, 8, 8, 3), (16, 8, 4, 4, 3), (16, 8, 8, 4, 3), (32, 8, 4, 4, 3),
-        (32, 8, 8, 8, 3), (16, 8, 2, 2, 4), (16, 8, 16, 8, 2), (16, 8, 8, 8, 4)],
+MMA_CONFIGS = {  # rows of x -> (BLOCK_N, BLOCK_M, SLICES, warps, stages[, splits of K])
+    1: [(16, 8, 4, 4, 3), (16, 8, 8, 4, 3), (32, 8, 4, 4, 3), (16, 8, 4, 4, 3, 2),
+        (16, 8, 4, 4, 3, 4), (16, 8, 8, 4, 3, 2), (16, 8, 8, 4, 3, 4), (16, 8, 4, 4, 3, 8),
+        (16, 8, 2, 4, 3, 4), (32, 8, 4, 4, 3, 2)],
     4: [(16, 8, 8, 8, 3), (16, 8, 4, 4, 3), (32, 8, 4, 4, 3)],
     16: [(16, 16, 8, 8, 3), (16, 16, 4, 4, 3), (32, 16, 4, 4, 3)],
 }
