@@ -718,18 +718,22 @@ def _launch_gemv(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
 
 
 def int4_mma_config(M: int, N: int, K: int, interpreted: bool = False):
-    """(BLOCK_N, BLOCK_M, SLICES, num_warps, num_stages) of the tensor-core int4 kernel:
-    x's rows padded to 8, 16 or 32; 16 weight rows a program, 32 where there are 4 times more
-    rows than inputs (gate/up: the grid covers the GPU anyway, and x is loaded for twice
-    the rows); K in 4 slices, 8 for rows of 8,192 inputs or more at up to 8 rows of x
-    (down: more loads in flight); 4 warps, 3 stages. From sweeps over Llama-3.1-8B's
-    projections at M = 1, 4, 16 and 32 on the H200 (bench/diagnostics/int4_mma_sweep.py)."""
+    """(BLOCK_N, BLOCK_M, SLICES, num_warps, num_stages[, splits of K]) of the tensor-core
+    int4 kernel: x's rows padded to 8, 16 or 32; 16 weight rows a program, 32 where there
+    are 4 times more rows than inputs (gate/up: the grid covers the GPU anyway, and x is
+    loaded for twice the rows); K in 4 slices; 4 warps, 3 stages. Rows of 8,192 inputs or
+    more at up to 8 rows of x (down: 256 programs for 132 SMs, each walking 14,336 inputs)
+    take 8 slices and K split between 2 programs: down at M = 1 15.6 us against 18.0
+    unsplit, while splitting q/k/v, o or gate/up made them slower (8.3 -> 10.2, 6.7 -> 7.0,
+    25.1 -> 33.4 at best). From sweeps over Llama-3.1-8B's projections at M = 1, 4, 16 and
+    32 on the H200 (bench/diagnostics/int4_mma_sweep.py)."""
     bm = 8 if M <= 8 else 16 if M <= 16 else 32
     if interpreted:
         return 16, bm, 2, 1, 1
     bn = 32 if N >= 4 * K else 16
-    slices = 8 if K >= 8192 and bm == 8 else 4
-    return bn, bm, slices, 4, 3
+    if K >= 8192 and bm == 8:
+        return bn, bm, 8, 4, 3, 2
+    return bn, bm, 4, 4, 3
 
 
 def _launch_int4_mma(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,

@@ -41,7 +41,7 @@ def test_kernels_match_the_reference(dtype, M, N, K):
 def test_int4_tensor_core_kernel(dtype, M, N, K, group):
     """The tensor-core int4 kernel (inline PTX unpacking the nibbles) against the
     dequantized matmul, at up to 16 rows of x: a short last group, groups of 32, the
-    down projection's shape of Llama-3.1-8B."""
+    down projection's shape of Llama-3.1-8B (up to 8 rows: K split between 2 programs)."""
     from csrc_triton import quant_gemm
     from minivllm.model.quantization import dequantize_int4, int4_half, quantize_int4
 

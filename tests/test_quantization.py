@@ -483,7 +483,8 @@ def test_int4_routing_by_rows_and_shape():
     from csrc_triton.quant_gemm import int4_path
 
     o, down, qkv, gate_up = (4096, 4096), (4096, 14336), (6144, 4096), (28672, 4096)
-    assert int4_path(1, *down, 132)[0] == "sliced"
+    assert int4_path(1, *down, 132) == ("sliced", (16, 8, 8, 4, 3, 2))  # K split in 2
+    assert int4_path(1, *o, 132) == ("sliced", (16, 8, 4, 4, 3))
     assert int4_path(64, *down, 132) == ("tiles", (32, 64, 4, 4))
     for shape in (o, down):
         assert int4_path(65, *shape, 132) == ("tiles", (64, 128, 4, 3, 4))
