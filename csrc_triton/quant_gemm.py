@@ -724,7 +724,7 @@ def int4_mma_config(M: int, N: int, K: int, interpreted: bool = False):
     loaded for twice the rows); K in 4 slices; 4 warps, 3 stages. Rows of 8,192 inputs or
     more at up to 8 rows of x (down: 256 programs for 132 SMs, each walking 14,336 inputs)
     take 8 slices and K split between 2 programs: down at M = 1 15.6 us against 18.0
-    unsplit, while splitting q/k/v, o or gate/up made them slower (8.3 -> 10.2, 6.7 -> 7.0,
+    unsplit, while splitting q/k/v, o or gate/up made them slower (8.3 -> 9.8, 6.6 -> 7.0,
     25.1 -> 33.4 at best). From sweeps over Llama-3.1-8B's projections at M = 1, 4, 16 and
     32 on the H200 (bench/diagnostics/int4_mma_sweep.py)."""
     bm = 8 if M <= 8 else 16 if M <= 16 else 32
