@@ -3,8 +3,9 @@ four projections. At M = 1 the byte GEMV (`_wq_gemv_kernel`), at 4 and 16 the sp
 dequantizing GEMM (`_wq_gemm_kernel`), both against the sliced tensor-core kernel
 (`_int4_mma_kernel`) over its configurations (BLOCK_N, BLOCK_M, slices of K, warps,
 stages[, splits of K between programs]). From 32 rows the tile kernel
-(`_int4_mma_tile_kernel`: BLOCK_N, BLOCK_M, warps, stages[, splits of K]) against the split-K GEMM (up to 64 rows), dequantize-then-cuBLAS
-(`_int4_dequantized_matmul`) and cuBLAS on bf16 weights. CUDA-graph replays, the weights
+(`_int4_mma_tile_kernel`: BLOCK_N, BLOCK_M, warps, stages[, splits of K]) against the
+split-K GEMM (up to 64 rows), dequantize-then-cuBLAS (`_int4_dequantized_matmul`) and
+cuBLAS on bf16 weights. CUDA-graph replays, the weights
 cycling through copies larger than L2 (as bench.diagnostics.gemv_sweep).
 
     python -m bench.diagnostics.int4_mma_sweep --out FILE [--rows 1,4,16,32,64,...]
