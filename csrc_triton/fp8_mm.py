@@ -12,11 +12,8 @@ Why a kernel of our own: at 2-128 rows (a decode step of several sequences) the 
 bytes are the cost, and cuBLAS's fp8 GEMM covers an output of 4,096 columns with 32-64
 tiles, a quarter to a half of the H200's 132 SMs, so most of the memory bandwidth goes
 unused. This kernel splits K as well, so that every SM streams weights. The partial tiles
-are summed by the last program of each tile to finish, in a fixed order (deterministic):
-each program writes its fp32 partial, counts itself in at the tile's counter, and the one
-that counts last adds the partials 0..SPLIT_K-1, applies the scales and writes y, and
-zeroes the counter for the next call. The counters live in one buffer per device; the
-engine runs its kernels on one stream, so no two launches use them at once.
+are summed by the last program of each tile to finish, in a fixed order (deterministic;
+_split_k.py), which then applies the scales and writes y.
 
 CPU tensors run the kernel through Triton's interpreter (tests only), as quant_gemm.py.
 """
@@ -30,8 +27,10 @@ import triton.language as tl
 from csrc_triton import _sm_count
 from csrc_triton._interpret import jit_helpers, kernels_for
 from csrc_triton._pdl import launch_args as pdl_args
+from csrc_triton._split_k import MAX_SPLIT_TILES, split_counters
 
 _pdl = jit_helpers("_pdl")
+_split_k = jit_helpers("_split_k")
 
 __all__ = ["fp8_scaled_mm"]
 
@@ -90,17 +89,9 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, co
     ok = m_ok[:, None] & n_ok[None, :]
     last = True
     if SPLIT_K > 1:
-        tile = pid_m * tl.num_programs(0) + pid_n
-        tile_at = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part_ptr + split * M * N + tile_at, acc, mask=ok)
-        tl.debug_barrier()  # every thread's partial stored before the count (release)
-        last = tl.atomic_add(count_ptr + tile, 1) == SPLIT_K - 1
-        if last:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(SPLIT_K):  # a fixed order, whichever program came last
-                acc += tl.load(part_ptr + s * M * N + tile_at, mask=ok, other=0.0,
-                               cache_modifier=".cg")
-            tl.store(count_ptr + tile, 0)
+        acc, last = _split_k.sum_of_partials(
+            acc, part_ptr, count_ptr, pid_m * tl.num_programs(0) + pid_n,
+            offs_m[:, None] * N + offs_n[None, :], ok, split, M * N, SPLIT_K)
     if last:
         xs = tl.load(xs_ptr + offs_m, mask=m_ok, other=0.0)
         ws = tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
@@ -115,23 +106,6 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, co
 def _kernels_for(device: torch.device):
     return kernels_for(__name__, device)
 
-
-# The split counters, one buffer per device (see the module docstring): at most this many
-# tiles split at once.
-MAX_SPLIT_TILES = 4096
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device) -> torch.Tensor:
-    found = _counters.get(device)
-    if found is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fp8_scaled_mm's split counters are made on the first call, "
-                               "which must not be inside a CUDA-graph capture: run the step "
-                               "once before capturing it")
-        found = _counters[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32,
-                                                device=device)
-    return found
 
 
 def fp8_mm_config(M: int, N: int, K: int, sm_count: int | None):
@@ -179,7 +153,7 @@ def _launch(mod, interpreted: bool, xq: torch.Tensor, xs: torch.Tensor, w: torch
     out = torch.empty((M, N), dtype=out_dtype, device=xq.device)
     part = (torch.empty((split, M, N), dtype=torch.float32, device=xq.device) if split > 1
             else out)
-    counters = _split_counters(xq.device) if split > 1 else xs
+    counters = split_counters(xq.device) if split > 1 else xs
     if interpreted:  # the interpreter's numpy has no e4m3: bytes, read as e4m3 in the kernel
         xq, w = xq.view(torch.uint8), w.view(torch.uint8)
     opts = {} if interpreted else {"num_warps": warps, "num_stages": stages,

@@ -43,11 +43,12 @@ import triton.language as tl
 from csrc_triton import _sm_count
 from csrc_triton._interpret import jit_helpers, kernels_for
 from csrc_triton._pdl import launch_args as pdl_args
-from csrc_triton.fp8_mm import MAX_SPLIT_TILES, _split_counters
+from csrc_triton._split_k import MAX_SPLIT_TILES, split_counters
 from csrc_triton.int4_layout import int4_half, int4_packed_bytes
 
 _fp8_cast = jit_helpers("_fp8_cast")
 _pdl = jit_helpers("_pdl")
+_split_k = jit_helpers("_split_k")
 _numerics = jit_helpers("_numerics")
 
 __all__ = ["int8_gemm", "int4_gemm", "fp8_weight_gemm", "fp8_quantize_rows", "linear_gemv",
@@ -482,8 +483,8 @@ def _int4_mma_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_
     and the group's scale is applied to the block's fp32 product. Integer zero points.
     SPLIT_K > 1: K is also split between programs (grid axis 2, blocks_per_split packed
     blocks each) for projections with too few rows to give every SM programs enough; each
-    writes its fp32 partial, counts itself in at its tile's counter, and the last to count
-    adds the partials in a fixed order (deterministic) and writes y, as fp8_mm.py does."""
+    writes its fp32 partial and the last of a tile's to finish adds them in a fixed order
+    (deterministic; _split_k.py) and writes y."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -510,17 +511,9 @@ def _int4_mma_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_
     ok = m_ok[None, :] & n_ok[:, None]
     last = True
     if SPLIT_K > 1:
-        tile = tl.program_id(1) * tl.num_programs(0) + pid_n
-        tile_at = offs_m[None, :] * N + offs_n[:, None]
-        tl.store(part_ptr + split * M * N + tile_at, y, mask=ok)
-        tl.debug_barrier()  # every thread's partial stored before the count (release)
-        last = tl.atomic_add(count_ptr + tile, 1) == SPLIT_K - 1
-        if last:
-            y = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for p in range(SPLIT_K):  # a fixed order, whichever program came last
-                y += tl.load(part_ptr + p * M * N + tile_at, mask=ok, other=0.0,
-                             cache_modifier=".cg")
-            tl.store(count_ptr + tile, 0)
+        y, last = _split_k.sum_of_partials(
+            y, part_ptr, count_ptr, tl.program_id(1) * tl.num_programs(0) + pid_n,
+            offs_m[None, :] * N + offs_n[:, None], ok, split, M * N, SPLIT_K)
     if last:
         if HAS_BIAS:
             y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -761,7 +754,7 @@ def _launch_int4_mma(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
                                    **pdl_args(x.device)}
     mod._int4_mma_kernel[grid](
         x, w, scale, zero, bias if bias is not None else scale, out, part,
-        _split_counters(x.device) if split > 1 else scale, M, N, K, x.stride(0), w.stride(0),
+        split_counters(x.device) if split > 1 else scale, M, N, K, x.stride(0), w.stride(0),
         scale.stride(0), out.stride(0), per_split, GROUP=group, HALF=half, BLOCK_N=bn,
         BLOCK_M=bm, SLICES=slices, SPLIT_K=split, HAS_BIAS=bias is not None,
         INTERPRETED=interpreted, **opts)
