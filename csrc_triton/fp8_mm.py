@@ -107,7 +107,6 @@ def _kernels_for(device: torch.device):
     return kernels_for(__name__, device)
 
 
-
 def fp8_mm_config(M: int, N: int, K: int, sm_count: int | None):
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, SWAP_AB])
     of the Triton kernel for M rows against an [N, K] weight, or None: torch._scaled_mm.

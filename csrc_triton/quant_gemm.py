@@ -482,8 +482,8 @@ def _int4_mma_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_
     packed block is one group: (code - zero) enters the MMA exactly in x's 16-bit type,
     and the group's scale is applied to the block's fp32 product. Integer zero points.
     SPLIT_K > 1: K is also split between programs (grid axis 2, blocks_per_split packed
-    blocks each) for projections with too few rows to give every SM programs enough; each
-    writes its fp32 partial and the last of a tile's to finish adds them in a fixed order
+    blocks each), for projections with few outputs and long rows (down); each writes its
+    fp32 partial and the last of a tile's to finish adds them in a fixed order
     (deterministic; _split_k.py) and writes y."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

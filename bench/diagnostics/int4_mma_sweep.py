@@ -5,8 +5,8 @@ dequantizing GEMM (`_wq_gemm_kernel`), both against the sliced tensor-core kerne
 stages[, splits of K between programs]). From 32 rows the tile kernel
 (`_int4_mma_tile_kernel`: BLOCK_N, BLOCK_M, warps, stages[, splits of K]) against the
 split-K GEMM (up to 64 rows), dequantize-then-cuBLAS (`_int4_dequantized_matmul`) and
-cuBLAS on bf16 weights. CUDA-graph replays, the weights
-cycling through copies larger than L2 (as bench.diagnostics.gemv_sweep).
+cuBLAS on bf16 weights. CUDA-graph replays, the weights cycling through copies larger
+than L2 (as bench.diagnostics.gemv_sweep).
 
     python -m bench.diagnostics.int4_mma_sweep --out FILE [--rows 1,4,16,32,64,...]
 """
