@@ -16,6 +16,17 @@ MAX_SPLIT_TILES = 4096
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
+def split_buffers(split: int, M: int, N: int, tiles: int, device: torch.device,
+                  what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 partials [split, M, N], the counters) of a launch whose `tiles` output tiles
+    each have K split in `split`."""
+    if tiles > MAX_SPLIT_TILES:
+        raise ValueError(f"{what}: {tiles} tiles split along K, more than the "
+                         f"{MAX_SPLIT_TILES} counters")
+    return (torch.empty((split, M, N), dtype=torch.float32, device=device),
+            split_counters(device))
+
+
 def split_counters(device: torch.device) -> torch.Tensor:
     found = _counters.get(device)
     if found is None:

@@ -27,7 +27,7 @@ import triton.language as tl
 from csrc_triton import _sm_count
 from csrc_triton._interpret import jit_helpers, kernels_for
 from csrc_triton._pdl import launch_args as pdl_args
-from csrc_triton._split_k import MAX_SPLIT_TILES, split_counters
+from csrc_triton._split_k import split_buffers
 
 _pdl = jit_helpers("_pdl")
 _split_k = jit_helpers("_split_k")
@@ -146,13 +146,9 @@ def _launch(mod, interpreted: bool, xq: torch.Tensor, xs: torch.Tensor, w: torch
     k_per_split = triton.cdiv(triton.cdiv(K, bk), split) * bk
     split = triton.cdiv(K, k_per_split)
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
-    if split > 1 and grid[0] * grid[1] > MAX_SPLIT_TILES:
-        raise ValueError(f"fp8_scaled_mm: {grid[0] * grid[1]} tiles split along K, more "
-                         f"than the {MAX_SPLIT_TILES} counters")
     out = torch.empty((M, N), dtype=out_dtype, device=xq.device)
-    part = (torch.empty((split, M, N), dtype=torch.float32, device=xq.device) if split > 1
-            else out)
-    counters = split_counters(xq.device) if split > 1 else xs
+    part, counters = (split_buffers(split, M, N, grid[0] * grid[1], xq.device,
+                                    "fp8_scaled_mm") if split > 1 else (out, xs))
     if interpreted:  # the interpreter's numpy has no e4m3: bytes, read as e4m3 in the kernel
         xq, w = xq.view(torch.uint8), w.view(torch.uint8)
     opts = {} if interpreted else {"num_warps": warps, "num_stages": stages,

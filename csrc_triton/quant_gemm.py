@@ -43,7 +43,7 @@ import triton.language as tl
 from csrc_triton import _sm_count
 from csrc_triton._interpret import jit_helpers, kernels_for
 from csrc_triton._pdl import launch_args as pdl_args
-from csrc_triton._split_k import MAX_SPLIT_TILES, split_counters
+from csrc_triton._split_k import split_buffers
 from csrc_triton.int4_layout import int4_half, int4_packed_bytes
 
 _fp8_cast = jit_helpers("_fp8_cast")
@@ -745,19 +745,16 @@ def _launch_int4_mma(mod, interpreted: bool, x: torch.Tensor, w: torch.Tensor,
     per_split = triton.cdiv(triton.cdiv(n_blocks, more[0] if more else 1), slices) * slices
     split = triton.cdiv(n_blocks, per_split)
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
-    if split > 1 and grid[0] * grid[1] > MAX_SPLIT_TILES:
-        raise ValueError(f"int4_gemm: {grid[0] * grid[1]} tiles split along K, more than "
-                         f"the {MAX_SPLIT_TILES} counters")
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    part = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
+    part, counters = (split_buffers(split, M, N, grid[0] * grid[1], x.device, "int4_gemm")
+                      if split > 1 else (out, scale))
     opts = {} if interpreted else {"num_warps": warps, "num_stages": stages,
                                    **pdl_args(x.device)}
     mod._int4_mma_kernel[grid](
-        x, w, scale, zero, bias if bias is not None else scale, out, part,
-        split_counters(x.device) if split > 1 else scale, M, N, K, x.stride(0), w.stride(0),
-        scale.stride(0), out.stride(0), per_split, GROUP=group, HALF=half, BLOCK_N=bn,
-        BLOCK_M=bm, SLICES=slices, SPLIT_K=split, HAS_BIAS=bias is not None,
-        INTERPRETED=interpreted, **opts)
+        x, w, scale, zero, bias if bias is not None else scale, out, part, counters, M, N, K,
+        x.stride(0), w.stride(0), scale.stride(0), out.stride(0), per_split, GROUP=group,
+        HALF=half, BLOCK_N=bn, BLOCK_M=bm, SLICES=slices, SPLIT_K=split,
+        HAS_BIAS=bias is not None, INTERPRETED=interpreted, **opts)
     return out
 
 
