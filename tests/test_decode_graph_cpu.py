@@ -56,7 +56,7 @@ def test_padded_decode_path_matches_eager(tiny_model_dirs, family):
     graphs = _attach_graph_runner(padded)
     calls = []
     orig = graphs.run
-    graphs.run = lambda *a: calls.append(len(a[0])) or orig(*a)
+    graphs.run = lambda *a: calls.append(len(a[1])) or orig(*a)
     got = padded.generate(prompts, params, use_tqdm=False)
     assert 5 in calls  # a batch of 5 padded to the bucket of 6
     for w, g in zip(want, got):

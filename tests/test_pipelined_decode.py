@@ -259,3 +259,31 @@ def test_long_prompts_launched_ahead_across_chunks(tiny_model_dirs, monkeypatch)
     assert len(long_steps) >= 4 and any(mixed_ahead)
     # Some long steps took decode tokens from the pending step on the device.
     assert any(long_steps)
+
+
+def test_sampled_penalized_and_logprob_rows_pipeline(tiny_model_dirs, monkeypatch):
+    """Sampled rows (seeded and not), penalties, min_tokens and logprobs all take part in
+    pipelined decoding (their state lives on the device): the same tokens, logprobs and
+    finish reasons as step-by-step decoding, with most steps launched ahead."""
+    prompts = random_prompts(8, 256, 5, 25, seed=8)
+    params = [SamplingParams(temperature=0.9, top_k=30, top_p=0.9, seed=1, max_tokens=20,
+                             ignore_eos=True, repetition_penalty=1.2),
+              SamplingParams(temperature=0.7, max_tokens=18, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.0, frequency_penalty=0.8, presence_penalty=0.4,
+                             max_tokens=22, ignore_eos=True),
+              SamplingParams(temperature=1.1, min_p=0.1, min_tokens=6, max_tokens=16,
+                             seed=4),
+              SamplingParams(temperature=0.0, logprobs=1, logit_bias={9: 3.0},
+                             max_tokens=15, ignore_eos=True)] * 2
+    params = params[:8]
+    runs = []
+    for pipelined in (False, True):
+        llm, launches = _llm(tiny_model_dirs["qwen3"], monkeypatch, pipelined)
+        _with_mixed_runner(llm)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append([(c.token_ids, c.finish_reason,
+                      [{t: round(lp.logprob, 4) for t, lp in d.items()} for d in c.logprobs]
+                      if c.logprobs else None) for o in outs for c in o.outputs])
+        assert llm.engine.scheduler.pool.all_free()
+    assert runs[0] == runs[1]
+    assert sum(launches) > 10

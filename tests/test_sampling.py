@@ -1,5 +1,7 @@
 """Sampling: seeds, logprobs, stops, min_tokens, n > 1, penalties, top-k/top-p."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -205,7 +207,7 @@ def test_incremental_detokenization_never_breaks_characters(text_llm):
     detok = Detokenizer(text_llm.get_tokenizer())
     prompt = text_llm.get_tokenizer().encode("Hello", add_special_tokens=False)
     req = Request("x", None, prompt, SamplingParams())
-    seq = Sequence(0, req, 0, req.params, None)
+    seq = Sequence(0, req, 0, req.params)
     pieces = []
     for t in ids:
         seq.token_ids.append(t)
@@ -290,30 +292,165 @@ def test_decode_slots_kernel_matches_torch():
     assert positions[7:].tolist() == [7, 7] and slots[7:].tolist() == [7, 7]
 
 
-def test_sampler_reads_model_dtype_logits_only_when_it_must():
-    """The graphs hand the sampler logits in the model's dtype. Greedy rows with the
-    graph's argmax and nothing that edits logits take that argmax without reading them;
-    a logit bias makes the sampler read them (in fp32); a seeded random row draws the same
-    token from bf16 logits as from their fp32 copy."""
-    from types import SimpleNamespace
+# ---- penalties, bias and bans against Hugging Face's logits processors ------------------
 
-    from minivllm.worker.sampler import Sampler
+class FrequencyPresence:
+    """OpenAI's frequency and presence penalties as a transformers logits processor (HF
+    has none): counts over the generated tokens only."""
 
-    def row(params):
-        return SimpleNamespace(params=params, generator=None, prompt_token_ids=[1, 2],
-                               output_token_ids=[3], num_output_tokens=1)
+    def __init__(self, prompt_len: int, frequency: float, presence: float) -> None:
+        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
 
-    torch.manual_seed(0)
-    logits = torch.randn(2, 300).to(torch.bfloat16)
-    stale = torch.tensor([5, 7])  # not the argmax: shows whether the logits were read
-    sampler = Sampler(300, torch.device("cpu"))
-    greedy = SamplingParams(temperature=0.0)
-    assert sampler(logits, [row(greedy)] * 2, stale).token_ids == [5, 7]
-    biased = SamplingParams(temperature=0.0, logit_bias={11: 100.0})
-    assert sampler(logits, [row(biased), row(greedy)], stale).token_ids == [
-        11, int(logits[1].float().argmax())]
-    assert logits.dtype == torch.bfloat16  # edited in an fp32 copy, not in place
-    seeded = SamplingParams(temperature=1.0, seed=3)
-    draws = [Sampler(300, torch.device("cpu"))(x, [row(seeded)]).token_ids
-             for x in (logits[:1], logits[:1].float())]
-    assert draws[0] == draws[1]
+    def __call__(self, input_ids, scores):
+        out = input_ids[:, self.prompt_len:]
+        counts = torch.zeros_like(scores)
+        counts.scatter_add_(1, out, torch.ones_like(out, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+def hf_processed_greedy(model, prompt, max_new_tokens, eos=None, **kw):
+    """HF generate, greedy, with the generation config's processors for repetition_penalty,
+    sequence_bias and min_new_tokens, plus FrequencyPresence for those two."""
+    from transformers import LogitsProcessorList
+
+    extra = LogitsProcessorList()
+    freq, pres = kw.pop("frequency_penalty", 0.0), kw.pop("presence_penalty", 0.0)
+    if freq or pres:
+        extra.append(FrequencyPresence(len(prompt), freq, pres))
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=0, eos_token_id=eos,
+                             logits_processor=extra, **kw)
+    tokens = out[0, len(prompt):].tolist()
+    return tokens[:tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
+
+
+# (ours, HF's) settings of the same processing
+PROCESSED = [
+    (dict(repetition_penalty=1.6), dict(repetition_penalty=1.6)),
+    (dict(repetition_penalty=0.7), dict(repetition_penalty=0.7)),
+    (dict(frequency_penalty=1.2, presence_penalty=0.6),
+     dict(frequency_penalty=1.2, presence_penalty=0.6)),
+    (dict(logit_bias={40: 4.0, 41: -100.0, 90: 2.5}),
+     dict(sequence_bias={(40,): 4.0, (41,): -100.0, (90,): 2.5})),
+    (dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=-0.4,
+          logit_bias={17: 1.5}),
+     dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=-0.4,
+          sequence_bias={(17,): 1.5})),
+]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_greedy_processing_matches_hf_logits_processors(tiny_model_dirs, family):
+    """Greedy with repetition / frequency / presence penalties and logit_bias gives, token
+    for token, what HF generate gives with its logits processors (fp32, tiny models; the
+    prompts' own tokens are penalized too, as HF's repetition penalty does)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dirs[family],
+                                              dtype=torch.float32).eval()
+    llm = LLM(str(tiny_model_dirs[family]), skip_tokenizer_init=True, max_model_len=256,
+              block_size=4)
+    prompts = random_prompts(3, 256, 5, 20, seed=21)
+    for ours, theirs in PROCESSED:
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **ours)
+        got = _ids(llm.generate(prompts, params, use_tqdm=False))
+        want = [hf_processed_greedy(hf, p, 24, **dict(theirs)) for p in prompts]
+        assert got == want, ours
+    plain = _ids(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24,
+                                                      ignore_eos=True), use_tqdm=False))
+    assert plain != got  # the processing changed something
+    assert llm.engine.scheduler.pool.all_free()
+
+
+def test_min_tokens_matches_hf(tiny_model_dirs):
+    """min_tokens bans EOS until that many tokens exist, as HF's min_new_tokens does, with
+    a repetition penalty on top; the token stops the output right after."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"],
+                                              dtype=torch.float32).eval()
+    llm = LLM(str(tiny_model_dirs["qwen2"]), skip_tokenizer_init=True, max_model_len=256,
+              block_size=4)
+    prompt = random_prompts(1, 256, 9, 9, seed=4)[0]
+    free = _ids(llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30,
+                                                      ignore_eos=True), use_tqdm=False))[0]
+    eos = free[1]  # stands for EOS: greedy reaches it at once
+    saved = llm.engine.eos_token_ids
+    llm.engine.eos_token_ids = frozenset([eos])
+    try:
+        for extra in ({}, {"repetition_penalty": 1.2}):
+            got = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30,
+                               min_tokens=6, **extra), use_tqdm=False)[0].outputs[0]
+            want = hf_processed_greedy(hf, prompt, 30, eos=eos, min_new_tokens=6, **extra)
+            assert got.token_ids == want
+            assert eos not in got.token_ids[:6]
+    finally:
+        llm.engine.eos_token_ids = saved
+    assert llm.engine.scheduler.pool.all_free()
+
+
+@pytest.mark.slow
+def test_smollm2_processing_matches_hf(default_model_dir):
+    """The real SmolLM2-135M: greedy with a repetition penalty, frequency and presence
+    penalties and a logit bias, token for token HF's processors."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(default_model_dir), max_model_len=512)
+    tok = llm.get_tokenizer()
+    prompt = tok.encode("Write a list of fruits: apples, pears, apples, plums,")
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    ours, theirs = PROCESSED[4]
+    got = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20,
+                       ignore_eos=True, **ours), use_tqdm=False)[0].outputs[0].token_ids
+    assert got == hf_processed_greedy(hf, prompt, 20, **dict(theirs))
+
+
+# ---- seeded draws: the same in any company --------------------------------------------------
+
+SEEDED = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, repetition_penalty=1.1,
+                        seed=2024, max_tokens=30, ignore_eos=True, logprobs=2)
+
+
+def _company(n: int) -> list[SamplingParams]:
+    """A batch's other requests: greedy, unseeded and seeded draws, penalties, logprobs,
+    min_tokens, n > 1."""
+    kinds = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+             SamplingParams(temperature=1.0, max_tokens=25, ignore_eos=True),
+             SamplingParams(temperature=0.7, top_p=0.8, seed=5, max_tokens=18,
+                            ignore_eos=True, presence_penalty=0.5),
+             SamplingParams(temperature=0.0, repetition_penalty=1.4, max_tokens=20,
+                            ignore_eos=True, logprobs=1),
+             SamplingParams(temperature=1.1, min_p=0.1, min_tokens=4, max_tokens=16),
+             SamplingParams(n=2, temperature=0.8, top_k=20, max_tokens=10, ignore_eos=True)]
+    return [kinds[i % len(kinds)] for i in range(n)]
+
+
+def test_seeded_request_draws_the_same_alone_in_a_batch_and_after_preemption(tiny_model_dirs):
+    """A seeded sampled request (top-k, top-p, a penalty, logprobs) gets the same tokens
+    and logprobs alone, in a batch of 16 mixed requests, and in a cache so small that
+    the batch is preempted; every block comes back."""
+    path = str(tiny_model_dirs["llama"])
+    prompt = random_prompts(1, 256, 12, 12, seed=3)[0]
+    others = random_prompts(15, 256, 6, 30, seed=4)
+    llm = LLM(path, skip_tokenizer_init=True, max_model_len=256, block_size=4)
+    alone = llm.generate([prompt], SEEDED, use_tqdm=False)[0].outputs[0]
+    mixed = llm.generate(others[:7] + [prompt] + others[7:], _company(7) + [SEEDED]
+                         + _company(8), use_tqdm=False)
+    assert llm.engine.scheduler.pool.all_free()
+    small = LLM(path, skip_tokenizer_init=True, max_model_len=128, block_size=4,
+                num_kv_blocks=40)
+    squeezed = small.generate(others[:7] + [prompt] + others[7:], _company(7) + [SEEDED]
+                              + _company(8), use_tqdm=False)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.scheduler.pool.all_free()
+    for out in (mixed[7].outputs[0], squeezed[7].outputs[0]):
+        assert out.token_ids == alone.token_ids
+        for a, b in zip(out.logprobs, alone.logprobs):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    # The company's seeded requests too, and a different seed differs.
+    assert mixed[2].outputs[0].token_ids == squeezed[2].outputs[0].token_ids
+    other = llm.generate([prompt], dataclasses.replace(SEEDED, seed=7),
+                         use_tqdm=False)[0].outputs[0]
+    assert other.token_ids != alone.token_ids

@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 
-import torch
 
 from ..config import (EngineConfig, ModelConfig, attention_backend, load_config_json,
                       pipelining_enabled, resolve_device, resolve_dtype, resolve_model_path)
@@ -88,7 +87,7 @@ class LLMEngine:
                 config, model=self.speculative.model, tokenizer=None, speculative_config=None,
                 num_kv_blocks=self.runner.num_blocks)
             self.drafter = DraftModel(ModelRunner(draft_cfg, draft[1], draft[0], self.device,
-                                                  self.dtype, backend))
+                                                  self.dtype, backend, proposals=True))
         if self.runner.num_blocks * config.block_size < config.max_model_len:
             raise ValueError(
                 f"The KV cache holds {self.runner.num_blocks * config.block_size} tokens, less "
@@ -175,6 +174,9 @@ class LLMEngine:
         for t in params.logit_bias or {}:
             if t >= vocab:
                 raise ValueError(f"logit_bias has token {t}, outside the vocabulary (< {vocab}).")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} is more samples than this engine runs at once "
+                             f"(max_num_seqs={self.config.max_num_seqs}).")
 
     def add_request(self, prompt: str | list[int] | dict | None, params: SamplingParams,
                     request_id: str | None = None, prompt_token_ids: list[int] | None = None,
@@ -209,10 +211,7 @@ class LLMEngine:
             child = params if params.n == 1 else params.clone()
             if params.n > 1 and params.seed is not None:
                 child.seed = params.seed + i  # distinct but reproducible samples
-            gen = None
-            if child.seed is not None:
-                gen = torch.Generator(device=self.device).manual_seed(child.seed)
-            req.seqs.append(Sequence(next(self._seq_ids), req, i, child, gen))
+            req.seqs.append(Sequence(next(self._seq_ids), req, i, child))
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
         self.stats["prompt_tokens"] += len(prompt_token_ids)
@@ -228,8 +227,16 @@ class LLMEngine:
                 seq.token_ids.pop()  # its pending token will be dropped
             if not seq.is_finished:
                 self.scheduler.finish(seq)
+                self._release(seq)
                 seq.finish_reason = seq.finish_reason or "abort"
         return True
+
+    def _release(self, seq: Sequence) -> None:
+        """A sequence left the running ones (finished, aborted, preempted): its sampling
+        slot goes back (a preempted one takes a new slot when it samples again)."""
+        self.runner.sampler.release(seq)
+        if self.drafter is not None:
+            self.drafter.runner.sampler.release(seq)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -313,7 +320,10 @@ class LLMEngine:
         for sequences whose last token is known: no step pending) and fitted to it after;
         a draft model fills in its tokens once their KV blocks are allocated."""
         if self.speculative is None:
-            return self.scheduler.schedule()
+            batch = self.scheduler.schedule()
+            for seq in batch.preempted:
+                self._release(seq)
+            return batch
         start = time.perf_counter()
         if self._pending is None:
             self._propose_drafts()
@@ -322,6 +332,8 @@ class LLMEngine:
                 if can_speculate(seq):
                     self.draft_policy.idle(seq)
         batch = self.scheduler.schedule()
+        for seq in batch.preempted:
+            self._release(seq)
         self._fit_drafts(batch)
         if self.drafter is not None:
             drafted = [s for s in batch.seqs if s.num_drafts]
@@ -445,7 +457,8 @@ class LLMEngine:
             del seq.token_ids[len(seq.token_ids) - (k - a):]
             seq.num_drafts = a
             seq.draft_computed = min(seq.draft_computed, len(seq.token_ids))
-            seq.draft_probs = None
+            # Its rows were not counted by the sampler: the tokens it keeps are, now.
+            self.runner.sampler.state.count_tokens(seq, targets[:a + 1])
             batch.num_new_tokens[n_new[seq.seq_id]] -= k - a
             rows += [seq] * (a + 1)
             out += targets[:a + 1]
@@ -453,24 +466,19 @@ class LLMEngine:
             r += k + 1
         return StepResult(rows, SamplerOutput(out, out_lp), result.prompt_logprobs)
 
-    # ---- pipelined greedy decoding ------------------------------------------------------
+    # ---- pipelined decoding ------------------------------------------------------------
     #
     # Step N is launched and each of its sequences gets a placeholder token, so the
     # scheduler can plan step N+1 (one more token each) without knowing the values. Step
     # N+1 is launched with its input tokens read on the device from N's output; only then
-    # are N's tokens read back and processed (stop checks, text). A sequence that stopped
-    # at N has already been given a row in N+1: that row's token is dropped. Sequences
-    # asking for logprobs, penalties (which need the previous tokens' values) or a
-    # min_tokens still ahead do not take part.
+    # are N's tokens (and logprobs) read back and processed (stop checks, text). A sequence
+    # that stopped at N has already been given a row in N+1: that row's token is dropped.
+    # The sampler needs no token values from the host (its counts live on the device), so
+    # every sequence takes part; only a step with drafts is verified before the next.
 
     @staticmethod
-    def _seq_can_pipeline(seq: Sequence) -> bool:
-        return seq.pipelinable and (not seq.params.min_tokens or len(seq.token_ids)
-                                    - seq.num_prompt_tokens >= seq.params.min_tokens)
-
-    def _batch_can_pipeline(self, batch: ScheduledBatch) -> bool:
-        # A step with drafts is verified before the next is planned.
-        return all(self._seq_can_pipeline(s) and not s.num_drafts for s in batch.seqs)
+    def _batch_can_pipeline(batch: ScheduledBatch) -> bool:
+        return not any(s.num_drafts for s in batch.seqs)
 
     def _pipeline_can_continue(self) -> bool:
         """Whether the next batch can be launched before the pending step is read: every
@@ -483,9 +491,8 @@ class LLMEngine:
         (step's fallback)."""
         sched = self.scheduler
         rows, mixed = self._pending.rows, self.runner.mixed_runner is not None
-        if not all(self._seq_can_pipeline(s) and (
-                s.seq_id in rows or (mixed and s.token_ids[-1] != PLACEHOLDER_TOKEN))
-                for s in sched.running):
+        if not all(s.seq_id in rows or (mixed and s.token_ids[-1] != PLACEHOLDER_TOKEN)
+                   for s in sched.running):
             return False
         if self.speculative is not None:
             threshold = self.draft_policy.threshold(len(sched.running))
@@ -497,7 +504,7 @@ class LLMEngine:
         if self.runner.mixed_runner is None:
             return False
         room = max(0, self.config.max_num_seqs - len(sched.running))
-        return all(self._seq_can_pipeline(s) and s.token_ids[-1] != PLACEHOLDER_TOKEN
+        return all(s.token_ids[-1] != PLACEHOLDER_TOKEN
                    for s in itertools.islice(sched.waiting, room))
 
     def _step_pipelined(self, batch: ScheduledBatch, report: Callable) -> list:
@@ -514,15 +521,17 @@ class LLMEngine:
     def _resolve_pending(self) -> list[Request]:
         """Read the pending step's tokens and process them like a synchronous step's."""
         pending, self._pending = self._pending, None
-        tokens = pending.tokens()
-        rows, live_tokens = [], []
-        for seq, token in zip(pending.seqs, tokens):
+        sampled = pending.read()
+        rows, live_tokens, live_logprobs = [], [], []
+        for i, (seq, token) in enumerate(zip(pending.seqs, sampled.token_ids)):
             if seq.token_ids and seq.token_ids[-1] == PLACEHOLDER_TOKEN:
                 seq.token_ids.pop()
                 rows.append(seq)
                 live_tokens.append(token)
+                if sampled.logprobs:
+                    live_logprobs.append(sampled.logprobs[i])
             # else: the sequence stopped (or was aborted) before this step was read.
-        result = StepResult(rows, SamplerOutput(live_tokens, []), [])
+        result = StepResult(rows, SamplerOutput(live_tokens, live_logprobs), [])
         return self._process(result)
 
     def _process(self, result: StepResult) -> list[Request]:
@@ -593,6 +602,7 @@ class LLMEngine:
             return False
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.finish(seq)
+        self._release(seq)
         return True
 
     def _position_logprobs(self, token: int, lp: float, rank: int, ids: list[int],

@@ -127,7 +127,7 @@ class Scheduler:
         while self.waiting and budget > 0 and not batch.preempted:
             seq = self.waiting[0]
             slots = seq.params.n if seq.forks_pending else 1
-            if self.running and len(self.running) + slots > self.max_num_seqs:
+            if self.running and self._occupied() + slots > self.max_num_seqs:
                 break
             cached = self._cached_prefix(seq)
             computed = len(cached) * self.block_size
@@ -153,6 +153,12 @@ class Scheduler:
             batch.add(seq, n, admitted=True)
             budget -= n
         return batch
+
+    def _occupied(self) -> int:
+        """Running sequences, and the samples still to fork from the ones prefilling their
+        prompt: the step that ends such a prompt samples all of them."""
+        return len(self.running) + sum(s.params.n - 1 for s in self.running
+                                       if s.forks_pending)
 
     def advance(self, batch: ScheduledBatch) -> None:
         """Record that the batch's tokens now sit in the KV cache, and offer the blocks

@@ -12,8 +12,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from ..outputs import PositionLogprobs
 from ..sampling_params import SamplingParams
 
@@ -51,12 +49,11 @@ class Sequence:
     """One sample of a request: its tokens, progress through them, and KV blocks."""
 
     def __init__(self, seq_id: int, request: Request, index: int,
-                 params: SamplingParams, generator: torch.Generator | None) -> None:
+                 params: SamplingParams) -> None:
         self.seq_id = seq_id
         self.request = request
         self.index = index
         self.params = params
-        self.generator = generator
         self.token_ids: list[int] = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0
@@ -65,12 +62,10 @@ class Sequence:
         self.num_cached_tokens: int | None = None  # prompt tokens found in the cache
         self.status = SequenceStatus.WAITING
         self.forks_pending = index == 0 and params.n > 1  # sample 0 spawns the others
-        # Its next token is just the argmax of its logits (the decode graph computes that).
+        # Its next token is just the argmax of its logits (the decode graph computes that):
+        # it needs nothing of the sampler (worker/sampler.py).
         self.plain_greedy = (params.greedy and params.logprobs is None and not params.logit_bias
                              and not params.has_penalties and params.min_tokens == 0)
-        # Can take part in pipelined decoding (once min_tokens is reached): its sampling
-        # needs no values of the tokens still in flight.
-        self.pipelinable = params.logprobs is None and not params.has_penalties
         # Output state.
         self.text = ""
         self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
@@ -88,10 +83,9 @@ class Sequence:
         self.spec_misses = 0
         self.spec_wait = 0
         # With a draft model (worker/draft_model.py): how many of its tokens the draft's KV
-        # cache holds, as of which preemption, and its distributions at the current drafts.
+        # cache holds, as of which preemption.
         self.draft_computed = 0
         self.draft_epoch = 0
-        self.draft_probs: torch.Tensor | None = None
         self.ngram_index = None  # its n-grams, for n-gram lookup (speculative.NgramIndex)
 
     @property

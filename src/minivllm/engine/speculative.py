@@ -4,11 +4,11 @@ Before a step, a running sequence looks for the most recent earlier occurrence o
 n tokens (n from prompt_lookup_max down to prompt_lookup_min) and proposes the tokens that
 followed it, up to its draft length (DraftLengthPolicy). The proposals are appended to the
 sequence as draft tokens, so the scheduler and the model runner see an ordinary chunk of
-1 + k tokens; the runner samples every position of it, testing each draft (greedy: the
-argmax; sampled: rejection sampling, worker/sampler.py). After the step the drafts up to
-the first row whose token differs are accepted and that row's token (or the one after the
-last draft) is added: greedy output is token for token what the target alone produces, and
-sampled output has the target's distribution. The rejected drafts leave the sequence; the
+1 + k tokens; the runner samples every position of it as it would without drafts (greedy:
+the argmax; sampled: a draw keyed on the request's seed and the position,
+worker/sampler.py). After the step the drafts up to the first row whose token differs are
+accepted and that row's token (or the one after the last draft) is added: the output is
+token for token what the target alone produces, greedy or sampled. The rejected drafts leave the sequence; the
 KV slots they were written to lie past its computed length and are overwritten later.
 """
 
@@ -223,8 +223,8 @@ class DraftLengthPolicy:
     Above the sequences, a BatchGate stops all drafting while drafted steps yield fewer
     tokens per second than plain ones.
 
-    Seeded sampled requests ignore the measured costs (they draft by acceptance alone), so
-    timing cannot change which random draws their tokens use: they stay reproducible."""
+    Which steps draft never changes a sampled request's tokens: the target draws each
+    position with that position's own random numbers (worker/sampler.py)."""
 
     PRIOR, PRIOR_WEIGHT, DECAY, DRIFT = 0.6, 2.0, 0.9, 0.97
 
@@ -245,11 +245,7 @@ class DraftLengthPolicy:
 
     def draft_length(self, seq: Sequence, threshold: float | None) -> int:
         """How many drafts seq proposes this step (0: none), given the step's threshold."""
-        if seq.spec_wait:
-            return 0
-        if seq.generator is not None and not seq.params.greedy:
-            threshold = 0.0  # seeded: by acceptance alone
-        elif threshold is None:
+        if seq.spec_wait or threshold is None:
             return 0
         alpha, length, gain = self.acceptance(seq), 0, 1.0
         while length < self.k:

@@ -161,7 +161,8 @@ def make_prelude(model: torch.nn.Module, device: torch.device):
 class DecodeGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_layers, *, max_batch: int, max_blocks: int,
                  block_size: int, max_model_len: int, device: torch.device,
-                 use_compile: bool, use_graphs: bool) -> None:
+                 use_compile: bool, use_graphs: bool, logits_out: torch.Tensor | None = None,
+                 greedy_out: torch.Tensor | None = None) -> None:
         self.model = model
         self.kv_layers = kv_layers
         self.block_size = block_size
@@ -178,8 +179,9 @@ class DecodeGraphRunner:
         # Seconds spent on start-up: the first call of each bucket (compiles), the capture.
         self.timings: dict[str, float] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # Every bucket writes its logits and argmax here, outside the graphs' memory pool:
-        # per-graph outputs would stay allocated, one [bucket, vocab] block per bucket.
+        # Every bucket writes its logits and argmax here (given: shared with the mixed
+        # steps), outside the graphs' memory pool: per-graph outputs would stay allocated,
+        # one [bucket, vocab] block per bucket.
         vocab = model.config.vocab_size
         # The split-KV decode attention's per-(sequence, kv head) counters, zero between
         # steps: the last split program of each combines the splits (one launch fewer per
@@ -189,9 +191,11 @@ class DecodeGraphRunner:
         # In the model's dtype, written by the head itself: an fp32 copy cost a batch of 256
         # rows of Qwen's 151,936 logits 233 MB of traffic a step, for greedy rows that
         # never read them (the sampler converts what it reads).
-        self.logits_out = torch.empty(self.max_batch, vocab, dtype=model.lm_head.weight.dtype,
-                                      device=device)
-        self.greedy_out = torch.empty(self.max_batch, dtype=torch.long, device=device)
+        if logits_out is None:
+            logits_out = torch.empty(self.max_batch, vocab, dtype=model.lm_head.weight.dtype,
+                                     device=device)
+            greedy_out = torch.empty(self.max_batch, dtype=torch.long, device=device)
+        self.logits_out, self.greedy_out = logits_out, greedy_out
         # A decode step's query offsets are 0, 1, ..., batch: one buffer for every step.
         self.query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32,
                                             device=device)

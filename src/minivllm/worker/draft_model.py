@@ -29,31 +29,31 @@ class DraftModel:
 
     def propose(self, seqs: list[Sequence]) -> None:
         """Fill in the drafts of seqs: each ends with num_drafts placeholder tokens, which
-        become the draft's tokens; a sampled sequence also gets seq.draft_probs, the draft's
-        distribution at each draft position ([num_drafts, vocab])."""
+        become the draft's tokens. A sampled sequence's draft at a position is drawn with
+        the random numbers the target draws that position with (its temperature and
+        truncation, without penalties): the closer the two distributions, the likelier
+        the same token, and only the same token is accepted."""
         ends = [len(s.token_ids) - s.num_drafts for s in seqs]  # committed tokens
         for seq in seqs:
             if seq.draft_epoch != seq.num_preemptions:  # its blocks were freed
                 seq.draft_computed, seq.draft_epoch = 0, seq.num_preemptions
         logits = self._catch_up(seqs, ends)
+        greedy = None
         active = list(range(len(seqs)))
-        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         for j in range(max(s.num_drafts for s in seqs)):
             rows = [seqs[i] for i in active]
-            tokens, q = self.runner.sampler.propose(logits, rows)
+            tokens = self.runner.sampler.sample_now(logits, greedy, rows,
+                                                    [ends[i] + j for i in active]).token_ids
             for r, i in enumerate(active):
                 seqs[i].token_ids[ends[i] + j] = tokens[r]
-                if q is not None and not seqs[i].params.greedy:
-                    probs[i].append(q[r])
             # The next draft's step: sequences with drafts still to fill.
             active = [i for i in active if seqs[i].num_drafts > j + 1]
             if not active:
                 break
-            logits, _ = self.runner.logits_of_chunks(
+            logits, greedy = self.runner.logits_of_chunks(
                 [(seqs[i], ends[i] + j, ends[i] + j + 1) for i in active])
-        for seq, end, p in zip(seqs, ends, probs):
+        for seq, end in zip(seqs, ends):
             seq.draft_computed = end + seq.num_drafts - 1
-            seq.draft_probs = torch.stack(p) if p else None
 
     def _catch_up(self, seqs: list[Sequence], ends: list[int]) -> torch.Tensor:
         """Run the draft over each sequence's tokens it has not seen, [draft_computed,

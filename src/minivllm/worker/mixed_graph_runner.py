@@ -109,7 +109,8 @@ class MixedGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_layers, *, max_tokens: int, max_seqs: int,
                  max_blocks: int, max_model_len: int, device: torch.device,
                  use_graphs: bool, max_rows: int | None = None,
-                 max_eager_tokens: int | None = None) -> None:
+                 max_eager_tokens: int | None = None, logits_out: torch.Tensor | None = None,
+                 greedy_out: torch.Tensor | None = None) -> None:
         """max_tokens: the largest graph bucket; max_eager_tokens: the largest step, run
         eagerly past the buckets (default max_tokens: none). max_rows: the most sampled
         rows a step has (default max_seqs: one per sequence; a speculative step samples
@@ -137,9 +138,11 @@ class MixedGraphRunner:
         self.last_graphed = False  # whether the last step run replayed a graph
         # Shared by every step (kept out of the graphs' pool; see DecodeGraphRunner).
         vocab = model.config.vocab_size
-        self.logits_out = torch.empty(r, vocab, dtype=model.lm_head.weight.dtype,
-                                      device=device)
-        self.greedy_out = torch.empty(r, dtype=torch.long, device=device)
+        if logits_out is None:
+            logits_out = torch.empty(r, vocab, dtype=model.lm_head.weight.dtype,
+                                     device=device)
+            greedy_out = torch.empty(r, dtype=torch.long, device=device)
+        self.logits_out, self.greedy_out = logits_out, greedy_out
         self.timings: dict[str, float] = {}
 
     def can_run(self, num_tokens: int, num_seqs: int, num_rows: int) -> bool:

@@ -25,7 +25,7 @@ from ..model.quantization import QuantizedLinear, check_device
 from .cuda_graph_runner import DecodeGraphRunner
 from .kv_cache import KVCache, cpu_num_blocks, gpu_num_blocks
 from .mixed_graph_runner import MixedGraphRunner
-from .sampler import Sampler, SamplerOutput, argmax_rows
+from .sampler import SampledRows, Sampler, SamplerGraphs, SamplerOutput, argmax_rows
 
 logger = logging.getLogger(__name__)
 
@@ -49,29 +49,18 @@ class StepResult:
 
 
 class PendingDecode:
-    """A greedy decode step launched on the device whose tokens have not been read yet.
+    """A step launched on the device whose tokens have not been read yet: its sampled
+    rows, copied to the host behind the step's kernels. The next step can be launched
+    first, reading its input tokens straight from `device_tokens`."""
 
-    Its tokens are copied to pinned host memory behind the step's kernels, and an event
-    marks when they are there; the next step can be launched first, reading its input
-    tokens straight from `device_tokens`."""
-
-    def __init__(self, seqs: list[Sequence], device_tokens: torch.Tensor,
-                 host_tokens: torch.Tensor) -> None:
+    def __init__(self, seqs: list[Sequence], sampled: SampledRows) -> None:
         self.seqs = seqs
-        self.device_tokens = device_tokens
+        self.sampled = sampled
+        self.device_tokens = sampled.tokens
         self.rows = {seq.seq_id: i for i, seq in enumerate(seqs)}
-        n = len(seqs)
-        self.host_tokens = host_tokens[:n]
-        self.host_tokens.copy_(device_tokens, non_blocking=True)
-        self.event = None
-        if device_tokens.is_cuda:
-            self.event = torch.cuda.Event()
-            self.event.record()
 
-    def tokens(self) -> list[int]:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host_tokens.tolist()
+    def read(self) -> SamplerOutput:
+        return self.sampled.read([s.params.logprobs for s in self.seqs])
 
 
 # From this many tokens of a sequence in a step, its slots are computed with numpy (a long
@@ -91,10 +80,12 @@ class HostInputs:
     block_tables: list[list[int]] = field(default_factory=list)  # not padded
     sample_indices: list[int] = field(default_factory=list)
     row_seqs: list[Sequence] = field(default_factory=list)
-    # Per sampling row, the draft token it verifies (-1: none); None when nothing is drafted.
-    draft_tokens: list[int] | None = None
-    # (first row, the draft model's distributions at its drafts) of sampled drafted sequences.
-    draft_probs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # Per sampling row: the index in its sequence of the token it draws.
+    row_positions: list[int] = field(default_factory=list)
+    # Per sampling row, the drafts before its position (counted by its penalties); None
+    # when nothing is drafted. Drafted rows' tokens are counted once accepted (counted).
+    row_extras: list[list[int]] | None = None
+    row_counted: list[bool] | None = None
     prompt_lp_spans: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
     max_query_len: int = 0
 
@@ -115,16 +106,6 @@ class HostInputs:
         self.block_tables.append(table)
         return tok0
 
-    def draft_prob_rows(self, vocab: int, device: torch.device) -> torch.Tensor | None:
-        """The proposer's distribution per sampling row (zeros where there is none), or None
-        when no row has one (greedy rows, n-gram drafts: one-hot)."""
-        if not self.draft_probs:
-            return None
-        out = torch.zeros(len(self.sample_indices), vocab, device=device)
-        for row, probs in self.draft_probs:
-            out[row:row + len(probs)] = probs
-        return out
-
 
 @dataclass
 class ModelInputs:
@@ -132,9 +113,7 @@ class ModelInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_indices: list[int]       # flat-token index of each sampling row's logits
-    row_seqs: list[Sequence]        # the sequence each sampling row samples for
-    draft_tokens: list[int] | None  # the draft each row verifies (-1: none), see HostInputs
-    draft_probs: torch.Tensor | None  # the proposer's distribution per row, see HostInputs
+    host: HostInputs                # the sampling rows (row_seqs, row_positions, ...)
     prompt_lp_spans: list[tuple[Sequence, int, int, int]]  # seq, token start, first pos, count
 
 
@@ -149,9 +128,10 @@ def _long_tensor(values: list[int], device: torch.device) -> torch.Tensor:
 class ModelRunner:
     def __init__(self, engine_cfg: EngineConfig, model_cfg: ModelConfig, model_path,
                  device: torch.device, dtype: torch.dtype, attention_backend: str,
-                 reserved: tuple[int, int] = (0, 0)) -> None:
+                 reserved: tuple[int, int] = (0, 0), proposals: bool = False) -> None:
         """reserved: (bytes, bytes per KV block) of GPU memory that the KV cache leaves to
-        something else (a draft model with a KV cache of as many blocks)."""
+        something else (a draft model with a KV cache of as many blocks). proposals: a
+        draft model's runner, whose sampler proposes drafts (worker/sampler.py)."""
         self.cfg = engine_cfg
         self.reserved = reserved
         self.model_cfg = model_cfg
@@ -184,11 +164,16 @@ class ModelRunner:
                 and torch.cuda.get_device_capability(device) < (8, 9)):
             raise ValueError("kv_cache_dtype='fp8' needs a GPU with fp8 (compute capability "
                              "8.9 or newer) for its kernels; leave kv_cache_dtype='auto'.")
+        # The sampler's per-sequence state and work buffers: allocated before the KV cache
+        # is sized, which then leaves room for them.
+        self.max_rows = engine_cfg.max_num_seqs * (1 + engine_cfg.num_speculative_tokens)
+        self.sampler = Sampler(model_cfg.vocab_size, device, engine_cfg.seed,
+                               max_rows=self.max_rows, num_slots=engine_cfg.max_num_seqs,
+                               kx=engine_cfg.num_speculative_tokens, proposals=proposals)
         self.num_blocks = self._decide_num_blocks()
         self.kv_cache = KVCache(model_cfg, self.num_blocks, self.block_size, self.kv_dtype,
                                 device)
         self.startup["kv_cache_s"] = time.perf_counter() - t0
-        self.sampler = Sampler(model_cfg.vocab_size, device, engine_cfg.seed)
         self.graph_runner: DecodeGraphRunner | None = None
         self.mixed_runner: MixedGraphRunner | None = None
         # (path, tokens, sequences) of the last step launched, for the engine's step trace.
@@ -196,7 +181,6 @@ class ModelRunner:
         # The torch reference backend reads lengths on the host: it cannot be captured.
         if device.type == "cuda" and not engine_cfg.enforce_eager and attention_backend == "triton":
             self._setup_graphs()
-        self._init_async_buffers()
 
     def weight_bytes(self) -> int:
         """The model's weights in memory: its state (quantized projections as stored, tied
@@ -214,12 +198,21 @@ class ModelRunner:
         (token buckets). Their memory comes on top of the KV cache sized before."""
         cfg = self.cfg
         use_compile = compile_enabled()
+        # Both runners write a step's logits and argmax to these (the sampler's graphs
+        # read them), outside the graphs' memory pools: per-graph outputs would stay
+        # allocated, one [rows, vocab] block per bucket.
+        vocab = self.model.config.vocab_size
+        rows = max(cfg.max_num_seqs, min(self.max_rows, cfg.max_num_batched_tokens))
+        logits_out = torch.empty(rows, vocab, dtype=self.model.lm_head.weight.dtype,
+                                 device=self.device)
+        greedy_out = torch.empty(rows, dtype=torch.long, device=self.device)
         self.graph_runner = DecodeGraphRunner(
             self.model, self.kv_cache.layers,
             max_batch=min(cfg.max_num_seqs, cfg.max_cudagraph_batch_size or cfg.max_num_seqs),
             max_blocks=cfg.max_blocks_per_seq(), block_size=self.block_size,
             max_model_len=cfg.max_model_len, device=self.device,
-            use_compile=use_compile, use_graphs=cuda_graphs_enabled())
+            use_compile=use_compile, use_graphs=cuda_graphs_enabled(),
+            logits_out=logits_out, greedy_out=greedy_out)
         logger.info("Decode step: %s, %s...", "torch.compile" if use_compile else "eager",
                     "capturing CUDA graphs" if cuda_graphs_enabled() else "no CUDA graphs")
         self.graph_runner.capture()
@@ -233,16 +226,16 @@ class ModelRunner:
                 max_seqs=cfg.max_num_seqs, max_blocks=cfg.max_blocks_per_seq(),
                 max_model_len=cfg.max_model_len, device=self.device, use_graphs=True,
                 max_rows=cfg.max_num_seqs * (1 + cfg.num_speculative_tokens),
-                max_eager_tokens=cfg.max_num_batched_tokens)
+                max_eager_tokens=cfg.max_num_batched_tokens,
+                logits_out=logits_out, greedy_out=greedy_out)
             self.mixed_runner.capture()
             for part, secs in self.mixed_runner.timings.items():
                 self.startup[f"mixed_{part}"] = secs
-
-    def _init_async_buffers(self, at_least: int = 1) -> None:
-        n = max(at_least, self.graph_runner.max_batch if self.graph_runner is not None else 1)
-        pin = self.device.type == "cuda"
-        self._host_tokens = [torch.zeros(n, dtype=torch.long, pin_memory=pin) for _ in range(2)]
-        self._host_token_flip = 0
+        if cuda_graphs_enabled():
+            t0 = time.perf_counter()
+            self.sampler.graphs = SamplerGraphs(self.sampler, logits_out, greedy_out)
+            self.sampler.graphs.capture()
+            self.startup["sampler_capture_s"] = time.perf_counter() - t0
 
     # ---- sizing -----------------------------------------------------------------------
 
@@ -308,8 +301,9 @@ class ModelRunner:
         slots, per-sequence offsets, lengths and block tables, and the logits rows."""
         bs = self.block_size
         h = HostInputs()
-        if any(s.num_drafts for s in batch.seqs):
-            h.draft_tokens = []
+        drafting = any(s.num_drafts for s in batch.seqs)
+        if drafting:
+            h.row_extras, h.row_counted = [], []
         qsl = h.query_start_loc
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
@@ -323,26 +317,29 @@ class ModelRunner:
                 if last > first:
                     h.prompt_lp_spans.append((seq, tok0 + first - start, first + 1,
                                               last - first))
-            if batch.samples(i):
-                if seq.num_drafts:
-                    # Speculative: the target's token at every draft position and after.
-                    k = seq.num_drafts
-                    if seq.draft_probs is not None:
-                        h.draft_probs.append((len(h.sample_indices), seq.draft_probs))
-                    h.sample_indices.extend(range(qsl[-1] - 1 - k, qsl[-1]))
-                    h.row_seqs.extend([seq] * (k + 1))
-                    h.draft_tokens.extend(seq.token_ids[len(seq.token_ids) - k:])
-                    h.draft_tokens.append(-1)
-                    continue
-                if seq.forks_pending:
-                    for sibling in req.seqs:  # one row per sample, all from these logits
-                        h.sample_indices.append(qsl[-1] - 1)
-                        h.row_seqs.append(sibling)
-                else:
-                    h.sample_indices.append(qsl[-1] - 1)
-                    h.row_seqs.append(seq)
-                if h.draft_tokens is not None:
-                    h.draft_tokens.extend([-1] * (len(h.sample_indices) - len(h.draft_tokens)))
+            if not batch.samples(i):
+                continue
+            length = len(seq.token_ids)
+            if seq.num_drafts:
+                # Speculative: the target's token at every draft position and after.
+                k = seq.num_drafts
+                drafts = seq.token_ids[length - k:]
+                h.sample_indices.extend(range(qsl[-1] - 1 - k, qsl[-1]))
+                h.row_seqs.extend([seq] * (k + 1))
+                h.row_positions.extend(range(length - k, length + 1))
+                h.row_extras.extend(drafts[:j] for j in range(k + 1))
+                h.row_counted.extend([False] * (k + 1))
+                continue
+            # A prompt's last chunk with forks pending: one row per sample, all from these
+            # logits.
+            samples = req.seqs if seq.forks_pending else [seq]
+            for sample in samples:
+                h.sample_indices.append(qsl[-1] - 1)
+                h.row_seqs.append(sample)
+                h.row_positions.append(length)
+                if drafting:
+                    h.row_extras.append([])
+                    h.row_counted.append(True)
         h.max_query_len = max(batch.num_new_tokens)
         return h
 
@@ -364,9 +361,7 @@ class ModelRunner:
         return ModelInputs(
             input_ids=_long_tensor(h.input_ids, dev),
             positions=_long_tensor(h.positions, dev),
-            meta=meta, sample_indices=h.sample_indices, row_seqs=h.row_seqs,
-            draft_tokens=h.draft_tokens,
-            draft_probs=h.draft_prob_rows(self.model_cfg.vocab_size, dev),
+            meta=meta, sample_indices=h.sample_indices, host=h,
             prompt_lp_spans=h.prompt_lp_spans)
 
     @torch.inference_mode()
@@ -408,9 +403,7 @@ class ModelRunner:
             logits, greedy = self.mixed_runner.run(host)
             kind = "mixed_graph" if self.mixed_runner.last_graphed else "long"
             self.last_step = (kind, len(host.input_ids), len(host.seq_lens))
-            draft_probs = host.draft_prob_rows(self.model_cfg.vocab_size, self.device)
-            return StepResult(host.row_seqs, self.sampler(logits, host.row_seqs, greedy,
-                                                          host.draft_tokens, draft_probs), [])
+            return StepResult(host.row_seqs, self._sample_now(logits, greedy, host), [])
         self.last_step = ("eager", len(host.input_ids), len(host.seq_lens))
         return self._execute_eager(self.prepare(batch, host))
 
@@ -422,10 +415,18 @@ class ModelRunner:
         if not inputs.sample_indices:
             return StepResult([], SamplerOutput([], []), prompt_lps)
         logits = self.model.compute_logits(hidden[inputs.sample_indices])
-        return StepResult(inputs.row_seqs,
-                          self.sampler(logits, inputs.row_seqs, drafts=inputs.draft_tokens,
-                                       draft_probs=inputs.draft_probs),
+        return StepResult(inputs.host.row_seqs, self._sample_now(logits, None, inputs.host),
                           prompt_lps)
+
+    def _sample_now(self, logits: torch.Tensor, greedy: torch.Tensor | None,
+                    host: HostInputs) -> SamplerOutput:
+        """The rows' tokens (and logprobs), waited for."""
+        if not self.sampler.needs_rows(host.row_seqs):
+            if greedy is None:
+                greedy = argmax_rows(logits)
+            return SamplerOutput(greedy.tolist(), [])
+        return self.sampler.sample_now(logits, greedy, host.row_seqs, host.row_positions,
+                                       host.row_extras, host.row_counted)
 
     def can_launch_async(self, batch: ScheduledBatch) -> bool:
         """Whether launch_decode can queue this batch without waiting: a decode batch the
@@ -468,20 +469,15 @@ class ModelRunner:
         else:
             logits, greedy = self.graph_runner.run(None, lens, tables,
                                                    (prev.device_tokens, rows))
-        return self._new_pending(seqs, logits, greedy)
+        return self._new_pending(seqs, logits, greedy, lens)
 
     def _new_pending(self, seqs: list[Sequence], logits: torch.Tensor,
-                     greedy: torch.Tensor) -> PendingDecode:
+                     greedy: torch.Tensor, positions: list[int]) -> PendingDecode:
         """The launched step's tokens (sampled on the device), copied back behind it."""
-        if all(s.plain_greedy for s in seqs):
-            tokens = greedy  # skip building sampler rows: the common, hottest case
-        else:
-            tokens = self.sampler.sample_on_device(logits, seqs, greedy)
-        # Two host buffers alternate: the previous step's copy may still be landing.
-        if self._host_tokens[0].numel() < len(seqs):
-            self._init_async_buffers(len(seqs))
-        self._host_token_flip ^= 1
-        return PendingDecode(seqs, tokens, self._host_tokens[self._host_token_flip])
+        if not self.sampler.needs_rows(seqs):
+            # The step's argmax is every row's token: the common, hottest case.
+            return PendingDecode(seqs, self.sampler.wrap(greedy))
+        return PendingDecode(seqs, self.sampler.sample(logits, greedy, seqs, positions))
 
     @torch.inference_mode()
     def _launch_mixed(self, batch: ScheduledBatch, prev: PendingDecode | None) -> PendingDecode:
@@ -503,7 +499,7 @@ class ModelRunner:
         logits, greedy = self.mixed_runner.run(host, fix)
         kind = "mixed" if self.mixed_runner.last_graphed else "long"
         self.last_step = (kind + "_pipelined", len(host.input_ids), len(host.seq_lens))
-        return self._new_pending(host.row_seqs, logits, greedy)
+        return self._new_pending(host.row_seqs, logits, greedy, host.row_positions)
 
     @torch.inference_mode()
     def _execute_decode_graph(self, batch: ScheduledBatch) -> StepResult:
@@ -511,9 +507,10 @@ class ModelRunner:
         logits, greedy = self.graph_runner.run([s.token_ids[-1] for s in seqs],
                                                [s.num_tokens for s in seqs],
                                                [s.block_table for s in seqs])
-        if all(s.plain_greedy for s in seqs):
+        if not self.sampler.needs_rows(seqs):
             return StepResult(seqs, SamplerOutput(greedy.tolist(), []), [])
-        return StepResult(seqs, self.sampler(logits, seqs, greedy), [])
+        positions = [s.num_tokens for s in seqs]
+        return StepResult(seqs, self.sampler.sample_now(logits, greedy, seqs, positions), [])
 
     def _prompt_logprobs(self, hidden: torch.Tensor,
                          inputs: ModelInputs) -> list[PromptLogprobChunk]:

@@ -1,44 +1,42 @@
-"""Batched sampling: one set of tensor ops for every row, greedy and random alike.
+"""Batched sampling on the device, one row of logits per sampled token.
 
-Order per row: raw log-probabilities (reported logprobs are of the model's own
-distribution) -> bans (min_tokens) -> penalties -> greedy argmax, or temperature, top-k,
-top-p, min-p and an exponential race (argmax of p / q with q ~ Exp(1), which draws from
-p). A seeded row draws its q from its own generator, so its tokens do not depend on what
-else is in the batch.
+Per row, in order (vLLM's): logit_bias, min_tokens' bans (EOS and stop tokens), the
+repetition / frequency / presence penalties, then for a random row temperature, top-k,
+top-p and min-p, and a draw. Reported logprobs are the raw logits' (the model's own
+distribution), top-N up to 20.
 
-Speculative rows (a draft token d proposed at that position) are verified by rejection
-sampling: d is kept with probability min(1, p(d) / q(d)), where q is the proposer's
-distribution (one-hot at d for n-gram lookup, so the test is u < p(d)); otherwise the row
-draws from max(0, p - q), renormalized. The engine keeps the rows up to the first one whose
-token differs from its draft, so the tokens it appends are distributed as p alone would
-give them. Greedy rows need no test: the engine compares their argmax with the draft.
+Each running sequence owns a *slot* (SamplingState): its parameters, its token counts
+(prompt presence, output counts, bans) and its bias live in device tensors written once
+when it is admitted; each step's draw adds its token to the counts on the device, so
+nothing per step depends on the host knowing earlier tokens: sampled rows, penalized
+rows and rows with logprobs are all pipelined like greedy ones.
+
+The draw is the Gumbel-max one: argmax over the kept tokens of x_i - log(-log(u_i)),
+u_i from Philox keyed on the row's seed and counter (token, position): a seeded request
+draws the same tokens alone or in any batch, eagerly or in a graph, before or after a
+preemption, with or without speculative decoding (a draft is kept iff the target's draw
+at its position equals it). Unseeded rows key on the engine seed and the sequence.
+
+On a GPU the rows go through csrc_triton.sampling's kernels (replayed as CUDA graphs per
+row bucket, see SamplerGraphs); on a CPU through `sample_reference`, the same arithmetic
+in PyTorch (the thresholds by sorting), which the tests hold the kernels to.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
+import numpy as np
 import torch
 
-from ..sampling_params import SamplingParams
+from csrc_triton.sampling import (BAN_BIT, COUNT_SHIFT, FLAG_BANS, FLAG_BIAS, FLAG_LOGPROBS,
+                                  FLAG_MIN_P, FLAG_PENALTY, FLAG_RANDOM, FLAG_TOP_K,
+                                  FLAG_TOP_P, MAX_LOGPROBS, PROMPT_BIT, ROW_UPDATE_COUNTS)
 
-
-class SamplingRow(Protocol):
-    """What the sampler reads about one row of logits (an engine Sequence provides it;
-    the sampler takes the sequences themselves, so nothing is copied per step)."""
-
-    params: SamplingParams
-    generator: torch.Generator | None
-
-    @property
-    def prompt_token_ids(self) -> list[int]: ...
-
-    @property
-    def output_token_ids(self) -> list[int]: ...
-
-    @property
-    def num_output_tokens(self) -> int: ...
+# Slot parameter columns (csrc_triton/sampling.py reads them by these positions).
+_I_FLAGS, _I_TOP_K, _I_SEED, _I_PROMPT_LEN, _I_MIN_TOKENS, _I_LOGPROBS = range(6)
+_F_TEMPERATURE, _F_TOP_P, _F_MIN_P, _F_REP, _F_FREQ, _F_PRES = range(6)
+_U32 = 0xFFFFFFFF
 
 
 def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,11 +54,6 @@ def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     return torch.argmax(logits, dim=-1, out=out)
 
 
-def _before_min_tokens(row: SamplingRow) -> bool:
-    """Whether the row's EOS and stop tokens are still banned (min_tokens not reached)."""
-    return bool(row.params.min_tokens and row.num_output_tokens < row.params.min_tokens)
-
-
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
@@ -69,241 +62,610 @@ class SamplerOutput:
     logprobs: list[tuple[float, int, list[int], list[float]] | None]
 
 
+# ---- seeds and Philox ------------------------------------------------------------------
+
+def _signed64(value: int) -> int:
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def unseeded_key(engine_seed: int, seq_id: int) -> int:
+    """The random key of a sequence without a seed: splitmix64 of the engine seed and the
+    sequence id (reproducible per engine seed and request order)."""
+    z = ((engine_seed & 0xFFFFFFFF) << 32 | (seq_id & 0xFFFFFFFF)) + 0x9E3779B97F4A7C15
+    z &= (1 << 64) - 1
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return _signed64(z ^ (z >> 31))
+
+
+def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32 bits of a * b for a 32-bit constant a and 32-bit values b held in
+    int64 (in 16-bit halves: the product itself would overflow int64)."""
+    p = (a >> 16) * b
+    q = (a & 0xFFFF) * b
+    return ((p + (q >> 16)) >> 16) & _U32, (((p & 0xFFFF) << 16) + q) & _U32
+
+
+def philox_uniform(seed: torch.Tensor, tokens: torch.Tensor,
+                   position: torch.Tensor) -> torch.Tensor:
+    """U(0, 1) float32 for each token id (int64 [..., n]) of rows keyed by seed and
+    position (int64 [..., 1]): Triton's tl.philox (4x32, 10 rounds) at counter
+    (token // 4, position, 0, 0), output token % 4, its top 23 bits, centred. Bit for
+    bit what csrc_triton.sampling._uniform computes."""
+    seed = seed.to(torch.int64)
+    k0 = (seed & _U32).expand_as(tokens).clone()
+    k1 = ((seed >> 32) & _U32).expand_as(tokens).clone()
+    c0 = (tokens // 4) & _U32
+    c1 = (position & _U32).expand_as(tokens).clone()
+    c2 = torch.zeros_like(tokens)
+    c3 = torch.zeros_like(tokens)
+    for _ in range(10):
+        hi_b, lo_b = _mul_hi_lo(0xCD9E8D57, c2)
+        hi_a, lo_a = _mul_hi_lo(0xD2511F53, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = (k0 + 0x9E3779B9) & _U32
+        k1 = (k1 + 0xBB67AE85) & _U32
+    r = torch.stack((c0, c1, c2, c3), dim=-1).gather(-1, (tokens % 4)[..., None])[..., 0]
+    return ((r >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
+
+
+def gumbel_noise(seed: torch.Tensor, tokens: torch.Tensor,
+                 position: torch.Tensor) -> torch.Tensor:
+    return -torch.log(-torch.log(philox_uniform(seed, tokens, position)))
+
+
+def float_keys(x: torch.Tensor) -> torch.Tensor:
+    """Order-preserving int32 of float32 values (csrc_triton.sampling._key)."""
+    b = x.contiguous().view(torch.int32)
+    return torch.where(b >= 0, b, b ^ 0x7FFFFFFF)
+
+
+# ---- per-slot state ------------------------------------------------------------------------
+
+def slot_flags(p) -> int:
+    """The kernels' flags for SamplingParams p (csrc_triton.sampling.FLAG_*)."""
+    flags = 0
+    if not p.greedy:
+        flags |= FLAG_RANDOM
+        if p.top_k > 0:
+            flags |= FLAG_TOP_K
+        if p.top_p < 1.0:
+            flags |= FLAG_TOP_P
+        if p.min_p > 0.0:
+            flags |= FLAG_MIN_P
+    if p.logit_bias:
+        flags |= FLAG_BIAS
+    if p.has_penalties:
+        flags |= FLAG_PENALTY
+    if p.min_tokens > 0:
+        flags |= FLAG_BANS
+    if p.logprobs is not None:
+        flags |= FLAG_LOGPROBS
+    return flags
+
+
+class SamplingState:
+    """Per-slot sampling state on the device (see the module docstring): `ints` [S, 8]
+    int64 and `floats` [S, 8] float32 parameters (csrc_triton.sampling's layout),
+    `counts` [S, V] int32 (output count << 2 | ban bit | prompt bit) and `bias` [S, V]
+    float32. A sequence takes a slot when it first samples (`slot_of`) and gives it back
+    when it finishes or is preempted (`release`): a later step's writes into a reused slot
+    come after, in stream order, every step launched for its earlier owner.
+    `proposals`: a draft model's state, sampling with the target's temperature and
+    truncation only (no penalties, bias or bans) and counting nothing."""
+
+    def __init__(self, num_slots: int, vocab: int, device: torch.device, engine_seed: int,
+                 proposals: bool = False) -> None:
+        self.vocab = vocab
+        self.device = device
+        self.engine_seed = engine_seed
+        self.proposals = proposals
+        self.ints = torch.zeros(num_slots, 8, dtype=torch.int64, device=device)
+        self.floats = torch.zeros(num_slots, 8, dtype=torch.float32, device=device)
+        dense = 1 if proposals else num_slots  # a proposal never reads them
+        self.counts = torch.zeros(dense, vocab, dtype=torch.int32, device=device)
+        self.bias = torch.zeros(dense, vocab, dtype=torch.float32, device=device)
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._slots: dict[int, int] = {}   # seq_id -> slot
+        self.host_flags: dict[int, int] = {}  # slot -> flags, for the host's decisions
+        self._new: list = []               # (slot, seq) admitted since the last flush
+
+    def slot_of(self, seq) -> int:
+        slot = self._slots.get(seq.seq_id)
+        if slot is None:
+            if not self._free:
+                raise RuntimeError("No sampling slot is free: more sequences sample at once "
+                                   "than the engine was built for.")
+            slot = self._slots[seq.seq_id] = self._free.pop()
+            self._new.append((slot, seq))
+        return slot
+
+    def release(self, seq) -> None:
+        slot = self._slots.pop(seq.seq_id, None)
+        if slot is not None:
+            self._free.append(slot)
+            self.host_flags.pop(slot, None)
+
+    def flags(self, slot: int) -> int:
+        return self.host_flags[slot]
+
+    def flush(self) -> None:
+        """Write the slots admitted since the last flush: a few batched copies and
+        scatters, however many were admitted; O(prompt + output) once per admission."""
+        if not self._new:
+            return
+        new, self._new = self._new, []
+        n = len(new)
+        ints = np.zeros((n, 8), dtype=np.int64)
+        floats = np.zeros((n, 8), dtype=np.float32)
+        dense = []
+        for i, (slot, seq) in enumerate(new):
+            p = seq.params
+            flags = slot_flags(p)
+            if self.proposals:
+                flags &= FLAG_RANDOM | FLAG_TOP_K | FLAG_TOP_P | FLAG_MIN_P
+            self.host_flags[slot] = flags
+            seed = (_signed64(p.seed) if p.seed is not None
+                    else unseeded_key(self.engine_seed, seq.seq_id))
+            top_k = p.top_k if 0 < p.top_k < self.vocab else 0
+            if not top_k:
+                ints[i, _I_FLAGS] = flags & ~FLAG_TOP_K
+            else:
+                ints[i, _I_FLAGS] = flags
+            self.host_flags[slot] = int(ints[i, _I_FLAGS])
+            ints[i, _I_TOP_K] = top_k
+            ints[i, _I_SEED] = seed
+            ints[i, _I_PROMPT_LEN] = seq.num_prompt_tokens
+            ints[i, _I_MIN_TOKENS] = p.min_tokens
+            ints[i, _I_LOGPROBS] = p.logprobs or 0
+            floats[i, _F_TEMPERATURE] = 1.0 if p.greedy else p.temperature
+            floats[i, _F_TOP_P] = p.top_p
+            floats[i, _F_MIN_P] = p.min_p
+            floats[i, _F_REP] = p.repetition_penalty
+            floats[i, _F_FREQ] = p.frequency_penalty
+            floats[i, _F_PRES] = p.presence_penalty
+            if flags & (FLAG_PENALTY | FLAG_BANS | FLAG_BIAS):
+                dense.append((slot, seq, flags))
+        index = torch.tensor([slot for slot, _ in new], dtype=torch.long).to(self.device)
+        self.ints.index_copy_(0, index, torch.from_numpy(ints).to(self.device))
+        self.floats.index_copy_(0, index, torch.from_numpy(floats).to(self.device))
+        if dense:
+            self._write_dense(dense)
+
+    def _write_dense(self, entries: list) -> None:
+        """counts and bias rows of newly admitted slots: zeroed, then the prompt's
+        presence, the banned tokens, the output's counts (a preempted sequence's tokens so
+        far) and the bias written by scatters over all of them at once."""
+        vocab = self.vocab
+        slots = torch.tensor([slot for slot, _, _ in entries], dtype=torch.long)
+        self.counts.index_fill_(0, slots.to(self.device), 0)
+        prompt, banned, output, bias_at, bias_val = [], [], [], [], []
+        for slot, seq, flags in entries:
+            base = slot * vocab
+            if flags & FLAG_PENALTY:
+                ids = np.asarray(seq.prompt_token_ids, dtype=np.int64)
+                prompt.append(base + np.unique(ids))
+                out = np.asarray(seq.output_token_ids, dtype=np.int64)
+                output.append(base + out[out >= 0])  # not an in-flight placeholder
+            if flags & FLAG_BANS:
+                p = seq.params
+                ids = {t for t in set(p.stop_token_ids) | set(p._eos_token_ids) if t < vocab}
+                banned.append(base + np.asarray(sorted(ids), dtype=np.int64))
+            if flags & FLAG_BIAS:
+                self.bias[slot].zero_()
+                bias_at.append(base + np.asarray(list(seq.params.logit_bias), dtype=np.int64))
+                bias_val.append(np.asarray(list(seq.params.logit_bias.values()),
+                                           dtype=np.float32))
+        flat = self.counts.view(-1)
+        for parts, value in ((prompt, PROMPT_BIT), (banned, BAN_BIT),
+                             (output, 1 << COUNT_SHIFT)):
+            if parts and sum(len(p) for p in parts):
+                at = torch.from_numpy(np.concatenate(parts)).to(self.device)
+                flat.index_put_((at,), torch.tensor(value, dtype=torch.int32,
+                                                    device=self.device), accumulate=True)
+        if bias_at:
+            at = torch.from_numpy(np.concatenate(bias_at)).to(self.device)
+            val = torch.from_numpy(np.concatenate(bias_val)).to(self.device)
+            self.bias.view(-1).index_put_((at,), val, accumulate=True)
+
+    def count_tokens(self, seq, tokens: list[int]) -> None:
+        """Add tokens to a penalized sequence's output counts (speculative steps: the
+        accepted tokens, once the host has verified them)."""
+        slot = self._slots.get(seq.seq_id)
+        if slot is None or not tokens or not self.host_flags.get(slot, 0) & FLAG_PENALTY:
+            return
+        at = torch.tensor([slot * self.vocab + t for t in tokens], device=self.device)
+        self.counts.view(-1).index_put_(
+            (at,), torch.tensor(1 << COUNT_SHIFT, dtype=torch.int32, device=self.device),
+            accumulate=True)
+
+
+# ---- one step's rows -----------------------------------------------------------------------
+
+@dataclass
+class RowInputs:
+    """A step's sampling rows, on the device: slot [R] int32 (-1: padding), position [R]
+    int64 (the index in its sequence of the token drawn), flags [R] int32
+    (ROW_UPDATE_COUNTS), extra [R, KX] int32 (drafts before this row's position, counted
+    as output by its penalties; -1: none)."""
+
+    slot: torch.Tensor
+    position: torch.Tensor
+    flags: torch.Tensor
+    extra: torch.Tensor
+
+    def narrow(self, n: int) -> "RowInputs":
+        return RowInputs(self.slot[:n], self.position[:n], self.flags[:n], self.extra[:n])
+
+
+def _row_buffers(rows: int, kx: int, **where) -> tuple[torch.Tensor, torch.Tensor, RowInputs]:
+    """(int64 buffer, int32 buffer, RowInputs viewing them)."""
+    i64 = torch.zeros(rows, dtype=torch.int64, **where)
+    i32 = torch.zeros(rows * (2 + kx), dtype=torch.int32, **where)
+    return i64, i32, RowInputs(i32[:rows], i64, i32[rows:2 * rows],
+                               i32[2 * rows:].view(rows, kx))
+
+
+class SampledRows:
+    """A step's tokens (and logprobs) on the device, copied to the host behind the step;
+    `read()` waits for them. n rows; `logprob_rows`: the rows that want logprobs."""
+
+    def __init__(self, tokens: torch.Tensor, logprobs: tuple | None,
+                 logprob_rows: list[int], host) -> None:
+        self.tokens = tokens  # the next pipelined step gathers its inputs from these
+        n = tokens.shape[0]
+        self.n = n
+        self.logprob_rows = logprob_rows
+        self.want = None
+        self.event = None
+        self._host = host
+        if host is None:  # on the CPU: nothing to overlap; the buffer is reused next step
+            self._cpu_tokens = tokens.tolist()
+            self._lp = logprobs
+            return
+        host.tokens[:n].copy_(tokens, non_blocking=True)
+        self._lp = None
+        if logprobs is not None:
+            for dst, src in zip(host.logprobs, logprobs):
+                dst[:n].copy_(src, non_blocking=True)
+            self._lp = tuple(t[:n] for t in host.logprobs)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def read(self, want: list[int | None]) -> SamplerOutput:
+        """The host's copy: token ids, and for rows whose want[i] is not None its
+        (token logprob, rank, top-N ids, top-N logprobs)."""
+        if self.event is not None:
+            self.event.synchronize()
+            tokens = self._host.tokens[:self.n].tolist()
+        else:
+            tokens = self._cpu_tokens
+        logprobs: list = []
+        if self.logprob_rows:
+            token_lp, rank, top_val, top_idx = (t.tolist() for t in self._lp)
+            logprobs = [None] * self.n
+            for i in self.logprob_rows:
+                k = want[i] or 0
+                logprobs[i] = (token_lp[i], rank[i], top_idx[i][:k], top_val[i][:k])
+        return SamplerOutput(tokens, logprobs)
+
+
+class _HostCopies:
+    """Pinned host buffers a step's results are copied into (two sets alternate: the
+    previous step's copy may still be landing)."""
+
+    def __init__(self, rows: int) -> None:
+        self.tokens = torch.zeros(rows, dtype=torch.int64, pin_memory=True)
+        self.logprobs = (torch.zeros(rows, dtype=torch.float32, pin_memory=True),
+                         torch.zeros(rows, dtype=torch.int32, pin_memory=True),
+                         torch.zeros(rows, MAX_LOGPROBS, dtype=torch.float32, pin_memory=True),
+                         torch.zeros(rows, MAX_LOGPROBS, dtype=torch.int32, pin_memory=True))
+
+
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0) -> None:
+    """Samples a step's rows (see the module docstring). max_rows: the most rows a step
+    samples; num_slots: the most sequences sampling at once; kx: the most drafts a
+    sequence verifies in a step (speculative decoding)."""
+
+    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0, *,
+                 max_rows: int = 256, num_slots: int = 256, kx: int = 0,
+                 proposals: bool = False) -> None:
         self.vocab_size = vocab_size
         self.device = device
-        # Unseeded rows draw from the engine's own generator: reproducible per engine seed.
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.max_rows = max_rows
+        self.kx = kx
+        self.state = SamplingState(num_slots, vocab_size, device, seed, proposals)
+        self.on_gpu = device.type == "cuda"
+        pin = self.on_gpu
+        self._staging = [_row_buffers(max_rows, max(kx, 1), pin_memory=pin) for _ in range(2)]
+        self._turn = 0
+        self._dev = _row_buffers(max_rows, max(kx, 1), device=device)
+        self.rows = self._dev[2]
+        self.graphs = None  # SamplerGraphs, set by the model runner when it captures
+        if self.on_gpu:
+            self.scratch = _Scratch(max_rows, vocab_size, device)
+            self.out = _Outputs(max_rows, vocab_size, device)
+            self._host = [_HostCopies(max_rows) for _ in range(2)]
+            self._host_turn = 0
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
-                 greedy_tokens: torch.Tensor | None = None,
-                 drafts: list[int] | None = None,
-                 draft_probs: torch.Tensor | None = None) -> SamplerOutput:
-        """greedy_tokens: argmax of these logits if the caller already has it (the
-        decode graph computes it); used when nothing below changes the logits.
-        drafts: per row, the draft token proposed at that position (-1: none);
-        draft_probs: the proposer's distribution per row (None: one-hot at the draft).
-        logits may be in the model's dtype: they are read in fp32."""
-        want_logprobs = [r.params.logprobs is not None for r in rows]
-        raw_logprobs = (torch.log_softmax(logits.float(), dim=-1) if any(want_logprobs)
-                        else None)
-        sampled = self._sample(logits, rows, greedy_tokens, drafts, draft_probs)
-        token_ids = sampled.tolist()
-        lp_out: list = [None] * logits.shape[0]
-        if raw_logprobs is not None:
-            lp_out = self._gather_logprobs(raw_logprobs, sampled, rows, want_logprobs)
-        return SamplerOutput(token_ids, lp_out)
+    # ---- the host's part of a step ----------------------------------------------------
 
-    def sample_on_device(self, logits: torch.Tensor, rows: list[SamplingRow],
-                         greedy_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """The sampled ids as a device tensor, without waiting for them (pipelined
-        decoding; rows must not ask for logprobs)."""
-        return self._sample(logits, rows, greedy_tokens)
+    def needs_rows(self, seqs) -> bool:
+        """Whether these rows need the sampler (not only the step's argmax)."""
+        return not all(s.plain_greedy for s in seqs)
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow],
-                greedy_tokens: torch.Tensor | None, drafts: list[int] | None = None,
-                draft_probs: torch.Tensor | None = None) -> torch.Tensor:
-        greedy = [r.params.greedy for r in rows]
-        if (all(greedy) and greedy_tokens is not None
-                and not any(self._may_edit(r) for r in rows)):
-            return greedy_tokens  # the logits are not read: no fp32 copy of them
-        logits = logits.float()  # a copy unless they are fp32 already: edited in place below
-        changed = self._apply_bans(logits, rows)
-        changed |= self._apply_penalties(logits, rows)
-        if all(greedy):
-            if greedy_tokens is not None and not changed:
-                return greedy_tokens
-            return argmax_rows(logits)
-        return self._sample_random(logits, rows, greedy, drafts, draft_probs)
+    def release(self, seq) -> None:
+        self.state.release(seq)
 
-    @staticmethod
-    def _may_edit(row: SamplingRow) -> bool:
-        """Whether _apply_bans or _apply_penalties may change this row's logits (true
-        whenever they would)."""
-        p = row.params
-        return bool(p.logit_bias or p.has_penalties or _before_min_tokens(row))
-
-    # ---- steps --------------------------------------------------------------------------
-
-    def _apply_bans(self, logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
-        """logit_bias, and min_tokens: EOS and stop tokens cannot be drawn before then
-        (in place)."""
-        changed = False
-        for i, r in enumerate(rows):
-            p = r.params
-            if p.logit_bias:
-                ids = torch.tensor(list(p.logit_bias), device=logits.device)
-                bias = torch.tensor(list(p.logit_bias.values()), device=logits.device)
-                logits[i, ids] += bias
-                changed = True
-            if _before_min_tokens(r):
-                banned = set(p.stop_token_ids) | set(p._eos_token_ids)
-                banned = [t for t in banned if t < self.vocab_size]
-                if banned:
-                    logits[i, banned] = float("-inf")
-                    changed = True
-        return changed
-
-    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
-        """Repetition, frequency and presence penalties (in place)."""
-        idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
-        if not idx:
-            return False
-        vocab, dev = self.vocab_size, logits.device
-        sub = logits[idx]
-        out_counts = _token_counts([rows[i].output_token_ids for i in idx], vocab, dev)
-        prompt_seen = _token_counts([rows[i].prompt_token_ids for i in idx], vocab, dev) > 0
-        rep = torch.tensor([rows[i].params.repetition_penalty for i in idx], device=dev)[:, None]
-        freq = torch.tensor([rows[i].params.frequency_penalty for i in idx], device=dev)[:, None]
-        pres = torch.tensor([rows[i].params.presence_penalty for i in idx], device=dev)[:, None]
-        seen = prompt_seen | (out_counts > 0)
-        # Repetition penalty (CTRL): shrink positive logits, push negative ones further down.
-        penalized = torch.where(sub > 0, sub / rep, sub * rep)
-        sub = torch.where(seen, penalized, sub)
-        sub = sub - freq * out_counts - pres * (out_counts > 0).float()
-        logits[idx] = sub
-        return True
-
-    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow],
-                       greedy: list[bool], drafts: list[int] | None = None,
-                       draft_probs: torch.Tensor | None = None) -> torch.Tensor:
-        greedy_t = torch.tensor(greedy, device=logits.device)
-        greedy_tokens = argmax_rows(logits)
-        probs = self._probs(logits, rows, greedy)
-        sampled = self._race(probs, rows)
-        if drafts is not None:
-            tested = [i for i, (d, g) in enumerate(zip(drafts, greedy)) if d >= 0 and not g]
-            if tested:
-                self._test_drafts(probs, rows, sampled, drafts, draft_probs, tested)
-        return torch.where(greedy_t, greedy_tokens, sampled)
-
-    def _probs(self, logits: torch.Tensor, rows: list[SamplingRow],
-                greedy: list[bool]) -> torch.Tensor:
-        """Each row's distribution after temperature, top-k, top-p and min-p (normalized;
-        greedy rows get temperature 1 and are not drawn from)."""
-        dev = logits.device
-        temps = torch.tensor([1.0 if g else r.params.temperature for r, g in zip(rows, greedy)],
-                             device=dev)
-        logits = logits / temps[:, None]
-        top_k = [r.params.top_k for r in rows]
-        top_p = [r.params.top_p for r in rows]
-        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            logits = _top_k_top_p(logits, top_k, top_p)
-        probs = torch.softmax(logits, dim=-1)
-        min_p = [r.params.min_p for r in rows]
-        if any(m > 0 for m in min_p):
-            thresh = torch.tensor(min_p, device=dev)[:, None] * probs.amax(dim=-1, keepdim=True)
-            probs = torch.where(probs < thresh, torch.zeros_like(probs), probs)
-            probs /= probs.sum(dim=-1, keepdim=True)
-        return probs
-
-    def propose(self, logits: torch.Tensor, rows: list[SamplingRow],
-                ) -> tuple[list[int], torch.Tensor | None]:
-        """A draft model's tokens: each row's argmax (greedy) or a draw from its processed
-        distribution, and those distributions (None when every row is greedy), which the
-        target's rejection test divides by."""
-        logits = logits.float()
-        self._apply_bans(logits, rows)
-        greedy = [r.params.greedy for r in rows]
-        if all(greedy):
-            return argmax_rows(logits).tolist(), None
-        probs = self._probs(logits, rows, greedy)
-        tokens = torch.where(torch.tensor(greedy, device=logits.device),
-                             argmax_rows(logits), self._race(probs, rows))
-        return tokens.tolist(), probs
-
-    def _draw(self, out: torch.Tensor, rows: list[SamplingRow], kind: str) -> torch.Tensor:
-        """Fill out (one row per entry of rows) with Exp(1) or U(0, 1) draws: a seeded row
-        from its own generator, the rest from the engine's."""
-        def fill(t: torch.Tensor, gen: torch.Generator) -> None:
-            t.exponential_(generator=gen) if kind == "exp" else t.uniform_(generator=gen)
-
-        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
-        if len(unseeded) == len(rows):
-            fill(out, self.generator)
-        elif unseeded:
-            rest = torch.empty((len(unseeded),) + out.shape[1:], device=out.device)
-            fill(rest, self.generator)
-            out[unseeded] = rest
-        for i, r in enumerate(rows):
-            if r.generator is not None:
-                fill(out[i], r.generator)
-        return out
-
-    def _race(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """One draw per row from probs: argmax of p / q with q ~ Exp(1)."""
-        return (probs / self._draw(torch.empty_like(probs), rows, "exp")).argmax(dim=-1)
-
-    def _test_drafts(self, probs: torch.Tensor, rows: list[SamplingRow],
-                     sampled: torch.Tensor, drafts: list[int],
-                     draft_probs: torch.Tensor | None, tested: list[int]) -> None:
-        """Rejection sampling of the tested rows' drafts (in place in sampled)."""
-        dev = probs.device
-        sub_rows = [rows[i] for i in tested]
-        idx = torch.tensor(tested, device=dev)
-        d = torch.tensor([drafts[i] for i in tested], device=dev)
-        p = probs[idx]
-        p_d = p.gather(1, d[:, None])[:, 0]
-        if draft_probs is None:
-            q_d = torch.ones_like(p_d)
-            residual = p.scatter(1, d[:, None], 0.0)
+    def stage(self, seqs, positions: list[int], extras: list[list[int]] | None = None,
+              counted: list[bool] | None = None, padded: int | None = None) -> list[int]:
+        """Write the rows' inputs and copy them to the device; returns the rows that want
+        logprobs. counted[i] False: row i's token is not counted now (a speculative
+        row). padded: rows up to this are padding (slot -1)."""
+        n = len(seqs)
+        if n > self.max_rows:
+            raise RuntimeError(f"{n} sampling rows in one step; the sampler holds "
+                               f"{self.max_rows}.")
+        state = self.state
+        slots = [state.slot_of(s) for s in seqs]
+        state.flush()
+        i64, i32, st = self._staging[self._turn]
+        self._turn ^= 1
+        kx = st.extra.shape[1]
+        end = padded or n
+        np_slot = st.slot.numpy()
+        np_slot[:n] = slots
+        np_slot[n:end] = -1
+        i64.numpy()[:n] = positions
+        np_flags = st.flags.numpy()
+        np_flags[:end] = ROW_UPDATE_COUNTS
+        if counted is not None:
+            np_flags[:n] = [ROW_UPDATE_COUNTS if c else 0 for c in counted]
+        extra = st.extra.numpy()
+        extra[:end] = -1
+        if extras is not None:
+            for i, e in enumerate(extras):
+                if e:
+                    extra[i, :len(e)] = e[:kx]
+        dev_i64, dev_i32, _ = self._dev
+        if self.on_gpu:
+            dev_i64[:end].copy_(i64[:end], non_blocking=True)
+            m = self.max_rows
+            # slot and flags of rows :end, and the extra block's first `end` rows
+            dev_i32[:end].copy_(i32[:end], non_blocking=True)
+            dev_i32[m:m + end].copy_(i32[m:m + end], non_blocking=True)
+            dev_i32[2 * m:2 * m + end * kx].copy_(i32[2 * m:2 * m + end * kx],
+                                                   non_blocking=True)
         else:
-            q = draft_probs[idx].float()
-            q_d = q.gather(1, d[:, None])[:, 0]
-            residual = (p - q).clamp_min_(0.0)
-        u = self._draw(torch.empty(len(tested), device=dev), sub_rows, "uniform")
-        accept = u * q_d < p_d
-        # A rejected draft has p(d) < q(d), so the residual is zero at d and has mass left.
-        fallback = self._race(residual, sub_rows)
-        sampled[idx] = torch.where(accept, d, fallback)
+            dev_i64.copy_(i64)
+            dev_i32.copy_(i32)
+        return [i for i, s in enumerate(slots) if state.flags(s) & FLAG_LOGPROBS]
 
-    def _gather_logprobs(self, raw: torch.Tensor, sampled: torch.Tensor,
-                         rows: list[SamplingRow], want: list[bool]) -> list:
-        idx = [i for i, w in enumerate(want) if w]
-        sub = raw[idx]
-        tok = sampled[idx]
-        tok_lp = sub.gather(1, tok[:, None])
-        ranks = (sub > tok_lp).sum(dim=-1) + 1
-        max_n = max(rows[i].params.logprobs for i in idx)
-        if max_n > 0:
-            top_vals, top_ids = sub.topk(max_n, dim=-1)
-            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-        tok_lp, ranks = tok_lp[:, 0].tolist(), ranks.tolist()
-        out: list = [None] * len(rows)
-        for j, i in enumerate(idx):
-            n = rows[i].params.logprobs
-            ids = top_ids[j][:n] if n else []
-            vals = top_vals[j][:n] if n else []
-            out[i] = (tok_lp[j], ranks[j], ids, vals)
-        return out
+    # ---- a step ------------------------------------------------------------------------
+
+    def sample(self, logits: torch.Tensor, greedy: torch.Tensor | None, seqs,
+               positions: list[int], extras: list[list[int]] | None = None,
+               counted: list[bool] | None = None) -> SampledRows:
+        """Queue the draw of one token per row (logits row i is seqs[i]'s, at
+        positions[i]); nothing here waits for the device. greedy: the rows' argmax if the
+        step computed it."""
+        n = logits.shape[0]
+        graphs = self.graphs
+        bucket = graphs.bucket(n) if graphs is not None and graphs.takes(logits) else None
+        lp_rows = self.stage(seqs, positions, extras, counted, padded=bucket)
+        if not self.on_gpu:
+            tokens, lp = sample_reference(logits, self.state, self.rows.narrow(n),
+                                          bool(lp_rows))
+            return SampledRows(tokens, lp, lp_rows, None)
+        if bucket is not None:
+            graphs.replay(bucket, bool(lp_rows))
+        else:
+            if greedy is None:
+                greedy = argmax_rows(logits)
+            self.launch(logits, greedy, n, bool(lp_rows))
+        return self._result(n, lp_rows)
+
+    def launch(self, logits: torch.Tensor, greedy: torch.Tensor, n: int,
+               want_logprobs: bool) -> None:
+        from csrc_triton.sampling import sample_rows
+        sample_rows(logits, greedy, self.rows.narrow(n), self.state, self.scratch, self.out,
+                    want_logprobs)
+
+    def _result(self, n: int, lp_rows: list[int]) -> SampledRows:
+        o = self.out
+        lp = (o.token_lp[:n], o.rank[:n], o.top_val[:n], o.top_idx[:n]) if lp_rows else None
+        return SampledRows(o.token[:n], lp, lp_rows, self._next_host())
+
+    def wrap(self, greedy: torch.Tensor) -> SampledRows:
+        """A step's argmax as its tokens (rows that need nothing else), copied back behind
+        it like sampled ones."""
+        return SampledRows(greedy, None, [], self._next_host() if self.on_gpu else None)
+
+    def _next_host(self) -> _HostCopies:
+        self._host_turn ^= 1
+        return self._host[self._host_turn]
+
+    def sample_now(self, logits, greedy, seqs, positions, extras=None,
+                   counted=None) -> SamplerOutput:
+        """sample(), then wait for the tokens."""
+        rows = self.sample(logits, greedy, seqs, positions, extras, counted)
+        return rows.read([s.params.logprobs for s in seqs])
 
 
-def _token_counts(seqs: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    width = max((len(s) for s in seqs), default=0)
-    counts = torch.zeros(len(seqs), vocab + 1, device=device)
-    if width == 0:
-        return counts[:, :vocab]
-    padded = torch.full((len(seqs), width), vocab, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            padded[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-    padded = padded.to(device)
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
-    return counts[:, :vocab]
+class SamplerGraphs:
+    """The sampler's kernels captured as CUDA graphs per row bucket (the decode batch
+    buckets), with and without the logprob kernels, reading the step runners' shared
+    logits and argmax buffers: a sampled step replays one small graph after its model
+    graph. Padding rows have slot -1: their programs return at once."""
+
+    def __init__(self, sampler: Sampler, logits: torch.Tensor, greedy: torch.Tensor) -> None:
+        from .cuda_graph_runner import decode_buckets
+        self.sampler = sampler
+        self.logits = logits
+        self.greedy = greedy
+        rows = min(sampler.max_rows, logits.shape[0])
+        self.buckets = decode_buckets(rows)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+
+    def takes(self, logits: torch.Tensor) -> bool:
+        return (logits.data_ptr() == self.logits.data_ptr()
+                and logits.shape[0] <= self.buckets[-1])
+
+    def bucket(self, n: int) -> int:
+        from .cuda_graph_runner import bucket_for
+        return bucket_for(n, self.buckets)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        s = self.sampler
+        s.rows.slot.fill_(-1)
+        for b in self.buckets:  # compile every launch's variant outside the graphs
+            for lp in (False, True):
+                s.launch(self.logits[:b], self.greedy[:b], b, lp)
+        torch.cuda.synchronize(s.device)
+        pool = None
+        for b in reversed(self.buckets):
+            for lp in (False, True):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    s.launch(self.logits[:b], self.greedy[:b], b, lp)
+                pool = pool or graph.pool()
+                self.graphs[b, lp] = graph
+        torch.cuda.synchronize(s.device)
+
+    def replay(self, bucket: int, want_logprobs: bool) -> None:
+        self.graphs[bucket, want_logprobs].replay()
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    dev = logits.device
-    vocab = logits.shape[1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=dev)[None, :]
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=dev)[:, None]
-    mask = ranks >= k
-    p = torch.tensor(top_p, device=dev)[:, None]
-    probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
-    # Drop a token once the mass before it already reaches top_p (the first always stays).
-    mass_before = probs.cumsum(dim=-1) - probs
-    mask |= mass_before >= p
-    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+class _Scratch:
+    """The kernels' work buffers (csrc_triton.sampling.sample_rows)."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
+        from csrc_triton.sampling import GATHER_CAP, sampling_splits
+        splits = max(sampling_splits(r, vocab, device) for r in (1, rows))
+        self.x = torch.empty(rows, vocab, dtype=torch.float32, device=device)
+        self.part = torch.empty(rows * splits * 8 + 8, dtype=torch.float32, device=device)
+        self.part_idx = torch.empty(rows * splits + 1, dtype=torch.int32, device=device)
+        self.g_val = torch.empty(rows, GATHER_CAP, dtype=torch.float32, device=device)
+        self.g_idx = torch.empty(rows, GATHER_CAP, dtype=torch.int32, device=device)
+        self.tau = torch.empty(rows, dtype=torch.int64, device=device)
+        self.peak = torch.empty(rows, dtype=torch.float32, device=device)
+        self.lse = torch.empty(rows, dtype=torch.float32, device=device)
+
+
+class _Outputs:
+    """Where the kernels put a step's tokens and logprobs."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
+        parts = -(-vocab // 4096)
+        self.token = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.token_lp = torch.zeros(rows, dtype=torch.float32, device=device)
+        self.rank = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.top_val = torch.zeros(rows, MAX_LOGPROBS, dtype=torch.float32, device=device)
+        self.top_idx = torch.zeros(rows, MAX_LOGPROBS, dtype=torch.int32, device=device)
+        self.lp_val = torch.empty(rows * parts * MAX_LOGPROBS, dtype=torch.float32,
+                                  device=device)
+        self.lp_idx = torch.empty(rows * parts * MAX_LOGPROBS, dtype=torch.int32,
+                                  device=device)
+        self.lp_rank = torch.empty(rows * parts, dtype=torch.int32, device=device)
+
+
+# ---- the PyTorch mirror ------------------------------------------------------------------
+
+def process_logits(logits: torch.Tensor, state: SamplingState,
+                   rows: RowInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, flags): each row's values after bias, bans, penalties and (random rows)
+    temperature, float32 [R, V], in the kernels' order and arithmetic; flags [R]."""
+    slot = rows.slot.long()
+    ints, floats = state.ints[slot], state.floats[slot]
+    flags = ints[:, _I_FLAGS]
+
+    def has(flag: int) -> torch.Tensor:
+        return ((flags & flag) != 0)[:, None]
+
+    x = logits.float().clone()
+    if bool((flags & FLAG_BIAS).any()):
+        x = torch.where(has(FLAG_BIAS), x + state.bias[slot], x)
+    if bool((flags & (FLAG_BANS | FLAG_PENALTY)).any()):
+        counts = state.counts[slot]
+        banning = has(FLAG_BANS) & ((rows.position - ints[:, _I_PROMPT_LEN])
+                                    < ints[:, _I_MIN_TOKENS])[:, None]
+        x = torch.where(banning & ((counts & BAN_BIT) != 0), float("-inf"), x)
+        times = counts >> COUNT_SHIFT
+        for j in range(rows.extra.shape[1]):
+            e = rows.extra[:, j].long()
+            hit = torch.arange(x.shape[1], device=x.device)[None, :] == e[:, None]
+            times = times + hit.to(times.dtype)
+        rep = floats[:, _F_REP, None]
+        seen = ((counts & PROMPT_BIT) != 0) | (times > 0)
+        penalized = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        penalized = (penalized - floats[:, _F_FREQ, None] * times.float()
+                     - floats[:, _F_PRES, None] * (times > 0).float())
+        x = torch.where(has(FLAG_PENALTY), penalized, x)
+    temperature = floats[:, _F_TEMPERATURE, None]
+    x = torch.where(has(FLAG_RANDOM), x / temperature, x)
+    return x, flags
+
+
+def kept_tokens(x: torch.Tensor, flags: torch.Tensor, top_k: torch.Tensor,
+                top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Which tokens each random row may draw [R, V] (the sort-based definition): top-k
+    keeps values >= the k-th largest, top-p then the largest values whose mass above them
+    (relative to what top-k kept) stays under top_p, ties at either boundary all kept;
+    min-p those with exp(x - max) >= min_p."""
+    finite = x > float("-inf")
+    values = x.sort(dim=-1, descending=True).values
+    n_finite = finite.sum(-1)
+    rows = torch.arange(x.shape[0], device=x.device)
+    tau = values[rows, n_finite.clamp(min=1) - 1]  # the least finite value: keep all
+    use_k = ((flags & FLAG_TOP_K) != 0) & (top_k < n_finite)
+    kth = values[rows, (top_k - 1).clamp(min=0, max=x.shape[1] - 1)]
+    tau = torch.where(use_k, kth, tau)
+    use_p = (flags & FLAG_TOP_P) != 0
+    if bool(use_p.any()):
+        peak = values[:, :1]
+        inside = values >= tau[:, None]
+        w = torch.where(inside, torch.exp(values - peak), 0.0)
+        total = torch.cumsum(w, -1)
+        kept = inside & (total - w < top_p[:, None] * total[:, -1:])
+        last = torch.where(kept, torch.arange(x.shape[1], device=x.device), -1).amax(-1)
+        tau = torch.where(use_p, values[rows, last.clamp(min=0)], tau)
+    keep = finite & (float_keys(x) >= float_keys(tau)[:, None])
+    use_min_p = ((flags & FLAG_MIN_P) != 0)[:, None]
+    return keep & (~use_min_p | (torch.exp(x - values[:, :1]) >= min_p[:, None]))
+
+
+def sample_reference(logits: torch.Tensor, state: SamplingState, rows: RowInputs,
+                     want_logprobs: bool) -> tuple[torch.Tensor, tuple | None]:
+    """The kernels' result in PyTorch: tokens [R] int64 and, if asked, (token logprob,
+    rank, top-20 logprobs, top-20 ids) per row; the slots' counts updated as the kernels
+    do. Rows with no flags take the raw argmax."""
+    n, vocab = logits.shape
+    x, flags = process_logits(logits, state, rows)
+    slot = rows.slot.long()
+    ints, floats = state.ints[slot], state.floats[slot]
+    tokens = x.argmax(dim=-1)
+    random = (flags & FLAG_RANDOM) != 0
+    if bool(random.any()):
+        r = torch.nonzero(random)[:, 0]
+        keep = kept_tokens(x[r], flags[r], ints[r, _I_TOP_K], floats[r, _F_TOP_P],
+                           floats[r, _F_MIN_P])
+        at_row, at_token = torch.nonzero(keep, as_tuple=True)
+        score = torch.full_like(keep, float("-inf"), dtype=torch.float32)
+        noise = gumbel_noise(ints[r[at_row], _I_SEED], at_token, rows.position[r[at_row]])
+        score[at_row, at_token] = x[r[at_row], at_token] + noise
+        tokens[r] = score.argmax(dim=-1)
+    count = (flags & FLAG_PENALTY) != 0
+    count &= (rows.flags & ROW_UPDATE_COUNTS) != 0
+    if bool(count.any()):
+        at = slot[count] * vocab + tokens[count]
+        state.counts.view(-1).index_put_(
+            (at,), torch.tensor(1 << COUNT_SHIFT, dtype=torch.int32), accumulate=True)
+    if not want_logprobs:
+        return tokens, None
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    token_lp = raw.gather(1, tokens[:, None])[:, 0]
+    rank = (logits.float() > logits.float().gather(1, tokens[:, None])).sum(-1) + 1
+    top_val, top_idx = raw.topk(min(MAX_LOGPROBS, vocab), dim=-1)
+    return tokens, (token_lp, rank.to(torch.int32), top_val, top_idx.to(torch.int32))

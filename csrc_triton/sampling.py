@@ -1,0 +1,642 @@
+"""The sampler's kernels: a batch of logits rows to tokens, on the device, without sorting.
+
+Public API (re-exported by ``csrc_triton``)
+-------------------------------------------
+sample_rows(logits, greedy, rows, state, scratch, out)
+    one step's tokens (and, for the rows that ask, logprobs) from `logits` [R, V]:
+    `rows` the per-row inputs (slot, position), `state` the per-slot sampling state,
+    `scratch` the kernels' work buffers, `out` where tokens and logprobs land
+    (worker/sampler.py builds all four; see it for their layout).
+sampling_splits(rows, vocab, device): how many programs share one row's vocabulary.
+
+Each row belongs to a slot (a running sequence) whose parameters, token counts and bias
+live on the device. Per row, in order (vLLM's): logit_bias, min_tokens' bans, the
+repetition / frequency / presence penalties, then for a random row temperature, top-k,
+top-p and min-p, and a Gumbel-max draw:
+
+    token = argmax over the kept tokens i of  x_i + g_i,   g_i = -log(-log(u_i))
+
+which draws token i with probability proportional to exp(x_i). u_i is Philox's (4x32-10,
+Triton's `tl.philox`) output for key = the row's seed and counter = (i // 4, position, 0,
+0), output i % 4: the same numbers whatever the batch, eager or graphed, on any device,
+and worker/sampler.py's PyTorch mirror computes them bit for bit.
+
+The kept tokens are those whose value is at least a threshold tau (top-k and top-p keep
+the largest values; ties at the boundary are all kept) and, with min_p, whose
+exp(x - max) is at least min_p. tau is found exactly without sorting the vocabulary:
+values map to order-preserving int32 keys, and a search narrows an interval (lo, hi] of
+keys holding tau with 8 pivots a pass (count, or probability mass, above each), until the
+interval holds at most CAP values; those are gathered, sorted and the boundary read off.
+Kept tokens that fit the gathered list are drawn from it; otherwise one more pass over
+the row draws.
+
+Kernels, in launch order: prepare (rows x splits: the processed values, their maximum,
+argmax, sum of exp, and the raw logits' log-sum-exp for logprob rows), select (a program
+a row: tau, and the token when it can), draw and finish (the rows left to draw over the
+whole vocabulary; the counts update; the token's logprob), then for logprob rows the
+top-N and rank (rows x splits, then a program a row). Launch grids depend only on the
+shapes: the launches can be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from csrc_triton._interpret import kernels_for
+
+__all__ = ["sample_rows", "sampling_splits", "SLOT_INT_FIELDS", "SLOT_FLOAT_FIELDS",
+           "FLAG_RANDOM", "FLAG_BIAS", "FLAG_PENALTY", "FLAG_BANS", "FLAG_LOGPROBS",
+           "FLAG_TOP_K", "FLAG_TOP_P", "FLAG_MIN_P", "ROW_UPDATE_COUNTS", "MAX_LOGPROBS",
+           "GATHER_CAP", "COUNT_SHIFT", "PROMPT_BIT", "BAN_BIT"]
+
+# A slot's int64 parameters: flags, top_k, seed, prompt length, min_tokens, logprobs N.
+SLOT_INT_FIELDS = 8
+# A slot's float32 parameters: temperature, top_p, min_p, repetition, frequency, presence.
+SLOT_FLOAT_FIELDS = 8
+FLAG_RANDOM = 1      # temperature > 0: drawn, not the argmax
+FLAG_BIAS = 2        # logit_bias: the slot's dense bias row is added
+FLAG_PENALTY = 4     # repetition / frequency / presence penalties
+FLAG_BANS = 8        # min_tokens: its ban bits apply while the output is shorter
+FLAG_LOGPROBS = 16   # logprobs asked: the token's logprob, rank and top-N
+FLAG_TOP_K = 32
+FLAG_TOP_P = 64
+FLAG_MIN_P = 128
+# A row's flag: its drawn token is counted in its slot now (speculative rows are counted
+# by the host once accepted).
+ROW_UPDATE_COUNTS = 1
+# A slot's counts entry per token: (times in the output) << COUNT_SHIFT | BAN_BIT if
+# min_tokens bans it | PROMPT_BIT if the prompt holds it.
+COUNT_SHIFT = 2
+PROMPT_BIT = 1
+BAN_BIT = 2
+MAX_LOGPROBS = 20
+GATHER_CAP = 1024     # values gathered and sorted once the search interval is this small
+_PIVOTS = 8
+_BLOCK = 1024
+_LP_BLOCK = 4096      # a logprobs program's share of a row (one block)
+_INT64_MAX = tl.constexpr(2 ** 63 - 1)
+
+# Partial results of prepare, per (row, split), in a float32 [R, splits, 8] buffer.
+_P_MAX, _P_SUM, _P_MIN, _P_FINITE, _P_RAW_MAX, _P_RAW_SUM = range(6)
+
+
+@triton.jit
+def _key(x):
+    """Order-preserving int32 of float32 values: a < b as floats iff _key(a) < _key(b)."""
+    b = x.to(tl.int32, bitcast=True)
+    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _unkey(k):
+    b = tl.where(k >= 0, k, k ^ 0x7FFFFFFF)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _uniform(seed, token, position):
+    """U(0, 1) for each token id at this position: Philox output token % 4 of counter
+    (token // 4, position, 0, 0), its top 23 bits, centred: never 0 or 1."""
+    c0 = (token // 4).to(tl.uint32)
+    c1 = (token * 0 + position).to(tl.uint32)
+    zero = c0 * 0
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero, zero)
+    lane = token % 4
+    r = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
+    return ((r >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+
+
+@triton.jit
+def _gumbel(seed, token, position):
+    return -tl.log(-tl.log(_uniform(seed, token, position)))
+
+
+@triton.jit
+def _first_max(v1, i1, v2, i2):
+    take2 = (v2 > v1) | ((v2 == v1) & (i2 < i1))
+    return tl.where(take2, v2, v1), tl.where(take2, i2, i1)
+
+
+# ---- prepare ---------------------------------------------------------------------------
+
+@triton.jit
+def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr, V,
+                    row_slot_ptr, row_pos_ptr, row_extra_ptr, ints_ptr, floats_ptr,
+                    part_ptr, part_idx_ptr, split_len,
+                    KX: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, split): the row's values over its split of the vocabulary, processed
+    (bias, bans, penalties, temperature) and stored to x for a random row; partial
+    maximum, first argmax, sum of exp (relative to that maximum), least finite value and
+    finite count; the raw logits' maximum and sum of exp for a logprob row."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    slot = tl.load(row_slot_ptr + row).to(tl.int64)
+    part = part_ptr + (row * num_splits + split) * 8
+    if slot < 0:
+        return
+    flags = tl.load(ints_ptr + slot * 8)
+    if flags == 0:
+        return  # plain greedy: the step's own argmax stands
+    position = tl.load(row_pos_ptr + row)
+    prompt_len = tl.load(ints_ptr + slot * 8 + 3)
+    min_tokens = tl.load(ints_ptr + slot * 8 + 4)
+    temperature = tl.load(floats_ptr + slot * 8)
+    rep = tl.load(floats_ptr + slot * 8 + 3)
+    freq = tl.load(floats_ptr + slot * 8 + 4)
+    pres = tl.load(floats_ptr + slot * 8 + 5)
+    random = (flags & 1) != 0
+    has_bias = (flags & 2) != 0
+    penalized = (flags & 4) != 0
+    banning = ((flags & 8) != 0) & (position - prompt_len < min_tokens)
+    want_lp = (flags & 16) != 0
+    top_p_on = (flags & 64) != 0
+
+    lanes = tl.arange(0, BLOCK)
+    best = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    best_at = lanes
+    run_max = float("-inf")
+    run_sum = 0.0
+    least = float("inf")
+    finite = 0
+    raw_max = float("-inf")
+    raw_sum = 0.0
+    start = split * split_len
+    for k in range(start, tl.minimum(start + split_len, V), BLOCK):
+        offs = k + lanes
+        ok = offs < V
+        raw = tl.load(logits_ptr + row * stride_l + offs, mask=ok,
+                      other=float("-inf")).to(tl.float32)
+        if want_lp:
+            bm = tl.max(raw, 0)
+            new = tl.maximum(raw_max, bm)
+            raw_sum = raw_sum * tl.exp(raw_max - new) + tl.sum(tl.exp(raw - new), 0)
+            raw_max = new
+        x = raw
+        if has_bias:
+            x = x + tl.load(bias_ptr + slot * V + offs, mask=ok, other=0.0)
+        if banning | penalized:
+            c = tl.load(counts_ptr + slot * V + offs, mask=ok, other=0)
+            if banning:
+                x = tl.where((c & 2) != 0, float("-inf"), x)
+            if penalized:
+                times = c >> 2
+                for j in tl.static_range(KX):
+                    extra = tl.load(row_extra_ptr + row * KX + j)
+                    times += tl.where(offs == extra, 1, 0)
+                seen = ((c & 1) != 0) | (times > 0)
+                x = tl.where(seen, tl.where(x > 0, x / rep, x * rep), x)
+                x = x - freq * times.to(tl.float32) - pres * (times > 0).to(tl.float32)
+        x = tl.where(ok, x, float("-inf"))
+        if random:
+            x = x / temperature
+            tl.store(x_ptr + row * stride_x + offs, x, mask=ok)
+            bm = tl.max(x, 0)
+            if top_p_on:
+                new = tl.maximum(run_max, bm)
+                if new > float("-inf"):
+                    run_sum = run_sum * tl.exp(run_max - new) + tl.sum(tl.exp(x - new), 0)
+                run_max = new
+            fin = x > float("-inf")
+            least = tl.minimum(least, tl.min(tl.where(fin, x, float("inf")), 0))
+            finite += tl.sum(fin.to(tl.int32), 0)
+        take = x > best
+        best = tl.where(take, x, best)
+        best_at = tl.where(take, offs, best_at)
+    v, i = tl.reduce((best, best_at), 0, _first_max)
+    tl.store(part + 0, v)
+    tl.store(part + 1, run_sum)
+    tl.store(part + 2, least)
+    tl.store(part + 3, finite.to(tl.float32))
+    tl.store(part + 4, raw_max)
+    tl.store(part + 5, raw_sum)
+    tl.store(part_idx_ptr + row * num_splits + split, i)
+
+
+# ---- select: the threshold search ------------------------------------------------------
+
+@triton.jit
+def _above(x_row, V, pivots, peak, USE_MASS: tl.constexpr, NP: tl.constexpr,
+           BLOCK: tl.constexpr):
+    """For each pivot key: how many values have a larger key, and their sum of
+    exp(x - peak) (zeros unless USE_MASS)."""
+    count = tl.zeros((NP,), dtype=tl.int32)
+    mass = tl.zeros((NP,), dtype=tl.float32)
+    for k in range(0, V, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < V, other=float("-inf"))
+        above = _key(x).to(tl.int64)[None, :] > pivots[:, None]
+        count += tl.sum(above.to(tl.int32), 1)
+        if USE_MASS:
+            w = tl.exp(x - peak)
+            mass += tl.sum(tl.where(above, w[None, :], 0.0), 1)
+    return count, mass
+
+
+@triton.jit
+def _search(x_row, V, lo, hi, count_lo, count_hi, f_hi, limit, peak,
+            USE_MASS: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr,
+            CAP: tl.constexpr):
+    """Narrow (lo, hi] around tau = the least key t with f(t) < limit, where f(t) is the
+    count (or mass) of values with a key above t; f(lo) >= limit > f(hi). Stops when the
+    interval holds at most CAP values or a single key. count_* are the counts of values
+    above lo and hi, f_hi the count or mass above hi."""
+    j = tl.arange(0, NP)
+    while (count_lo - count_hi > CAP) & (hi - lo > 1):
+        lo_v = _unkey(lo.to(tl.int32))
+        hi_v = _unkey(hi.to(tl.int32))
+        frac = (j + 1).to(tl.float32) / (NP + 1)
+        guess = _key(lo_v + (hi_v - lo_v) * frac).to(tl.int64)
+        # Strictly increasing keys inside (lo, hi) (a few ulps apart: consecutive keys).
+        pivots = tl.minimum(tl.maximum(guess, lo + j + 1), hi - NP + j)
+        pivots = tl.where(hi - lo > NP, pivots, tl.minimum(lo + j + 1, hi - 1))
+        count, mass = _above(x_row, V, pivots, peak, USE_MASS, NP, BLOCK)
+        if USE_MASS:
+            f = mass
+        else:
+            f = count.to(tl.float32)
+        short = tl.sum((f >= limit).to(tl.int32), 0)  # pivots below tau
+        if short > 0:
+            pick = j == short - 1
+            lo = tl.sum(tl.where(pick, pivots, 0), 0)
+            count_lo = tl.sum(tl.where(pick, count, 0), 0)
+        if short < NP:
+            pick = j == short
+            hi = tl.sum(tl.where(pick, pivots, 0), 0)
+            count_hi = tl.sum(tl.where(pick, count, 0), 0)
+            f_hi = tl.sum(tl.where(pick, f, 0.0), 0)
+    return lo, hi, count_lo, count_hi, f_hi
+
+
+@triton.jit
+def _gather(x_row, V, lo, hi, g_val, g_idx, BLOCK: tl.constexpr):
+    """Copy the values with lo < key <= hi, and their token ids, to g_val / g_idx."""
+    n = 0
+    for k in range(0, V, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < V, other=float("-inf"))
+        key = _key(x).to(tl.int64)
+        take = (key > lo) & (key <= hi) & (offs < V)
+        at = n + tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(g_val + at, x, mask=take)
+        tl.store(g_idx + at, offs, mask=take)
+        n += tl.sum(take.to(tl.int32), 0)
+    tl.debug_barrier()  # the program reads them back in other lanes
+    return n
+
+
+@triton.jit
+def _sorted_gathered(g_val, g_idx, n, CAP: tl.constexpr):
+    """The gathered values' keys and token ids, largest value first (ties: larger id
+    first); lanes past n hold the least key."""
+    i = tl.arange(0, CAP)
+    ok = i < n
+    key = _key(tl.load(g_val + i, mask=ok, other=float("-inf"))).to(tl.int64)
+    ids = tl.load(g_idx + i, mask=ok, other=0).to(tl.int64)
+    packed = tl.where(ok, (key << 32) | ids, -_INT64_MAX - 1)
+    packed = tl.sort(packed, 0, descending=True)
+    return (packed >> 32).to(tl.int32), (packed & 0xFFFFFFFF).to(tl.int32), ok
+
+
+@triton.jit
+def _boundary(keys, ok, f_above, limit, floor, peak, USE_MASS: tl.constexpr,
+              CAP: tl.constexpr):
+    """Of sorted keys (those at or above `floor` count): the least key whose values
+    above it (f_above plus the earlier entries) stay under limit; the count of entries
+    at or above it; the total weight at or above floor (f_above included)."""
+    i = tl.arange(0, CAP)
+    inside = ok & (keys.to(tl.int64) >= floor)
+    if USE_MASS:
+        w = tl.where(inside, tl.exp(_unkey(keys) - peak), 0.0)
+    else:
+        w = inside.to(tl.float32)
+    total = tl.cumsum(w, 0)
+    before = f_above + total - w
+    kept = inside & (before < limit)
+    last = tl.max(tl.where(kept, i, -1), 0)
+    tau = tl.sum(tl.where(i == last, keys, 0), 0).to(tl.int64)
+    at_or_above = tl.sum((inside & (keys.to(tl.int64) >= tau)).to(tl.int32), 0)
+    return tau, at_or_above, f_above + tl.max(total, 0)
+
+
+@triton.jit
+def _select_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floats_ptr,
+                   part_ptr, part_idx_ptr, num_splits, greedy_ptr, g_val_ptr, g_idx_ptr,
+                   token_ptr, tau_ptr, peak_ptr, lse_ptr,
+                   SPLITS_P2: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr,
+                   CAP: tl.constexpr):
+    """Program row: combine prepare's partials; a greedy row's token; a random row's
+    threshold tau, and its draw when the kept tokens fit the gathered list (else tau goes
+    to the draw kernel, token -1)."""
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(row_slot_ptr + row).to(tl.int64)
+    if slot < 0:
+        return
+    flags = tl.load(ints_ptr + slot * 8)
+    if flags == 0:
+        tl.store(token_ptr + row, tl.load(greedy_ptr + row))
+        return
+    s = tl.arange(0, SPLITS_P2)
+    in_row = s < num_splits
+    part = part_ptr + (row * num_splits + s) * 8
+    maxes = tl.load(part + 0, mask=in_row, other=float("-inf"))
+    peak = tl.max(maxes, 0)
+    first = tl.min(tl.where(maxes == peak, s, SPLITS_P2), 0)
+    argmax = tl.load(part_idx_ptr + row * num_splits + first)
+    if (flags & 16) != 0:
+        raw_maxes = tl.load(part + 4, mask=in_row, other=float("-inf"))
+        raw_peak = tl.max(raw_maxes, 0)
+        raw_sums = tl.load(part + 5, mask=in_row, other=0.0)
+        lse = raw_peak + tl.log(tl.sum(raw_sums * tl.exp(raw_maxes - raw_peak), 0))
+        tl.store(lse_ptr + row, lse)
+    tl.store(peak_ptr + row, peak)
+    if (flags & 1) == 0:
+        tl.store(token_ptr + row, argmax.to(tl.int64))
+        return
+    sums = tl.load(part + 1, mask=in_row, other=0.0)
+    total = tl.sum(tl.where(maxes > float("-inf"), sums * tl.exp(maxes - peak), 0.0), 0)
+    least = tl.min(tl.load(part + 2, mask=in_row, other=float("inf")), 0)
+    finite = tl.sum(tl.load(part + 3, mask=in_row, other=0.0), 0).to(tl.int32)
+    top_k = tl.load(ints_ptr + slot * 8 + 1)
+    top_p = tl.load(floats_ptr + slot * 8 + 1)
+    x_row = x_ptr + row * stride_x
+    g_val = g_val_ptr + row * CAP
+    g_idx = g_idx_ptr + row * CAP
+
+    top = _key(peak).to(tl.int64)
+    tau = _key(least).to(tl.int64)   # every finite value is kept so far
+    at_tau = finite                  # values with a key >= tau
+    listed_lo = top                  # the gathered list holds every value above this key
+    listed = finite * 0              # its length
+    if ((flags & 32) != 0) & (top_k < finite):
+        lo, hi, count_lo, count_hi, f_hi = _search(
+            x_row, V, tau - 1, top, finite, finite * 0, peak * 0.0, top_k.to(tl.float32),
+            peak, False, NP, BLOCK, CAP)
+        if hi - lo <= 1:
+            tau = hi
+            at_tau = count_lo
+        else:
+            everything = count_lo <= CAP
+            upper = tl.where(everything, _INT64_MAX, hi)
+            n = _gather(x_row, V, lo, upper, g_val, g_idx, BLOCK)
+            keys, ids, ok = _sorted_gathered(g_val, g_idx, n, CAP)
+            above = tl.where(everything, 0.0, f_hi)
+            tau, at, _ = _boundary(keys, ok, above, top_k.to(tl.float32), lo + 1, peak,
+                                   False, CAP)
+            at_tau = at + tl.where(everything, 0, count_hi)
+            if everything:
+                listed_lo = lo
+                listed = n
+    if (flags & 64) != 0:
+        if listed_lo < tau:
+            # Every kept value so far is in the sorted list: top-p reads it off.
+            keys, ids, ok = _sorted_gathered(g_val, g_idx, listed, CAP)
+            _, _, mass = _boundary(keys, ok, 0.0, 3.0e38, tau, peak, True, CAP)
+            tau, at_tau, _ = _boundary(keys, ok, 0.0, top_p * mass, tau, peak, True, CAP)
+        else:
+            mass = total
+            if tau > _key(least).to(tl.int64):  # top-k cut: the mass it kept
+                _, kept_mass = _above(x_row, V, tl.full((NP,), 0, tl.int64) + tau - 1,
+                                      peak, True, NP, BLOCK)
+                mass = tl.max(kept_mass, 0)
+            limit = top_p * mass
+            lo, hi, count_lo, count_hi, f_hi = _search(
+                x_row, V, tau - 1, top, at_tau, at_tau * 0, peak * 0.0, limit, peak, True, NP,
+                BLOCK, CAP)
+            if hi - lo <= 1:
+                tau = hi
+                at_tau = count_lo
+            else:
+                everything = count_lo <= CAP
+                upper = tl.where(everything, _INT64_MAX, hi)
+                n = _gather(x_row, V, lo, upper, g_val, g_idx, BLOCK)
+                keys, ids, ok = _sorted_gathered(g_val, g_idx, n, CAP)
+                above = tl.where(everything, 0.0, f_hi)
+                tau, at, _ = _boundary(keys, ok, above, limit, lo + 1, peak, True, CAP)
+                at_tau = at + tl.where(everything, 0, count_hi)
+                if everything:
+                    listed_lo = lo
+                    listed = n
+    if (listed_lo >= tau) & (at_tau <= CAP):
+        listed = _gather(x_row, V, tau - 1, _INT64_MAX, g_val, g_idx, BLOCK)
+        listed_lo = tau - 1
+    tl.store(tau_ptr + row, tau)
+    if listed_lo < tau:
+        keys, ids, ok = _sorted_gathered(g_val, g_idx, listed, CAP)
+        values = _unkey(keys)
+        keep = ok & (keys.to(tl.int64) >= tau)
+        if (flags & 128) != 0:
+            keep = keep & (tl.exp(values - peak) >= tl.load(floats_ptr + slot * 8 + 2))
+        seed = tl.load(ints_ptr + slot * 8 + 2)
+        position = tl.load(row_pos_ptr + row)
+        score = tl.where(keep, values + _gumbel(seed, ids, position), float("-inf"))
+        best = tl.max(score, 0)
+        token = tl.min(tl.where(keep & (score == best), ids, V), 0)
+        tl.store(token_ptr + row, token.to(tl.int64))
+    else:
+        tl.store(token_ptr + row, -1)
+
+
+# ---- draw over the whole row, finish ----------------------------------------------------
+
+@triton.jit
+def _draw_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floats_ptr,
+                 token_ptr, tau_ptr, peak_ptr, part_ptr, part_idx_ptr, split_len,
+                 BLOCK: tl.constexpr):
+    """Program (row, split), for rows select left undrawn: the split's best kept
+    x + gumbel noise and its first index."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    slot = tl.load(row_slot_ptr + row).to(tl.int64)
+    if slot < 0:
+        return
+    if tl.load(token_ptr + row) >= 0:
+        return
+    flags = tl.load(ints_ptr + slot * 8)
+    seed = tl.load(ints_ptr + slot * 8 + 2)
+    min_p = tl.load(floats_ptr + slot * 8 + 2)
+    position = tl.load(row_pos_ptr + row)
+    tau = tl.load(tau_ptr + row)
+    peak = tl.load(peak_ptr + row)
+    lanes = tl.arange(0, BLOCK)
+    best = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    best_at = lanes + V
+    start = split * split_len
+    for k in range(start, tl.minimum(start + split_len, V), BLOCK):
+        offs = k + lanes
+        ok = offs < V
+        x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=float("-inf"))
+        keep = ok & (_key(x).to(tl.int64) >= tau)
+        if (flags & 128) != 0:
+            keep = keep & (tl.exp(x - peak) >= min_p)
+        score = tl.where(keep, x + _gumbel(seed, offs, position), float("-inf"))
+        take = (score > best) & keep
+        best = tl.where(take, score, best)
+        best_at = tl.where(take, offs, best_at)
+    v, i = tl.reduce((best, best_at), 0, _first_max)
+    tl.store(part_ptr + (row * num_splits + split) * 8, v)
+    tl.store(part_idx_ptr + row * num_splits + split, i)
+
+
+@triton.jit
+def _finish_kernel(logits_ptr, stride_l, V, row_slot_ptr, row_flags_ptr, ints_ptr,
+                   counts_ptr, token_ptr, part_ptr, part_idx_ptr, num_splits, lse_ptr,
+                   token_lp_ptr, SPLITS_P2: tl.constexpr):
+    """Program row: the token of a row drawn over the whole vocabulary; its count in the
+    slot; its logprob under the raw logits."""
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(row_slot_ptr + row).to(tl.int64)
+    if slot < 0:
+        return
+    flags = tl.load(ints_ptr + slot * 8)
+    if flags == 0:
+        return
+    token = tl.load(token_ptr + row)
+    if token < 0:
+        s = tl.arange(0, SPLITS_P2)
+        in_row = s < num_splits
+        scores = tl.load(part_ptr + (row * num_splits + s) * 8, mask=in_row,
+                         other=float("-inf"))
+        ids = tl.load(part_idx_ptr + row * num_splits + s, mask=in_row, other=V)
+        _, token = tl.reduce((scores, ids), 0, _first_max)
+        token = tl.minimum(token, V - 1).to(tl.int64)
+        tl.store(token_ptr + row, token)
+    if ((flags & 4) != 0) & ((tl.load(row_flags_ptr + row) & 1) != 0):
+        at = counts_ptr + slot * V + token
+        tl.store(at, tl.load(at) + 4)
+    if (flags & 16) != 0:
+        raw = tl.load(logits_ptr + row * stride_l + token).to(tl.float32)
+        tl.store(token_lp_ptr + row, raw - tl.load(lse_ptr + row))
+
+
+# ---- logprobs ------------------------------------------------------------------------
+
+@triton.jit
+def _logprob_part_kernel(logits_ptr, stride_l, V, row_slot_ptr, ints_ptr, token_ptr,
+                         top_val_ptr, top_idx_ptr, rank_ptr,
+                         N: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, block) of a logprob row: how many raw logits of the block exceed
+    the token's, and the block's N largest (first index on ties), largest first."""
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    num_parts = tl.num_programs(1)
+    slot = tl.load(row_slot_ptr + row).to(tl.int64)
+    if slot < 0:
+        return
+    flags = tl.load(ints_ptr + slot * 8)
+    if (flags & 16) == 0:
+        return
+    want = tl.load(ints_ptr + slot * 8 + 5)
+    offs = part * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < V
+    raw = tl.load(logits_ptr + row * stride_l + offs, mask=ok,
+                  other=float("-inf")).to(tl.float32)
+    token = tl.load(token_ptr + row)
+    mine = tl.load(logits_ptr + row * stride_l + token).to(tl.float32)
+    tl.store(rank_ptr + row * num_parts + part, tl.sum((raw > mine).to(tl.int32), 0))
+    out = (row * num_parts + part) * N
+    for n in range(0, want):
+        v, i = tl.reduce((raw, offs), 0, _first_max)
+        tl.store(top_val_ptr + out + n, v)
+        tl.store(top_idx_ptr + out + n, i)
+        raw = tl.where(offs == i, float("-inf"), raw)
+
+
+@triton.jit
+def _logprob_finish_kernel(row_slot_ptr, ints_ptr, lse_ptr, top_val_ptr, top_idx_ptr,
+                           rank_ptr, num_parts, out_val_ptr, out_idx_ptr, out_rank_ptr,
+                           N: tl.constexpr, CANDIDATES_P2: tl.constexpr,
+                           PARTS_P2: tl.constexpr):
+    """Program row: the row's N largest raw logprobs from the blocks' candidates, and the
+    token's rank (1 + how many logits exceed its own)."""
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(row_slot_ptr + row).to(tl.int64)
+    if slot < 0:
+        return
+    flags = tl.load(ints_ptr + slot * 8)
+    if (flags & 16) == 0:
+        return
+    want = tl.load(ints_ptr + slot * 8 + 5)
+    p = tl.arange(0, PARTS_P2)
+    ranks = tl.load(rank_ptr + row * num_parts + p, mask=p < num_parts, other=0)
+    tl.store(out_rank_ptr + row, tl.sum(ranks, 0) + 1)
+    c = tl.arange(0, CANDIDATES_P2)
+    ok = ((c // N) < num_parts) & ((c % N) < want)
+    vals = tl.load(top_val_ptr + row * num_parts * N + c, mask=ok, other=float("-inf"))
+    ids = tl.load(top_idx_ptr + row * num_parts * N + c, mask=ok, other=2**30)
+    lse = tl.load(lse_ptr + row)
+    for n in range(0, want):
+        v, i = tl.reduce((vals, ids), 0, _first_max)
+        tl.store(out_val_ptr + row * N + n, v - lse)
+        tl.store(out_idx_ptr + row * N + n, i)
+        vals = tl.where(ids == i, float("-inf"), vals)
+
+
+# ---- launcher ---------------------------------------------------------------------------
+
+def sampling_splits(rows: int, vocab: int, device: torch.device) -> int:
+    """Programs per row in prepare and draw: enough for ~4 programs per SM in all, each
+    at least a block of the vocabulary (on a CPU: one per row, the interpreter's cost is
+    per program)."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    most = triton.cdiv(vocab, _BLOCK)
+    # By the rows' power of two: a few launch variants to compile, all warmed up by
+    # the sampler's graph capture.
+    return max(1, min(most, triton.cdiv(4 * sms, triton.next_power_of_2(max(rows, 1)))))
+
+
+def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch, out,
+                want_logprobs: bool) -> None:
+    """See the module docstring. `rows`: slot [R] int32 (-1: padding), position [R]
+    int64, flags [R] int32, extra [R, KX] int32 (earlier drafts counted at this row, -1
+    none). `state`: ints [S, 8] int64, floats [S, 8] float32, counts [S, V] int32,
+    bias [S, V] float32. `scratch`: x [>= R, V] float32, part [R * splits * 8] float32,
+    part_idx [R * splits] int32, g_val [R, CAP] float32, g_idx [R, CAP] int32, tau,
+    peak, lse [R]. `out`: token [R] int64, token_lp [R] float32, top_val [R, 20]
+    float32, top_idx [R, 20] int32, rank [R] int32, lp_val / lp_idx / lp_rank (the
+    logprob blocks' partials). greedy [R] int64: the step's argmax, the token of rows
+    whose slot has no flags."""
+    mod, _ = kernels_for(__name__, logits.device)
+    num_rows, vocab = logits.shape
+    if num_rows == 0:
+        return
+    splits = sampling_splits(num_rows, vocab, logits.device)
+    split_len = triton.cdiv(triton.cdiv(vocab, splits), _BLOCK) * _BLOCK
+    splits = triton.cdiv(vocab, split_len)
+    splits_p2 = triton.next_power_of_2(splits)
+    kx = rows.extra.shape[1]
+    x = scratch.x
+    mod._prepare_kernel[(num_rows, splits)](
+        logits, logits.stride(0), x, x.stride(0), state.counts, state.bias, vocab,
+        rows.slot, rows.position, rows.extra, state.ints, state.floats,
+        scratch.part, scratch.part_idx, split_len, KX=kx, BLOCK=_BLOCK, num_warps=4)
+    mod._select_kernel[(num_rows,)](
+        x, x.stride(0), vocab, rows.slot, rows.position, state.ints, state.floats,
+        scratch.part, scratch.part_idx, splits, greedy, scratch.g_val, scratch.g_idx,
+        out.token, scratch.tau, scratch.peak, scratch.lse,
+        SPLITS_P2=splits_p2, NP=_PIVOTS, BLOCK=_BLOCK, CAP=scratch.g_val.shape[1],
+        num_warps=8)
+    mod._draw_kernel[(num_rows, splits)](
+        x, x.stride(0), vocab, rows.slot, rows.position, state.ints, state.floats,
+        out.token, scratch.tau, scratch.peak, scratch.part, scratch.part_idx, split_len,
+        BLOCK=_BLOCK, num_warps=4)
+    mod._finish_kernel[(num_rows,)](
+        logits, logits.stride(0), vocab, rows.slot, rows.flags, state.ints, state.counts,
+        out.token, scratch.part, scratch.part_idx, splits, scratch.lse, out.token_lp,
+        SPLITS_P2=splits_p2, num_warps=1)
+    if not want_logprobs:
+        return
+    parts = triton.cdiv(vocab, _LP_BLOCK)
+    mod._logprob_part_kernel[(num_rows, parts)](
+        logits, logits.stride(0), vocab, rows.slot, state.ints, out.token,
+        out.lp_val, out.lp_idx, out.lp_rank, N=MAX_LOGPROBS, BLOCK=_LP_BLOCK, num_warps=8)
+    mod._logprob_finish_kernel[(num_rows,)](
+        rows.slot, state.ints, scratch.lse, out.lp_val, out.lp_idx, out.lp_rank, parts,
+        out.top_val, out.top_idx, out.rank, N=MAX_LOGPROBS,
+        CANDIDATES_P2=triton.next_power_of_2(parts * MAX_LOGPROBS),
+        PARTS_P2=triton.next_power_of_2(parts), num_warps=4)

@@ -1,0 +1,137 @@
+"""The sampler's compiled kernels on a real GPU (skipped without CUDA): against the PyTorch
+reference at a real vocabulary's size, graph replays against eager launches, and the
+engine's sampled requests through every fast path."""
+
+import json
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from minivllm.worker import sampler as S
+from conftest import GPU_TEST_CONFIG as CONFIG, random_prompts
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+GPU = torch.device("cuda")
+
+MIXED = [dict(temperature=0.0), dict(temperature=0.0, repetition_penalty=1.3, logprobs=5),
+         dict(temperature=0.8, top_k=50, top_p=0.95, repetition_penalty=1.1, seed=3),
+         dict(temperature=1.0, seed=4), dict(temperature=0.7, top_p=0.8, logprobs=20),
+         dict(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05),
+         dict(temperature=1.2, min_p=0.05, logit_bias={11: 5.0}),
+         dict(temperature=0.6, top_p=0.9), dict(temperature=0.9, top_k=3000),
+         dict(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.3, min_tokens=4,
+              stop_token_ids=[9])]
+
+
+class Seq:
+    def __init__(self, i, prompt, output, **kw):
+        self.seq_id, self.params = i, SamplingParams(**kw)
+        self.params._eos_token_ids = frozenset([2])
+        self.prompt_token_ids, self.output_token_ids = prompt, output
+        self.num_prompt_tokens = len(prompt)
+        self.plain_greedy = False
+
+
+def _rows(n: int, vocab: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    for i in range(n):
+        prompt = torch.randint(0, vocab, (int(torch.randint(5, 300, (1,), generator=g)),),
+                               generator=g).tolist()
+        output = torch.randint(0, vocab, (int(torch.randint(0, 200, (1,), generator=g)),),
+                               generator=g).tolist()
+        seqs.append(Seq(i, prompt, output, **MIXED[i % len(MIXED)]))
+    return seqs
+
+
+@pytest.mark.parametrize("shape", ["peaked", "flat"])
+@pytest.mark.parametrize("rows", [1, 7, 64, 256])
+def test_kernels_match_the_reference_at_full_vocabulary(shape, rows):
+    """151,936 bf16 logits a row (Qwen2.5's vocabulary), mixed parameters: the kernels'
+    tokens, counts and logprobs are the reference's (the same arithmetic in PyTorch, its
+    thresholds by sorting), run on the same device."""
+    vocab = 151936
+    g = torch.Generator(device=GPU).manual_seed(rows)
+    logits = torch.randn(rows, vocab, device=GPU, generator=g)
+    logits = (logits * (4.0 if shape == "peaked" else 0.3)).to(torch.bfloat16)
+    seqs = _rows(rows, vocab, rows)
+    positions = [s.num_prompt_tokens + len(s.output_token_ids) for s in seqs]
+    ref = S.Sampler(vocab, GPU, seed=1, max_rows=rows, num_slots=rows)
+    ref.stage(seqs, positions)
+    want, want_lp = S.sample_reference(logits, ref.state, ref.rows.narrow(rows), True)
+    got = S.Sampler(vocab, GPU, seed=1, max_rows=rows, num_slots=rows)
+    out = got.sample_now(logits, S.argmax_rows(logits), seqs, positions)
+    assert out.token_ids == want.tolist()
+    assert torch.equal(got.state.counts, ref.state.counts)
+    for i, s in enumerate(seqs):
+        n = s.params.logprobs
+        if n is None:
+            continue
+        lp, rank, ids, vals = out.logprobs[i]
+        assert abs(lp - want_lp[0][i].item()) < 1e-4 and rank == want_lp[1][i].item()
+        assert ids == want_lp[3][i, :n].tolist()
+
+
+def test_graph_replays_match_eager_launches():
+    """The sampler's graphs (per row bucket, over a shared logits buffer) draw what its
+    eager launches draw, with and without logprob rows, at padded buckets."""
+    vocab, rows = 32000, 48
+    logits_buf = torch.randn(64, vocab, device=GPU).to(torch.bfloat16) * 3
+    greedy_buf = S.argmax_rows(logits_buf)
+    seqs = _rows(rows, vocab, 5)
+    positions = [s.num_prompt_tokens + len(s.output_token_ids) for s in seqs]
+    results = []
+    for graphed in (False, True):
+        sampler = S.Sampler(vocab, GPU, seed=2, max_rows=64, num_slots=64)
+        if graphed:
+            sampler.graphs = S.SamplerGraphs(sampler, logits_buf, greedy_buf)
+            sampler.graphs.capture()
+        for n in (rows, 5, 1):
+            out = sampler.sample_now(logits_buf[:n], greedy_buf[:n], seqs[:n], positions[:n])
+            results.append((out.token_ids, [lp and lp[:2] for lp in out.logprobs]))
+    half = len(results) // 2
+    assert results[:half] == results[half:]
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpu-model") / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    return path
+
+
+def _run(config_path, monkeypatch, env, prompts, params, **kw):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    llm = LLM(str(config_path), load_format="dummy", dtype="float32", device="cuda",
+              skip_tokenizer_init=True, max_model_len=512, max_num_seqs=16,
+              max_num_batched_tokens=256, num_kv_blocks=512, **kw)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.scheduler.pool.all_free()
+    return [[(c.token_ids, [sorted(d) for d in c.logprobs] if c.logprobs else None)
+             for c in o.outputs] for o in outs]
+
+
+@pytest.mark.parametrize("name,env,kw", [
+    ("decode graphs", {"MINIVLLM_PIPELINE": "0"}, {"max_graph_tokens": 0}),
+    ("mixed graphs", {"MINIVLLM_PIPELINE": "0"}, {}),
+    ("pipelined", {"MINIVLLM_PIPELINE": "1"}, {}),
+    ("ngram speculation", {"MINIVLLM_PIPELINE": "1"},
+     {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}),
+])
+def test_sampled_requests_match_eager(config_path, monkeypatch, name, env, kw):
+    """Seeded and unseeded sampled requests, penalties, bans and logprobs through the
+    graphs, pipelined steps and speculation: the tokens (and top logprob ids) of the
+    eager engine without any of them."""
+    prompts = random_prompts(14, 4096, 3, 200, seed=43)
+    params = [SamplingParams(max_tokens=20 + i, ignore_eos=True, **MIXED[i % len(MIXED)])
+              for i in range(14)]
+    params[3] = SamplingParams(n=3, temperature=0.9, seed=8, max_tokens=12, ignore_eos=True)
+    with monkeypatch.context() as m:
+        want = _run(config_path, m, {"MINIVLLM_PIPELINE": "0"}, prompts, params,
+                    enforce_eager=True)
+    got = _run(config_path, monkeypatch, env, prompts, params, **kw)
+    assert got == want, name

@@ -1,0 +1,212 @@
+"""The sampler on its own: Philox's mirror, the Triton kernels (interpreted) against the
+PyTorch reference, the truncation against its sort-based definition, and the draws'
+distributions (chi-square)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from csrc_triton import sampling as K
+from minivllm import SamplingParams
+from minivllm.worker import sampler as S
+
+CPU = torch.device("cpu")
+
+
+def row(i: int, prompt=(1, 2, 3, 4), output=(7, 7, 9), eos=(5,), **kw) -> SimpleNamespace:
+    """What the sampler reads of a sequence."""
+    params = SamplingParams(**kw)
+    params._eos_token_ids = frozenset(eos)
+    return SimpleNamespace(seq_id=i, params=params, num_prompt_tokens=len(prompt),
+                           prompt_token_ids=list(prompt), output_token_ids=list(output))
+
+
+def staged(seqs, vocab: int, positions: list[int] | None = None, extras=None,
+           counted=None) -> tuple[S.SamplingState, S.RowInputs]:
+    state = S.SamplingState(max(len(seqs), 1), vocab, CPU, engine_seed=0)
+    slots = [state.slot_of(s) for s in seqs]
+    state.flush()
+    n, kx = len(seqs), 2
+    extra = torch.full((n, kx), -1, dtype=torch.int32)
+    for i, e in enumerate(extras or []):
+        extra[i, :len(e)] = torch.tensor(e, dtype=torch.int32)
+    flags = torch.tensor([1 if c else 0 for c in (counted or [True] * n)], dtype=torch.int32)
+    positions = positions or [s.num_prompt_tokens + len(s.output_token_ids) for s in seqs]
+    return state, S.RowInputs(torch.tensor(slots, dtype=torch.int32),
+                              torch.tensor(positions, dtype=torch.int64), flags, extra)
+
+
+def run_kernels(logits, state, rows, want_logprobs: bool, cap: int = 32):
+    """csrc_triton.sampling.sample_rows (interpreted), with a small gather list so tiny
+    vocabularies take every path of the search."""
+    n, vocab = logits.shape
+    scratch = SimpleNamespace(
+        x=torch.empty(n, vocab), part=torch.empty(n * 8 + 8), part_idx=torch.empty(
+            n + 1, dtype=torch.int32), g_val=torch.empty(n, cap),
+        g_idx=torch.empty(n, cap, dtype=torch.int32), tau=torch.empty(n, dtype=torch.int64),
+        peak=torch.empty(n), lse=torch.empty(n))
+    out = S._Outputs(n, vocab, CPU)
+    out.token.fill_(-7)
+    K.sample_rows(logits, logits.argmax(-1), rows, state, scratch, out, want_logprobs)
+    return out
+
+
+MIXED = [dict(temperature=0.0), dict(temperature=0.0, repetition_penalty=1.3, logprobs=3),
+         dict(temperature=0.8, top_k=50, top_p=0.9, seed=3),
+         dict(temperature=1.0, seed=4),
+         dict(temperature=0.7, top_p=0.5, min_p=0.05, logprobs=0),
+         dict(temperature=1.2, top_k=5, logit_bias={11: 5.0, 12: -3.0}),
+         dict(temperature=0.9, top_p=0.97, frequency_penalty=0.4),
+         dict(temperature=0.0, min_tokens=3, frequency_penalty=0.5, presence_penalty=0.3,
+              stop_token_ids=[9]),
+         dict(temperature=0.6, top_k=300, top_p=0.99, seed=-5),
+         dict(temperature=1.5, min_p=0.2, repetition_penalty=0.8, seed=2**40)]
+
+
+@pytest.mark.parametrize("shape", ["peaked", "flat", "ties"])
+def test_kernels_match_the_reference(shape):
+    """Every row of a mixed batch gets the same token, counts and logprobs from the
+    kernels as from sample_reference; 'flat' rows keep more tokens than the gather list
+    holds (the search's interval, a draw over the whole row), 'ties' make the search end
+    on single keys."""
+    vocab = 400
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(len(MIXED), vocab, generator=g)
+    logits = {"peaked": logits * 4, "flat": logits * 0.05,
+              "ties": (logits * 2).round() / 2}[shape]
+    seqs = [row(i, **p) for i, p in enumerate(MIXED)]
+    extras = [[], [], [7, 30], [], [], [], [12], [], [], []]
+    counted = [True] * len(seqs)
+    counted[2] = counted[6] = False
+    want_state, rows = staged(seqs, vocab, extras=extras, counted=counted)
+    want_tokens, want_lp = S.sample_reference(logits, want_state, rows, True)
+    got_state, rows = staged(seqs, vocab, extras=extras, counted=counted)
+    out = run_kernels(logits, got_state, rows, True)
+    assert out.token.tolist() == want_tokens.tolist()
+    assert torch.equal(got_state.counts, want_state.counts)
+    for i, p in enumerate(MIXED):
+        if p.get("logprobs") is None:
+            continue
+        n = p["logprobs"]
+        assert abs(out.token_lp[i].item() - want_lp[0][i].item()) < 1e-5
+        assert out.rank[i].item() == want_lp[1][i].item()
+        assert out.top_idx[i, :n].tolist() == want_lp[3][i, :n].tolist()
+        torch.testing.assert_close(out.top_val[i, :n], want_lp[2][i, :n])
+
+
+@triton.jit
+def _uniforms_kernel(seed_ptr, pos_ptr, out_ptr, V: tl.constexpr):
+    r = tl.program_id(0)
+    tokens = tl.arange(0, V)
+    u = K._uniform(tl.load(seed_ptr + r), tokens, tl.load(pos_ptr + r))
+    tl.store(out_ptr + r * V + tokens, u)
+
+
+def test_philox_mirror_is_bit_exact():
+    """worker/sampler.py's Philox in PyTorch gives the kernels' uniforms bit for bit, for
+    any seed (negative and above 32 bits too), token and position."""
+    seeds = torch.tensor([0, 1, -1, 12345, 2**40 + 17, -(2**62)], dtype=torch.int64)
+    positions = torch.tensor([0, 5, 70000, 3, 2**31 - 1, 9], dtype=torch.int64)
+    got = torch.empty(6, 64)
+    _uniforms_kernel[(6,)](seeds, positions, got, V=64)
+    want = S.philox_uniform(seeds[:, None], torch.arange(64).expand(6, 64),
+                            positions[:, None])
+    assert torch.equal(got, want)
+    assert 0.0 < want.min() and want.max() < 1.0
+    assert len(set(want[0].tolist())) == 64
+
+
+def sort_based_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                     min_p: float) -> torch.Tensor:
+    """The truncated distribution by sorting the whole vocabulary (the definition the
+    sampler's search must meet exactly): softmax of logits / temperature, keep the top_k
+    largest, then in descending order each token whose preceding mass is under top_p (a
+    token tied with the last kept one is kept too), then those with p >= min_p * max."""
+    x = logits.double() / temperature
+    values, order = x.sort(descending=True)
+    keep = torch.ones_like(values, dtype=torch.bool)
+    if 0 < top_k < len(values):
+        keep &= values >= values[top_k - 1]
+    if top_p < 1.0:
+        p = torch.softmax(values.masked_fill(~keep, float("-inf")), 0)
+        before = p.cumsum(0) - p
+        last = int(torch.nonzero(keep & (before < top_p)).max())
+        keep &= values >= values[last]
+    if min_p > 0:
+        keep &= torch.exp(values - values[0]) >= min_p
+    probs = torch.zeros_like(x)
+    probs[order[keep]] = torch.softmax(values[keep], 0)
+    return probs
+
+
+# chi2 quantiles at p = 0.9999 by degrees of freedom (a false failure 1 run in 10,000)
+CHI2_9999 = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74, 6: 27.86, 7: 29.88,
+             8: 31.83, 9: 33.72, 10: 35.56, 11: 37.37}
+
+
+def chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    observed = torch.bincount(tokens, minlength=len(probs)).double()
+    support = probs > 0
+    assert observed[~support].sum() == 0, "a token outside the kept set was drawn"
+    expected = probs[support] * tokens.numel()
+    return float(((observed[support] - expected) ** 2 / expected).sum()), int(support.sum()) - 1
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(temperature=1.0), dict(temperature=0.6), dict(temperature=1.0, top_k=4),
+    dict(temperature=1.0, top_p=0.7), dict(temperature=1.0, min_p=0.15),
+    dict(temperature=0.8, top_k=6, top_p=0.8), dict(temperature=1.3, top_p=0.9, min_p=0.1),
+    dict(temperature=0.7, top_k=5, top_p=0.95, min_p=0.05)])
+def test_draws_follow_the_sort_based_distribution(cfg):
+    """30,000 rows, each its own seed, one 12-token logits row: the tokens drawn follow
+    the sort-based truncated softmax (chi-square at p = 0.9999)."""
+    vocab, n = 12, 30_000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(1)) * 1.5
+    want = sort_based_probs(logits, cfg["temperature"], cfg.get("top_k", 0),
+                            cfg.get("top_p", 1.0), cfg.get("min_p", 0.0))
+    sampler = S.Sampler(vocab, CPU, seed=3, max_rows=n, num_slots=n)
+    seqs = [row(i, seed=i, **cfg) for i in range(n)]
+    out = sampler.sample_now(logits.expand(n, vocab).clone(), None, seqs, [4] * n)
+    stat, dof = chi_square(torch.tensor(out.token_ids), want)
+    assert dof >= 1 and stat < CHI2_9999[dof], (stat, dof, want)
+
+
+def test_kept_set_is_the_sort_based_one():
+    """On rows with ties at the boundaries and random ones, the reference's kept set is
+    the sort-based definition's support."""
+    g = torch.Generator().manual_seed(5)
+    cases = []
+    for _ in range(60):
+        logits = (torch.randn(40, generator=g) * 2).round() / 2  # many ties
+        k = int(torch.randint(0, 45, (1,), generator=g))
+        p = float(torch.rand(1, generator=g)) * 0.99 + 0.01
+        m = float(torch.rand(1, generator=g)) * 0.3
+        cases.append((logits, 0.9, k, p, m))
+    for logits, t, k, p, m in cases:
+        params = SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
+        flags = torch.tensor([S.slot_flags(params)])
+        if not 0 < k < 40:
+            flags &= ~S.FLAG_TOP_K
+        x = (logits / t)[None]
+        keep = S.kept_tokens(x, flags, torch.tensor([k]), torch.tensor([p]), torch.tensor([m]))
+        want = sort_based_probs(logits, t, k, p, m) > 0
+        assert torch.equal(keep[0], want), (logits, k, p, m)
+
+
+def test_counts_hold_prompt_output_and_bans():
+    """A slot's counts: the prompt's presence, the output's counts (a resumed sequence's
+    tokens so far), min_tokens' bans (EOS and stop tokens), and each draw adds its token."""
+    seq = row(0, prompt=(3, 3, 8), output=(8, 9, 9, -1), eos=(2,), temperature=0.0,
+              repetition_penalty=1.2, min_tokens=9, stop_token_ids=[6])
+    state, rows = staged([seq], 16, positions=[7])
+    c = state.counts[0]
+    assert c[3].item() == S.PROMPT_BIT and c[8].item() == S.PROMPT_BIT + 4
+    assert c[9].item() == 8 and c[2].item() == S.BAN_BIT and c[6].item() == S.BAN_BIT
+    logits = torch.zeros(1, 16)
+    logits[0, 2] = logits[0, 6] = 50.0  # banned: not drawn before min_tokens
+    logits[0, 11] = 1.0
+    tokens, _ = S.sample_reference(logits, state, rows, False)
+    assert tokens.tolist() == [11] and c[11].item() == 4
