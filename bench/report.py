@@ -731,7 +731,10 @@ class Report:
         if not server:
             return
         variants = sorted(k for k in by if is_server_variant(k))
-        peers = [k for k in by if k != "minivllm" and k not in variants]
+        # A server run with a generation_config.json (bench/w3_gpu.py's -genconfig labels) is
+        # paired with minivllm's of the same setting in bench/vs_vllm.py's table, not here.
+        peers = [k for k in by if k != "minivllm" and k not in variants
+                 and not k.endswith("-genconfig")]
         cs = sorted(server)
         rows = []
         for c in cs:
@@ -874,11 +877,16 @@ class Report:
                "same client, 128 in / 128 out, streamed; D<B>: ms per decode step at batch "
                "B with 1,024-token prompts (a 257-token run's time less a 1-token run's, "
                "over 256 steps). Ratio: minivllm ÷ vLLM for throughput, vLLM ÷ minivllm "
-               "for latency and step times (above 1: minivllm better).\n")
+               "for latency and step times (above 1: minivllm better). Offline rows are "
+               "greedy; \"W1 sampled\", \"W1 top_p\" and so on: the same workload under "
+               "that sampling setting (bench/vs_vllm.py's SAMPLING, both engines alike); "
+               "\"W3 genconfig\": both servers reading the model's generation_config.json "
+               "(bench/w3_gpu.py --generation-config-json).\n")
         self.p("Floor: the workload's ideal on the H200 (800 TFLOP/s bf16, 4.28 TB/s HBM) "
                "for bf16 weights and KV cache, prefill then decode, each step bound by its "
                "FLOPs or its bytes ([bench/roofline.py](../../roofline.py)); offline rows of "
-               "quantized runs and quantized checkpoints get none.\n")
+               "quantized runs, of sampling settings other than greedy and of quantized "
+               "checkpoints get none.\n")
         for r in runs:
             self.h(3, f"{r.data.get('model')}: `{rel(r.run, self.base)}`")
             # A smoke run (CPU) stands a tiny model in for the named one: no floor.

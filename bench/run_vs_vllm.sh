@@ -15,7 +15,13 @@
 #
 # Knobs: VS_PARTS (default "mini-offline vllm-offline mini-w3 vllm-w3"), VS_WORKLOADS
 # (default w1,w2,w5,w6; "sweep" adds the decode sweep, rows D1 ... D128), VS_QUANT (both engines' quantization for the offline parts, e.g.
-# fp8: its rows are "W1 fp8" and so on), VS_KV_DTYPE (both engines' kv_cache_dtype, e.g. fp8), T_OFFLINE / T_W3 / T_W3_VLLM (each part's limit, s), TOTAL_S (the call's, 560),
+# fp8: its rows are "W1 fp8" and so on), VS_KV_DTYPE (both engines' kv_cache_dtype, e.g. fp8),
+# VS_SAMPLING (the offline parts' sampling settings, default greedy; e.g. greedy,sampled,top_p
+# runs each workload once per setting, rows "W1", "W1 sampled", "W1 top_p": the names are
+# bench/vs_vllm.py's SAMPLING; each setting adds its workloads' time, so raise T_OFFLINE),
+# W3_GENCONFIG (a generation_config.json, e.g. bench/model_configs/qwen2.5-0.5b-instruct.generation_config.json:
+# both W3 servers read it as the model's own, files w3_ENGINE-genconfig.json, rows "W3 genconfig c=N"),
+# T_OFFLINE / T_W3 / T_W3_VLLM (each part's limit, s), TOTAL_S (the call's, 560),
 # W3_ARGS (extra bench.w3_gpu flags), RES, OUT. The commit comes from bench/.commit.
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -78,14 +84,15 @@ for model in "${MODELS[@]}"; do
   dir="$RES/$model"; mkdir -p "$dir"
   off=(python3 -m bench.vs_vllm offline --model "$model" --workloads "${VS_WORKLOADS:-w1,w2,w5,w6}"
        --out "$dir" --work "$WORK" ${VS_QUANT:+--quantization "$VS_QUANT"}
-       ${VS_KV_DTYPE:+--kv-cache-dtype "$VS_KV_DTYPE"})
+       ${VS_KV_DTYPE:+--kv-cache-dtype "$VS_KV_DTYPE"} --sampling "${VS_SAMPLING:-greedy}")
   # 8 rounds a level: at c=256, 2 rounds are 512 requests, under 2 s of minivllm's time with
   # its ramp: 39k tok/s in one call, 59-61k with 8 rounds in another (2026-12-02's
   # vs-vllm-qwen2.5-0.5b and w3-two-api-servers).
   # shellcheck disable=SC2206
   w3=(python3 -m bench.w3_gpu --work "$WORK/w3-$model" --out-dir "$dir" --log-dir "$dir/logs"
       --model-config "bench/model_configs/$model.json" --concurrency 1 16 64 256 --ramp
-      --rounds 8 --gpu-memory-utilization 0.9 ${W3_ARGS:-})
+      --rounds 8 --gpu-memory-utilization 0.9
+      ${W3_GENCONFIG:+--generation-config-json "$W3_GENCONFIG"} ${W3_ARGS:-})
   for p in $PARTS; do
     case $p in
       mini-offline) part "$model minivllm offline" "${T_OFFLINE:-240}" "$MINI_PATH" "${off[@]}" --engine minivllm ;;

@@ -5,9 +5,10 @@ merge of a model's run into one JSON with both engines and the ratios.
     PYTHONPATH=$VLLM_SITE python -m bench.vs_vllm offline --engine vllm --model ... --out DIR
     python -m bench.vs_vllm merge DIR [--commit C]  # DIR/vs_vllm.json from DIR/offline_*.json + w3_*.json
     python -m bench.vs_vllm offline --engine minivllm --smoke --out DIR   # tiny, on a CPU
+    python -m bench.vs_vllm offline ... --sampling greedy,sampled,top_p   # sampled decoding too
 
-Workloads (random token ids below 10,000, greedy, ignore_eos; each repetition draws fresh
-prompts, so prefix caching never serves a repeat):
+Workloads (random token ids below 10,000, ignore_eos; each repetition draws fresh prompts,
+so prefix caching never serves a repeat):
   W1  256 requests, prompt and output lengths uniform in [100, 1024]: output tok/s
   W2  one request, 128-token prompt, 256 output tokens: output tok/s
   W5  32 prompts x 4096 tokens, 1 output token: prompt tok/s
@@ -22,12 +23,30 @@ whole 16-token blocks; the models' own 32k-128k would only grow both engines' KV
 and otherwise their defaults. vLLM runs with skip_tokenizer_init (token-id prompts, no
 detokenization: neither engine gets a tokenizer) and generation_config="vllm".
 W3 (the HTTP servers) is bench/w3_gpu.py's, run beside this by bench/run_vs_vllm.sh.
+
+Sampling (--sampling, comma-separated; default greedy): each workload but SWEEP (greedy
+only) runs once per setting, greedy first. Both engines get the same SamplingParams fields
+(SAMPLING below), on top of max_tokens and ignore_eos:
+  greedy       temperature 0
+  sampled      temperature 0.8, top_p 0.95, top_k 50, repetition_penalty 1.1, seed
+  temperature  temperature 0.8, seed
+  top_p        temperature 0.8, top_p 0.95, seed
+  top_k        temperature 0.8, top_k 50, seed
+  min_p        temperature 0.8, min_p 0.05, seed
+  repetition   temperature 0, repetition_penalty 1.1
+  presence     temperature 0, presence_penalty 0.5
+  frequency    temperature 0, frequency_penalty 0.5
+"seed" is the request's index in the workload's list (0, 1, 2, ...): the same seeds for both
+engines. Greedy rows keep the workload's name (W1); the others are "W1 sampled", "W1 top_p"
+and so on. A setting's run has the greedy run's prompt and output lengths with other prompt
+ids (the prefix cache holds the earlier setting's prompts).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -37,6 +56,32 @@ from bench.gpu_check import MODELS_DIR, SMOKE_CONFIG
 from bench.workloads import decode_sweep, workloads
 
 MAX_MODEL_LEN = 8704
+
+# The sampling settings (--sampling): name -> SamplingParams fields (both engines take the
+# same names). PER_REQUEST: the request's index in the workload's list.
+PER_REQUEST = "per-request"
+SAMPLING = {
+    "greedy": {"temperature": 0.0},
+    "sampled": {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "repetition_penalty": 1.1,
+                "seed": PER_REQUEST},
+    "temperature": {"temperature": 0.8, "seed": PER_REQUEST},
+    "top_p": {"temperature": 0.8, "top_p": 0.95, "seed": PER_REQUEST},
+    "top_k": {"temperature": 0.8, "top_k": 50, "seed": PER_REQUEST},
+    "min_p": {"temperature": 0.8, "min_p": 0.05, "seed": PER_REQUEST},
+    "repetition": {"temperature": 0.0, "repetition_penalty": 1.1},
+    "presence": {"temperature": 0.0, "presence_penalty": 0.5},
+    "frequency": {"temperature": 0.0, "frequency_penalty": 0.5},
+}
+
+
+def sampling_fields(sampling: str, index: int) -> dict:
+    """SamplingParams fields of setting `sampling` for the workload's request `index`."""
+    return {k: index if v == PER_REQUEST else v for k, v in SAMPLING[sampling].items()}
+
+
+def row_name(workload: str, sampling: str) -> str:
+    """Greedy rows keep the workload's name (older results and the report use it)."""
+    return workload if sampling == "greedy" else f"{workload} {sampling}"
 
 
 # ---- engines -----------------------------------------------------------------------------------
@@ -65,11 +110,11 @@ class MinivllmEngine:
             self.settings["kv_cache_dtype"] = kv_cache_dtype
         self.llm = LLM(str(folder), **self.settings)
 
-    def generate(self, requests) -> list[int]:
+    def generate(self, requests, sampling: str = "greedy") -> list[int]:
         from minivllm import SamplingParams
 
-        params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True)
-                  for _, o in requests]
+        params = [SamplingParams(max_tokens=o, ignore_eos=True, **sampling_fields(sampling, i))
+                  for i, (_, o) in enumerate(requests)]
         outs = self.llm.generate([p for p, _ in requests], params, use_tqdm=False)
         return [len(o.outputs[0].token_ids) for o in outs]
 
@@ -104,12 +149,13 @@ class VllmEngine:
             self.settings["kv_cache_dtype"] = kv_cache_dtype
         self.llm = LLM(model=str(folder), **self.settings)
 
-    def generate(self, requests) -> list[int]:
+    def generate(self, requests, sampling: str = "greedy") -> list[int]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True,
-                                 detokenize=False) for _, o in requests]
+        params = [SamplingParams(max_tokens=o, ignore_eos=True, detokenize=False,
+                                 **sampling_fields(sampling, i))
+                  for i, (_, o) in enumerate(requests)]
         prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in requests]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         return [len(o.outputs[0].token_ids) for o in outs]
@@ -139,11 +185,11 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def _timed(engine, reqs) -> float:
+def _timed(engine, reqs, sampling: str = "greedy") -> float:
     """Seconds for one generate call of `reqs`, each output checked to be its max_tokens."""
     sync()
     start = time.perf_counter()
-    got = engine.generate(reqs)
+    got = engine.generate(reqs, sampling)
     sync()
     secs = time.perf_counter() - start
     want = [o for _, o in reqs]
@@ -151,6 +197,25 @@ def _timed(engine, reqs) -> float:
         raise RuntimeError(f"output lengths differ from max_tokens ({sum(got)} vs "
                            f"{sum(want)} tokens)")
     return secs
+
+
+def with_sampling(reqs, w, key: str, sampling: str):
+    """Greedy: `reqs` as they are. Another setting: the same prompt and output lengths with
+    other prompt ids, so its run's shapes are the greedy run's but no prompt is one the
+    prefix cache holds from an earlier setting."""
+    if sampling == "greedy":
+        return reqs
+    rng = random.Random(f"{key}-{sampling}")
+    return [([rng.randrange(10, w.vocab) for _ in p], o) for p, o in reqs]
+
+
+def sampling_settings(text: str) -> list[str]:
+    names = list(dict.fromkeys(s.strip().lower() for s in text.split(",") if s.strip()))
+    unknown = [s for s in names if s not in SAMPLING]
+    if unknown or not names:
+        raise SystemExit(f"--sampling: unknown setting(s) {', '.join(unknown) or '(none)'}; "
+                         f"known: {', '.join(SAMPLING)}")
+    return sorted(names, key=lambda s: s != "greedy")  # greedy first, the rest as given
 
 
 def run_offline(args) -> int:
@@ -169,8 +234,10 @@ def run_offline(args) -> int:
     folder, cfg = model_folder(args.model, args.smoke, Path(args.work))
     wl = workloads(args.smoke, cfg["vocab_size"])
     chosen = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
+    settings = sampling_settings(args.sampling)
     record = {"benchmark": "vs_vllm_offline", "engine": args.engine, "model": args.model,
-              "environment": environment(), "rows": [], "best": {}}
+              "environment": environment(), "sampling": {s: SAMPLING[s] for s in settings},
+              "rows": [], "best": {}}
 
     def save() -> None:
         path.write_text(json.dumps(record, indent=1))
@@ -189,31 +256,38 @@ def run_offline(args) -> int:
                              args, save)
             continue
         w = wl[name]
-        try:
-            engine.generate(w.warm_up())
-            for rep in range(w.reps):
-                reqs = w.requests(rep)
-                secs = _timed(engine, reqs)
-                prompt_tokens = sum(len(p) for p, _ in reqs)
-                output_tokens = sum(o for _, o in reqs)
-                row = {"workload": name, "rep": rep, "seconds": round(secs, 4),
-                       "requests": len(reqs), "prompt_tokens": prompt_tokens,
-                       "output_tokens": output_tokens,
-                       "output_tok_per_s": round(output_tokens / secs, 1),
-                       "prompt_tok_per_s": round(prompt_tokens / secs, 1)}
-                record["rows"].append(row)
-                log(f"{args.engine} {args.model} {name} rep {rep}: {row[w.metric]:,.0f} "
-                    f"{w.metric} ({secs:.2f} s)")
-                save()
-            rows = [r for r in record["rows"] if r["workload"] == name]
-            record["best"][name] = {"metric": w.metric,
-                                    "value": max(r[w.metric] for r in rows)}
-        except Exception as e:  # noqa: BLE001 - keep the other workloads' numbers
-            record.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:2000]
-            log(f"{args.engine} {args.model} {name} failed: {e}")
-        save()
+        for sampling in settings:
+            run_workload(engine, w, sampling, record, args, save)
     log(f"wrote {path}")
     return 1 if record.get("errors") else 0
+
+
+def run_workload(engine, w, sampling: str, record: dict, args, save) -> None:
+    """One workload under one sampling setting: a warm-up, then its repetitions (rows
+    row_name(workload, sampling)), the best of them in record["best"]."""
+    name = row_name(w.name, sampling)
+    try:
+        engine.generate(with_sampling(w.warm_up(), w, f"{w.name}-warm", sampling), sampling)
+        for rep in range(w.reps):
+            reqs = with_sampling(w.requests(rep), w, f"{w.name}-{rep}", sampling)
+            secs = _timed(engine, reqs, sampling)
+            prompt_tokens = sum(len(p) for p, _ in reqs)
+            output_tokens = sum(o for _, o in reqs)
+            row = {"workload": name, "rep": rep, "sampling": sampling,
+                   "seconds": round(secs, 4), "requests": len(reqs),
+                   "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+                   "output_tok_per_s": round(output_tokens / secs, 1),
+                   "prompt_tok_per_s": round(prompt_tokens / secs, 1)}
+            record["rows"].append(row)
+            log(f"{args.engine} {args.model} {name} rep {rep}: {row[w.metric]:,.0f} "
+                f"{w.metric} ({secs:.2f} s)")
+            save()
+        rows = [r for r in record["rows"] if r["workload"] == name]
+        record["best"][name] = {"metric": w.metric, "value": max(r[w.metric] for r in rows)}
+    except Exception as e:  # noqa: BLE001 - keep the other workloads' numbers
+        record.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:2000]
+        log(f"{args.engine} {args.model} {name} failed: {e}")
+    save()
 
 
 def run_decode_sweep(engine, sweep, record: dict, args, save) -> None:
@@ -246,6 +320,8 @@ def run_decode_sweep(engine, sweep, record: dict, args, save) -> None:
 
 # ---- merge -------------------------------------------------------------------------------------
 
+# The W3 files' label suffixes: plain, and bench/w3_gpu.py --generation-config-json's.
+W3_VARIANTS = ("", "-genconfig")
 W3_METRICS = (("output_tok_per_s", "tok/s", True), ("itl_ms_p99", "ITL p99 ms", False),
               ("ttft_ms_p99", "TTFT p99 ms", False), ("tokens_per_event", "tok/chunk", False))
 
@@ -297,7 +373,9 @@ def merge(folder: Path, commit: str | None = None) -> dict:
         model = model or next((e["model"] for e in engines.values() if e), None)
         sweep = sorted({k for e in engines.values() if e for k in e.get("best", {})
                         if k.startswith("D")}, key=lambda k: int(k[1:]))
-        for wname in ["W1", "W2", "W5", "W6"] + sweep:
+        # Each workload's greedy row, then its other sampling settings' ("W1 sampled").
+        names = [row_name(w, s) for w in ("W1", "W2", "W5", "W6") for s in SAMPLING]
+        for wname in names + sweep:
             vals = {k: (e or {}).get("best", {}).get(wname) for k, e in engines.items()}
             metric = next((v["metric"] for v in vals.values() if v), None)
             if metric is None:
@@ -310,31 +388,37 @@ def merge(folder: Path, commit: str | None = None) -> dict:
             rows.append({"workload": f"{wname} {method}".strip(), "metric": metric,
                          "minivllm": mine, "vllm": theirs, "ratio": ratio})
     model = model or folder.name
-    w3 = {k: _w3_levels(folder / f"w3_{k}.json") if read(folder / f"w3_{k}.json") else {}
-          for k in ENGINES}
-    for c in sorted(set(w3["minivllm"]) | set(w3["vllm"])):
-        for key, label, higher in W3_METRICS:
-            mine = w3["minivllm"].get(c, {}).get(key)
-            theirs = w3["vllm"].get(c, {}).get(key)
-            ratio = None
-            if mine and theirs:
-                ratio = round(mine / theirs if higher else theirs / mine, 3)
-            rows.append({"workload": f"W3 c={c}", "metric": key, "label": label,
-                         "minivllm": mine, "vllm": theirs,
-                         "ratio": ratio if key != "tokens_per_event" else None})
+    # w3_ENGINE.json, and w3_ENGINE-genconfig.json for servers that read the model's
+    # generation_config.json (bench/w3_gpu.py --generation-config-json): rows "W3 c=64",
+    # "W3 genconfig c=64".
     w3_env = {}
-    for k in ENGINES:
-        d = read(folder / f"w3_{k}.json")
-        if d is not None:
-            w3_env[k] = {"environment": d.get("environment"), "workload": d.get("workload"),
-                         "launch_cmd": next((t.get("launch_cmd") for t in d.get("targets", [])),
-                                            None)}
+    for variant in W3_VARIANTS:
+        w3 = {k: _w3_levels(folder / f"w3_{k}{variant}.json")
+              if read(folder / f"w3_{k}{variant}.json") else {} for k in ENGINES}
+        tag = " ".join(["W3"] + ([variant.lstrip("-")] if variant else []))
+        for c in sorted(set(w3["minivllm"]) | set(w3["vllm"])):
+            for key, label, higher in W3_METRICS:
+                mine = w3["minivllm"].get(c, {}).get(key)
+                theirs = w3["vllm"].get(c, {}).get(key)
+                ratio = None
+                if mine and theirs:
+                    ratio = round(mine / theirs if higher else theirs / mine, 3)
+                rows.append({"workload": f"{tag} c={c}", "metric": key, "label": label,
+                             "minivllm": mine, "vllm": theirs,
+                             "ratio": ratio if key != "tokens_per_event" else None})
+        for k in ENGINES:
+            d = read(folder / f"w3_{k}{variant}.json")
+            if d is not None:
+                w3_env[k + variant] = {
+                    "environment": d.get("environment"), "workload": d.get("workload"),
+                    "launch_cmd": next((t.get("launch_cmd") for t in d.get("targets", [])),
+                                       None)}
     env = next((e["environment"] for r in runs.values() for e in r.values() if e), None) \
         or next((v["environment"] for v in w3_env.values() if v.get("environment")), {})
 
     def summary(engines):
         return {k: e and {x: e.get(x) for x in ("engine", "version", "settings", "startup_s",
-                                                "environment", "rows", "errors")}
+                                                "environment", "sampling", "rows", "errors")}
                 for k, e in engines.items()}
 
     result = {"benchmark": "vs_vllm", "model": model, "environment": env, "rows": rows,
@@ -360,6 +444,10 @@ def main(argv=None) -> int:
                      help="a config under bench/model_configs/ (without .json)")
     off.add_argument("--workloads", default="w1,w2,w5,w6",
                      help="comma-separated: w1, w2, w5, w6, sweep (the decode sweep)")
+    off.add_argument("--sampling", default="greedy",
+                     help="comma-separated sampling settings, each workload (but sweep) run "
+                          f"once per setting, greedy first: {', '.join(SAMPLING)}; rows of "
+                          "a setting other than greedy are \"W1 sampled\" and so on")
     off.add_argument("--out", required=True, help="the run's folder")
     off.add_argument("--work", default="/tmp/minivllm-vs-vllm", help="model folders")
     off.add_argument("--smoke", action="store_true", help="a tiny model on the CPU")

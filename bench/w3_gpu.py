@@ -25,6 +25,16 @@ ASCII characters is exactly N tokens (id = byte) for every server, the offline e
 those very ids, and every other id the dummy model samples decodes to a word " t<id>", so
 streamed chunks carry text the client can time. (--prompt-mode tokens sends minivllm the ids
 with --skip-tokenizer-init instead: its chunks then carry no text.)
+
+Sampling: of the sampling fields the client sends only temperature 0 (greedy), max_tokens
+and ignore_eos; by default no server has sampling defaults (the model folder holds no
+generation_config.json and vLLM runs with --generation-config vllm).
+--generation-config-json PATH (minivllm and vllm parts, and prepare without --hf-weights)
+copies PATH into the model folder as generation_config.json and starts both servers with
+their default (auto), so each reads it as a model's own: the fields the client leaves unset
+(top_p, top_k, repetition_penalty, ...) come from it, as on a user's server. Those parts'
+labels and files then end in -genconfig (w3_minivllm-genconfig.json), and the file's content
+is the result's workload.generation_config (null without it).
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import json
 import os
 import random
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,6 +74,8 @@ WARM_BURST = 64
 from bench.gpu_check import SMOKE_CONFIG  # noqa: E402  (the same tiny model)
 
 STOP_RESERVE_S = 15  # kept back from a part's budget to stop its server and write the JSON
+GENCONFIG_LABEL = "-genconfig"  # the label suffix of parts run with --generation-config-json
+GENERATION_CONFIG = "generation_config.json"
 
 
 def log(*a) -> None:
@@ -157,6 +170,11 @@ def prepare(args, hf_weights: bool) -> Path:
         (folder / "config.json").write_text(json.dumps(cfg, indent=1))
     if not (folder / "tokenizer.json").exists():
         write_tokenizer(folder, cfg["vocab_size"])
+    if not hf_weights:  # the servers' folder: minivllm's reads a generation_config.json there
+        if args.generation_config_json:
+            shutil.copyfile(args.generation_config_json, folder / GENERATION_CONFIG)
+        else:  # an earlier run's copy (the same --work) would give minivllm defaults
+            (folder / GENERATION_CONFIG).unlink(missing_ok=True)
     return folder
 
 
@@ -194,6 +212,13 @@ class Prompts:
         return min(later) if later else len(self.pool)
 
 
+def generation_config(args) -> dict | None:
+    """The generation_config.json both servers read (--generation-config-json), or None."""
+    if not args.generation_config_json:
+        return None
+    return json.loads(Path(args.generation_config_json).read_text())
+
+
 def requests_at(args, c: int) -> int:
     return max(args.min_requests, int(round(args.rounds * c)))
 
@@ -204,6 +229,7 @@ def workload(args) -> dict:
             "min_requests": args.min_requests, "prompt_mode": args.prompt_mode,
             "seed": args.seed,
             "prompt_chars": PROMPT_CHARS, "temperature": 0.0, "stream": True,
+            "generation_config": generation_config(args),
             "endpoint": "/v1/completions",
             "model": model_name(args), "model_config": model_config(args),
             "weights": "dummy (random)", "dtype": "float32" if args.smoke else "bfloat16"}
@@ -276,14 +302,16 @@ def vllm_server(args) -> tuple[list[str], dict]:
     """vLLM's OpenAI server on the same model folder (config + byte-level tokenizer) and the
     same flags as minivllm's, from the bundle at $VLLM_SITE (its own fastapi and pydantic:
     nothing of this checkout's PYTHONPATH). --generation-config vllm: no sampling defaults
-    from a generation_config.json, as minivllm's server is run here (it has none)."""
+    from a generation_config.json, as minivllm's server is run here (it has none); with
+    --generation-config-json, vLLM's default (auto) reads the folder's, as minivllm's does."""
     if args.smoke:
         raise RuntimeError("vLLM needs a GPU: no smoke run")
     site = os.environ.get("VLLM_SITE")
     if not site:
         raise RuntimeError("VLLM_SITE is not set (source .vllm/install.sh first)")
+    genconfig = [] if args.generation_config_json else ["--generation-config", "vllm"]
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *server_args(args),
-           "--generation-config", "vllm", *shlex.split(args.vllm_args)]
+           *genconfig, *shlex.split(args.vllm_args)]
     return cmd, {"PYTHONPATH": site}
 
 
@@ -535,10 +563,11 @@ def run_http_part(args, part: str) -> int:
     budget = Budget(args.budget_s)
     log_dir = Path(args.log_dir or Path(args.work) / "logs")
     log_dir.mkdir(parents=True, exist_ok=True)
+    variant = GENCONFIG_LABEL if args.generation_config_json else ""
     if part == "minivllm":
-        label, kind, levels = args.label or "minivllm", "minivllm", args.concurrency
+        label, kind, levels = (args.label or "minivllm") + variant, "minivllm", args.concurrency
     elif part == "vllm":
-        label, kind, levels = args.label or "vllm", "vllm", args.concurrency
+        label, kind, levels = (args.label or "vllm") + variant, "vllm", args.concurrency
     else:
         label = "transformers" if args.plain else "transformers-cb"
         kind = "transformers"
@@ -718,6 +747,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--transformers-args", default="", help="Extra flags for transformers serve.")
     p.add_argument("--vllm-args", default="", help="Extra flags for vLLM's server.")
     p.add_argument("--hf-weights", action="store_true", help="prepare: also write HF weights.")
+    p.add_argument("--generation-config-json", default=None, metavar="PATH",
+                   help="minivllm and vllm parts (and prepare): copy PATH into the model "
+                        "folder as generation_config.json and let both servers read it (their "
+                        "default, auto), for the sampling fields the client leaves unset; "
+                        "labels get -genconfig. Default: no file, vLLM with "
+                        "--generation-config vllm.")
     p.add_argument("--label", default=None,
                    help="minivllm part: the label (and file name) of this server variant, "
                         "e.g. minivllm-api2 with --minivllm-args='--api-servers 2' "
@@ -728,6 +763,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "6 on the 16-CPU H200 host, where 4 processes were each ~75%% busy "
                         "at c=64; 1 on a machine of 5 CPUs or fewer).")
     args = p.parse_args(argv)
+    if args.generation_config_json:
+        if args.part in ("offline", "transformers") or args.hf_weights:
+            p.error("--generation-config-json: the minivllm and vllm parts only, and prepare "
+                    "without --hf-weights (the offline engine and transformers serve do not "
+                    "read the file here)")
+        if any(a.split("=")[0] == "--generation-config"
+               for a in shlex.split(args.minivllm_args + " " + args.vllm_args)):
+            p.error("--generation-config-json: leave --generation-config out of the servers' "
+                    "flags (both must read the model folder's file)")
+        try:
+            content = generation_config(args)
+        except (OSError, ValueError) as e:
+            p.error(f"--generation-config-json {args.generation_config_json}: {e}")
+        if not isinstance(content, dict):
+            p.error(f"--generation-config-json {args.generation_config_json}: not a JSON "
+                    "object")
     if args.client_procs is None:
         args.client_procs = max(1, min(8, (os.cpu_count() or 1) * 3 // 8))
     smoke = args.smoke

@@ -114,6 +114,18 @@ def _gumbel(seed, token, position):
 
 
 @triton.jit
+def _uniform_block(seed, start, position, BLOCK: tl.constexpr):
+    """_uniform for the tokens start .. start + BLOCK (start a multiple of 4): one Philox
+    call per 4 tokens, its outputs interleaved in token order."""
+    c0 = (start // 4 + tl.arange(0, BLOCK // 4)).to(tl.uint32)
+    c1 = (c0 * 0 + position).to(tl.uint32)
+    zero = c0 * 0
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero, zero)
+    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK,))
+    return ((r >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+
+
+@triton.jit
 def _first_max(v1, i1, v2, i2):
     take2 = (v2 > v1) | ((v2 == v1) & (i2 < i1))
     return tl.where(take2, v2, v1), tl.where(take2, i2, i1)
@@ -124,12 +136,13 @@ def _first_max(v1, i1, v2, i2):
 @triton.jit
 def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr, V,
                     row_slot_ptr, row_pos_ptr, row_extra_ptr, ints_ptr, floats_ptr,
-                    part_ptr, part_idx_ptr, split_len,
+                    part_ptr, part_idx_ptr, block_max_ptr, num_blocks, split_len,
                     KX: tl.constexpr, BLOCK: tl.constexpr):
     """Program (row, split): the row's values over its split of the vocabulary, processed
-    (bias, bans, penalties, temperature) and stored to x for a random row; partial
-    maximum, first argmax, sum of exp (relative to that maximum), least finite value and
-    finite count; the raw logits' maximum and sum of exp for a logprob row."""
+    (bias, bans, penalties, temperature) and stored to x for a random row, with each
+    block's maximum (a truncated row's bound, see _bound_kernel); partial maximum, first
+    argmax, sum of exp (relative to that maximum), least finite value and finite count;
+    the raw logits' maximum and sum of exp for a logprob row."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -153,6 +166,7 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
     banning = ((flags & 8) != 0) & (position - prompt_len < min_tokens)
     want_lp = (flags & 16) != 0
     top_p_on = (flags & 64) != 0
+    truncated = (flags & 96) != 0
 
     lanes = tl.arange(0, BLOCK)
     best = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
@@ -194,6 +208,8 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
             x = x / temperature
             tl.store(x_ptr + row * stride_x + offs, x, mask=ok)
             bm = tl.max(x, 0)
+            if truncated:
+                tl.store(block_max_ptr + row * num_blocks + k // BLOCK, bm)
             if top_p_on:
                 new = tl.maximum(run_max, bm)
                 if new > float("-inf"):
@@ -322,14 +338,120 @@ def _boundary(keys, ok, f_above, limit, floor, peak, USE_MASS: tl.constexpr,
 
 
 @triton.jit
+def _combined(part_ptr, part_idx_ptr, row, num_splits, SPLITS_P2: tl.constexpr):
+    """prepare's partials of a row: (maximum, its first index, sum of exp(x - maximum),
+    least finite value, finite count)."""
+    s = tl.arange(0, SPLITS_P2)
+    in_row = s < num_splits
+    part = part_ptr + (row * num_splits + s) * 8
+    maxes = tl.load(part + 0, mask=in_row, other=float("-inf"))
+    peak = tl.max(maxes, 0)
+    first = tl.min(tl.where(maxes == peak, s, SPLITS_P2), 0)
+    argmax = tl.load(part_idx_ptr + row * num_splits + first)
+    sums = tl.load(part + 1, mask=in_row, other=0.0)
+    total = tl.sum(tl.where(maxes > float("-inf"), sums * tl.exp(maxes - peak), 0.0), 0)
+    least = tl.min(tl.load(part + 2, mask=in_row, other=float("inf")), 0)
+    finite = tl.sum(tl.load(part + 3, mask=in_row, other=0.0), 0).to(tl.int32)
+    return peak, argmax, total, least, finite
+
+
+@triton.jit
+def _bound_kernel(row_slot_ptr, ints_ptr, floats_ptr, part_ptr, part_idx_ptr, num_splits,
+                  block_max_ptr, num_blocks, lo_ptr, count_ptr,
+                  SPLITS_P2: tl.constexpr, BLOCKS_P2: tl.constexpr, CAP: tl.constexpr):
+    """Program row, for a truncated random row: a value every kept token reaches, from
+    the blocks' maxima (each block holds a value at least its maximum): the k-th largest
+    block maximum for top-k; for top-p, the largest block maximum down to which the
+    maxima alone hold top_p of the row's mass. Its key goes to lo (no bound: the largest
+    key, and the select kernel searches), the gather's count to zero."""
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(row_slot_ptr + row).to(tl.int64)
+    if slot < 0:
+        return
+    flags = tl.load(ints_ptr + slot * 8)
+    if ((flags & 1) == 0) | ((flags & 96) == 0):
+        return
+    tl.store(count_ptr + row, 0)
+    peak, _, total, least, finite = _combined(part_ptr, part_idx_ptr, row, num_splits,
+                                              SPLITS_P2)
+    b = tl.arange(0, BLOCKS_P2)
+    maxima = tl.load(block_max_ptr + row * num_blocks + b, mask=b < num_blocks,
+                     other=float("-inf"))
+    maxima = tl.sort(maxima, 0, descending=True)
+    bound = float("-inf")
+    top_k = tl.load(ints_ptr + slot * 8 + 1)
+    if ((flags & 32) != 0) & (top_k <= num_blocks):
+        bound = tl.sum(tl.where(b == top_k - 1, maxima, 0.0), 0)
+    if (flags & 64) != 0:
+        w = tl.where(maxima > float("-inf"), tl.exp(maxima - peak), 0.0)
+        enough = tl.cumsum(w, 0) >= tl.load(floats_ptr + slot * 8 + 1) * total
+        first = tl.min(tl.where(enough, b, BLOCKS_P2), 0)
+        if first < BLOCKS_P2:
+            bound = tl.maximum(bound, tl.sum(tl.where(b == first, maxima, 0.0), 0))
+    lo = tl.where((bound > float("-inf")) | (finite <= CAP), _key(bound).to(tl.int64),
+                  _INT64_MAX)
+    tl.store(lo_ptr + row, lo)
+
+
+@triton.jit
+def _gather_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, lo_ptr, count_ptr,
+                   g_val_ptr, g_idx_ptr, split_len, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, split) of a bounded row: its values with a key >= lo, and their
+    token ids, appended to the row's list (slots by an atomic count; the list is sorted
+    after, so the order they land in does not matter); past CAP only counted."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    slot = tl.load(row_slot_ptr + row).to(tl.int64)
+    if slot < 0:
+        return
+    flags = tl.load(ints_ptr + slot * 8)
+    if ((flags & 1) == 0) | ((flags & 96) == 0):
+        return
+    lo = tl.load(lo_ptr + row)
+    if lo == _INT64_MAX:
+        return
+    start = split * split_len
+    for k in range(start, tl.minimum(start + split_len, V), BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < V, other=float("-inf"))
+        take = (_key(x).to(tl.int64) >= lo) & (offs < V)
+        n = tl.sum(take.to(tl.int32), 0)
+        if n > 0:
+            base = tl.atomic_add(count_ptr + row, n)
+            at = base + tl.cumsum(take.to(tl.int32), 0) - 1
+            keep = take & (at < CAP)
+            tl.store(g_val_ptr + row * CAP + at, x, mask=keep)
+            tl.store(g_idx_ptr + row * CAP + at, offs, mask=keep)
+
+
+@triton.jit
+def _listed_threshold(g_val, g_idx, n, flags, top_k, top_p, finite, total, peak,
+                      SIZE: tl.constexpr):
+    """tau from a list holding every value at or above it (n entries): top-k's boundary,
+    then top-p's over what top-k kept (the row's whole mass when top-k is off)."""
+    keys, ids, ok = _sorted_gathered(g_val, g_idx, n, SIZE)
+    floor = tl.min(tl.where(ok, keys, 2**31 - 1), 0).to(tl.int64)
+    tau = floor
+    if ((flags & 32) != 0) & (top_k < finite):
+        tau, _, _ = _boundary(keys, ok, 0.0, top_k.to(tl.float32), floor, peak, False, SIZE)
+    if (flags & 64) != 0:
+        mass = total
+        if tau > floor:
+            _, _, mass = _boundary(keys, ok, 0.0, 3.0e38, tau, peak, True, SIZE)
+        tau, _, _ = _boundary(keys, ok, 0.0, top_p * mass, tau, peak, True, SIZE)
+    return tau
+
+
+@triton.jit
 def _select_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floats_ptr,
                    part_ptr, part_idx_ptr, num_splits, greedy_ptr, g_val_ptr, g_idx_ptr,
-                   token_ptr, tau_ptr, peak_ptr, lse_ptr,
+                   lo_ptr, count_ptr, token_ptr, tau_ptr, peak_ptr, lse_ptr,
                    SPLITS_P2: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr,
                    CAP: tl.constexpr):
     """Program row: combine prepare's partials; a greedy row's token; a random row's
-    threshold tau, and its draw when the kept tokens fit the gathered list (else tau goes
-    to the draw kernel, token -1)."""
+    threshold tau: from the gathered list when its bound held at most CAP values, else by
+    the search below; and its draw when the kept tokens fit the list (else tau goes to
+    the draw kernel, token -1)."""
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(row_slot_ptr + row).to(tl.int64)
     if slot < 0:
@@ -338,27 +460,20 @@ def _select_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floa
     if flags == 0:
         tl.store(token_ptr + row, tl.load(greedy_ptr + row))
         return
-    s = tl.arange(0, SPLITS_P2)
-    in_row = s < num_splits
-    part = part_ptr + (row * num_splits + s) * 8
-    maxes = tl.load(part + 0, mask=in_row, other=float("-inf"))
-    peak = tl.max(maxes, 0)
-    first = tl.min(tl.where(maxes == peak, s, SPLITS_P2), 0)
-    argmax = tl.load(part_idx_ptr + row * num_splits + first)
+    peak, argmax, total, least, finite = _combined(part_ptr, part_idx_ptr, row, num_splits,
+                                                   SPLITS_P2)
     if (flags & 16) != 0:
-        raw_maxes = tl.load(part + 4, mask=in_row, other=float("-inf"))
+        s = tl.arange(0, SPLITS_P2)
+        part = part_ptr + (row * num_splits + s) * 8
+        raw_maxes = tl.load(part + 4, mask=s < num_splits, other=float("-inf"))
         raw_peak = tl.max(raw_maxes, 0)
-        raw_sums = tl.load(part + 5, mask=in_row, other=0.0)
+        raw_sums = tl.load(part + 5, mask=s < num_splits, other=0.0)
         lse = raw_peak + tl.log(tl.sum(raw_sums * tl.exp(raw_maxes - raw_peak), 0))
         tl.store(lse_ptr + row, lse)
     tl.store(peak_ptr + row, peak)
     if (flags & 1) == 0:
         tl.store(token_ptr + row, argmax.to(tl.int64))
         return
-    sums = tl.load(part + 1, mask=in_row, other=0.0)
-    total = tl.sum(tl.where(maxes > float("-inf"), sums * tl.exp(maxes - peak), 0.0), 0)
-    least = tl.min(tl.load(part + 2, mask=in_row, other=float("inf")), 0)
-    finite = tl.sum(tl.load(part + 3, mask=in_row, other=0.0), 0).to(tl.int32)
     top_k = tl.load(ints_ptr + slot * 8 + 1)
     top_p = tl.load(floats_ptr + slot * 8 + 1)
     x_row = x_ptr + row * stride_x
@@ -370,7 +485,20 @@ def _select_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floa
     at_tau = finite                  # values with a key >= tau
     listed_lo = top                  # the gathered list holds every value above this key
     listed = finite * 0              # its length
-    if ((flags & 32) != 0) & (top_k < finite):
+    bounded = finite * 0
+    if (flags & 96) != 0:
+        lo = tl.load(lo_ptr + row)
+        listed = tl.load(count_ptr + row)
+        bounded = ((lo != _INT64_MAX) & (listed <= CAP)).to(tl.int32)
+        if bounded != 0:
+            listed_lo = lo - 1
+            if listed <= 128:
+                tau = _listed_threshold(g_val, g_idx, listed, flags, top_k, top_p, finite,
+                                        total, peak, 128)
+            else:
+                tau = _listed_threshold(g_val, g_idx, listed, flags, top_k, top_p, finite,
+                                        total, peak, CAP)
+    if (bounded == 0) & ((flags & 32) != 0) & (top_k < finite):
         lo, hi, count_lo, count_hi, f_hi = _search(
             x_row, V, tau - 1, top, finite, finite * 0, peak * 0.0, top_k.to(tl.float32),
             peak, False, NP, BLOCK, CAP)
@@ -389,7 +517,7 @@ def _select_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floa
             if everything:
                 listed_lo = lo
                 listed = n
-    if (flags & 64) != 0:
+    if (bounded == 0) & ((flags & 64) != 0):
         if listed_lo < tau:
             # Every kept value so far is in the sorted list: top-p reads it off.
             keys, ids, ok = _sorted_gathered(g_val, g_idx, listed, CAP)
@@ -472,7 +600,8 @@ def _draw_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floats
         keep = ok & (_key(x).to(tl.int64) >= tau)
         if (flags & 128) != 0:
             keep = keep & (tl.exp(x - peak) >= min_p)
-        score = tl.where(keep, x + _gumbel(seed, offs, position), float("-inf"))
+        noise = -tl.log(-tl.log(_uniform_block(seed, k, position, BLOCK)))
+        score = tl.where(keep, x + noise, float("-inf"))
         take = (score > best) & keep
         best = tl.where(take, score, best)
         best_at = tl.where(take, offs, best_at)
@@ -591,7 +720,7 @@ def sampling_splits(rows: int, vocab: int, device: torch.device) -> int:
 
 
 def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch, out,
-                want_logprobs: bool) -> None:
+                want_logprobs: bool, block: int = _BLOCK) -> None:
     """See the module docstring. `rows`: slot [R] int32 (-1: padding), position [R]
     int64, flags [R] int32, extra [R, KX] int32 (earlier drafts counted at this row, -1
     none). `state`: ints [S, 8] int64, floats [S, 8] float32, counts [S, V] int32,
@@ -600,31 +729,41 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
     peak, lse [R]. `out`: token [R] int64, token_lp [R] float32, top_val [R, 20]
     float32, top_idx [R, 20] int32, rank [R] int32, lp_val / lp_idx / lp_rank (the
     logprob blocks' partials). greedy [R] int64: the step's argmax, the token of rows
-    whose slot has no flags."""
+    whose slot has no flags. block: the values a program reads at a time, and the blocks
+    whose maxima bound a truncated row (tests take small ones on tiny vocabularies)."""
     mod, _ = kernels_for(__name__, logits.device)
     num_rows, vocab = logits.shape
     if num_rows == 0:
         return
     splits = sampling_splits(num_rows, vocab, logits.device)
-    split_len = triton.cdiv(triton.cdiv(vocab, splits), _BLOCK) * _BLOCK
+    split_len = triton.cdiv(triton.cdiv(vocab, splits), block) * block
     splits = triton.cdiv(vocab, split_len)
     splits_p2 = triton.next_power_of_2(splits)
     kx = rows.extra.shape[1]
     x = scratch.x
+    cap = scratch.g_val.shape[1]
+    num_blocks = triton.cdiv(vocab, block)
     mod._prepare_kernel[(num_rows, splits)](
         logits, logits.stride(0), x, x.stride(0), state.counts, state.bias, vocab,
         rows.slot, rows.position, rows.extra, state.ints, state.floats,
-        scratch.part, scratch.part_idx, split_len, KX=kx, BLOCK=_BLOCK, num_warps=4)
+        scratch.part, scratch.part_idx, scratch.block_max, num_blocks, split_len, KX=kx,
+        BLOCK=block, num_warps=4)
+    mod._bound_kernel[(num_rows,)](
+        rows.slot, state.ints, state.floats, scratch.part, scratch.part_idx, splits,
+        scratch.block_max, num_blocks, scratch.lo, scratch.count, SPLITS_P2=splits_p2,
+        BLOCKS_P2=triton.next_power_of_2(num_blocks), CAP=cap, num_warps=4)
+    mod._gather_kernel[(num_rows, splits)](
+        x, x.stride(0), vocab, rows.slot, state.ints, scratch.lo, scratch.count,
+        scratch.g_val, scratch.g_idx, split_len, CAP=cap, BLOCK=block, num_warps=4)
     mod._select_kernel[(num_rows,)](
         x, x.stride(0), vocab, rows.slot, rows.position, state.ints, state.floats,
         scratch.part, scratch.part_idx, splits, greedy, scratch.g_val, scratch.g_idx,
-        out.token, scratch.tau, scratch.peak, scratch.lse,
-        SPLITS_P2=splits_p2, NP=_PIVOTS, BLOCK=_BLOCK, CAP=scratch.g_val.shape[1],
-        num_warps=8)
+        scratch.lo, scratch.count, out.token, scratch.tau, scratch.peak, scratch.lse,
+        SPLITS_P2=splits_p2, NP=_PIVOTS, BLOCK=block, CAP=cap, num_warps=8)
     mod._draw_kernel[(num_rows, splits)](
         x, x.stride(0), vocab, rows.slot, rows.position, state.ints, state.floats,
         out.token, scratch.tau, scratch.peak, scratch.part, scratch.part_idx, split_len,
-        BLOCK=_BLOCK, num_warps=4)
+        BLOCK=block, num_warps=4)
     mod._finish_kernel[(num_rows,)](
         logits, logits.stride(0), vocab, rows.slot, rows.flags, state.ints, state.counts,
         out.token, scratch.part, scratch.part_idx, splits, scratch.lse, out.token_lp,

@@ -72,7 +72,11 @@ def test_kernels_match_the_reference_at_full_vocabulary(shape, rows):
             continue
         lp, rank, ids, vals = out.logprobs[i]
         assert abs(lp - want_lp[0][i].item()) < 1e-4 and rank == want_lp[1][i].item()
-        assert ids == want_lp[3][i, :n].tolist()
+        # bf16 logits tie often at this size: the top values match, and each id has its
+        # value (the order among equal values may differ).
+        torch.testing.assert_close(torch.tensor(vals), want_lp[2][i, :n].cpu())
+        raw = torch.log_softmax(logits[i].float(), dim=-1)
+        torch.testing.assert_close(raw[ids].cpu(), torch.tensor(vals))
 
 
 def test_graph_replays_match_eager_launches():

@@ -39,18 +39,19 @@ def staged(seqs, vocab: int, positions: list[int] | None = None, extras=None,
                               torch.tensor(positions, dtype=torch.int64), flags, extra)
 
 
-def run_kernels(logits, state, rows, want_logprobs: bool, cap: int = 32):
-    """csrc_triton.sampling.sample_rows (interpreted), with a small gather list so tiny
-    vocabularies take every path of the search."""
+def run_kernels(logits, state, rows, want_logprobs: bool, cap: int = 32, block: int = 32):
+    """csrc_triton.sampling.sample_rows (interpreted), with a small gather list and blocks
+    so tiny vocabularies take every path: bounded by block maxima, and the search."""
     n, vocab = logits.shape
     scratch = SimpleNamespace(
         x=torch.empty(n, vocab), part=torch.empty(n * 8 + 8), part_idx=torch.empty(
             n + 1, dtype=torch.int32), g_val=torch.empty(n, cap),
         g_idx=torch.empty(n, cap, dtype=torch.int32), tau=torch.empty(n, dtype=torch.int64),
-        peak=torch.empty(n), lse=torch.empty(n))
+        block_max=torch.empty(n * -(-vocab // block)), lo=torch.empty(n, dtype=torch.int64),
+        count=torch.empty(n, dtype=torch.int32), peak=torch.empty(n), lse=torch.empty(n))
     out = S._Outputs(n, vocab, CPU)
     out.token.fill_(-7)
-    K.sample_rows(logits, logits.argmax(-1), rows, state, scratch, out, want_logprobs)
+    K.sample_rows(logits, logits.argmax(-1), rows, state, scratch, out, want_logprobs, block)
     return out
 
 
@@ -63,7 +64,8 @@ MIXED = [dict(temperature=0.0), dict(temperature=0.0, repetition_penalty=1.3, lo
          dict(temperature=0.0, min_tokens=3, frequency_penalty=0.5, presence_penalty=0.3,
               stop_token_ids=[9]),
          dict(temperature=0.6, top_k=300, top_p=0.99, seed=-5),
-         dict(temperature=1.5, min_p=0.2, repetition_penalty=0.8, seed=2**40)]
+         dict(temperature=1.5, min_p=0.2, repetition_penalty=0.8, seed=2**40),
+         dict(temperature=0.8, top_k=12, seed=9)]
 
 
 @pytest.mark.parametrize("shape", ["peaked", "flat", "ties"])
@@ -78,7 +80,7 @@ def test_kernels_match_the_reference(shape):
     logits = {"peaked": logits * 4, "flat": logits * 0.05,
               "ties": (logits * 2).round() / 2}[shape]
     seqs = [row(i, **p) for i, p in enumerate(MIXED)]
-    extras = [[], [], [7, 30], [], [], [], [12], [], [], []]
+    extras = [[], [], [7, 30], [], [], [], [12], [], [], [], []]
     counted = [True] * len(seqs)
     counted[2] = counted[6] = False
     want_state, rows = staged(seqs, vocab, extras=extras, counted=counted)
@@ -98,11 +100,12 @@ def test_kernels_match_the_reference(shape):
 
 
 @triton.jit
-def _uniforms_kernel(seed_ptr, pos_ptr, out_ptr, V: tl.constexpr):
+def _uniforms_kernel(seed_ptr, pos_ptr, out_ptr, block_out_ptr, V: tl.constexpr):
     r = tl.program_id(0)
     tokens = tl.arange(0, V)
-    u = K._uniform(tl.load(seed_ptr + r), tokens, tl.load(pos_ptr + r))
-    tl.store(out_ptr + r * V + tokens, u)
+    seed, position = tl.load(seed_ptr + r), tl.load(pos_ptr + r)
+    tl.store(out_ptr + r * V + tokens, K._uniform(seed, tokens, position))
+    tl.store(block_out_ptr + r * V + tokens, K._uniform_block(seed, 0, position, V))
 
 
 def test_philox_mirror_is_bit_exact():
@@ -110,8 +113,9 @@ def test_philox_mirror_is_bit_exact():
     any seed (negative and above 32 bits too), token and position."""
     seeds = torch.tensor([0, 1, -1, 12345, 2**40 + 17, -(2**62)], dtype=torch.int64)
     positions = torch.tensor([0, 5, 70000, 3, 2**31 - 1, 9], dtype=torch.int64)
-    got = torch.empty(6, 64)
-    _uniforms_kernel[(6,)](seeds, positions, got, V=64)
+    got, block = torch.empty(6, 64), torch.empty(6, 64)
+    _uniforms_kernel[(6,)](seeds, positions, got, block, V=64)
+    assert torch.equal(block, got)  # the draw kernel's four tokens a Philox call
     want = S.philox_uniform(seeds[:, None], torch.arange(64).expand(6, 64),
                             positions[:, None])
     assert torch.equal(got, want)

@@ -549,6 +549,10 @@ class _Scratch:
         self.part_idx = torch.empty(rows * splits + 1, dtype=torch.int32, device=device)
         self.g_val = torch.empty(rows, GATHER_CAP, dtype=torch.float32, device=device)
         self.g_idx = torch.empty(rows, GATHER_CAP, dtype=torch.int32, device=device)
+        self.block_max = torch.empty(rows * -(-vocab // 1024), dtype=torch.float32,
+                                     device=device)
+        self.lo = torch.empty(rows, dtype=torch.int64, device=device)
+        self.count = torch.empty(rows, dtype=torch.int32, device=device)
         self.tau = torch.empty(rows, dtype=torch.int64, device=device)
         self.peak = torch.empty(rows, dtype=torch.float32, device=device)
         self.lse = torch.empty(rows, dtype=torch.float32, device=device)

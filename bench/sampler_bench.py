@@ -1,0 +1,111 @@
+"""The sampler alone on a GPU: microseconds per step for each sampling setting and batch,
+replayed as the engine replays it (one CUDA graph per row bucket), beside the greedy
+argmax the decode graph computes anyway.
+
+    python -m bench.sampler_bench [--vocab 151936 128256] [--rows 1 16 64 256] --out F.json
+
+Logits are random bf16 rows (scale 4: a peaked distribution like a trained model's; scale
+0.3: a flat one like dummy weights') at a real vocabulary's size; every row of a batch has
+the same setting, its own seed, and a 200-token prompt and 100-token output counted for
+its penalties.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from bench.common import environment
+from minivllm import SamplingParams
+from minivllm.worker import sampler as S
+
+SETTINGS = {
+    "greedy + repetition 1.1": dict(temperature=0.0, repetition_penalty=1.1),
+    "temperature 0.8": dict(temperature=0.8),
+    "top_k 50": dict(temperature=0.8, top_k=50),
+    "top_p 0.95": dict(temperature=0.8, top_p=0.95),
+    "min_p 0.05": dict(temperature=0.8, min_p=0.05),
+    "W1 sampled": dict(temperature=0.8, top_p=0.95, top_k=50, repetition_penalty=1.1),
+    "Qwen2.5 defaults": dict(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05),
+    "Llama 3.1 defaults": dict(temperature=0.6, top_p=0.9),
+    "W1 sampled + logprobs 5": dict(temperature=0.8, top_p=0.95, top_k=50,
+                                    repetition_penalty=1.1, logprobs=5),
+}
+
+
+class Seq:
+    def __init__(self, i: int, vocab: int, params: SamplingParams) -> None:
+        g = torch.Generator().manual_seed(i)
+        self.seq_id, self.params = i, params
+        self.params._eos_token_ids = frozenset([2])
+        self.prompt_token_ids = torch.randint(0, vocab, (200,), generator=g).tolist()
+        self.output_token_ids = torch.randint(0, vocab, (100,), generator=g).tolist()
+        self.num_prompt_tokens = 200
+        self.plain_greedy = False
+
+
+def time_replays(fn, reps: int = 50) -> float:
+    """Median microseconds of fn() (a graph replay) over reps, each timed by events."""
+    times = []
+    for _ in range(reps + 5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times[5:])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--vocab", type=int, nargs="+", default=[151936])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--scales", type=float, nargs="+", default=[4.0, 0.3])
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    record = {"benchmark": "sampler", "environment": environment(), "rows": []}
+    for vocab in args.vocab:
+        most = max(args.rows)
+        logits = torch.empty(most, vocab, dtype=torch.bfloat16, device=dev)
+        greedy = torch.empty(most, dtype=torch.long, device=dev)
+        argmax_graphs = {}
+        for n in args.rows:
+            S.argmax_rows(logits[:n], greedy[:n])
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                S.argmax_rows(logits[:n], greedy[:n])
+            argmax_graphs[n] = graph
+        for scale in args.scales:
+            logits.copy_(torch.randn(most, vocab, device=dev) * scale)
+            for n in args.rows:
+                base = time_replays(argmax_graphs[n].replay)
+                record["rows"].append({"vocab": vocab, "scale": scale, "rows": n,
+                                       "setting": "greedy argmax", "us": round(base, 1)})
+                print(f"V={vocab} scale={scale} rows={n:4d} {'greedy argmax':26s} "
+                      f"{base:8.1f} us", flush=True)
+                for name, kw in SETTINGS.items():
+                    sampler = S.Sampler(vocab, dev, seed=0, max_rows=most, num_slots=most)
+                    sampler.graphs = S.SamplerGraphs(sampler, logits, greedy)
+                    sampler.graphs.buckets = [n]
+                    sampler.graphs.capture()
+                    seqs = [Seq(i, vocab, SamplingParams(seed=i, **kw)) for i in range(n)]
+                    lp_rows = sampler.stage(seqs, [300] * n, padded=n)
+                    us = time_replays(lambda: sampler.graphs.replay(n, bool(lp_rows)))
+                    record["rows"].append({"vocab": vocab, "scale": scale, "rows": n,
+                                           "setting": name, "us": round(us, 1)})
+                    print(f"V={vocab} scale={scale} rows={n:4d} {name:26s} {us:8.1f} us",
+                          flush=True)
+                    del sampler
+                    torch.cuda.empty_cache()
+    Path(args.out).write_text(json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
