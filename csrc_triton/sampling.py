@@ -73,7 +73,9 @@ PROMPT_BIT = 1
 BAN_BIT = 2
 MAX_LOGPROBS = 20
 GATHER_CAP = 1024     # values gathered and sorted once the search interval is this small
-_PIVOTS = 8
+_PIVOTS = 8           # a one-program search pass's pivots
+_LEVEL_PIVOTS = 16    # a search level's (every split of the row at once)
+_LEVELS = 2           # search levels before the select kernel (which goes on if need be)
 _BLOCK = 1024
 _LP_BLOCK = 4096      # a logprobs program's share of a row (one block)
 _INT64_MAX = tl.constexpr(2 ** 63 - 1)
@@ -237,18 +239,50 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
 def _above(x_row, V, pivots, peak, USE_MASS: tl.constexpr, NP: tl.constexpr,
            BLOCK: tl.constexpr):
     """For each pivot key: how many values have a larger key, and their sum of
-    exp(x - peak) (zeros unless USE_MASS)."""
-    count = tl.zeros((NP,), dtype=tl.int32)
-    mass = tl.zeros((NP,), dtype=tl.float32)
+    exp(x - peak) (zeros unless USE_MASS). Sums per lane, reduced once at the end: a
+    reduction per block would cost one program more than its loads."""
+    piv = pivots.to(tl.int32)[:, None]
+    count = tl.zeros((NP, BLOCK), dtype=tl.int32)
+    mass = tl.zeros((NP, BLOCK), dtype=tl.float32)
     for k in range(0, V, BLOCK):
         offs = k + tl.arange(0, BLOCK)
         x = tl.load(x_row + offs, mask=offs < V, other=float("-inf"))
-        above = _key(x).to(tl.int64)[None, :] > pivots[:, None]
-        count += tl.sum(above.to(tl.int32), 1)
+        above = _key(x)[None, :] > piv
+        count += above.to(tl.int32)
         if USE_MASS:
-            w = tl.exp(x - peak)
-            mass += tl.sum(tl.where(above, w[None, :], 0.0), 1)
-    return count, mass
+            mass += tl.where(above, tl.exp(x - peak)[None, :], 0.0)
+    return tl.sum(count, 1), tl.sum(mass, 1)
+
+
+@triton.jit
+def _pivots(lo, hi, NP: tl.constexpr):
+    """NP strictly increasing keys inside (lo, hi), evenly spaced in value (a few ulps
+    apart: consecutive keys)."""
+    j = tl.arange(0, NP)
+    lo_v = _unkey(lo.to(tl.int32))
+    hi_v = _unkey(hi.to(tl.int32))
+    frac = (j + 1).to(tl.float32) / (NP + 1)
+    guess = _key(lo_v + (hi_v - lo_v) * frac).to(tl.int64)
+    pivots = tl.minimum(tl.maximum(guess, lo + j + 1), hi - NP + j)
+    return tl.where(hi - lo > NP, pivots, tl.minimum(lo + j + 1, hi - 1))
+
+
+@triton.jit
+def _narrow(pivots, count, f, limit, lo, hi, count_lo, count_hi, f_hi, NP: tl.constexpr):
+    """The search interval after a pass over the pivots: lo moves to the last pivot
+    whose f (count or mass above it) reaches limit, hi to the first that stays under."""
+    j = tl.arange(0, NP)
+    short = tl.sum((f >= limit).to(tl.int32), 0)  # pivots below tau
+    if short > 0:
+        pick = j == short - 1
+        lo = tl.sum(tl.where(pick, pivots, 0), 0)
+        count_lo = tl.sum(tl.where(pick, count, 0), 0)
+    if short < NP:
+        pick = j == short
+        hi = tl.sum(tl.where(pick, pivots, 0), 0)
+        count_hi = tl.sum(tl.where(pick, count, 0), 0)
+        f_hi = tl.sum(tl.where(pick, f, 0.0), 0)
+    return lo, hi, count_lo, count_hi, f_hi
 
 
 @triton.jit
@@ -258,31 +292,17 @@ def _search(x_row, V, lo, hi, count_lo, count_hi, f_hi, limit, peak,
     """Narrow (lo, hi] around tau = the least key t with f(t) < limit, where f(t) is the
     count (or mass) of values with a key above t; f(lo) >= limit > f(hi). Stops when the
     interval holds at most CAP values or a single key. count_* are the counts of values
-    above lo and hi, f_hi the count or mass above hi."""
-    j = tl.arange(0, NP)
+    above lo and hi, f_hi the count or mass above hi. One program: the search levels
+    (_level_kernel) do the same passes with every split of the row at once."""
     while (count_lo - count_hi > CAP) & (hi - lo > 1):
-        lo_v = _unkey(lo.to(tl.int32))
-        hi_v = _unkey(hi.to(tl.int32))
-        frac = (j + 1).to(tl.float32) / (NP + 1)
-        guess = _key(lo_v + (hi_v - lo_v) * frac).to(tl.int64)
-        # Strictly increasing keys inside (lo, hi) (a few ulps apart: consecutive keys).
-        pivots = tl.minimum(tl.maximum(guess, lo + j + 1), hi - NP + j)
-        pivots = tl.where(hi - lo > NP, pivots, tl.minimum(lo + j + 1, hi - 1))
+        pivots = _pivots(lo, hi, NP)
         count, mass = _above(x_row, V, pivots, peak, USE_MASS, NP, BLOCK)
         if USE_MASS:
             f = mass
         else:
             f = count.to(tl.float32)
-        short = tl.sum((f >= limit).to(tl.int32), 0)  # pivots below tau
-        if short > 0:
-            pick = j == short - 1
-            lo = tl.sum(tl.where(pick, pivots, 0), 0)
-            count_lo = tl.sum(tl.where(pick, count, 0), 0)
-        if short < NP:
-            pick = j == short
-            hi = tl.sum(tl.where(pick, pivots, 0), 0)
-            count_hi = tl.sum(tl.where(pick, count, 0), 0)
-            f_hi = tl.sum(tl.where(pick, f, 0.0), 0)
+        lo, hi, count_lo, count_hi, f_hi = _narrow(pivots, count, f, limit, lo, hi,
+                                                   count_lo, count_hi, f_hi, NP)
     return lo, hi, count_lo, count_hi, f_hi
 
 
@@ -295,10 +315,12 @@ def _gather(x_row, V, lo, hi, g_val, g_idx, BLOCK: tl.constexpr):
         x = tl.load(x_row + offs, mask=offs < V, other=float("-inf"))
         key = _key(x).to(tl.int64)
         take = (key > lo) & (key <= hi) & (offs < V)
-        at = n + tl.cumsum(take.to(tl.int32), 0) - 1
-        tl.store(g_val + at, x, mask=take)
-        tl.store(g_idx + at, offs, mask=take)
-        n += tl.sum(take.to(tl.int32), 0)
+        found = tl.sum(take.to(tl.int32), 0)
+        if found > 0:  # most blocks hold none: no scan for them
+            at = n + tl.cumsum(take.to(tl.int32), 0) - 1
+            tl.store(g_val + at, x, mask=take)
+            tl.store(g_idx + at, offs, mask=take)
+            n += found
     tl.debug_barrier()  # the program reads them back in other lanes
     return n
 
@@ -357,23 +379,31 @@ def _combined(part_ptr, part_idx_ptr, row, num_splits, SPLITS_P2: tl.constexpr):
 
 @triton.jit
 def _bound_kernel(row_slot_ptr, ints_ptr, floats_ptr, part_ptr, part_idx_ptr, num_splits,
-                  block_max_ptr, num_blocks, lo_ptr, count_ptr,
-                  SPLITS_P2: tl.constexpr, BLOCKS_P2: tl.constexpr, CAP: tl.constexpr):
+                  block_max_ptr, num_blocks, lo_ptr, hi_ptr, count_ptr, peak_ptr, state_ptr,
+                  state_f_ptr, pivots_ptr, SPLITS_P2: tl.constexpr, BLOCKS_P2: tl.constexpr,
+                  NP: tl.constexpr, CAP: tl.constexpr):
     """Program row, for a truncated random row: a value every kept token reaches, from
     the blocks' maxima (each block holds a value at least its maximum): the k-th largest
     block maximum for top-k; for top-p, the largest block maximum down to which the
-    maxima alone hold top_p of the row's mass. Its key goes to lo (no bound: the largest
-    key, and the select kernel searches), the gather's count to zero."""
+    maxima alone hold top_p of the row's mass. Its key goes to lo (the gather takes keys
+    in [lo, hi]), the gather's count to zero. A row without a bound starts the search
+    levels instead (state: lo, hi, count above each, mode, active; f above hi, limit;
+    the first pivots): mode 1 top-k's count, 2 top-p's mass (top-k off)."""
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(row_slot_ptr + row).to(tl.int64)
     if slot < 0:
         return
+    state = state_ptr + row * 6
+    tl.store(state + 5, 0)  # not searching
     flags = tl.load(ints_ptr + slot * 8)
     if ((flags & 1) == 0) | ((flags & 96) == 0):
         return
     tl.store(count_ptr + row, 0)
+    tl.store(state + 4, 0)  # mode: none
+    tl.store(hi_ptr + row, _INT64_MAX)
     peak, _, total, least, finite = _combined(part_ptr, part_idx_ptr, row, num_splits,
                                               SPLITS_P2)
+    tl.store(peak_ptr + row, peak)
     b = tl.arange(0, BLOCKS_P2)
     maxima = tl.load(block_max_ptr + row * num_blocks + b, mask=b < num_blocks,
                      other=float("-inf"))
@@ -388,17 +418,35 @@ def _bound_kernel(row_slot_ptr, ints_ptr, floats_ptr, part_ptr, part_idx_ptr, nu
         first = tl.min(tl.where(enough, b, BLOCKS_P2), 0)
         if first < BLOCKS_P2:
             bound = tl.maximum(bound, tl.sum(tl.where(b == first, maxima, 0.0), 0))
-    lo = tl.where((bound > float("-inf")) | (finite <= CAP), _key(bound).to(tl.int64),
-                  _INT64_MAX)
-    tl.store(lo_ptr + row, lo)
+    bounded = (bound > float("-inf")) | (finite <= CAP)
+    tl.store(lo_ptr + row, tl.where(bounded, _key(bound).to(tl.int64), _INT64_MAX))
+    if (bound == float("-inf")) & (finite > CAP):
+        lo = _key(least).to(tl.int64) - 1
+        hi = _key(peak).to(tl.int64)
+        if ((flags & 32) != 0) & (top_k < finite):
+            mode = finite * 0 + 1
+            limit = top_k.to(tl.float32)
+        else:
+            mode = finite * 0 + 2
+            limit = tl.load(floats_ptr + slot * 8 + 1) * total
+        tl.store(state + 0, lo)
+        tl.store(state + 1, hi)
+        tl.store(state + 2, finite.to(tl.int64))
+        tl.store(state + 3, 0)
+        tl.store(state + 4, mode)
+        tl.store(state + 5, 1)
+        tl.store(state_f_ptr + row * 2, 0.0)
+        tl.store(state_f_ptr + row * 2 + 1, limit)
+        tl.store(pivots_ptr + row * NP + tl.arange(0, NP), _pivots(lo, hi, NP))
 
 
 @triton.jit
-def _gather_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, lo_ptr, count_ptr,
+def _gather_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, lo_ptr, hi_ptr, count_ptr,
                    g_val_ptr, g_idx_ptr, split_len, CAP: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (row, split) of a bounded row: its values with a key >= lo, and their
-    token ids, appended to the row's list (slots by an atomic count; the list is sorted
-    after, so the order they land in does not matter); past CAP only counted."""
+    """Program (row, split) of a bounded row (or one whose search levels ended): its
+    values with a key in [lo, hi], and their token ids, appended to the row's list (slots
+    by an atomic count; the list is sorted after, so the order they land in does not
+    matter); past CAP only counted."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     slot = tl.load(row_slot_ptr + row).to(tl.int64)
@@ -410,11 +458,13 @@ def _gather_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, lo_ptr, count_ptr
     lo = tl.load(lo_ptr + row)
     if lo == _INT64_MAX:
         return
+    hi = tl.load(hi_ptr + row)
     start = split * split_len
     for k in range(start, tl.minimum(start + split_len, V), BLOCK):
         offs = k + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x + offs, mask=offs < V, other=float("-inf"))
-        take = (_key(x).to(tl.int64) >= lo) & (offs < V)
+        key = _key(x).to(tl.int64)
+        take = (key >= lo) & (key <= hi) & (offs < V)
         n = tl.sum(take.to(tl.int32), 0)
         if n > 0:
             base = tl.atomic_add(count_ptr + row, n)
@@ -422,6 +472,82 @@ def _gather_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, lo_ptr, count_ptr
             keep = take & (at < CAP)
             tl.store(g_val_ptr + row * CAP + at, x, mask=keep)
             tl.store(g_idx_ptr + row * CAP + at, offs, mask=keep)
+
+
+@triton.jit
+def _level_kernel(x_ptr, stride_x, V, row_slot_ptr, state_ptr, pivots_ptr, peak_ptr,
+                  level_count_ptr, level_mass_ptr, split_len, NP: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """Program (row, split) of a searching row: its split's count (and, for top-p, mass)
+    of values above each pivot; _narrow_kernel adds the splits up."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    if tl.load(row_slot_ptr + row) < 0:
+        return
+    state = state_ptr + row * 6
+    if tl.load(state + 5) == 0:
+        return
+    with_mass = tl.load(state + 4) == 2
+    j = tl.arange(0, NP)
+    piv = tl.load(pivots_ptr + row * NP + j).to(tl.int32)[:, None]
+    peak = tl.load(peak_ptr + row)
+    count = tl.zeros((NP, BLOCK), dtype=tl.int32)
+    mass = tl.zeros((NP, BLOCK), dtype=tl.float32)
+    start = split * split_len
+    for k in range(start, tl.minimum(start + split_len, V), BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < V, other=float("-inf"))
+        above = _key(x)[None, :] > piv
+        count += above.to(tl.int32)
+        if with_mass:
+            mass += tl.where(above, tl.exp(x - peak)[None, :], 0.0)
+    out = (row * num_splits + split) * NP + j
+    tl.store(level_count_ptr + out, tl.sum(count, 1))
+    tl.store(level_mass_ptr + out, tl.sum(mass, 1))
+
+
+@triton.jit
+def _narrow_kernel(row_slot_ptr, state_ptr, state_f_ptr, pivots_ptr, level_count_ptr,
+                   level_mass_ptr, num_splits, lo_ptr, hi_ptr,
+                   SPLITS_P2: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr):
+    """Program row of a searching row: the splits' counts added up, the interval
+    narrowed (_narrow); done once it holds at most CAP values (the gather then takes
+    them: all above lo if that is at most CAP, else those in (lo, hi]) or one key; else
+    the next pivots."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(row_slot_ptr + row) < 0:
+        return
+    state = state_ptr + row * 6
+    if tl.load(state + 5) == 0:
+        return
+    s = tl.arange(0, SPLITS_P2)
+    j = tl.arange(0, NP)
+    at = (row * num_splits + s[:, None]) * NP + j[None, :]
+    ok = (s < num_splits)[:, None]
+    count = tl.sum(tl.load(level_count_ptr + at, mask=ok, other=0), 0)
+    if tl.load(state + 4) == 2:
+        f = tl.sum(tl.load(level_mass_ptr + at, mask=ok, other=0.0), 0)
+    else:
+        f = count.to(tl.float32)
+    pivots = tl.load(pivots_ptr + row * NP + j)
+    lo, hi, count_lo, count_hi, f_hi = _narrow(
+        pivots, count, f, tl.load(state_f_ptr + row * 2 + 1), tl.load(state + 0),
+        tl.load(state + 1), tl.load(state + 2).to(tl.int32), tl.load(state + 3).to(tl.int32),
+        tl.load(state_f_ptr + row * 2), NP)
+    tl.store(state + 0, lo)
+    tl.store(state + 1, hi)
+    tl.store(state + 2, count_lo.to(tl.int64))
+    tl.store(state + 3, count_hi.to(tl.int64))
+    tl.store(state_f_ptr + row * 2, f_hi)
+    if hi - lo <= 1:
+        tl.store(state + 5, 0)
+    elif count_lo - count_hi <= CAP:
+        tl.store(state + 5, 0)
+        tl.store(lo_ptr + row, lo + 1)
+        tl.store(hi_ptr + row, tl.where(count_lo <= CAP, _INT64_MAX, hi))
+    else:
+        tl.store(pivots_ptr + row * NP + j, _pivots(lo, hi, NP))
 
 
 @triton.jit
@@ -445,8 +571,8 @@ def _listed_threshold(g_val, g_idx, n, flags, top_k, top_p, finite, total, peak,
 @triton.jit
 def _select_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floats_ptr,
                    part_ptr, part_idx_ptr, num_splits, greedy_ptr, g_val_ptr, g_idx_ptr,
-                   lo_ptr, count_ptr, token_ptr, tau_ptr, peak_ptr, lse_ptr,
-                   SPLITS_P2: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr,
+                   lo_ptr, count_ptr, state_ptr, state_f_ptr, token_ptr, tau_ptr, peak_ptr,
+                   lse_ptr, SPLITS_P2: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr,
                    CAP: tl.constexpr):
     """Program row: combine prepare's partials; a greedy row's token; a random row's
     threshold tau: from the gathered list when its bound held at most CAP values, else by
@@ -486,10 +612,12 @@ def _select_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floa
     listed_lo = top                  # the gathered list holds every value above this key
     listed = finite * 0              # its length
     bounded = finite * 0
+    mode = finite * 0   # the phase the search levels ran (see _bound_kernel)
     if (flags & 96) != 0:
         lo = tl.load(lo_ptr + row)
         listed = tl.load(count_ptr + row)
-        bounded = ((lo != _INT64_MAX) & (listed <= CAP)).to(tl.int32)
+        mode = tl.load(state_ptr + row * 6 + 4).to(tl.int32)
+        bounded = ((mode == 0) & (lo != _INT64_MAX) & (listed <= CAP)).to(tl.int32)
         if bounded != 0:
             listed_lo = lo - 1
             if listed <= 128:
@@ -498,9 +626,17 @@ def _select_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floa
             else:
                 tau = _listed_threshold(g_val, g_idx, listed, flags, top_k, top_p, finite,
                                         total, peak, CAP)
+    # Where the search levels ran, their state; else the whole row.
+    lo0, hi0, count_lo0, count_hi0, f_hi0 = tau - 1, top, finite, finite * 0, peak * 0.0
+    if mode != 0:
+        state = state_ptr + row * 6
+        lo0, hi0 = tl.load(state + 0), tl.load(state + 1)
+        count_lo0 = tl.load(state + 2).to(tl.int32)
+        count_hi0 = tl.load(state + 3).to(tl.int32)
+        f_hi0 = tl.load(state_f_ptr + row * 2)
     if (bounded == 0) & ((flags & 32) != 0) & (top_k < finite):
         lo, hi, count_lo, count_hi, f_hi = _search(
-            x_row, V, tau - 1, top, finite, finite * 0, peak * 0.0, top_k.to(tl.float32),
+            x_row, V, lo0, hi0, count_lo0, count_hi0, f_hi0, top_k.to(tl.float32),
             peak, False, NP, BLOCK, CAP)
         if hi - lo <= 1:
             tau = hi
@@ -508,7 +644,10 @@ def _select_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floa
         else:
             everything = count_lo <= CAP
             upper = tl.where(everything, _INT64_MAX, hi)
-            n = _gather(x_row, V, lo, upper, g_val, g_idx, BLOCK)
+            if (mode == 1) & (lo == lo0) & (hi == hi0):
+                n = listed  # the gather kernel took them
+            else:
+                n = _gather(x_row, V, lo, upper, g_val, g_idx, BLOCK)
             keys, ids, ok = _sorted_gathered(g_val, g_idx, n, CAP)
             above = tl.where(everything, 0.0, f_hi)
             tau, at, _ = _boundary(keys, ok, above, top_k.to(tl.float32), lo + 1, peak,
@@ -530,8 +669,13 @@ def _select_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floa
                                       peak, True, NP, BLOCK)
                 mass = tl.max(kept_mass, 0)
             limit = top_p * mass
+            if mode == 2:
+                limit = tl.load(state_f_ptr + row * 2 + 1)
+            else:
+                lo0, hi0, count_lo0, count_hi0, f_hi0 = tau - 1, top, at_tau, at_tau * 0, \
+                    peak * 0.0
             lo, hi, count_lo, count_hi, f_hi = _search(
-                x_row, V, tau - 1, top, at_tau, at_tau * 0, peak * 0.0, limit, peak, True, NP,
+                x_row, V, lo0, hi0, count_lo0, count_hi0, f_hi0, limit, peak, True, NP,
                 BLOCK, CAP)
             if hi - lo <= 1:
                 tau = hi
@@ -539,7 +683,10 @@ def _select_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floa
             else:
                 everything = count_lo <= CAP
                 upper = tl.where(everything, _INT64_MAX, hi)
-                n = _gather(x_row, V, lo, upper, g_val, g_idx, BLOCK)
+                if (mode == 2) & (lo == lo0) & (hi == hi0):
+                    n = listed  # the gather kernel took them
+                else:
+                    n = _gather(x_row, V, lo, upper, g_val, g_idx, BLOCK)
                 keys, ids, ok = _sorted_gathered(g_val, g_idx, n, CAP)
                 above = tl.where(everything, 0.0, f_hi)
                 tau, at, _ = _boundary(keys, ok, above, limit, lo + 1, peak, True, CAP)
@@ -720,7 +867,7 @@ def sampling_splits(rows: int, vocab: int, device: torch.device) -> int:
 
 
 def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch, out,
-                want_logprobs: bool, block: int = _BLOCK) -> None:
+                want_logprobs: bool, block: int = _BLOCK, splits: int | None = None) -> None:
     """See the module docstring. `rows`: slot [R] int32 (-1: padding), position [R]
     int64, flags [R] int32, extra [R, KX] int32 (earlier drafts counted at this row, -1
     none). `state`: ints [S, 8] int64, floats [S, 8] float32, counts [S, V] int32,
@@ -730,12 +877,13 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
     float32, top_idx [R, 20] int32, rank [R] int32, lp_val / lp_idx / lp_rank (the
     logprob blocks' partials). greedy [R] int64: the step's argmax, the token of rows
     whose slot has no flags. block: the values a program reads at a time, and the blocks
-    whose maxima bound a truncated row (tests take small ones on tiny vocabularies)."""
+    whose maxima bound a truncated row; splits: programs a row (default
+    sampling_splits); tests take small blocks and several splits on tiny vocabularies."""
     mod, _ = kernels_for(__name__, logits.device)
     num_rows, vocab = logits.shape
     if num_rows == 0:
         return
-    splits = sampling_splits(num_rows, vocab, logits.device)
+    splits = splits or sampling_splits(num_rows, vocab, logits.device)
     split_len = triton.cdiv(triton.cdiv(vocab, splits), block) * block
     splits = triton.cdiv(vocab, split_len)
     splits_p2 = triton.next_power_of_2(splits)
@@ -750,16 +898,28 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
         BLOCK=block, num_warps=4)
     mod._bound_kernel[(num_rows,)](
         rows.slot, state.ints, state.floats, scratch.part, scratch.part_idx, splits,
-        scratch.block_max, num_blocks, scratch.lo, scratch.count, SPLITS_P2=splits_p2,
-        BLOCKS_P2=triton.next_power_of_2(num_blocks), CAP=cap, num_warps=4)
+        scratch.block_max, num_blocks, scratch.lo, scratch.hi, scratch.count, scratch.peak,
+        scratch.search, scratch.search_f, scratch.pivots, SPLITS_P2=splits_p2,
+        BLOCKS_P2=triton.next_power_of_2(num_blocks), NP=_LEVEL_PIVOTS, CAP=cap,
+        num_warps=4)
+    for _ in range(_LEVELS):
+        mod._level_kernel[(num_rows, splits)](
+            x, x.stride(0), vocab, rows.slot, scratch.search, scratch.pivots, scratch.peak,
+            scratch.level_count, scratch.level_mass, split_len, NP=_LEVEL_PIVOTS,
+            BLOCK=min(block, 256), num_warps=4)
+        mod._narrow_kernel[(num_rows,)](
+            rows.slot, scratch.search, scratch.search_f, scratch.pivots, scratch.level_count,
+            scratch.level_mass, splits, scratch.lo, scratch.hi, SPLITS_P2=splits_p2,
+            NP=_LEVEL_PIVOTS, CAP=cap, num_warps=1)
     mod._gather_kernel[(num_rows, splits)](
-        x, x.stride(0), vocab, rows.slot, state.ints, scratch.lo, scratch.count,
+        x, x.stride(0), vocab, rows.slot, state.ints, scratch.lo, scratch.hi, scratch.count,
         scratch.g_val, scratch.g_idx, split_len, CAP=cap, BLOCK=block, num_warps=4)
     mod._select_kernel[(num_rows,)](
         x, x.stride(0), vocab, rows.slot, rows.position, state.ints, state.floats,
         scratch.part, scratch.part_idx, splits, greedy, scratch.g_val, scratch.g_idx,
-        scratch.lo, scratch.count, out.token, scratch.tau, scratch.peak, scratch.lse,
-        SPLITS_P2=splits_p2, NP=_PIVOTS, BLOCK=block, CAP=cap, num_warps=8)
+        scratch.lo, scratch.count, scratch.search, scratch.search_f, out.token, scratch.tau,
+        scratch.peak, scratch.lse, SPLITS_P2=splits_p2, NP=_PIVOTS, BLOCK=min(block, 512),
+        CAP=cap, num_warps=8)
     mod._draw_kernel[(num_rows, splits)](
         x, x.stride(0), vocab, rows.slot, rows.position, state.ints, state.floats,
         out.token, scratch.tau, scratch.peak, scratch.part, scratch.part_idx, split_len,

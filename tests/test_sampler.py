@@ -39,19 +39,27 @@ def staged(seqs, vocab: int, positions: list[int] | None = None, extras=None,
                               torch.tensor(positions, dtype=torch.int64), flags, extra)
 
 
-def run_kernels(logits, state, rows, want_logprobs: bool, cap: int = 32, block: int = 32):
+def run_kernels(logits, state, rows, want_logprobs: bool, cap: int = 32, block: int = 32,
+                splits: int = 3):
     """csrc_triton.sampling.sample_rows (interpreted), with a small gather list and blocks
-    so tiny vocabularies take every path: bounded by block maxima, and the search."""
+    so tiny vocabularies take every path: bounded by block maxima, the search levels, the
+    one-program search; several programs a row, as on a GPU."""
     n, vocab = logits.shape
     scratch = SimpleNamespace(
-        x=torch.empty(n, vocab), part=torch.empty(n * 8 + 8), part_idx=torch.empty(
-            n + 1, dtype=torch.int32), g_val=torch.empty(n, cap),
+        x=torch.empty(n, vocab), part=torch.empty(n * splits * 8 + 8), part_idx=torch.empty(
+            n * splits + 1, dtype=torch.int32), g_val=torch.empty(n, cap),
         g_idx=torch.empty(n, cap, dtype=torch.int32), tau=torch.empty(n, dtype=torch.int64),
         block_max=torch.empty(n * -(-vocab // block)), lo=torch.empty(n, dtype=torch.int64),
-        count=torch.empty(n, dtype=torch.int32), peak=torch.empty(n), lse=torch.empty(n))
+        hi=torch.empty(n, dtype=torch.int64), count=torch.empty(n, dtype=torch.int32),
+        search=torch.zeros(n, 6, dtype=torch.int64), search_f=torch.zeros(n, 2),
+        pivots=torch.zeros(n, 16, dtype=torch.int64),
+        level_count=torch.empty(n * splits * 16, dtype=torch.int32),
+        level_mass=torch.empty(n * splits * 16),
+        peak=torch.empty(n), lse=torch.empty(n))
     out = S._Outputs(n, vocab, CPU)
     out.token.fill_(-7)
-    K.sample_rows(logits, logits.argmax(-1), rows, state, scratch, out, want_logprobs, block)
+    K.sample_rows(logits, logits.argmax(-1), rows, state, scratch, out, want_logprobs, block,
+                  splits)
     return out
 
 

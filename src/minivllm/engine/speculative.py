@@ -106,12 +106,10 @@ class NgramIndex:
 
 
 def can_speculate(seq: Sequence) -> bool:
-    """Sequences at the decode stage (all but the last token in the KV cache) whose
-    sampling at a position does not depend on the tokens before it (no penalties, no
-    min_tokens still ahead): every draft position is then sampled as it would be alone."""
-    p = seq.params
-    return (seq.num_computed_tokens == len(seq.token_ids) - 1 and not p.has_penalties
-            and seq.num_output_tokens >= p.min_tokens)
+    """Sequences at the decode stage (all but the last token in the KV cache). Every draft
+    position is sampled as it would be alone: its penalties count the drafts before it
+    and its min_tokens bans go by its position (worker/sampler.py)."""
+    return seq.num_computed_tokens == len(seq.token_ids) - 1
 
 
 class StepCost:

@@ -552,7 +552,13 @@ class _Scratch:
         self.block_max = torch.empty(rows * -(-vocab // 1024), dtype=torch.float32,
                                      device=device)
         self.lo = torch.empty(rows, dtype=torch.int64, device=device)
+        self.hi = torch.empty(rows, dtype=torch.int64, device=device)
         self.count = torch.empty(rows, dtype=torch.int32, device=device)
+        self.search = torch.zeros(rows, 6, dtype=torch.int64, device=device)
+        self.search_f = torch.zeros(rows, 2, dtype=torch.float32, device=device)
+        self.pivots = torch.zeros(rows, 16, dtype=torch.int64, device=device)
+        self.level_count = torch.empty(rows * splits * 16, dtype=torch.int32, device=device)
+        self.level_mass = torch.empty(rows * splits * 16, dtype=torch.float32, device=device)
         self.tau = torch.empty(rows, dtype=torch.int64, device=device)
         self.peak = torch.empty(rows, dtype=torch.float32, device=device)
         self.lse = torch.empty(rows, dtype=torch.float32, device=device)
