@@ -96,7 +96,7 @@ def main() -> int:
                     sampler.graphs.capture()
                     seqs = [Seq(i, vocab, SamplingParams(seed=i, **kw)) for i in range(n)]
                     lp_rows = sampler.stage(seqs, [300] * n, padded=n)
-                    us = time_replays(lambda: sampler.graphs.replay(n, bool(lp_rows)))
+                    us = time_replays(sampler.graphs.graphs[n, bool(lp_rows)].replay)
                     record["rows"].append({"vocab": vocab, "scale": scale, "rows": n,
                                            "setting": name, "us": round(us, 1)})
                     print(f"V={vocab} scale={scale} rows={n:4d} {name:26s} {us:8.1f} us",

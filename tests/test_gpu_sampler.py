@@ -79,6 +79,11 @@ def test_kernels_match_the_reference_at_full_vocabulary(shape, rows):
         torch.testing.assert_close(raw[ids].cpu(), torch.tensor(vals))
 
 
+def test_kernels_pass_their_start_up_check():
+    sampler = S.Sampler(151936, GPU, max_rows=16, num_slots=16)
+    assert sampler.check_kernels()
+
+
 def test_graph_replays_match_eager_launches():
     """The sampler's graphs (per row bucket, over a shared logits buffer) draw what its
     eager launches draw, with and without logprob rows, at padded buckets."""
@@ -113,6 +118,8 @@ def _run(config_path, monkeypatch, env, prompts, params, **kw):
     llm = LLM(str(config_path), load_format="dummy", dtype="float32", device="cuda",
               skip_tokenizer_init=True, max_model_len=512, max_num_seqs=16,
               max_num_batched_tokens=256, num_kv_blocks=512, **kw)
+    # The kernels passed their start-up check (else the reference would sample, slowly).
+    assert llm.engine.runner.sampler.kernels
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.scheduler.pool.all_free()
     return [[(c.token_ids, [sorted(d) for d in c.logprobs] if c.logprobs else None)

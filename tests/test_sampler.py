@@ -223,3 +223,17 @@ def test_counts_hold_prompt_output_and_bans():
     logits[0, 11] = 1.0
     tokens, _ = S.sample_reference(logits, state, rows, False)
     assert tokens.tolist() == [11] and c[11].item() == 4
+
+
+def test_kernels_that_fail_their_check_leave_the_reference(monkeypatch, caplog):
+    """A sampler whose kernels raise (or disagree) in the start-up check samples with the
+    PyTorch reference instead, and says so."""
+    sampler = S.Sampler(500, CPU, max_rows=4, num_slots=4)
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(S.Sampler, "sample_now", broken)
+    with caplog.at_level("WARNING", logger="minivllm.worker.sampler"):
+        assert sampler.check_kernels() is False
+    assert sampler.kernels is False and "PyTorch ops instead" in caplog.text

@@ -170,6 +170,8 @@ class ModelRunner:
         self.sampler = Sampler(model_cfg.vocab_size, device, engine_cfg.seed,
                                max_rows=self.max_rows, num_slots=engine_cfg.max_num_seqs,
                                kx=engine_cfg.num_speculative_tokens, proposals=proposals)
+        if device.type == "cuda":
+            self.sampler.check_kernels()
         self.num_blocks = self._decide_num_blocks()
         self.kv_cache = KVCache(model_cfg, self.num_blocks, self.block_size, self.kv_dtype,
                                 device)
@@ -231,7 +233,7 @@ class ModelRunner:
             self.mixed_runner.capture()
             for part, secs in self.mixed_runner.timings.items():
                 self.startup[f"mixed_{part}"] = secs
-        if cuda_graphs_enabled():
+        if cuda_graphs_enabled() and self.sampler.kernels:
             t0 = time.perf_counter()
             self.sampler.graphs = SamplerGraphs(self.sampler, logits_out, greedy_out)
             self.sampler.graphs.capture()

@@ -24,6 +24,7 @@ in PyTorch (the thresholds by sorting), which the tests hold the kernels to.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +38,8 @@ from csrc_triton.sampling import (BAN_BIT, COUNT_SHIFT, FLAG_BANS, FLAG_BIAS, FL
 _I_FLAGS, _I_TOP_K, _I_SEED, _I_PROMPT_LEN, _I_MIN_TOKENS, _I_LOGPROBS = range(6)
 _F_TEMPERATURE, _F_TOP_P, _F_MIN_P, _F_REP, _F_FREQ, _F_PRES = range(6)
 _U32 = 0xFFFFFFFF
+
+logger = logging.getLogger(__name__)
 
 
 def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -377,6 +380,9 @@ class Sampler:
         self.kx = kx
         self.state = SamplingState(num_slots, vocab_size, device, seed, proposals)
         self.on_gpu = device.type == "cuda"
+        # The Triton kernels draw on a GPU; the PyTorch reference on a CPU, or where the
+        # kernels failed their start-up check (check_kernels).
+        self.kernels = self.on_gpu
         pin = self.on_gpu
         self._staging = [_row_buffers(max_rows, max(kx, 1), pin_memory=pin) for _ in range(2)]
         self._turn = 0
@@ -454,7 +460,7 @@ class Sampler:
         graphs = self.graphs
         bucket = graphs.bucket(n) if graphs is not None and graphs.takes(logits) else None
         lp_rows = self.stage(seqs, positions, extras, counted, padded=bucket)
-        if not self.on_gpu:
+        if not self.kernels:
             tokens, lp = sample_reference(logits, self.state, self.rows.narrow(n),
                                           bool(lp_rows))
             return SampledRows(tokens, lp, lp_rows, None)
@@ -465,6 +471,46 @@ class Sampler:
                 greedy = argmax_rows(logits)
             self.launch(logits, greedy, n, bool(lp_rows))
         return self._result(n, lp_rows)
+
+    def check_kernels(self) -> bool:
+        """Run the kernels once on a small mixed batch at this vocabulary against the
+        reference. Kernels that fail to compile, or disagree on more than one row of 16
+        (rounding can move a boundary), leave the reference to sample: slower, never
+        wrong. Returns whether the kernels stay."""
+        from ..sampling_params import SamplingParams
+
+        settings = [dict(temperature=0.0), dict(temperature=0.0, repetition_penalty=1.2),
+                    dict(temperature=0.8, top_k=20, top_p=0.9, seed=1),
+                    dict(temperature=1.0, seed=2), dict(temperature=0.7, top_p=0.8, seed=3),
+                    dict(temperature=0.9, min_p=0.1, seed=4, logprobs=2),
+                    dict(temperature=1.1, top_k=2000, seed=5),
+                    dict(temperature=0.0, presence_penalty=0.5, logit_bias={3: 2.0})] * 2
+        seqs = []
+        for i, kw in enumerate(settings):
+            params = SamplingParams(**kw)
+            params._eos_token_ids = frozenset([0])
+            seqs.append(_CheckRow(i, params, [1 + i, 5, 7], [9, 9, 11]))
+        g = torch.Generator(device=self.device).manual_seed(0)
+        logits = torch.randn(len(seqs), self.vocab_size, device=self.device, generator=g) * 3
+        positions = [6] * len(seqs)
+        try:
+            mine = Sampler(self.vocab_size, self.device, max_rows=len(seqs),
+                           num_slots=len(seqs))
+            got = mine.sample_now(logits, argmax_rows(logits), seqs, positions).token_ids
+            ref = Sampler(self.vocab_size, self.device, max_rows=len(seqs),
+                          num_slots=len(seqs))
+            ref.kernels = False
+            want = ref.sample_now(logits, None, seqs, positions).token_ids
+            wrong = sum(a != b for a, b in zip(got, want))
+        except Exception:  # noqa: BLE001 - any failure means: don't use them
+            logger.exception("the sampler's kernels failed their start-up check")
+            wrong = len(seqs)
+        if wrong > 1:
+            logger.warning("The sampler's Triton kernels disagree with the reference on %d "
+                           "of %d rows on this device: sampling with PyTorch ops instead "
+                           "(slower).", wrong, len(seqs))
+            self.kernels = False
+        return self.kernels
 
     def launch(self, logits: torch.Tensor, greedy: torch.Tensor, n: int,
                want_logprobs: bool) -> None:
@@ -491,6 +537,20 @@ class Sampler:
         """sample(), then wait for the tokens."""
         rows = self.sample(logits, greedy, seqs, positions, extras, counted)
         return rows.read([s.params.logprobs for s in seqs])
+
+
+@dataclass
+class _CheckRow:
+    """What the sampler reads of a sequence (check_kernels' rows)."""
+
+    seq_id: int
+    params: object
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
 
 class SamplerGraphs:
