@@ -208,15 +208,13 @@ class SamplingState:
             flags = slot_flags(p)
             if self.proposals:
                 flags &= FLAG_RANDOM | FLAG_TOP_K | FLAG_TOP_P | FLAG_MIN_P
+            top_k = p.top_k if 0 < p.top_k < self.vocab else 0
+            if not top_k:  # a top_k of the whole vocabulary keeps everything
+                flags &= ~FLAG_TOP_K
             self.host_flags[slot] = flags
             seed = (_signed64(p.seed) if p.seed is not None
                     else unseeded_key(self.engine_seed, seq.seq_id))
-            top_k = p.top_k if 0 < p.top_k < self.vocab else 0
-            if not top_k:
-                ints[i, _I_FLAGS] = flags & ~FLAG_TOP_K
-            else:
-                ints[i, _I_FLAGS] = flags
-            self.host_flags[slot] = int(ints[i, _I_FLAGS])
+            ints[i, _I_FLAGS] = flags
             ints[i, _I_TOP_K] = top_k
             ints[i, _I_SEED] = seed
             ints[i, _I_PROMPT_LEN] = seq.num_prompt_tokens
@@ -320,7 +318,6 @@ class SampledRows:
         n = tokens.shape[0]
         self.n = n
         self.logprob_rows = logprob_rows
-        self.want = None
         self.event = None
         self._host = host
         if host is None:  # on the CPU: nothing to overlap; the buffer is reused next step
@@ -377,7 +374,6 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = device
         self.max_rows = max_rows
-        self.kx = kx
         self.state = SamplingState(num_slots, vocab_size, device, seed, proposals)
         self.on_gpu = device.type == "cuda"
         # The Triton kernels draw on a GPU; the PyTorch reference on a CPU, or where the
