@@ -44,7 +44,9 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton._interpret import kernels_for
+from csrc_triton._interpret import jit_helpers, kernels_for
+
+_first_max = jit_helpers("step_ops")._first_max  # (value, index) pairs: larger, then first
 
 __all__ = ["sample_rows", "sampling_splits", "SLOT_INT_FIELDS", "SLOT_FLOAT_FIELDS",
            "FLAG_RANDOM", "FLAG_BIAS", "FLAG_PENALTY", "FLAG_BANS", "FLAG_LOGPROBS",
@@ -125,12 +127,6 @@ def _uniform_block(seed, start, position, BLOCK: tl.constexpr):
     r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero, zero)
     r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK,))
     return ((r >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-
-
-@triton.jit
-def _first_max(v1, i1, v2, i2):
-    take2 = (v2 > v1) | ((v2 == v1) & (i2 < i1))
-    return tl.where(take2, v2, v1), tl.where(take2, i2, i1)
 
 
 # ---- prepare ---------------------------------------------------------------------------
@@ -236,15 +232,16 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
 # ---- select: the threshold search ------------------------------------------------------
 
 @triton.jit
-def _above(x_row, V, pivots, peak, USE_MASS: tl.constexpr, NP: tl.constexpr,
+def _above(x_row, start, end, pivots, peak, USE_MASS: tl.constexpr, NP: tl.constexpr,
            BLOCK: tl.constexpr):
-    """For each pivot key: how many values have a larger key, and their sum of
-    exp(x - peak) (zeros unless USE_MASS). Sums per lane, reduced once at the end: a
-    reduction per block would cost one program more than its loads."""
+    """For each pivot key: how many values of x_row[start:end] have a larger key, and
+    their sum of exp(x - peak) (zeros unless USE_MASS). Sums per lane, reduced once at
+    the end: a reduction per block would cost one program more than its loads."""
     piv = pivots.to(tl.int32)[:, None]
     count = tl.zeros((NP, BLOCK), dtype=tl.int32)
     mass = tl.zeros((NP, BLOCK), dtype=tl.float32)
-    for k in range(0, V, BLOCK):
+    V = end
+    for k in range(start, end, BLOCK):
         offs = k + tl.arange(0, BLOCK)
         x = tl.load(x_row + offs, mask=offs < V, other=float("-inf"))
         above = _key(x)[None, :] > piv
@@ -296,7 +293,7 @@ def _search(x_row, V, lo, hi, count_lo, count_hi, f_hi, limit, peak,
     (_level_kernel) do the same passes with every split of the row at once."""
     while (count_lo - count_hi > CAP) & (hi - lo > 1):
         pivots = _pivots(lo, hi, NP)
-        count, mass = _above(x_row, V, pivots, peak, USE_MASS, NP, BLOCK)
+        count, mass = _above(x_row, 0, V, pivots, peak, USE_MASS, NP, BLOCK)
         if USE_MASS:
             f = mass
         else:
@@ -488,23 +485,19 @@ def _level_kernel(x_ptr, stride_x, V, row_slot_ptr, state_ptr, pivots_ptr, peak_
     state = state_ptr + row * 6
     if tl.load(state + 5) == 0:
         return
-    with_mass = tl.load(state + 4) == 2
     j = tl.arange(0, NP)
-    piv = tl.load(pivots_ptr + row * NP + j).to(tl.int32)[:, None]
+    pivots = tl.load(pivots_ptr + row * NP + j)
     peak = tl.load(peak_ptr + row)
-    count = tl.zeros((NP, BLOCK), dtype=tl.int32)
-    mass = tl.zeros((NP, BLOCK), dtype=tl.float32)
+    x_row = x_ptr + row * stride_x
     start = split * split_len
-    for k in range(start, tl.minimum(start + split_len, V), BLOCK):
-        offs = k + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < V, other=float("-inf"))
-        above = _key(x)[None, :] > piv
-        count += above.to(tl.int32)
-        if with_mass:
-            mass += tl.where(above, tl.exp(x - peak)[None, :], 0.0)
+    end = tl.minimum(start + split_len, V)
+    if tl.load(state + 4) == 2:
+        count, mass = _above(x_row, start, end, pivots, peak, True, NP, BLOCK)
+    else:
+        count, mass = _above(x_row, start, end, pivots, peak, False, NP, BLOCK)
     out = (row * num_splits + split) * NP + j
-    tl.store(level_count_ptr + out, tl.sum(count, 1))
-    tl.store(level_mass_ptr + out, tl.sum(mass, 1))
+    tl.store(level_count_ptr + out, count)
+    tl.store(level_mass_ptr + out, mass)
 
 
 @triton.jit
@@ -548,6 +541,34 @@ def _narrow_kernel(row_slot_ptr, state_ptr, state_f_ptr, pivots_ptr, level_count
         tl.store(hi_ptr + row, tl.where(count_lo <= CAP, _INT64_MAX, hi))
     else:
         tl.store(pivots_ptr + row * NP + j, _pivots(lo, hi, NP))
+
+
+@triton.jit
+def _phase(x_row, V, lo, hi, count_lo, count_hi, f_hi, limit, peak, gathered, listed,
+           listed_lo, g_val, g_idx, USE_MASS: tl.constexpr, NP: tl.constexpr,
+           BLOCK: tl.constexpr, CAP: tl.constexpr):
+    """One truncation's tau in one program, from a search state (lo, hi, ...): search on,
+    then the interval's values gathered (`gathered`: the gather kernel already took them,
+    `listed` of them, if the search had nothing left to do), sorted, the boundary read.
+    Returns (tau, values at or above it, the key above which the list holds every value
+    (else the one passed in), the list's length)."""
+    lo1, hi1, count_lo, count_hi, f_hi = _search(x_row, V, lo, hi, count_lo, count_hi,
+                                                 f_hi, limit, peak, USE_MASS, NP, BLOCK, CAP)
+    if hi1 - lo1 <= 1:
+        tau = hi1
+        at_tau = count_lo
+    else:
+        everything = count_lo <= CAP
+        if (gathered == 0) | (lo1 != lo) | (hi1 != hi):
+            listed = _gather(x_row, V, lo1, tl.where(everything, _INT64_MAX, hi1), g_val,
+                             g_idx, BLOCK)
+        keys, ids, ok = _sorted_gathered(g_val, g_idx, listed, CAP)
+        tau, at, _ = _boundary(keys, ok, tl.where(everything, 0.0, f_hi), limit, lo1 + 1,
+                               peak, USE_MASS, CAP)
+        at_tau = at + tl.where(everything, 0, count_hi)
+        if everything:
+            listed_lo = lo1
+    return tau, at_tau, listed_lo, listed
 
 
 @triton.jit
@@ -635,27 +656,10 @@ def _select_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floa
         count_hi0 = tl.load(state + 3).to(tl.int32)
         f_hi0 = tl.load(state_f_ptr + row * 2)
     if (bounded == 0) & ((flags & 32) != 0) & (top_k < finite):
-        lo, hi, count_lo, count_hi, f_hi = _search(
-            x_row, V, lo0, hi0, count_lo0, count_hi0, f_hi0, top_k.to(tl.float32),
-            peak, False, NP, BLOCK, CAP)
-        if hi - lo <= 1:
-            tau = hi
-            at_tau = count_lo
-        else:
-            everything = count_lo <= CAP
-            upper = tl.where(everything, _INT64_MAX, hi)
-            if (mode == 1) & (lo == lo0) & (hi == hi0):
-                n = listed  # the gather kernel took them
-            else:
-                n = _gather(x_row, V, lo, upper, g_val, g_idx, BLOCK)
-            keys, ids, ok = _sorted_gathered(g_val, g_idx, n, CAP)
-            above = tl.where(everything, 0.0, f_hi)
-            tau, at, _ = _boundary(keys, ok, above, top_k.to(tl.float32), lo + 1, peak,
-                                   False, CAP)
-            at_tau = at + tl.where(everything, 0, count_hi)
-            if everything:
-                listed_lo = lo
-                listed = n
+        tau, at_tau, listed_lo, listed = _phase(
+            x_row, V, lo0, hi0, count_lo0, count_hi0, f_hi0, top_k.to(tl.float32), peak,
+            (mode == 1).to(tl.int32), listed, listed_lo, g_val, g_idx, False, NP, BLOCK,
+            CAP)
     if (bounded == 0) & ((flags & 64) != 0):
         if listed_lo < tau:
             # Every kept value so far is in the sorted list: top-p reads it off.
@@ -665,7 +669,7 @@ def _select_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floa
         else:
             mass = total
             if tau > _key(least).to(tl.int64):  # top-k cut: the mass it kept
-                _, kept_mass = _above(x_row, V, tl.full((NP,), 0, tl.int64) + tau - 1,
+                _, kept_mass = _above(x_row, 0, V, tl.full((NP,), 0, tl.int64) + tau - 1,
                                       peak, True, NP, BLOCK)
                 mass = tl.max(kept_mass, 0)
             limit = top_p * mass
@@ -674,26 +678,10 @@ def _select_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floa
             else:
                 lo0, hi0, count_lo0, count_hi0, f_hi0 = tau - 1, top, at_tau, at_tau * 0, \
                     peak * 0.0
-            lo, hi, count_lo, count_hi, f_hi = _search(
-                x_row, V, lo0, hi0, count_lo0, count_hi0, f_hi0, limit, peak, True, NP,
-                BLOCK, CAP)
-            if hi - lo <= 1:
-                tau = hi
-                at_tau = count_lo
-            else:
-                everything = count_lo <= CAP
-                upper = tl.where(everything, _INT64_MAX, hi)
-                if (mode == 2) & (lo == lo0) & (hi == hi0):
-                    n = listed  # the gather kernel took them
-                else:
-                    n = _gather(x_row, V, lo, upper, g_val, g_idx, BLOCK)
-                keys, ids, ok = _sorted_gathered(g_val, g_idx, n, CAP)
-                above = tl.where(everything, 0.0, f_hi)
-                tau, at, _ = _boundary(keys, ok, above, limit, lo + 1, peak, True, CAP)
-                at_tau = at + tl.where(everything, 0, count_hi)
-                if everything:
-                    listed_lo = lo
-                    listed = n
+            tau, at_tau, listed_lo, listed = _phase(
+                x_row, V, lo0, hi0, count_lo0, count_hi0, f_hi0, limit, peak,
+                (mode == 2).to(tl.int32), listed, listed_lo, g_val, g_idx, True, NP, BLOCK,
+                CAP)
     if (listed_lo >= tau) & (at_tau <= CAP):
         listed = _gather(x_row, V, tau - 1, _INT64_MAX, g_val, g_idx, BLOCK)
         listed_lo = tau - 1
