@@ -21,7 +21,8 @@ def row(i: int, prompt=(1, 2, 3, 4), output=(7, 7, 9), eos=(5,), **kw) -> Simple
     params = SamplingParams(**kw)
     params._eos_token_ids = frozenset(eos)
     return SimpleNamespace(seq_id=i, params=params, num_prompt_tokens=len(prompt),
-                           prompt_token_ids=list(prompt), output_token_ids=list(output))
+                           prompt_token_ids=list(prompt), output_token_ids=list(output),
+                           plain_greedy=False)
 
 
 def staged(seqs, vocab: int, positions: list[int] | None = None, extras=None,

@@ -423,10 +423,6 @@ class ModelRunner:
     def _sample_now(self, logits: torch.Tensor, greedy: torch.Tensor | None,
                     host: HostInputs) -> SamplerOutput:
         """The rows' tokens (and logprobs), waited for."""
-        if not self.sampler.needs_rows(host.row_seqs):
-            if greedy is None:
-                greedy = argmax_rows(logits)
-            return SamplerOutput(greedy.tolist(), [])
         return self.sampler.sample_now(logits, greedy, host.row_seqs, host.row_positions,
                                        host.row_extras, host.row_counted)
 
@@ -476,9 +472,6 @@ class ModelRunner:
     def _new_pending(self, seqs: list[Sequence], logits: torch.Tensor,
                      greedy: torch.Tensor, positions: list[int]) -> PendingDecode:
         """The launched step's tokens (sampled on the device), copied back behind it."""
-        if not self.sampler.needs_rows(seqs):
-            # The step's argmax is every row's token: the common, hottest case.
-            return PendingDecode(seqs, self.sampler.wrap(greedy))
         return PendingDecode(seqs, self.sampler.sample(logits, greedy, seqs, positions))
 
     @torch.inference_mode()
@@ -506,13 +499,10 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute_decode_graph(self, batch: ScheduledBatch) -> StepResult:
         seqs = batch.seqs
-        logits, greedy = self.graph_runner.run([s.token_ids[-1] for s in seqs],
-                                               [s.num_tokens for s in seqs],
+        lens = [s.num_tokens for s in seqs]  # also the positions of the tokens drawn
+        logits, greedy = self.graph_runner.run([s.token_ids[-1] for s in seqs], lens,
                                                [s.block_table for s in seqs])
-        if not self.sampler.needs_rows(seqs):
-            return StepResult(seqs, SamplerOutput(greedy.tolist(), []), [])
-        positions = [s.num_tokens for s in seqs]
-        return StepResult(seqs, self.sampler.sample_now(logits, greedy, seqs, positions), [])
+        return StepResult(seqs, self.sampler.sample_now(logits, greedy, seqs, lens), [])
 
     def _prompt_logprobs(self, hidden: torch.Tensor,
                          inputs: ModelInputs) -> list[PromptLogprobChunk]:

@@ -451,7 +451,10 @@ class Sampler:
                counted: list[bool] | None = None) -> SampledRows:
         """Queue the draw of one token per row (logits row i is seqs[i]'s, at
         positions[i]); nothing here waits for the device. greedy: the rows' argmax if the
-        step computed it."""
+        step computed it. Rows that are all plain greedy take that argmax: the common,
+        hottest case needs no slot, staging or kernel."""
+        if not self.needs_rows(seqs):
+            return self.wrap(greedy if greedy is not None else argmax_rows(logits))
         n = logits.shape[0]
         graphs = self.graphs
         bucket = graphs.bucket(n) if graphs is not None and graphs.takes(logits) else None
@@ -543,6 +546,7 @@ class _CheckRow:
     params: object
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    plain_greedy: bool = False  # every row goes through the kernels
 
     @property
     def num_prompt_tokens(self) -> int:
