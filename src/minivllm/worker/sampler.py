@@ -300,12 +300,11 @@ class RowInputs:
         return RowInputs(self.slot[:n], self.position[:n], self.flags[:n], self.extra[:n])
 
 
-def _row_buffers(rows: int, kx: int, **where) -> tuple[torch.Tensor, torch.Tensor, RowInputs]:
-    """(int64 buffer, int32 buffer, RowInputs viewing them)."""
-    i64 = torch.zeros(rows, dtype=torch.int64, **where)
-    i32 = torch.zeros(rows * (2 + kx), dtype=torch.int32, **where)
-    return i64, i32, RowInputs(i32[:rows], i64, i32[rows:2 * rows],
-                               i32[2 * rows:].view(rows, kx))
+def _row_arrays(rows: int, kx: int, **where):
+    """A step's row inputs packed for two copies (cuda_graph_runner.PackedArrays): position
+    (int64); slot, flags and the extra drafts, as its table rows (int32)."""
+    from .cuda_graph_runner import PackedArrays
+    return PackedArrays({"position": rows}, {"slot": rows, "flags": rows}, rows, kx, **where)
 
 
 class SampledRows:
@@ -380,10 +379,11 @@ class Sampler:
         # kernels failed their start-up check (check_kernels).
         self.kernels = self.on_gpu
         pin = self.on_gpu
-        self._staging = [_row_buffers(max_rows, max(kx, 1), pin_memory=pin) for _ in range(2)]
+        self._staging = [_row_arrays(max_rows, max(kx, 1), pin_memory=pin) for _ in range(2)]
         self._turn = 0
-        self._dev = _row_buffers(max_rows, max(kx, 1), device=device)
-        self.rows = self._dev[2]
+        self._dev = _row_arrays(max_rows, max(kx, 1), device=device)
+        d = self._dev
+        self.rows = RowInputs(d.slot, d.position, d.flags, d.tables)
         self.graphs = None  # SamplerGraphs, set by the model runner when it captures
         if self.on_gpu:
             self.scratch = _Scratch(max_rows, vocab_size, device)
@@ -412,36 +412,23 @@ class Sampler:
         state = self.state
         slots = [state.slot_of(s) for s in seqs]
         state.flush()
-        i64, i32, st = self._staging[self._turn]
+        # Two staging sets alternate: the previous step's copies may not have run yet.
+        st = self._staging[self._turn]
         self._turn ^= 1
-        kx = st.extra.shape[1]
         end = padded or n
-        np_slot = st.slot.numpy()
-        np_slot[:n] = slots
-        np_slot[n:end] = -1
-        i64.numpy()[:n] = positions
-        np_flags = st.flags.numpy()
-        np_flags[:end] = ROW_UPDATE_COUNTS
+        st.slot_np[:n] = slots
+        st.slot_np[n:end] = -1
+        st.position_np[:n] = positions
+        st.flags_np[:end] = ROW_UPDATE_COUNTS
         if counted is not None:
-            np_flags[:n] = [ROW_UPDATE_COUNTS if c else 0 for c in counted]
-        extra = st.extra.numpy()
+            st.flags_np[:n] = [ROW_UPDATE_COUNTS if c else 0 for c in counted]
+        extra = st.tables_np
         extra[:end] = -1
         if extras is not None:
             for i, e in enumerate(extras):
                 if e:
-                    extra[i, :len(e)] = e[:kx]
-        dev_i64, dev_i32, _ = self._dev
-        if self.on_gpu:
-            dev_i64[:end].copy_(i64[:end], non_blocking=True)
-            m = self.max_rows
-            # slot and flags of rows :end, and the extra block's first `end` rows
-            dev_i32[:end].copy_(i32[:end], non_blocking=True)
-            dev_i32[m:m + end].copy_(i32[m:m + end], non_blocking=True)
-            dev_i32[2 * m:2 * m + end * kx].copy_(i32[2 * m:2 * m + end * kx],
-                                                   non_blocking=True)
-        else:
-            dev_i64.copy_(i64)
-            dev_i32.copy_(i32)
+                    extra[i, :len(e)] = e[:extra.shape[1]]
+        st.copy_to(self._dev, end)
         return [i for i, s in enumerate(slots) if state.flags(s) & FLAG_LOGPROBS]
 
     # ---- a step ------------------------------------------------------------------------
