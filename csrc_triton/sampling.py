@@ -10,7 +10,8 @@ sample_rows(logits, greedy, rows, state, scratch, out)
 sampling_splits(rows, vocab, device): how many programs share one row's vocabulary.
 
 Each row belongs to a slot (a running sequence) whose parameters, token counts and bias
-live on the device. Per row, in order (vLLM's): logit_bias, min_tokens' bans, the
+live on the device. Per row, in order (vLLM's): a grammar's token mask (structured
+outputs: a bitmask row the host fills each step), logit_bias, min_tokens' bans, the
 repetition / frequency / presence penalties, then for a random row temperature, top-k,
 top-p and min-p, and a Gumbel-max draw:
 
@@ -50,7 +51,8 @@ _first_max = jit_helpers("step_ops")._first_max  # (value, index) pairs: larger,
 
 __all__ = ["sample_rows", "sampling_splits", "SLOT_INT_FIELDS", "SLOT_FLOAT_FIELDS",
            "FLAG_RANDOM", "FLAG_BIAS", "FLAG_PENALTY", "FLAG_BANS", "FLAG_LOGPROBS",
-           "FLAG_TOP_K", "FLAG_TOP_P", "FLAG_MIN_P", "ROW_UPDATE_COUNTS", "MAX_LOGPROBS",
+           "FLAG_TOP_K", "FLAG_TOP_P", "FLAG_MIN_P", "FLAG_GRAMMAR", "ROW_UPDATE_COUNTS",
+           "ROW_MASK_SHIFT", "MAX_LOGPROBS",
            "GATHER_CAP", "COUNT_SHIFT", "PROMPT_BIT", "BAN_BIT"]
 
 # A slot's int64 parameters: flags, top_k, seed, prompt length, min_tokens, logprobs N.
@@ -65,9 +67,13 @@ FLAG_LOGPROBS = 16   # logprobs asked: the token's logprob, rank and top-N
 FLAG_TOP_K = 32
 FLAG_TOP_P = 64
 FLAG_MIN_P = 128
+FLAG_GRAMMAR = 256   # structured outputs: a row may carry a token bitmask
 # A row's flag: its drawn token is counted in its slot now (speculative rows are counted
 # by the host once accepted).
 ROW_UPDATE_COUNTS = 1
+# A row's flags >> ROW_MASK_SHIFT: 1 + the row of the step's token bitmask [M, ceil(V/32)]
+# int32 that allows its tokens (bit t % 32 of word t // 32); 0: no mask.
+ROW_MASK_SHIFT = 2
 # A slot's counts entry per token: (times in the output) << COUNT_SHIFT | BAN_BIT if
 # min_tokens bans it | PROMPT_BIT if the prompt holds it.
 COUNT_SHIFT = 2
@@ -133,11 +139,12 @@ def _uniform_block(seed, start, position, BLOCK: tl.constexpr):
 
 @triton.jit
 def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr, V,
-                    row_slot_ptr, row_pos_ptr, row_extra_ptr, ints_ptr, floats_ptr,
-                    part_ptr, part_idx_ptr, block_max_ptr, num_blocks, split_len,
-                    KX: tl.constexpr, BLOCK: tl.constexpr):
+                    row_slot_ptr, row_pos_ptr, row_extra_ptr, row_flags_ptr, mask_ptr,
+                    mask_words, ints_ptr, floats_ptr, part_ptr, part_idx_ptr, block_max_ptr,
+                    num_blocks, split_len, KX: tl.constexpr, BLOCK: tl.constexpr):
     """Program (row, split): the row's values over its split of the vocabulary, processed
-    (bias, bans, penalties, temperature) and stored to x for a random row, with each
+    (grammar mask, bias, bans, penalties, temperature) and stored to x for a random row,
+    with each
     block's maximum (a truncated row's bound, see _bound_kernel); partial maximum, first
     argmax, sum of exp (relative to that maximum), least finite value and finite count;
     the raw logits' maximum and sum of exp for a logprob row."""
@@ -165,6 +172,9 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
     want_lp = (flags & 16) != 0
     top_p_on = (flags & 64) != 0
     truncated = (flags & 96) != 0
+    mask_row = 0
+    if (flags & 256) != 0:
+        mask_row = (tl.load(row_flags_ptr + row) >> 2).to(tl.int64)
 
     lanes = tl.arange(0, BLOCK)
     best = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
@@ -187,6 +197,10 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
             raw_sum = raw_sum * tl.exp(raw_max - new) + tl.sum(tl.exp(raw - new), 0)
             raw_max = new
         x = raw
+        if mask_row > 0:
+            word = tl.load(mask_ptr + (mask_row - 1) * mask_words + offs // 32, mask=ok,
+                           other=0)
+            x = tl.where(((word >> (offs % 32)) & 1) != 0, x, float("-inf"))
         if has_bias:
             x = x + tl.load(bias_ptr + slot * V + offs, mask=ok, other=0.0)
         if banning | penalized:
@@ -857,8 +871,8 @@ def sampling_splits(rows: int, vocab: int, device: torch.device) -> int:
 def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch, out,
                 want_logprobs: bool, block: int = _BLOCK, splits: int | None = None) -> None:
     """See the module docstring. `rows`: slot [R] int32 (-1: padding), position [R]
-    int64, flags [R] int32, extra [R, KX] int32 (earlier drafts counted at this row, -1
-    none). `state`: ints [S, 8] int64, floats [S, 8] float32, counts [S, V] int32,
+    int64, flags [R] int32 (ROW_*), extra [R, KX] int32 (earlier drafts counted at this
+    row, -1 none), mask [M, ceil(V / 32)] int32 (grammar bitmasks, see ROW_MASK_SHIFT). `state`: ints [S, 8] int64, floats [S, 8] float32, counts [S, V] int32,
     bias [S, V] float32. `scratch`: x [>= R, V] float32, part [R * splits * 8] float32,
     part_idx [R * splits] int32, g_val [R, CAP] float32, g_idx [R, CAP] int32, tau,
     peak, lse [R]. `out`: token [R] int64, token_lp [R] float32, top_val [R, 20]
@@ -881,8 +895,9 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
     num_blocks = triton.cdiv(vocab, block)
     mod._prepare_kernel[(num_rows, splits)](
         logits, logits.stride(0), x, x.stride(0), state.counts, state.bias, vocab,
-        rows.slot, rows.position, rows.extra, state.ints, state.floats,
-        scratch.part, scratch.part_idx, scratch.block_max, num_blocks, split_len, KX=kx,
+        rows.slot, rows.position, rows.extra, rows.flags, rows.mask, rows.mask.shape[1],
+        state.ints, state.floats, scratch.part, scratch.part_idx, scratch.block_max,
+        num_blocks, split_len, KX=kx,
         BLOCK=block, num_warps=4)
     mod._bound_kernel[(num_rows,)](
         rows.slot, state.ints, state.floats, scratch.part, scratch.part_idx, splits,

@@ -25,8 +25,18 @@ def row(i: int, prompt=(1, 2, 3, 4), output=(7, 7, 9), eos=(5,), **kw) -> Simple
                            plain_greedy=False)
 
 
+def bitmask(allowed: list[list[int]], vocab: int) -> torch.Tensor:
+    """Grammar bitmask rows (bit t % 32 of word t // 32) allowing these tokens."""
+    words = torch.zeros(len(allowed), -(-vocab // 32), dtype=torch.int64)
+    for r, tokens in enumerate(allowed):
+        for t in tokens:
+            words[r, t // 32] |= 1 << (t % 32)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
 def staged(seqs, vocab: int, positions: list[int] | None = None, extras=None,
-           counted=None) -> tuple[S.SamplingState, S.RowInputs]:
+           counted=None, masks: dict[int, list[int]] | None = None
+           ) -> tuple[S.SamplingState, S.RowInputs]:
     state = S.SamplingState(max(len(seqs), 1), vocab, CPU, engine_seed=0)
     slots = [state.slot_of(s) for s in seqs]
     state.flush()
@@ -35,9 +45,13 @@ def staged(seqs, vocab: int, positions: list[int] | None = None, extras=None,
     for i, e in enumerate(extras or []):
         extra[i, :len(e)] = torch.tensor(e, dtype=torch.int32)
     flags = torch.tensor([1 if c else 0 for c in (counted or [True] * n)], dtype=torch.int32)
+    masks = masks or {}
+    for m, r in enumerate(masks):
+        flags[r] |= (m + 1) << K.ROW_MASK_SHIFT
+    mask = bitmask(list(masks.values()) or [[]], vocab)
     positions = positions or [s.num_prompt_tokens + len(s.output_token_ids) for s in seqs]
     return state, S.RowInputs(torch.tensor(slots, dtype=torch.int32),
-                              torch.tensor(positions, dtype=torch.int64), flags, extra)
+                              torch.tensor(positions, dtype=torch.int64), flags, extra, mask)
 
 
 def run_kernels(logits, state, rows, want_logprobs: bool, cap: int = 32, block: int = 32,
@@ -107,6 +121,36 @@ def test_kernels_match_the_reference(shape):
         assert out.rank[i].item() == want_lp[1][i].item()
         assert out.top_idx[i, :n].tolist() == want_lp[3][i, :n].tolist()
         torch.testing.assert_close(out.top_val[i, :n], want_lp[2][i, :n])
+
+
+def test_grammar_masks_in_kernels_and_reference():
+    """Rows with a grammar's bitmask (greedy, random, truncated, penalized) draw only
+    allowed tokens, the kernels as the reference; a grammar row without a mask this step
+    and rows without a grammar are untouched (the same draws as with no masks at all)."""
+    vocab = 400
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, vocab, generator=g) * 3
+    grammar = dict(structured_outputs={"choice": ["a"]})
+    settings = [dict(temperature=0.0, **grammar), dict(temperature=0.9, seed=1, **grammar),
+                dict(temperature=0.8, top_k=40, top_p=0.9, seed=2, **grammar),
+                dict(temperature=0.0, repetition_penalty=1.3, **grammar),
+                dict(temperature=1.0, seed=5, **grammar), dict(temperature=0.7, seed=6)]
+    seqs = [row(i, **p) for i, p in enumerate(settings)]
+    masks = {0: [5, 17, 399], 1: list(range(0, 400, 7)), 2: [33, 64, 65, 200],
+             3: [7, 8, 9]}
+    want_state, rows = staged(seqs, vocab, masks=masks)
+    want, _ = S.sample_reference(logits, want_state, rows, False)
+    got_state, rows = staged(seqs, vocab, masks=masks)
+    got = run_kernels(logits, got_state, rows, False).token
+    assert got.tolist() == want.tolist()
+    for r, allowed in masks.items():
+        assert want[r].item() in allowed
+        best = max(allowed, key=lambda t: logits[r, t].item())
+        if settings[r]["temperature"] == 0.0 and "repetition_penalty" not in settings[r]:
+            assert want[r].item() == best
+    free_state, free_rows = staged(seqs, vocab)
+    free, _ = S.sample_reference(logits, free_state, free_rows, False)
+    assert want[4:].tolist() == free[4:].tolist()
 
 
 @triton.jit

@@ -3,7 +3,8 @@ graphs, Triton paged attention) with vLLM's offline API and an OpenAI-compatible
 
 from .llm import LLM
 from .outputs import CompletionOutput, Logprob, RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"

@@ -16,6 +16,49 @@ _MAX_LOGPROBS = 20
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the output, as vLLM's: exactly one of a JSON schema (`json`, a dict
+    or its JSON text), any JSON object (`json_object`), a regular expression (`regex`), one
+    of some strings (`choice`), an EBNF (or Lark) grammar (`grammar`) or an xgrammar
+    structural tag (`structural_tag`, its JSON). Enforced on the device by the sampler,
+    through a token mask from xgrammar (engine/grammar.py). disable_any_whitespace: JSON
+    without whitespace between its tokens (small models otherwise may loop on it)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict | None = None
+    disable_any_whitespace: bool = False
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, "
+                             f"grammar, json_object, structural_tag; got {given or 'none'}.")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
+        from .engine.grammar import check_grammar
+        check_grammar(self)  # a clear ValueError for an invalid schema, regex or grammar
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str, bool]:
+        """What identifies the compiled grammar: (kind, its canonical text, whitespace)."""
+        value = getattr(self, self.kind)
+        if isinstance(value, (dict, list)):
+            import json as _json
+            value = _json.dumps(value, sort_keys=True, separators=(",", ":"))
+        return self.kind, str(value), self.disable_any_whitespace
+
+
+@dataclass
 class SamplingParams:
     """Decoding parameters, named and bounded as in vLLM.
 
@@ -43,6 +86,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine from the tokenizer / generation config.
     _eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
 
@@ -61,6 +105,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:

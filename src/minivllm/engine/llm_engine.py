@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import gc
 import itertools
@@ -26,6 +27,7 @@ from ..worker.kv_cache import block_bytes
 from ..worker.model_runner import ModelRunner, PendingDecode, StepResult
 from ..worker.sampler import SamplerOutput
 from .detokenizer import Detokenizer, find_stop_string, visible_text
+from .grammar import GrammarCompiler, GrammarState, fill_masks
 from .scheduler import ScheduledBatch, Scheduler
 from .speculative import (DraftLengthPolicy, NgramIndex, SpeculativeConfig, accepted_count,
                           can_speculate)
@@ -115,6 +117,10 @@ class LLMEngine:
         if self.speculative is not None:
             self.draft_policy = DraftLengthPolicy(self.speculative.num_speculative_tokens)
         self._pending: PendingDecode | None = None
+        # Structured outputs: requests wait here (not in the scheduler) for their grammar.
+        self.grammars: GrammarCompiler | None = None
+        self._awaiting_grammar: list[Request] = []
+        self.runner.sampler.before_sample = self._grammar_masks
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0,
@@ -212,10 +218,79 @@ class LLMEngine:
             if params.n > 1 and params.seed is not None:
                 child.seed = params.seed + i  # distinct but reproducible samples
             req.seqs.append(Sequence(next(self._seq_ids), req, i, child))
+        if params.structured_outputs is not None:
+            req.grammar_future = self._grammar_compiler().submit(params.structured_outputs)
+            self._awaiting_grammar.append(req)
+        else:
+            self.scheduler.add(req.seqs[0])
         self.requests[request_id] = req
-        self.scheduler.add(req.seqs[0])
         self.stats["prompt_tokens"] += len(prompt_token_ids)
         return request_id
+
+    # ---- structured outputs (engine/grammar.py) ----------------------------------------
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self.tokenizer is None:
+            raise ValueError("Structured outputs need the tokenizer (this engine has "
+                             "skip_tokenizer_init=True).")
+        if self.grammars is None:
+            self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size,
+                                            self.eos_token_ids)
+        return self.grammars
+
+    def _admit_compiled(self) -> list[Request]:
+        """Hand the requests whose grammar is ready to the scheduler; returns those whose
+        grammar failed to compile (finished, "abort")."""
+        waiting, failed = [], []
+        for req in self._awaiting_grammar:
+            if req.request_id not in self.requests:
+                continue  # aborted while it waited
+            if not req.grammar_future.done():
+                waiting.append(req)
+                continue
+            try:
+                compiled = req.grammar_future.result()
+            except Exception:  # noqa: BLE001 - the request fails, the engine goes on
+                logger.exception("Request %s: its grammar failed to compile",
+                                 req.request_id)
+                for seq in req.seqs:
+                    seq.status = SequenceStatus.FINISHED
+                    seq.finish_reason = "abort"
+                req.finished_time = time.monotonic()
+                self.requests.pop(req.request_id, None)
+                failed.append(req)
+                continue
+            for seq in req.seqs:
+                seq.grammar = GrammarState(compiled)
+            req.grammar_future = None
+            self.scheduler.add(req.seqs[0])
+        self._awaiting_grammar = waiting
+        return failed
+
+    def _grammar_masks(self, sampler, seqs, positions: list[int]) -> dict[int, int] | None:
+        """The sampler's hook, first thing in a step's sampling (on a pipelined step after
+        its model graph is launched, so this overlaps it): each constrained row's matcher
+        takes the tokens read since (the pending step's, read here), and the rows it
+        still constrains get their bitmask. Returns row -> mask row."""
+        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if not rows:
+            return None
+        pending = None
+        states, masks = [], {}
+        for i in rows:
+            seq = seqs[i]
+            out = seq.token_ids[seq.num_prompt_tokens:positions[i]]
+            if out and out[-1] == PLACEHOLDER_TOKEN:
+                if pending is None:
+                    pending = self._pending.tokens_by_seq()
+                out[-1] = pending[seq.seq_id]
+            seq.grammar.advance(out)
+            if seq.grammar.active:
+                masks[i] = len(states)
+                states.append(seq.grammar)
+        if states:
+            fill_masks(states, sampler.mask_buffer())
+        return masks
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and return its blocks. Unknown or finished ids are ignored."""
@@ -274,6 +349,10 @@ class LLMEngine:
         return out
 
     def _plan_and_run(self, report: Callable[[list[Request]], list]) -> list:
+        if self._awaiting_grammar:
+            failed = self._admit_compiled()
+            if failed:
+                return report(failed)
         if self._pending is not None and not self._pipeline_can_continue():
             touched = self._resolve_pending()
             return report(touched) + report(self._step_sync())
@@ -283,6 +362,11 @@ class LLMEngine:
             if not touched and self.scheduler.has_work():
                 raise RuntimeError("The scheduler could not schedule any work; the KV cache "
                                    "is too small for the waiting requests.")
+            if not touched and self._awaiting_grammar:
+                # Nothing runs but grammars compile: wait for one instead of spinning.
+                concurrent.futures.wait(
+                    [r.grammar_future for r in self._awaiting_grammar], timeout=0.01,
+                    return_when=concurrent.futures.FIRST_COMPLETED)
             return report(touched)
         self._mark_scheduled(batch)
         # With a step pending, _pipeline_can_continue() already vetted every running
@@ -595,6 +679,10 @@ class LLMEngine:
                 reason, stop_reason = "stop", token
             elif p.stop and (hit := find_stop_string(seq, new_len)) is not None:
                 reason, stop_reason = "stop", hit
+        if reason is None and seq.grammar is not None:
+            seq.grammar.advance(seq.output_token_ids)
+            if seq.grammar.matcher.is_terminated():
+                reason = "stop"  # the grammar is complete and took its stop token
         if reason is None and (n_out >= p.max_tokens
                                or len(seq.token_ids) >= self.max_model_len):
             reason = "length"

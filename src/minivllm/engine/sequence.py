@@ -35,6 +35,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    grammar_future: object = None  # structured outputs: its grammar, compiling
 
     @property
     def finished(self) -> bool:
@@ -65,7 +66,11 @@ class Sequence:
         # Its next token is just the argmax of its logits (the decode graph computes that):
         # it needs nothing of the sampler (worker/sampler.py).
         self.plain_greedy = (params.greedy and params.logprobs is None and not params.logit_bias
-                             and not params.has_penalties and params.min_tokens == 0)
+                             and not params.has_penalties and params.min_tokens == 0
+                             and params.structured_outputs is None)
+        # Structured outputs: its matcher (engine/grammar.py), set once its grammar is
+        # compiled.
+        self.grammar = None
         # Output state.
         self.text = ""
         self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None

@@ -108,8 +108,10 @@ class NgramIndex:
 def can_speculate(seq: Sequence) -> bool:
     """Sequences at the decode stage (all but the last token in the KV cache). Every draft
     position is sampled as it would be alone: its penalties count the drafts before it
-    and its min_tokens bans go by its position (worker/sampler.py)."""
-    return seq.num_computed_tokens == len(seq.token_ids) - 1
+    and its min_tokens bans go by its position (worker/sampler.py). Not yet sequences
+    under a grammar (structured outputs): their drafts would need a mask per position."""
+    return (seq.num_computed_tokens == len(seq.token_ids) - 1
+            and seq.params.structured_outputs is None)
 
 
 class StepCost:

@@ -58,9 +58,17 @@ class PendingDecode:
         self.sampled = sampled
         self.device_tokens = sampled.tokens
         self.rows = {seq.seq_id: i for i, seq in enumerate(seqs)}
+        self._read: SamplerOutput | None = None
 
     def read(self) -> SamplerOutput:
-        return self.sampled.read([s.params.logprobs for s in self.seqs])
+        if self._read is None:
+            self._read = self.sampled.read([s.params.logprobs for s in self.seqs])
+        return self._read
+
+    def tokens_by_seq(self) -> dict[int, int]:
+        """Its tokens by sequence id (waits for them)."""
+        tokens = self.read().token_ids
+        return {seq_id: tokens[i] for seq_id, i in self.rows.items()}
 
 
 # From this many tokens of a sequence in a step, its slots are computed with numpy (a long

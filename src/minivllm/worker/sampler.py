@@ -1,6 +1,6 @@
 """Batched sampling on the device, one row of logits per sampled token.
 
-Per row, in order (vLLM's): logit_bias, min_tokens' bans (EOS and stop tokens), the
+Per row, in order (vLLM's): a grammar's token mask, logit_bias, min_tokens' bans (EOS and stop tokens), the
 repetition / frequency / presence penalties, then for a random row temperature, top-k,
 top-p and min-p, and a draw. Reported logprobs are the raw logits' (the model's own
 distribution), top-N up to 20.
@@ -30,9 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from csrc_triton.sampling import (BAN_BIT, COUNT_SHIFT, FLAG_BANS, FLAG_BIAS, FLAG_LOGPROBS,
-                                  FLAG_MIN_P, FLAG_PENALTY, FLAG_RANDOM, FLAG_TOP_K,
-                                  FLAG_TOP_P, MAX_LOGPROBS, PROMPT_BIT, ROW_UPDATE_COUNTS)
+from csrc_triton.sampling import (BAN_BIT, COUNT_SHIFT, FLAG_BANS, FLAG_BIAS, FLAG_GRAMMAR,
+                                  FLAG_LOGPROBS, FLAG_MIN_P, FLAG_PENALTY, FLAG_RANDOM,
+                                  FLAG_TOP_K, FLAG_TOP_P, MAX_LOGPROBS, PROMPT_BIT,
+                                  ROW_MASK_SHIFT, ROW_UPDATE_COUNTS)
 
 # Slot parameter columns (csrc_triton/sampling.py reads them by these positions).
 _I_FLAGS, _I_TOP_K, _I_SEED, _I_PROMPT_LEN, _I_MIN_TOKENS, _I_LOGPROBS = range(6)
@@ -145,6 +146,8 @@ def slot_flags(p) -> int:
         flags |= FLAG_BANS
     if p.logprobs is not None:
         flags |= FLAG_LOGPROBS
+    if p.structured_outputs is not None:
+        flags |= FLAG_GRAMMAR
     return flags
 
 
@@ -207,7 +210,7 @@ class SamplingState:
             p = seq.params
             flags = slot_flags(p)
             if self.proposals:
-                flags &= FLAG_RANDOM | FLAG_TOP_K | FLAG_TOP_P | FLAG_MIN_P
+                flags &= FLAG_RANDOM | FLAG_TOP_K | FLAG_TOP_P | FLAG_MIN_P | FLAG_GRAMMAR
             top_k = p.top_k if 0 < p.top_k < self.vocab else 0
             if not top_k:  # a top_k of the whole vocabulary keeps everything
                 flags &= ~FLAG_TOP_K
@@ -288,16 +291,19 @@ class SamplingState:
 class RowInputs:
     """A step's sampling rows, on the device: slot [R] int32 (-1: padding), position [R]
     int64 (the index in its sequence of the token drawn), flags [R] int32
-    (ROW_UPDATE_COUNTS), extra [R, KX] int32 (drafts before this row's position, counted
-    as output by its penalties; -1: none)."""
+    (ROW_UPDATE_COUNTS | 1 + its mask row << ROW_MASK_SHIFT), extra [R, KX] int32 (drafts
+    before this row's position, counted as output by its penalties; -1: none), mask
+    [R, ceil(V / 32)] int32 (the step's grammar bitmasks, rows by first use)."""
 
     slot: torch.Tensor
     position: torch.Tensor
     flags: torch.Tensor
     extra: torch.Tensor
+    mask: torch.Tensor
 
     def narrow(self, n: int) -> "RowInputs":
-        return RowInputs(self.slot[:n], self.position[:n], self.flags[:n], self.extra[:n])
+        return RowInputs(self.slot[:n], self.position[:n], self.flags[:n], self.extra[:n],
+                         self.mask)
 
 
 def _row_arrays(rows: int, kx: int, **where):
@@ -383,7 +389,17 @@ class Sampler:
         self._turn = 0
         self._dev = _row_arrays(max_rows, max(kx, 1), device=device)
         d = self._dev
-        self.rows = RowInputs(d.slot, d.position, d.flags, d.tables)
+        # Grammar bitmasks (structured outputs): filled on the host by `before_sample`
+        # (the engine's hook, called with the step's rows first thing in `sample`), copied
+        # to the device rows the kernels read; two host sets alternate like the staging.
+        from ..engine.grammar import bitmask_words
+        words = bitmask_words(vocab_size)
+        self.rows = RowInputs(d.slot, d.position, d.flags, d.tables,
+                              torch.zeros(max_rows, words, dtype=torch.int32, device=device))
+        self._mask_host = [torch.zeros(max_rows, words, dtype=torch.int32, pin_memory=pin)
+                           for _ in range(2)]
+        self._mask_turn = 0
+        self.before_sample = None  # (sampler, seqs, positions) -> {row: mask row}
         self.graphs = None  # SamplerGraphs, set by the model runner when it captures
         if self.on_gpu:
             self.scratch = _Scratch(max_rows, vocab_size, device)
@@ -400,11 +416,17 @@ class Sampler:
     def release(self, seq) -> None:
         self.state.release(seq)
 
+    def mask_buffer(self) -> torch.Tensor:
+        """The host bitmask rows [max_rows, ceil(V / 32)] int32 this step's masks go in."""
+        return self._mask_host[self._mask_turn]
+
     def stage(self, seqs, positions: list[int], extras: list[list[int]] | None = None,
-              counted: list[bool] | None = None, padded: int | None = None) -> list[int]:
+              counted: list[bool] | None = None, padded: int | None = None,
+              masks: dict[int, int] | None = None) -> list[int]:
         """Write the rows' inputs and copy them to the device; returns the rows that want
         logprobs. counted[i] False: row i's token is not counted now (a speculative
-        row). padded: rows up to this are padding (slot -1)."""
+        row). padded: rows up to this are padding (slot -1). masks: row -> its row of
+        mask_buffer() (rows 0..len(masks)-1 filled)."""
         n = len(seqs)
         if n > self.max_rows:
             raise RuntimeError(f"{n} sampling rows in one step; the sampler holds "
@@ -422,6 +444,12 @@ class Sampler:
         st.flags_np[:end] = ROW_UPDATE_COUNTS
         if counted is not None:
             st.flags_np[:n] = [ROW_UPDATE_COUNTS if c else 0 for c in counted]
+        if masks:
+            for row, m in masks.items():
+                st.flags_np[row] |= (m + 1) << ROW_MASK_SHIFT
+            host = self._mask_host[self._mask_turn]
+            self._mask_turn ^= 1
+            self.rows.mask[:len(masks)].copy_(host[:len(masks)], non_blocking=True)
         extra = st.tables_np
         extra[:end] = -1
         if extras is not None:
@@ -442,10 +470,11 @@ class Sampler:
         hottest case needs no slot, staging or kernel."""
         if not self.needs_rows(seqs):
             return self.wrap(greedy if greedy is not None else argmax_rows(logits))
+        masks = self.before_sample(self, seqs, positions) if self.before_sample else None
         n = logits.shape[0]
         graphs = self.graphs
         bucket = graphs.bucket(n) if graphs is not None and graphs.takes(logits) else None
-        lp_rows = self.stage(seqs, positions, extras, counted, padded=bucket)
+        lp_rows = self.stage(seqs, positions, extras, counted, padded=bucket, masks=masks)
         if not self.kernels:
             tokens, lp = sample_reference(logits, self.state, self.rows.narrow(n),
                                           bool(lp_rows))
@@ -642,6 +671,12 @@ def process_logits(logits: torch.Tensor, state: SamplingState,
         return ((flags & flag) != 0)[:, None]
 
     x = logits.float().clone()
+    mask_row = (rows.flags.long() >> ROW_MASK_SHIFT) * ((flags & FLAG_GRAMMAR) != 0)
+    if bool((mask_row > 0).any()):
+        words = rows.mask[(mask_row - 1).clamp(min=0)]
+        token = torch.arange(x.shape[1], device=x.device)
+        allowed = (words[:, token // 32] >> (token % 32)[None, :]) & 1
+        x = torch.where((mask_row[:, None] > 0) & (allowed == 0), float("-inf"), x)
     if bool((flags & FLAG_BIAS).any()):
         x = torch.where(has(FLAG_BIAS), x + state.bias[slot], x)
     if bool((flags & (FLAG_BANS | FLAG_PENALTY)).any()):
