@@ -112,7 +112,7 @@ class EngineCore:
             logger.exception("Engine step failed")
             self._fail_step(e, events)
             return []
-        if not outputs and eng.requests and not eng.scheduler.has_work():
+        if not outputs and eng.requests and not eng.has_work():
             # Requests the scheduler no longer knows: fail them rather than spin.
             self._fail_step(RuntimeError("request lost by the scheduler"), events)
             return []

@@ -316,6 +316,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_work(self) -> bool:
+        """Whether a step can make progress: scheduled work, a step in flight, or
+        requests whose grammar is compiling."""
+        return (self.scheduler.has_work() or self._pending is not None
+                or bool(self._awaiting_grammar))
+
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
 

@@ -119,13 +119,16 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
               api_key: str | None = None, max_num_seqs: int | None = None,
               drain_timeout: float = 5.0, metrics: EngineMetrics | None = None,
               metrics_store=None, metrics_row: int = 0,
-              generation_config: str | None = None) -> FastAPI:
+              generation_config: str | None = None, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The app around a started AsyncLLMEngine. The app's lifespan shuts the engine down
     (drain_timeout seconds for in-flight requests, then abort). generation_config: "auto",
     "vllm" or a folder (see sampling_params.generation_config_defaults); default: the
     engine's EngineConfig.generation_config where this process has it, else "auto".
     metrics_store / metrics_row: the request metrics' row in a store shared by several API
-    server processes (metrics.shared_metrics_store)."""
+    server processes (metrics.shared_metrics_store). tool_call_parser: the tool-call
+    format (hermes, llama3_json, mistral; default: the chat template's);
+    reasoning_parser: deepseek_r1 or qwen3 (<think> blocks), default none."""
     if not served_model_names:
         served_model_names = [default_model_name(engine)]
     if max_num_seqs is None:
@@ -138,7 +141,9 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     sampling_defaults = generation_config_defaults(generation_config, engine.model_path)
     serving = OpenAIServing(engine, served_model_names, max_num_seqs,
                             on_intake=metrics.observe_intake,
-                            sampling_defaults=sampling_defaults)
+                            sampling_defaults=sampling_defaults,
+                            tool_call_parser=tool_call_parser,
+                            reasoning_parser=reasoning_parser)
     engine.stat_loggers.append(metrics)
     started = int(time.time())
 

@@ -78,6 +78,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "max_new_tokens as max_tokens): 'auto' (default) reads the model "
                              "folder's generation_config.json, 'vllm' ignores it (OpenAI's "
                              "defaults), a FOLDER reads its generation_config.json.")
+    parser.add_argument("--tool-call-parser", default="auto",
+                        choices=["auto", "hermes", "llama3_json", "mistral"],
+                        help="The format of the model's tool calls: auto (default) reads it "
+                             "from the chat template (hermes when the template shows none).")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="Accepted for vLLM's command lines: tool_choice 'auto' is "
+                             "always on.")
+    parser.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                        help="Report <think>...</think> apart from the answer "
+                             "(reasoning_content); grammars and tool calls then constrain "
+                             "only what follows it.")
     parser.add_argument("--quantization", "-q", default=None,
                         choices=["fp8", "int8", "int4", "gptq", "awq", "compressed-tensors"],
                         help="Quantize the decoder's projections at load: fp8 (FP8 weights; "
@@ -226,7 +237,9 @@ def build_server(args: argparse.Namespace, engine=None, metrics_store=None,
                         api_key=args.api_key, max_num_seqs=args.max_num_seqs,
                         drain_timeout=args.shutdown_timeout,
                         metrics_store=metrics_store, metrics_row=metrics_row,
-                        generation_config=args.generation_config)
+                        generation_config=args.generation_config,
+                        tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser)
     except BaseException:  # e.g. a malformed generation_config.json: don't leave it running
         engine.stop()
         raise

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class OpenAIBaseModel(BaseModel):
@@ -61,6 +61,49 @@ class UsageInfo(OpenAIBaseModel):
 _SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 63 - 1  # torch.Generator seeds (+n for samples)
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's response_format (text, json_object, json_schema) and vLLM's structural_tag
+    (xgrammar's {"format": ...} or the older {"structures", "triggers"})."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.json_schema is None:
+                raise RequestError("response_format json_schema needs json_schema.schema.",
+                                   param="response_format")
+            return StructuredOutputsParams(json=self.json_schema.json_schema)
+        tag = {k: v for k, v in (self.model_extra or {}).items()
+               if k in ("format", "structures", "triggers")}
+        if not tag:
+            raise RequestError("response_format structural_tag needs format (or structures "
+                               "and triggers).", param="response_format")
+        return StructuredOutputsParams(structural_tag={"type": "structural_tag", **tag})
+
+
+# vLLM's structured_outputs fields, and the guided_* names older clients send.
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag",
+                    "disable_any_whitespace")
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+
+
 class _SamplingFields(OpenAIBaseModel):
     """Fields that completions and chat share (OpenAI's and vLLM's)."""
 
@@ -91,6 +134,14 @@ class _SamplingFields(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None
     request_id: str | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs (and the
+    # guided_* fields of its older releases).
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -105,6 +156,36 @@ class _SamplingFields(OpenAIBaseModel):
         if self.stream_options is not None and not self.stream:
             raise RequestError("Stream options can only be defined when `stream=True`.",
                                param="stream_options")
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The output constraint the request asks for (at most one way of asking)."""
+        asked = []
+        if self.response_format is not None and self.response_format.type != "text":
+            asked.append("response_format")
+        if self.structured_outputs:
+            asked.append("structured_outputs")
+        guided = {ours: getattr(self, theirs) for theirs, ours in _GUIDED.items()
+                  if getattr(self, theirs) is not None}
+        if guided:
+            asked.append(next(k for k, v in _GUIDED.items() if v in guided))
+        if len(asked) > 1:
+            raise RequestError(f"Ask for one output constraint, not {' and '.join(asked)}.",
+                               param=asked[1])
+        if not asked:
+            return None
+        param = asked[0]
+        try:
+            if param == "response_format":
+                return self.response_format.constraint()
+            if param == "structured_outputs":
+                fields = {k: v for k, v in self.structured_outputs.items()
+                          if k in _STRUCTURED_KEYS and v is not None}
+                return StructuredOutputsParams(**fields)
+            return StructuredOutputsParams(**guided)
+        except RequestError:
+            raise
+        except (ValueError, TypeError) as e:
+            raise RequestError(str(e), param=param) from None
 
     def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None, max_n: int,
@@ -144,7 +225,10 @@ class _SamplingFields(OpenAIBaseModel):
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 logit_bias=self.logit_bias,
+                structured_outputs=self.constraint(),
             )
+        except RequestError:
+            raise
         except ValueError as e:
             raise RequestError(str(e)) from e
 
@@ -227,10 +311,6 @@ class ChatMessage(OpenAIBaseModel):
     name: str | None = None
 
 
-class ResponseFormat(OpenAIBaseModel):
-    type: str = "text"
-
-
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
@@ -238,11 +318,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
-    # Accepted so that a request with tools gets a clear answer instead of silently
-    # plain text: this server renders no tool definitions and parses no tool calls.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
     # vLLM extensions.
     echo: bool = False
     add_generation_prompt: bool = True
@@ -253,10 +331,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     def to_sampling_params(self, max_n: int, defaults: dict | None = None) -> SamplingParams:
         self._check_stream_options()
-        if self.response_format is not None and self.response_format.type != "text":
-            raise RequestError(f"response_format {self.response_format.type!r} is not "
-                               "supported.", param="response_format")
-        self._check_tools()
+        self.check_tools()
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs requires logprobs to be true.",
                                param="top_logprobs")
@@ -273,18 +348,24 @@ class ChatCompletionRequest(_SamplingFields):
                                      prompt_logprobs=self.prompt_logprobs, max_n=max_n,
                                      defaults=defaults)
 
-    def _check_tools(self) -> None:
-        """As OpenAI: tool_choice (other than "none") needs tools. As vLLM without a
-        tool-call parser: tools are refused unless tool_choice is "none" (then the model
-        answers in plain text and the tool definitions are not shown to it)."""
+    def check_tools(self):
+        """(function tools, the name a named tool_choice forces): a 400 naming the field
+        for a tool without a name, a named tool not in tools, tool_choice without tools.
+        As OpenAI, tool_choice defaults to "auto" with tools and "none" without."""
+        from .tool_calls import check_tools
         if self.tool_choice not in (None, "none") and not self.tools:
             raise RequestError("tool_choice is only allowed when tools are specified.",
                                param="tool_choice")
-        if self.tools and self.tool_choice != "none":
-            raise RequestError(
-                "This server does not support tool calling: it parses no tool calls from "
-                "the model's output. Send tool_choice \"none\" to get a plain answer.",
-                param="tool_choice" if self.tool_choice is not None else "tools")
+        try:
+            return check_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except ValueError as e:
+            param = "tool_choice" if str(e).startswith("tool_choice") else "tools"
+            raise RequestError(str(e), param=param) from None
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the output is parsed for tool calls."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 class ChatTopLogprob(OpenAIBaseModel):

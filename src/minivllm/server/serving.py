@@ -11,6 +11,7 @@ tail that could start one).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
@@ -29,8 +30,12 @@ from ..engine.output_codec import DecodedOutput, materialize, sample_outputs
 from ..outputs import Logprob, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import render_chat
+from .chat_outputs import ChatOutputPlan, delta_of
 from .protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from .reasoning import PARSERS as REASONING_PARSERS
+from .reasoning import reasoning_state
 from .sse import SSEResponse
+from .tool_calls import format_for_template, render_tool_calls, tools_system_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +168,8 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str],
                  max_num_seqs: int,
                  on_intake: Callable[[float], None] | None = None,
-                 sampling_defaults: dict | None = None) -> None:
+                 sampling_defaults: dict | None = None, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.engine = engine
         # SamplingParams defaults for the fields a request leaves unset (generation config).
         self.sampling_defaults = dict(sampling_defaults or {})
@@ -178,6 +184,17 @@ class OpenAIServing:
         self.accepted_model_names = set(served_model_names)
         if engine.model_path is not None:
             self.accepted_model_names.add(str(engine.model_path))
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"Unknown reasoning parser {reasoning_parser!r}; known: "
+                             f"{', '.join(REASONING_PARSERS)}.")
+        self.reasoning_parser = reasoning_parser
+        # The tool-call format: the parser named, else the chat template's.
+        template = _chat_template(self.tokenizer) if self.tokenizer is not None else None
+        self.tool_format = format_for_template(template, tool_call_parser)
+        self.template_renders_tools = bool(template) and "tools" in template
+        self.template_renders_calls = bool(template) and "tool_calls" in template
+        vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
+        self.tool_trigger_is_token = self.tool_format.trigger in vocab
 
     # ---- shared steps -------------------------------------------------------------------
 
@@ -207,15 +224,25 @@ class OpenAIServing:
     def render_chat(self, req) -> str:
         if self.tokenizer is None:
             raise RequestError("This server has no tokenizer, so no chat template.")
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        for m in messages:
-            m.setdefault("content", "")
+        messages = [self._template_message(m.model_dump(exclude_none=True))
+                    for m in req.messages]
+        kwargs = dict(req.chat_template_kwargs or {})
+        tools = getattr(req, "tools", None)
+        if tools and (req.chat_template or self.template_renders_tools):
+            kwargs.setdefault("tools", tools)
+        elif tools and req.tool_choice != "none":
+            # The template shows no tools: tell the model about them in a system message.
+            note = tools_system_prompt(tools, self.tool_format)
+            if messages and messages[0]["role"] == "system":
+                messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + note}
+            else:
+                messages.insert(0, {"role": "system", "content": note})
         try:
             return render_chat(self.tokenizer, messages,
                                add_generation_prompt=req.add_generation_prompt,
                                chat_template=req.chat_template,
                                continue_final_message=req.continue_final_message,
-                               **(req.chat_template_kwargs or {}))
+                               **kwargs)
         except RequestError:
             raise
         except (ValueError, TypeError, KeyError) as e:
@@ -224,6 +251,39 @@ class OpenAIServing:
         except Exception as e:  # jinja2 TemplateError and friends
             raise RequestError(f"Could not apply the chat template: {e}",
                                param="messages") from e
+
+    def _template_message(self, m: dict) -> dict:
+        """A message as chat templates read it: content never missing; an assistant's
+        tool_calls with their arguments as objects (templates write them with tojson), or
+        written into its content for a template that does not render tool_calls."""
+        m.setdefault("content", "")
+        calls = m.get("tool_calls")
+        if not calls:
+            return m
+        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+            raise RequestError("tool_calls must be a list of objects.", param="messages")
+        if not self.template_renders_calls:
+            text = render_tool_calls(calls, self.tool_format)
+            content = m["content"] if isinstance(m["content"], str) else ""
+            return {k: v for k, v in m.items() if k != "tool_calls"} | {
+                "content": (content + "\n" if content else "") + text}
+        fixed = []
+        for c in calls:
+            fn = dict(c.get("function") or {})
+            if isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except ValueError:
+                    pass
+            fixed.append({**c, "function": fn})
+        return {**m, "tool_calls": fixed}
+
+    def chat_plan(self, req: ChatCompletionRequest, prompt_text: str) -> ChatOutputPlan:
+        tools, forced = req.check_tools()
+        plan = ChatOutputPlan(
+            fmt=self.tool_format if req.calls_tools else None, forced=forced,
+            reasoning=(reasoning_state(prompt_text) if self.reasoning_parser else None))
+        return plan
 
     async def start(self, job: _Job, raw_request: Request) -> DisconnectWatcher:
         """Submit the job's engine requests (all or nothing) and watch for a disconnect.
@@ -462,6 +522,17 @@ class OpenAIServing:
         self.check_model(req.model)
         params = req.to_sampling_params(self.max_n, self.sampling_defaults)
         text = self.render_chat(req)
+        plan = self.chat_plan(req, text)
+        if plan.parses:
+            tools, _ = req.check_tools()
+            try:
+                params.structured_outputs = plan.constraint(
+                    tools, req.tool_choice, req.parallel_tool_calls is not False,
+                    params.structured_outputs, self.tool_trigger_is_token)
+            except ValueError as e:
+                if isinstance(e, RequestError):
+                    raise
+                raise RequestError(str(e), param="tools") from None
         prompt = _Prompt(text, self.tokenize(text, req.add_special_tokens))
         job = _Job(_new_id("chatcmpl", req.request_id), self.model_name, int(time.time()),
                    [prompt], params, default_max_tokens=req.max_tokens is None
@@ -473,7 +544,7 @@ class OpenAIServing:
                 p.get("text", "") for p in (content or []) if isinstance(p, dict))
         watcher = await self.start(job, raw_request)
         if req.stream:
-            return SSEResponse(self._chat_stream(job, req, watcher, echo_text))
+            return SSEResponse(self._chat_stream(job, req, watcher, echo_text, plan))
         try:
             [final] = await self._collect(job)
         finally:
@@ -488,9 +559,16 @@ class OpenAIServing:
             logprobs = None
             if req.logprobs:
                 logprobs = {"content": self._chat_logprobs(o.token_ids, o.logprobs, top_n)}
-            choice = {"index": o.index,
-                      "message": {"role": "assistant", "content": echo_text + o.text},
-                      "logprobs": logprobs, "finish_reason": o.finish_reason,
+            message = {"role": "assistant", "content": echo_text + o.text}
+            finish_reason = o.finish_reason
+            if plan.parses:
+                parser = plan.parser()
+                parser.feed(o.text)
+                parser.finish()
+                message = parser.message(echo_text)
+                finish_reason = parser.finish_reason(o.finish_reason)
+            choice = {"index": o.index, "message": message,
+                      "logprobs": logprobs, "finish_reason": finish_reason,
                       "stop_reason": o.stop_reason}
             if req.return_token_ids:
                 choice.update(prompt_token_ids=prompt.token_ids, token_ids=list(o.token_ids))
@@ -519,9 +597,11 @@ class OpenAIServing:
         return content
 
     async def _chat_stream(self, job: _Job, req: ChatCompletionRequest,
-                           watcher: DisconnectWatcher, echo_text: str) -> AsyncIterator[bytes]:
+                           watcher: DisconnectWatcher, echo_text: str,
+                           plan: ChatOutputPlan) -> AsyncIterator[bytes]:
         n = job.params.n
         states = [_ChoiceState() for _ in range(n)]
+        parsers = [plan.parser() for _ in range(n)] if plan.parses else None
         usage_chunks = req.include_usage
         top_n = req.top_logprobs or 0
         completion_tokens = 0
@@ -559,6 +639,13 @@ class OpenAIServing:
                     if finish is not None:
                         st.done = True
                         completion_tokens += len(o.token_ids)
+                    if parsers is not None:
+                        for c in self._parsed_chunks(parsers[o.index], o.index, delta, finish,
+                                                     o.stop_reason, logprobs,
+                                                     new_tokens if req.return_token_ids
+                                                     else None):
+                            yield chunk(c)
+                        continue
                     choice = {"index": o.index, "delta": {"content": delta} if delta else {},
                               "logprobs": logprobs, "finish_reason": finish,
                               "stop_reason": o.stop_reason}
@@ -577,6 +664,31 @@ class OpenAIServing:
             watcher.stop()
             self.engine.abort([rid for rid, s in zip(job.engine_ids, job.streams)
                                if not s.finished])
+
+
+    @staticmethod
+    def _parsed_chunks(parser, index: int, delta: str, finish: str | None, stop_reason,
+                       logprobs, token_ids: list[int] | None) -> list[dict]:
+        """A step's chunks of a choice whose text is parsed (reasoning, tool calls): one
+        per event, the step's logprobs and token ids on the first, the finish reason on
+        the last."""
+        events = parser.feed(delta) if delta else []
+        if finish is not None:
+            events += parser.finish()
+        if not events and finish is None and logprobs is None and token_ids is None:
+            return []  # held back (a possible tool call's opening): nothing to say yet
+        choices = [{"index": index, "delta": delta_of(e, parser), "logprobs": None,
+                    "finish_reason": None} for e in events]
+        if not choices or finish is not None:
+            choices.append({"index": index, "delta": {}, "logprobs": None,
+                            "finish_reason": None})
+        if finish is not None:
+            choices[-1]["finish_reason"] = parser.finish_reason(finish)
+            choices[-1]["stop_reason"] = stop_reason
+        choices[0]["logprobs"] = logprobs
+        if token_ids is not None:
+            choices[0]["token_ids"] = token_ids
+        return choices
 
 
 @dataclass
