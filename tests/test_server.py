@@ -414,18 +414,41 @@ BAD_CHATS = [
      400, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5000}, 400,
      "maximum context length"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
      400, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}},
+     400, "Invalid json"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+     400, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"regex": "(a"}},
+     400, "Invalid regex"),
+    ({"messages": [{"role": "user", "content": "x"}], "structured_outputs": {
+        "regex": "a", "choice": ["a"]}}, 400, "exactly one"),
+    ({"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"grammar": "r ::="}},
+     400, "Invalid grammar"),
+    ({"messages": [{"role": "user", "content": "x"}], "guided_regex": "a",
+      "response_format": {"type": "json_object"}}, 400, "one output constraint"),
     ({"messages": [{"role": "user", "content": "x"}], "model": "other"}, 404,
      "The model `other` does not exist."),
     ({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ raise_exception('no') }}"},
      400, "chat template"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL]}, 400,
-     "does not support tool calling"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL],
-      "tool_choice": "required"}, 400, "tool_choice"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, 400,
      "only allowed when tools are specified"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
+     "only allowed when tools are specified"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"parameters": {}}}]}, 400, "name is required"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}, 400, "not in tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL, _TOOL]}, 400,
+     "same name"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "objec"}}}], "tool_choice": "required"}, 400,
+     "Invalid structural tag"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL],
+      "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, 400,
+     "one output constraint"),
 ]
 
 

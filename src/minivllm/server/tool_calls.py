@@ -130,18 +130,22 @@ def tools_grammar(fmt: ToolCallFormat, tools: list[ToolSpec], tool_choice, force
         calls = {"type": "tags_with_separator", "tags": [call_tag(t) for t in chosen],
                  "separator": ", ", "at_least_one": True,
                  "stop_after_first": forced is not None or not parallel}
-        opener = {"type": "token", "token": fmt.trigger} if trigger_is_token else fmt.trigger
-        listed = {"type": "tag", "begin": opener if trigger_is_token else fmt.trigger + "[",
-                  "content": calls if trigger_is_token else calls, "end": "]"}
-        if trigger_is_token:
-            listed["content"] = {"type": "sequence", "elements": [
-                {"type": "const_string", "value": "["}, calls]}
+        if trigger_is_token:  # the trigger is one special token, which text cannot spell
+            listed = {"type": "tag", "begin": {"type": "token", "token": fmt.trigger},
+                      "content": {"type": "sequence", "elements": [
+                          {"type": "const_string", "value": "["}, calls]}, "end": "]"}
+        else:
+            listed = {"type": "tag", "begin": fmt.trigger + "[", "content": calls, "end": "]"}
         if forced is not None or tool_choice == "required":
             return listed
-        free = {"type": "any_text", "excludes": [fmt.trigger]}
-        answer = free if answer_schema is None else {"type": "json_schema",
-                                                     "json_schema": answer_schema}
-        return {"type": "or", "elements": [listed, answer]}
+        if answer_schema is not None:
+            return {"type": "or", "elements": [
+                listed, {"type": "json_schema", "json_schema": answer_schema}]}
+        if trigger_is_token:
+            return {"type": "token_triggered_tags", "trigger_tokens": [fmt.trigger],
+                    "tags": [listed], "stop_after_first": True}
+        return {"type": "triggered_tags", "triggers": [fmt.trigger], "tags": [listed],
+                "stop_after_first": True}
     if forced is not None:
         return call_tag(chosen[0])
     required = tool_choice == "required"
