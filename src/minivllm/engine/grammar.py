@@ -66,8 +66,9 @@ def build_grammar(kind: str, value, compact: bool):
             schema = value if isinstance(value, str) else json.dumps(value)
             json.loads(schema)  # xgrammar's message for bad JSON is less clear
             return xgr.Grammar.from_json_schema(schema, any_whitespace=not compact)
-        if kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+        if kind == "json_object":  # OpenAI's: an object (any keys), not any JSON value
+            return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False,
+                                                any_whitespace=not compact)
         if kind == "regex":
             return xgr.Grammar.from_regex(value)
         if kind == "choice":
@@ -108,6 +109,10 @@ def check_grammar(params) -> None:
 
 
 # ---- compiling, off the engine's path ----------------------------------------------------
+
+# Bump when build_grammar changes what a key compiles to: the disk cache is keyed by it.
+_BUILD_VERSION = 2
+
 
 def _cache_root() -> Path:
     from ..default_model import cache_dir
@@ -183,7 +188,8 @@ class GrammarCompiler:
         if self._compiler is None:
             self._setup()
         xgr = _xgr()
-        name = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32] + ".json"
+        name = hashlib.sha256(json.dumps([_BUILD_VERSION, key]).encode()).hexdigest()[:32]
+        name += ".json"
         path = self._dir / name
         if self.disk and path.is_file():
             try:

@@ -20,8 +20,9 @@ def constraint_format(c: StructuredOutputsParams) -> dict:
     if kind == "json":
         schema = json.loads(c.json) if isinstance(c.json, str) else c.json
         return {"type": "json_schema", "json_schema": schema}
-    if kind == "json_object":
-        return {"type": "json_schema", "json_schema": {"type": "object"}}
+    if kind == "json_object":  # any keys (a bare {"type": "object"} is strict: none)
+        return {"type": "json_schema", "json_schema": {"type": "object",
+                                                       "additionalProperties": True}}
     if kind == "regex":
         return {"type": "regex", "pattern": c.regex}
     if kind == "grammar":
