@@ -172,3 +172,33 @@ def test_needs_a_tokenizer(tiny_text_model_dir):
     with pytest.raises(ValueError, match="tokenizer"):
         engine.add_request([5, 6, 7], SamplingParams(
             structured_outputs=StructuredOutputsParams(regex="a+")))
+
+
+@pytest.fixture
+def drafts_always_pay(monkeypatch):
+    """The draft-length policy's timing put aside (see test_speculative.py)."""
+    from minivllm.engine.speculative import BatchGate, StepCost
+    monkeypatch.setattr(StepCost, "token_share", lambda self, tokens: 0.0)
+    monkeypatch.setattr(BatchGate, "open", lambda self: True)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_under_grammars(tiny_text_model_dir, llm, method,
+                                             drafts_always_pay):
+    """Constrained requests speculate (a mask per draft position; n-gram drafts clipped to
+    what the grammar allows, the text it forces proposed as drafts; the draft model
+    proposes under the masks) and give token for token what they give without it."""
+    _, want = _run(llm, 1.0)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+            "prompt_lookup_max": 4} if method == "ngram" else {
+        "method": "draft_model", "model": str(tiny_text_model_dir), "num_speculative_tokens": 3}
+    fast = LLM(str(tiny_text_model_dir), max_model_len=256, max_num_seqs=16,
+               speculative_config=spec)
+    kinds, got = _run(fast, 1.0)
+    assert [[c.token_ids for c in o.outputs] for o in got] == \
+        [[c.token_ids for c in o.outputs] for o in want]
+    assert fast.engine.stats["spec_decode_num_accepted_tokens"] > 0
+    for kind, out in zip(kinds, got):
+        for c in out.outputs:
+            check(kind, c.text)
+    assert fast.engine.scheduler.pool.all_free()

@@ -239,6 +239,48 @@ class GrammarState:
                 break
         self.accepted = len(tokens)
 
+    def valid_prefix(self, drafts: list[int]) -> int:
+        """How many of drafts (proposed after the accepted tokens) the grammar allows in
+        a row; the matcher is left as it was."""
+        if not self.active:
+            return 0
+        n = 0
+        for token in drafts:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                break
+            n += 1
+        if n:
+            self.matcher.rollback(n)
+        return n
+
+    def fill_after(self, tokens: list[int], bitmask: torch.Tensor, row: int) -> bool:
+        """Fill bitmask[row] with what the grammar allows after the accepted tokens and
+        then `tokens` (drafts of a speculative step), leaving the matcher as it was.
+        False (nothing filled): a token is not allowed, or the grammar ends before."""
+        if not self.active:
+            return False
+        n = self.valid_prefix(tokens)
+        if n < len(tokens):
+            return False
+        for token in tokens:
+            self.matcher.accept_token(token)
+        filled = not self.matcher.is_terminated()
+        if filled:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+        if tokens:
+            self.matcher.rollback(len(tokens))
+        return filled
+
+    def forced_tokens(self, tokenizer, limit: int) -> list[int]:
+        """The tokens of the text the grammar forces next (a schema's keys, closing
+        braces): drafts the verifier will very likely accept."""
+        if not self.active or limit <= 0:
+            return []
+        text = self.matcher.find_jump_forward_string()
+        if not text:
+            return []
+        return tokenizer.encode(text, add_special_tokens=False)[:limit]
+
 
 def fill_masks(states: list[GrammarState], bitmask: torch.Tensor) -> None:
     """Rows 0.. of the host bitmask [rows, ceil(vocab / 32)] int32: the tokens each state

@@ -121,6 +121,8 @@ class LLMEngine:
         self.grammars: GrammarCompiler | None = None
         self._awaiting_grammar: list[Request] = []
         self.runner.sampler.before_sample = self._grammar_masks
+        if self.drafter is not None:
+            self.drafter.runner.sampler.before_sample = self._grammar_masks
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0,
@@ -268,29 +270,53 @@ class LLMEngine:
         return failed
 
     def _grammar_masks(self, sampler, seqs, positions: list[int]) -> dict[int, int] | None:
-        """The sampler's hook, first thing in a step's sampling (on a pipelined step after
+        """The samplers' hook, first thing in a step's sampling (on a pipelined step after
         its model graph is launched, so this overlaps it): each constrained row's matcher
         takes the tokens read since (the pending step's, read here), and the rows it
-        still constrains get their bitmask. Returns row -> mask row."""
+        still constrains get their bitmask. A row after drafts (speculative decoding, or
+        the draft model's own steps) is masked as if they were accepted. Returns row ->
+        mask row."""
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if not rows:
             return None
         pending = None
-        states, masks = [], {}
+        plain, after_drafts = [], []
         for i in rows:
             seq = seqs[i]
-            out = seq.token_ids[seq.num_prompt_tokens:positions[i]]
+            start = seq.num_prompt_tokens
+            out = seq.token_ids[start:positions[i]]
             if out and out[-1] == PLACEHOLDER_TOKEN:
                 if pending is None:
                     pending = self._pending.tokens_by_seq()
                 out[-1] = pending[seq.seq_id]
-            seq.grammar.advance(out)
-            if seq.grammar.active:
-                masks[i] = len(states)
-                states.append(seq.grammar)
-        if states:
-            fill_masks(states, sampler.mask_buffer())
+            committed = len(seq.token_ids) - seq.num_drafts - start
+            seq.grammar.advance(out[:committed])
+            if len(out) > committed:
+                after_drafts.append((i, out[committed:]))
+            elif seq.grammar.active:
+                plain.append(i)
+        buffer = sampler.mask_buffer()
+        masks = {i: m for m, i in enumerate(plain)}
+        if plain:
+            fill_masks([seqs[i].grammar for i in plain], buffer)
+        for i, drafts in after_drafts:
+            if seqs[i].grammar.fill_after(drafts, buffer, len(masks)):
+                masks[i] = len(masks)
         return masks
+
+    def _clip_drafts(self, batch: ScheduledBatch) -> None:
+        """Constrained sequences' drafts end where their grammar stops allowing them (a
+        draft model proposes under the masks too; n-gram drafts may not fit)."""
+        for i, seq in enumerate(batch.seqs):
+            k = seq.num_drafts
+            if not k or seq.grammar is None:
+                continue
+            keep = seq.grammar.valid_prefix(seq.token_ids[len(seq.token_ids) - k:])
+            if keep < k:
+                del seq.token_ids[len(seq.token_ids) - (k - keep):]
+                seq.num_drafts = keep
+                seq.draft_computed = min(seq.draft_computed, len(seq.token_ids))
+                batch.num_new_tokens[i] -= k - keep
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and return its blocks. Unknown or finished ids are ignored."""
@@ -429,6 +455,7 @@ class LLMEngine:
             drafted = [s for s in batch.seqs if s.num_drafts]
             if drafted:
                 self.drafter.propose(drafted)
+        self._clip_drafts(batch)
         self._draft_secs = time.perf_counter() - start
         return batch
 
@@ -481,7 +508,12 @@ class LLMEngine:
                 # Placeholders: the draft model fills them in once the step is scheduled.
                 drafts = [0] * k
             else:
-                drafts = self._ngram_index(seq).propose(seq.token_ids, k)
+                drafts = []
+                if seq.grammar is not None:
+                    # The text its grammar forces (keys, braces) costs no step of its own.
+                    seq.grammar.advance(seq.output_token_ids)
+                    drafts = seq.grammar.forced_tokens(self.tokenizer, k)
+                drafts = drafts or self._ngram_index(seq).propose(seq.token_ids, k)
             if drafts:
                 seq.token_ids.extend(drafts)
                 seq.num_drafts = len(drafts)

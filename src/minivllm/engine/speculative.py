@@ -108,10 +108,9 @@ class NgramIndex:
 def can_speculate(seq: Sequence) -> bool:
     """Sequences at the decode stage (all but the last token in the KV cache). Every draft
     position is sampled as it would be alone: its penalties count the drafts before it
-    and its min_tokens bans go by its position (worker/sampler.py). Not yet sequences
-    under a grammar (structured outputs): their drafts would need a mask per position."""
-    return (seq.num_computed_tokens == len(seq.token_ids) - 1
-            and seq.params.structured_outputs is None)
+    and its min_tokens bans go by its position (worker/sampler.py), its grammar's mask
+    by the drafts before it (engine.LLMEngine._grammar_masks)."""
+    return seq.num_computed_tokens == len(seq.token_ids) - 1
 
 
 class StepCost:
