@@ -4,7 +4,10 @@
 # (bench/model_configs/NAME.json; default qwen2.5-0.5b-instruct and llama-3.1-8b), all with
 # the Qwen2.5 tokenizer the vLLM bundle unpacks into /tmp/qwen25. Run after
 # `source .vllm/install.sh` (see bench/run_vs_vllm.sh for the bundle's three calls; vLLM's
-# site holds xgrammar for both engines). Results: $OUT/w8/MODEL-ENGINE.json.
+# site holds xgrammar for both engines). Results: $OUT/w8/MODEL-ENGINE.json (offline) and,
+# through the servers at c=64 (bench/w3_gpu.py --structured: every other request carries a
+# schema; and the same without), $OUT/w8/server-MODEL-{structured,plain}/w3_ENGINE.json.
+# W8_PARTS: "offline server" (default).
 set -u
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/minivllm-out}
@@ -12,8 +15,20 @@ TOK=${W8_TOKENIZER:-/tmp/qwen25}
 MODELS=("$@")
 [ ${#MODELS[@]} -eq 0 ] && MODELS=(qwen2.5-0.5b-instruct llama-3.1-8b)
 mkdir -p "$OUT/w8"
+PARTS=${W8_PARTS:-offline server}
 for model in "${MODELS[@]}"; do
-  for engine in minivllm vllm; do
+  [[ " $PARTS " == *" server "* ]] && for kind in structured plain; do
+    flag=(); [ "$kind" = structured ] && flag=(--structured)
+    for engine in minivllm vllm; do
+      timeout "${T_W8_SERVER:-200}" python3 -m bench.w3_gpu "$engine" "${flag[@]}" \
+        --model-config "bench/model_configs/$model.json" --tokenizer-dir "$TOK" \
+        --concurrency 64 --ramp --plain-concurrency 1 --budget-s "${T_W8_SERVER:-200}" \
+        --label "w8 $kind" --out-dir "$OUT/w8/server-$model-$kind" \
+        > "$OUT/w8/server-$model-$kind-$engine.log" 2>&1
+      echo "$model server $kind $engine rc=$?"; grep "c=64" "$OUT/w8/server-$model-$kind-$engine.log" | tail -1
+    done
+  done
+  [[ " $PARTS " == *" offline "* ]] && for engine in minivllm vllm; do
     timeout "${T_W8:-240}" python3 -m bench.w8_structured --engine "$engine" \
       --config "bench/model_configs/$model.json" --tokenizer "$TOK" \
       --out "$OUT/w8/$model-$engine.json" > "$OUT/w8/$model-$engine.log" 2>&1

@@ -221,9 +221,17 @@ def make_prompts(num: int, n_tokens: int, mode: str, tokenizer, vocab_size: int,
     return prompts
 
 
-def request_body(t: Target, prompt, output_tokens: int) -> dict:
+# W8 through the server (--structured): every other request asks for one of these JSON
+# schemas (vLLM's and minivllm's structured_outputs field); set by the harness's flag.
+STRUCTURED_SCHEMAS: list[dict] = []
+
+
+def request_body(t: Target, prompt, output_tokens: int, index: int = 0) -> dict:
     body = {"model": t.model, "prompt": prompt, "max_tokens": output_tokens,
             "temperature": 0.0, "stream": True}
+    if STRUCTURED_SCHEMAS and index % 2 == 0:
+        body["structured_outputs"] = {
+            "json": STRUCTURED_SCHEMAS[(index // 2) % len(STRUCTURED_SCHEMAS)]}
     if t.kind in ("minivllm", "vllm"):
         body["ignore_eos"] = True
         body["stream_options"] = {"include_usage": True}
@@ -419,7 +427,7 @@ async def run_level(t: Target, prompts: list, concurrency: int, num_requests: in
     processes (request i goes to process i mod P), so that parsing thousands of SSE chunks
     a second in Python does not make the client the bottleneck of a fast server."""
     url = t.base_url + "/completions"
-    bodies = [request_body(t, prompts[i % len(prompts)], output_tokens)
+    bodies = [request_body(t, prompts[i % len(prompts)], output_tokens, i)
               for i in range(num_requests)]
     procs = max(1, min(client_procs, concurrency, num_requests))
     client_cpu = start_lag = None

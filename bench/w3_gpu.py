@@ -84,19 +84,25 @@ def log(*a) -> None:
 
 # ---- the model folder: config.json, word-level tokenizer, optional HF weights ----------------
 
+def _smoke_model(args) -> bool:
+    """--smoke without a --model-config of its own: the tiny model."""
+    return args.smoke and args.model_config == str(DEFAULT_MODEL_CONFIG)
+
+
 def model_config(args) -> dict:
-    if args.smoke:
+    if _smoke_model(args):
         return dict(SMOKE_CONFIG)
     return json.loads(Path(args.model_config).read_text())
 
 
 def model_name(args) -> str:
-    return "smoke-qwen2" if args.smoke else Path(args.model_config).stem
+    return "smoke-qwen2" if _smoke_model(args) else Path(args.model_config).stem
 
 
 def model_dir(args, hf_weights: bool) -> Path:
     """minivllm's folder (config.json + tokenizer: dummy weights) or transformers' (+ weights)."""
-    return Path(args.work) / ("hf" if hf_weights else "minivllm") / f"{model_name(args)}-dummy"
+    name = f"{model_name(args)}-dummy" + ("-real-tokenizer" if args.tokenizer_dir else "")
+    return Path(args.work) / ("hf" if hf_weights else "minivllm") / name
 
 
 # A byte-level BPE with no merges: token id b < 256 is byte b, so ASCII text of N characters
@@ -168,6 +174,10 @@ def prepare(args, hf_weights: bool) -> Path:
         log(f"wrote random {dtype} weights to {folder} in {time.perf_counter() - t0:.1f}s")
     if not (folder / "config.json").exists():
         (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    if args.tokenizer_dir and not (folder / "tokenizer.json").exists():
+        for f in Path(args.tokenizer_dir).iterdir():  # a real tokenizer (W8 --structured)
+            if f.is_file() and f.name not in ("config.json", GENERATION_CONFIG):
+                shutil.copyfile(f, folder / f.name)
     if not (folder / "tokenizer.json").exists():
         write_tokenizer(folder, cfg["vocab_size"])
     if not hf_weights:  # the servers' folder: minivllm's reads a generation_config.json there
@@ -753,6 +763,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "default, auto), for the sampling fields the client leaves unset; "
                         "labels get -genconfig. Default: no file, vLLM with "
                         "--generation-config vllm.")
+    p.add_argument("--structured", action="store_true",
+                   help="W8 through the server: every other request carries a JSON schema "
+                        "(bench.w8_structured's four) in structured_outputs.")
+    p.add_argument("--tokenizer-dir", default=None, metavar="DIR",
+                   help="A real tokenizer's folder for the model (e.g. /tmp/qwen25) instead of "
+                        "the byte-level one: prompts of --prompt-tokens characters are then "
+                        "fewer tokens (for --structured: grammars over a real vocabulary).")
     p.add_argument("--label", default=None,
                    help="minivllm part: the label (and file name) of this server variant, "
                         "e.g. minivllm-api2 with --minivllm-args='--api-servers 2' "
@@ -800,6 +817,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     CLIENT_PROCS = args.client_procs
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.structured:
+        from bench.w8_structured import SCHEMAS
+        sb.STRUCTURED_SCHEMAS[:] = SCHEMAS
     if args.part == "prepare":
         log(f"model folder: {prepare(args, args.hf_weights)}")
         return 0
