@@ -6,7 +6,7 @@
 # `source .vllm/install.sh` (see bench/run_vs_vllm.sh for the bundle's three calls; vLLM's
 # site holds xgrammar for both engines). Results: $OUT/w8/MODEL-ENGINE.json (offline) and,
 # through the servers at c=64 (bench/w3_gpu.py --structured: every other request carries a
-# schema; and the same without), $OUT/w8/server-MODEL-{structured,plain}/w3_ENGINE.json.
+# schema; and the same without), $OUT/w8/server-MODEL-KIND/w3_ENGINE-w8-KIND.json.
 # W8_PARTS: "offline server" (default).
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -23,7 +23,7 @@ for model in "${MODELS[@]}"; do
       timeout "${T_W8_SERVER:-200}" python3 -m bench.w3_gpu "$engine" "${flag[@]}" \
         --model-config "bench/model_configs/$model.json" --tokenizer-dir "$TOK" \
         --concurrency 64 --ramp --plain-concurrency 1 --budget-s "${T_W8_SERVER:-200}" \
-        --label "w8 $kind" --out-dir "$OUT/w8/server-$model-$kind" \
+        --label "$engine-w8-$kind" --out-dir "$OUT/w8/server-$model-$kind" \
         > "$OUT/w8/server-$model-$kind-$engine.log" 2>&1
       echo "$model server $kind $engine rc=$?"; grep "c=64" "$OUT/w8/server-$model-$kind-$engine.log" | tail -1
     done
