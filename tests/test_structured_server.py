@@ -209,3 +209,32 @@ def test_langchain_structured_output_and_tools(server):
         streamed = piece if streamed is None else streamed + piece
     assert streamed.tool_calls[0]["name"] == "get_weather"
     assert set(streamed.tool_calls[0]["args"]) == {"city", "unit"}
+
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}<|im_start|>assistant\n<think>\n")
+
+
+def test_reasoning_parser(default_model_dir):
+    """--reasoning-parser: a prompt that opens the reasoning gets the output back as
+    reasoning_content (streamed and not); with a schema and a prompt that does not, the
+    grammar lets an optional <think> block through and then holds the answer to the
+    schema."""
+    with ServerThread(dict(model=None, max_model_len=1024, max_num_seqs=4),
+                      reasoning_parser="qwen3") as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=300)
+        kw = dict(model="SmolLM2-135M-Instruct", messages=ASK, max_tokens=12, temperature=0,
+                  extra_body={"chat_template": THINKING_TEMPLATE})
+        full = c.chat.completions.create(**kw).choices[0].message
+        thought = full.model_extra["reasoning_content"]
+        assert thought and not full.content
+        streamed = "".join(ch.choices[0].delta.model_extra.get("reasoning_content") or ""
+                           for ch in c.chat.completions.create(stream=True, **kw)
+                           if ch.choices)
+        assert streamed == thought
+        answer = c.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=ASK, max_tokens=200, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {
+                "name": "w", "schema": WEATHER}}).choices[0].message
+        jsonschema.validate(json.loads(answer.content), WEATHER)
