@@ -172,9 +172,8 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
     want_lp = (flags & 16) != 0
     top_p_on = (flags & 64) != 0
     truncated = (flags & 96) != 0
-    mask_row = 0
-    if (flags & 256) != 0:
-        mask_row = (tl.load(row_flags_ptr + row) >> 2).to(tl.int64)
+    # 1 + the row's grammar bitmask row, 0 for none (only a FLAG_GRAMMAR slot has one).
+    mask_row = (tl.load(row_flags_ptr + row) >> 2).to(tl.int64) * ((flags & 256) != 0)
 
     lanes = tl.arange(0, BLOCK)
     best = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
