@@ -7,7 +7,8 @@
 # site holds xgrammar for both engines). Results: $OUT/w8/MODEL-ENGINE.json (offline) and,
 # through the servers at c=64 (bench/w3_gpu.py --structured: every other request carries a
 # schema; and the same without), $OUT/w8/server-MODEL-KIND/w3_ENGINE-w8-KIND.json.
-# W8_PARTS: "offline server" (default).
+# W8_PARTS: "offline server" (default); W8_SPEC=1 adds offline runs with n-gram speculation
+# (MODEL-ENGINE-ngram.json: minivllm drafts the text a grammar forces).
 set -u
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/minivllm-out}
@@ -33,5 +34,9 @@ for model in "${MODELS[@]}"; do
       --config "bench/model_configs/$model.json" --tokenizer "$TOK" \
       --out "$OUT/w8/$model-$engine.json" > "$OUT/w8/$model-$engine.log" 2>&1
     echo "$model $engine rc=$?"; tail -3 "$OUT/w8/$model-$engine.log"
+    [ -n "${W8_SPEC:-}" ] && timeout "${T_W8:-240}" python3 -m bench.w8_structured \
+      --engine "$engine" --speculative --config "bench/model_configs/$model.json" \
+      --tokenizer "$TOK" --out "$OUT/w8/$model-$engine-ngram.json" \
+      > "$OUT/w8/$model-$engine-ngram.log" 2>&1
   done
 done

@@ -75,11 +75,17 @@ def model_folder(config: Path | None, tokenizer: Path | None, smoke: bool) -> Pa
     return folder
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 4}
+
+
 class Minivllm:
-    def __init__(self, folder: Path, smoke: bool) -> None:
+    def __init__(self, folder: Path, smoke: bool, speculative: bool = False) -> None:
         from minivllm import LLM
         kw = dict(device="cpu", dtype="float32", max_model_len=512) if smoke else dict(
             dtype="bfloat16", max_model_len=2048)
+        if speculative:  # the stretch: a grammar's forced text proposed as drafts
+            kw["speculative_config"] = NGRAM
         self.llm = LLM(str(folder), load_format="dummy", seed=0, **kw)
 
     def params(self, schema, max_tokens: int):
@@ -108,12 +114,13 @@ class Minivllm:
 
 
 class Vllm:
-    def __init__(self, folder: Path, smoke: bool) -> None:
+    def __init__(self, folder: Path, smoke: bool, speculative: bool = False) -> None:
         if smoke:
             raise SystemExit("vLLM needs a GPU")
         from vllm import LLM
+        kw = {"speculative_config": NGRAM} if speculative else {}
         self.llm = LLM(model=str(folder), load_format="dummy", dtype="bfloat16",
-                       max_model_len=2048, seed=0, generation_config="vllm")
+                       max_model_len=2048, seed=0, generation_config="vllm", **kw)
 
     def params(self, schema, max_tokens: int):
         from vllm import SamplingParams
@@ -145,10 +152,14 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU")
+    ap.add_argument("--speculative", action="store_true",
+                    help="n-gram speculation in both engines (minivllm then also drafts "
+                         "the text a grammar forces)")
     args = ap.parse_args(argv)
     n, max_tokens = (8, 16) if args.smoke else (args.n, args.max_tokens)
     folder = model_folder(args.config, args.tokenizer, args.smoke)
-    engine = (Minivllm if args.engine == "minivllm" else Vllm)(folder, args.smoke)
+    engine = (Minivllm if args.engine == "minivllm" else Vllm)(folder, args.smoke,
+                                                                args.speculative)
     reqs = requests(n, max_tokens)
     engine.generate(reqs[:4] + reqs[n:n + 4], 8)  # warm up; compiles two schemas
     engine.generate([(p, s) for p, s in reqs[:4]], 4)  # and the other two
@@ -173,6 +184,7 @@ def main(argv=None) -> int:
     rows["cached schema ttft extra ms"] = 1000 * (rows["ttft cached schema"]["seconds"]
                                                   - rows["ttft unconstrained"]["seconds"])
     record = {"engine": args.engine, "config": str(args.config), "n": n,
+              "speculative": args.speculative,
               "max_tokens": max_tokens, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
