@@ -224,20 +224,26 @@ class GrammarState:
         """Whether the next token is constrained (not after the grammar's end)."""
         return not self.broken and not self.matcher.is_terminated()
 
-    def advance(self, tokens) -> None:
-        """Accept output tokens[accepted:] (the sequence's output so far)."""
-        if self.broken or self.accepted >= len(tokens):
+    def advance(self, token_ids: list[int], start: int, end: int,
+                last: int | None = None) -> None:
+        """Accept the output tokens token_ids[start + accepted:end] (start: where the
+        output begins; only the tokens since the last call are read). last: the value of
+        token_ids[end - 1] when the list holds a placeholder there (a pipelined step's
+        token, read from the device)."""
+        first = start + self.accepted
+        if self.broken or first >= end:
             return
         matcher = self.matcher
-        for token in tokens[self.accepted:]:
+        for at in range(first, end):
             if matcher.is_terminated():
                 break
+            token = last if last is not None and at == end - 1 else token_ids[at]
             if not matcher.accept_token(token):
                 logger.warning("A token (%d) the grammar does not allow reached its matcher; "
                                "this sequence's output is no longer constrained.", token)
                 self.broken = True
                 break
-        self.accepted = len(tokens)
+        self.accepted = end - start
 
     def valid_prefix(self, drafts: list[int]) -> int:
         """How many of drafts (proposed after the accepted tokens) the grammar allows in

@@ -283,17 +283,18 @@ class LLMEngine:
         plain, after_drafts = [], []
         for i in rows:
             seq = seqs[i]
-            start = seq.num_prompt_tokens
-            out = seq.token_ids[start:positions[i]]
-            if out and out[-1] == PLACEHOLDER_TOKEN:
+            g = seq.grammar
+            start, end = seq.num_prompt_tokens, positions[i]
+            committed = len(seq.token_ids) - seq.num_drafts
+            last = None
+            if end == len(seq.token_ids) and seq.token_ids[-1] == PLACEHOLDER_TOKEN:
                 if pending is None:
                     pending = self._pending.tokens_by_seq()
-                out[-1] = pending[seq.seq_id]
-            committed = len(seq.token_ids) - seq.num_drafts - start
-            seq.grammar.advance(out[:committed])
-            if len(out) > committed:
-                after_drafts.append((i, out[committed:]))
-            elif seq.grammar.active:
+                last = pending[seq.seq_id]
+            g.advance(seq.token_ids, start, min(end, committed), last)
+            if end > committed:
+                after_drafts.append((i, seq.token_ids[committed:end]))
+            elif g.active:
                 plain.append(i)
         buffer = sampler.mask_buffer()
         masks = {i: m for m, i in enumerate(plain)}
@@ -511,7 +512,8 @@ class LLMEngine:
                 drafts = []
                 if seq.grammar is not None:
                     # The text its grammar forces (keys, braces) costs no step of its own.
-                    seq.grammar.advance(seq.output_token_ids)
+                    seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens,
+                                        len(seq.token_ids))
                     drafts = seq.grammar.forced_tokens(self.tokenizer, k)
                 drafts = drafts or self._ngram_index(seq).propose(seq.token_ids, k)
             if drafts:
@@ -718,7 +720,7 @@ class LLMEngine:
             elif p.stop and (hit := find_stop_string(seq, new_len)) is not None:
                 reason, stop_reason = "stop", hit
         if reason is None and seq.grammar is not None:
-            seq.grammar.advance(seq.output_token_ids)
+            seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens, len(seq.token_ids))
             if seq.grammar.matcher.is_terminated():
                 reason = "stop"  # the grammar is complete and took its stop token
         if reason is None and (n_out >= p.max_tokens
