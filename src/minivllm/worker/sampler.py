@@ -659,6 +659,20 @@ class _Outputs:
 
 # ---- the PyTorch mirror ------------------------------------------------------------------
 
+_BITS = None
+
+
+def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool [M, vocab] of bitmask rows [M, ceil(vocab / 32)] int32 (token t: bit t % 32
+    of word t // 32), through the words' little-endian bytes."""
+    global _BITS
+    if _BITS is None or _BITS.device != words.device:
+        _BITS = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8,
+                             device=words.device)
+    octets = words.contiguous().view(torch.uint8)  # [M, 4 W]: byte k holds tokens 8k..8k+7
+    return (octets[..., None] & _BITS).ne(0).flatten(1)[:, :vocab]
+
+
 def process_logits(logits: torch.Tensor, state: SamplingState,
                    rows: RowInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, flags): each row's values after bias, bans, penalties and (random rows)
@@ -672,11 +686,10 @@ def process_logits(logits: torch.Tensor, state: SamplingState,
 
     x = logits.float().clone()
     mask_row = (rows.flags.long() >> ROW_MASK_SHIFT) * ((flags & FLAG_GRAMMAR) != 0)
-    if bool((mask_row > 0).any()):
-        words = rows.mask[(mask_row - 1).clamp(min=0)]
-        token = torch.arange(x.shape[1], device=x.device)
-        allowed = (words[:, token // 32] >> (token % 32)[None, :]) & 1
-        x = torch.where((mask_row[:, None] > 0) & (allowed == 0), float("-inf"), x)
+    masked = torch.nonzero(mask_row > 0)[:, 0]
+    if masked.numel():
+        allowed = unpack_bitmask(rows.mask[mask_row[masked] - 1], x.shape[1])
+        x[masked] = x[masked].masked_fill_(~allowed, float("-inf"))
     if bool((flags & FLAG_BIAS).any()):
         x = torch.where(has(FLAG_BIAS), x + state.bias[slot], x)
     if bool((flags & (FLAG_BANS | FLAG_PENALTY)).any()):
@@ -695,8 +708,8 @@ def process_logits(logits: torch.Tensor, state: SamplingState,
         penalized = (penalized - floats[:, _F_FREQ, None] * times.float()
                      - floats[:, _F_PRES, None] * (times > 0).float())
         x = torch.where(has(FLAG_PENALTY), penalized, x)
-    temperature = floats[:, _F_TEMPERATURE, None]
-    x = torch.where(has(FLAG_RANDOM), x / temperature, x)
+    if bool((flags & FLAG_RANDOM).any()):
+        x = torch.where(has(FLAG_RANDOM), x / floats[:, _F_TEMPERATURE, None], x)
     return x, flags
 
 
