@@ -87,13 +87,6 @@ def cpu_kv_cache_bytes() -> int:
 
 # ---- model --------------------------------------------------------------------------
 
-_SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -106,7 +99,7 @@ class ModelConfig:
     """The parts of a Hugging Face config.json that the model code needs."""
 
     architecture: str
-    family: str  # "llama" | "qwen2" | "qwen3"
+    family: str  # model/families.py's ARCHITECTURES values
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -126,33 +119,41 @@ class ModelConfig:
     checkpoint_dtype: torch.dtype
     initializer_range: float = 0.02
     raw: dict = field(default_factory=dict, repr=False)
+    hidden_act: str = "silu"
+    # Per layer: the sliding window it attends within (the last W positions, itself
+    # included), or None for a layer that sees the whole context.
+    layer_windows: tuple = ()
+    attn_softcap: float | None = None    # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None   # Gemma 2: the logits, the same way
+    attn_scale: float | None = None      # the softmax scale, when not head_dim ** -0.5
+    rope_local: tuple | None = None      # Gemma 3's sliding layers: (theta, scaling)
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
+        from .model.families import ARCHITECTURES, MODEL_TYPES, _rope, family_settings
         archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in _SUPPORTED_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
-            by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-            arch = by_type.get(cfg.get("model_type", ""))
+            arch = MODEL_TYPES.get(cfg.get("model_type", ""))
         if arch is None:
             raise ValueError(
                 f"Unsupported model architecture {archs or cfg.get('model_type')}; "
-                f"supported: {sorted(_SUPPORTED_ARCHITECTURES)}.")
-        family = _SUPPORTED_ARCHITECTURES[arch]
+                f"supported: {sorted(ARCHITECTURES)}.")
+        family = ARCHITECTURES[arch]
+        if family == "gpt2":  # GPT-2's own names
+            cfg = {**cfg, "hidden_size": cfg["n_embd"], "num_attention_heads": cfg["n_head"],
+                   "num_hidden_layers": cfg["n_layer"],
+                   "intermediate_size": cfg.get("n_inner") or 4 * cfg["n_embd"],
+                   "rms_norm_eps": cfg.get("layer_norm_epsilon", 1e-5),
+                   "max_position_embeddings": cfg.get("n_positions", 1024)}
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
-        # transformers 5 moved rope_theta / rope_scaling into "rope_parameters".
-        rope_params = dict(cfg.get("rope_parameters") or {})
-        rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-        rope_scaling = cfg.get("rope_scaling") or (
-            rope_params if rope_params.get("rope_type", "default") != "default" else None)
-        if rope_scaling is not None:
-            rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-            if rope_type not in ("default", "llama3"):
-                raise ValueError(f"Unsupported rope scaling type {rope_type!r}.")
-            if rope_type == "default":
-                rope_scaling = None
+        rope_theta, rope_scaling = _rope(cfg, "full_attention")
+        if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
+            rope_scaling.setdefault("original_max_position_embeddings",
+                                    cfg.get("original_max_position_embeddings"))
+        extra = family_settings(family, cfg)
+        extra["layer_windows"] = tuple(extra["layer_windows"])
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
@@ -167,18 +168,29 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or hidden // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings",
+                                             family in ("gemma", "gemma2", "gemma3", "gpt2"))),
+            qkv_bias=family in ("qwen2", "gpt2") or bool(cfg.get("attention_bias", False)),
+            qk_norm=family in ("qwen3", "gemma3"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             checkpoint_dtype=_DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32),
             initializer_range=cfg.get("initializer_range", 0.02),
             raw=cfg,
+            **extra,
         )
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window every layer attends within (None if a layer sees everything): KV
+        blocks wholly before it are never read again."""
+        windows = self.layer_windows
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(windows)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()

@@ -68,46 +68,71 @@ def store_kv_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
     v_cache[blocks, offsets] = value.to(v_cache.dtype)
 
 
+def _attend(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, mask: torch.Tensor | None,
+            scale: float, softcap: float | None) -> torch.Tensor:
+    """Attention of [..., H, q, D] queries over [..., H, k, D] keys with a boolean mask
+    (True: attend). Soft-capped scores (Gemma 2: cap * tanh(scores / cap)) are computed
+    as transformers' eager attention does; the rest through SDPA."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qh.dtype)
+    return torch.matmul(probs, vh)
+
+
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                              meta: AttentionMetadata, scale: float, window: int | None = None,
+                              softcap: float | None = None) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D], one SDPA call per sequence (one for the whole batch
-    when every sequence has a single query token)."""
+    when every sequence has a single query token). window: a query at position p sees
+    keys p - window + 1 .. p only (their blocks may be freed: entries past the window are
+    not read for their values)."""
     num_kv_heads = k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     block_size = k_cache.shape[1]
     qsl = meta.query_start_loc_host or meta.query_start_loc.tolist()
     lens = meta.seq_lens_host or meta.seq_lens.tolist()
     if meta.max_query_len == 1 and len(lens) == q.shape[0] and min(lens) > 0:
-        return _decode_attention_reference(q, k_cache, v_cache, meta, lens, scale)
+        return _decode_attention_reference(q, k_cache, v_cache, meta, lens, scale, window,
+                                           softcap)
     out = torch.zeros_like(q)
     for i, seq_len in enumerate(lens):
         start, end = qsl[i], qsl[i + 1]
         qlen = end - start
         if qlen == 0 or seq_len == 0:
             continue
+        # Keys from the first one any query of the chunk sees (with a window, the blocks
+        # before it may have gone back to the pool).
+        first = 0 if window is None else max(0, seq_len - qlen - window + 1)
+        first_block = first // block_size
         num_blocks = -(-seq_len // block_size)
-        blocks = meta.block_tables[i, :num_blocks].long()
-        k = k_cache[blocks].flatten(0, 1)[:seq_len].to(q.dtype)  # [L, Hkv, D]
-        v = v_cache[blocks].flatten(0, 1)[:seq_len].to(q.dtype)
+        blocks = meta.block_tables[i, first_block:num_blocks].long()
+        base = first_block * block_size
+        k = k_cache[blocks].flatten(0, 1)[:seq_len - base].to(q.dtype)  # [L, Hkv, D]
+        v = v_cache[blocks].flatten(0, 1)[:seq_len - base].to(q.dtype)
         if group > 1:
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
         qh = q[start:end].transpose(0, 1)  # [Hq, qlen, D]
         kh, vh = k.transpose(0, 1), v.transpose(0, 1)
-        if qlen == 1:
-            o = F.scaled_dot_product_attention(qh, kh, vh, scale=scale)
-        else:
-            q_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)
-            k_pos = torch.arange(seq_len, device=q.device)
-            mask = k_pos[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+        q_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)
+        k_pos = torch.arange(base, seq_len, device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        if window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - window
+        o = _attend(qh, kh, vh, None if qlen == 1 and window is None else mask, scale,
+                    softcap)
         out[start:end] = o.transpose(0, 1)
     return out
 
 
 def _decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                meta: AttentionMetadata, lens: list[int],
-                                scale: float) -> torch.Tensor:
+                                meta: AttentionMetadata, lens: list[int], scale: float,
+                                window: int | None = None,
+                                softcap: float | None = None) -> torch.Tensor:
     """Decode batch: gather every sequence's blocks into one padded [B, L, Hkv, D] and
     mask the padding, so the CPU path makes one SDPA call instead of B."""
     block_size = k_cache.shape[1]
@@ -121,26 +146,41 @@ def _decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         k = k.repeat_interleave(group, dim=2)
         v = v.repeat_interleave(group, dim=2)
     length = torch.tensor(lens, device=q.device)
-    mask = torch.arange(k.shape[1], device=q.device)[None, :] < length[:, None]  # [B, L]
-    o = F.scaled_dot_product_attention(
-        q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask[:, None, None, :], scale=scale)  # [B, Hq, 1, D]
+    k_pos = torch.arange(k.shape[1], device=q.device)[None, :]
+    mask = k_pos < length[:, None]  # [B, L]
+    if window is not None:
+        mask &= k_pos > length[:, None] - 1 - window
+    o = _attend(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
+                mask[:, None, None, :], scale, softcap)  # [B, Hq, 1, D]
     return o.reshape(batch, q.shape[1], q.shape[2])
 
 
 class PagedAttention(nn.Module):
-    """Stores this step's K/V into the paged cache, then attends through block tables."""
+    """Stores this step's K/V into the paged cache, then attends through block tables.
+    window: this layer's sliding window (None: the whole context); softcap: Gemma 2's
+    score soft-capping; scale: the softmax scale (default head_dim ** -0.5)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 backend: str = "torch") -> None:
+                 backend: str = "torch", *, window: int | None = None,
+                 softcap: float | None = None, scale: float | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.window = window
+        self.softcap = softcap
         self.backend = backend
+        if backend == "triton" and (window is not None or softcap is not None):
+            raise ValueError(
+                "The Triton attention kernels take no sliding window or score soft-capping "
+                "yet: this model needs max_model_len at most its sliding window "
+                f"({window}), or the torch attention backend (MINIVLLM_ATTENTION_BACKEND="
+                "torch)." if softcap is None else
+                "The Triton attention kernels take no score soft-capping (Gemma 2) yet: "
+                "use the torch attention backend (MINIVLLM_ATTENTION_BACKEND=torch).")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -151,7 +191,8 @@ class PagedAttention(nn.Module):
             triton_ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             return _triton_attention(triton_ops, q, k_cache, v_cache, meta, self.scale)
         store_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention_reference(q, k_cache, v_cache, meta, self.scale)
+        return paged_attention_reference(q, k_cache, v_cache, meta, self.scale, self.window,
+                                         self.softcap)
 
     def attend(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                meta: AttentionMetadata) -> torch.Tensor:
@@ -161,4 +202,5 @@ class PagedAttention(nn.Module):
         if self.backend == "triton":
             from . import triton_ops
             return _triton_attention(triton_ops, q, k_cache, v_cache, meta, self.scale)
-        return paged_attention_reference(q, k_cache, v_cache, meta, self.scale)
+        return paged_attention_reference(q, k_cache, v_cache, meta, self.scale, self.window,
+                                         self.softcap)

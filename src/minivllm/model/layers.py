@@ -1,4 +1,5 @@
-"""Building blocks shared by the decoder models: RMSNorm, rotary embedding, gated MLP.
+"""Building blocks shared by the decoder models: RMSNorm (and Gemma's), rotary embedding,
+gated MLP, the activations.
 
 The numerics follow Hugging Face transformers' implementations (where each cast happens),
 so that fp32 greedy output matches token for token and bf16 stays as close as it can.
@@ -28,10 +29,39 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(in_dtype)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's: the weight is an offset from 1, and multiplies in fp32 before the cast."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__(size, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def activation(name: str):
+    """The MLP activation a config names (transformers' ACT2FN entries we support)."""
+    if name == "silu":
+        return F.silu
+    if name == "gelu_pytorch_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "gelu_new":  # transformers' NewGELUActivation, written out as it is there
+        return lambda x: 0.5 * x * (1.0 + torch.tanh(
+            math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+    if name == "gelu":
+        return F.gelu
+    raise ValueError(f"Unsupported activation {name!r}.")
+
+
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
+    if scaling.get("rope_type") == "linear":  # positions divided by `factor`
+        return inv_freq / scaling["factor"]
     # Llama 3.x: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between.
     factor = scaling["factor"]
     low_ff = scaling.get("low_freq_factor", 1.0)
@@ -51,10 +81,11 @@ class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding with a precomputed cos/sin table indexed by position."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict | None) -> None:
+                 scaling: dict | None, max_position_embeddings: int | None = None) -> None:
         super().__init__()
         self.head_dim, self.max_positions = head_dim, max_positions
         self.theta, self.scaling = theta, scaling
+        self.max_position_embeddings = max_position_embeddings or max_positions
         self.register_buffer("cos_table", torch.empty(0), persistent=False)
         self.register_buffer("sin_table", torch.empty(0), persistent=False)
         self.reset_tables(self.cos_table.device)
@@ -65,12 +96,20 @@ class RotaryEmbedding(nn.Module):
         if device.type == "meta":
             return
         with torch.device("cpu"):
-            inv_freq = rope_inverse_frequencies(self.head_dim, self.theta, self.scaling)
             pos = torch.arange(self.max_positions, dtype=torch.float32)
-            freqs = pos[:, None] * inv_freq[None, :]
+            scale = 1.0
+            if self.scaling is not None and self.scaling.get("rope_type") == "longrope":
+                from .families import longrope_tables
+                short, long, original, scale = longrope_tables(
+                    self.head_dim, self.theta, self.scaling, self.max_position_embeddings)
+                freqs = torch.where((pos < original)[:, None], pos[:, None] * short[None, :],
+                                    pos[:, None] * long[None, :])
+            else:
+                inv_freq = rope_inverse_frequencies(self.head_dim, self.theta, self.scaling)
+                freqs = pos[:, None] * inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos_table = emb.cos().to(device)
-        self.sin_table = emb.sin().to(device)
+        self.cos_table = (emb.cos() * scale).to(device)
+        self.sin_table = (emb.sin() * scale).to(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,13 +153,16 @@ class Linear(nn.Linear):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP with the gate and up projections fused into one matmul."""
+    """act(gate) * up MLP (SwiGLU; Gemma's GeGLU) with the gate and up projections fused
+    into one matmul. The fused kernels are SiLU's."""
 
-    def __init__(self, hidden: int, intermediate: int, fused_ops: bool = False) -> None:
+    def __init__(self, hidden: int, intermediate: int, fused_ops: bool = False,
+                 act: str = "silu") -> None:
         super().__init__()
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False, fused_ops=fused_ops)
         self.down_proj = Linear(intermediate, hidden, bias=False, fused_ops=fused_ops)
-        self.fused_ops = fused_ops
+        self.act = activation(act)
+        self.fused_ops = fused_ops and act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_ops:
@@ -130,4 +172,4 @@ class GatedMLP(nn.Module):
             return self.down_proj(csrc_triton.silu_and_mul(self.gate_up_proj(x)))
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)

@@ -1,8 +1,10 @@
-"""Llama-family decoder over a flat batch of tokens: Llama, Qwen2 and Qwen3.
+"""Llama-family decoder over a flat batch of tokens: Llama, Mistral, Qwen2, Qwen3, Phi-3.
 
-The three differ only in switches read from the config: Qwen2 adds a bias to the q/k/v
-projections, Qwen3 normalizes q and k per head (RMSNorm) before the rotary embedding, and
-Llama 3.x scales its rotary frequencies. One class covers all three.
+They differ only in switches read from the config: Qwen2 adds a bias to the q/k/v
+projections, Qwen3 normalizes q and k per head (RMSNorm) before the rotary embedding,
+Llama 3.x scales its rotary frequencies, Phi-3 scales them by LongRoPE and stores q/k/v
+and gate/up already fused, Mistral (and Phi-3) may attend within a sliding window. One
+class covers them all.
 
 Input is one flat token batch (several sequences concatenated) with explicit positions
 and AttentionMetadata; there is no padding and no batch dimension.
@@ -37,9 +39,16 @@ def _is_kv_cache_scale(name: str) -> bool:
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+def effective_windows(cfg: ModelConfig, max_positions: int) -> list[int | None]:
+    """Per layer, the sliding window that can matter: none where it spans every position
+    the engine runs (max_model_len), as Phi-3.5's 262,144 does."""
+    windows = cfg.layer_windows or (None,) * cfg.num_layers
+    return [w if w is not None and w < max_positions else None for w in windows]
+
+
 class DecoderAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: str,
-                 fused_ops: bool) -> None:
+                 fused_ops: bool, window: int | None = None) -> None:
         super().__init__()
         self.fused_ops = fused_ops
         self.eps = cfg.rms_norm_eps
@@ -56,7 +65,8 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.rotary = rotary
-        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, backend)
+        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, backend,
+                                   window=window)
 
     def forward(self, x: torch.Tensor | Fp8Activations, positions: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -116,10 +126,10 @@ class DecoderLayer(nn.Module):
     the next norm can be one fused kernel: layer i adds its input to the residual."""
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: str,
-                 fused_ops: bool) -> None:
+                 fused_ops: bool, window: int | None = None) -> None:
         super().__init__()
         self.fused_ops = fused_ops
-        self.self_attn = DecoderAttention(cfg, rotary, backend, fused_ops)
+        self.self_attn = DecoderAttention(cfg, rotary, backend, fused_ops, window)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, fused_ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -142,9 +152,11 @@ class DecoderModel(nn.Module):
         self.fused_ops = fused_ops
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         # One rotary table shared by every layer.
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend, fused_ops)
-                                    for _ in range(cfg.num_layers))
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
+                                 cfg.max_position_embeddings)
+        windows = effective_windows(cfg, max_positions)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend, fused_ops, windows[i])
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -157,8 +169,8 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Qwen2 / Qwen3 causal LM. forward() returns hidden states; compute_logits()
-    projects only the rows that are sampled."""
+    """Llama / Mistral / Qwen2 / Qwen3 / Phi-3 causal LM. forward() returns hidden
+    states; compute_logits() projects only the rows that are sampled."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, backend: str = "torch",
                  fused_ops: bool = False) -> None:
@@ -172,6 +184,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
+
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def decode_prelude_linear(self) -> nn.Module:
+        """A projection of the first layer (cuda_graph_runner.make_prelude's GEMM)."""
+        return self.model.layers[0].mlp.down_proj
 
     def compute_logits(self, hidden: torch.Tensor,
                        out: torch.Tensor | None = None) -> torch.Tensor:
@@ -274,9 +293,41 @@ class LlamaForCausalLM(nn.Module):
         return param.data.narrow(0, start, size)
 
 
-MODEL_CLASSES = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-}
+def llama_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face parameter names and shapes of a checkpoint for this config (Phi-3's
+    q/k/v and gate/up stored fused, as its checkpoints have them)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    fused = cfg.family == "phi3"
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        if fused:
+            shapes.update({p + "self_attn.qkv_proj.weight": (q + 2 * kv, h),
+                           p + "mlp.gate_up_proj.weight": (2 * cfg.intermediate_size, h)})
+        else:
+            shapes.update({
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
+                p + "mlp.up_proj.weight": (cfg.intermediate_size, h)})
+        shapes.update({
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        })
+        if cfg.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+        if cfg.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (d,),
+                           p + "self_attn.k_norm.weight": (d,)})
+    shapes["model.norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+LlamaForCausalLM.parameter_shapes = staticmethod(llama_parameter_shapes)

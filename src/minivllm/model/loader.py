@@ -12,7 +12,7 @@ import torch
 
 from ..config import ModelConfig
 from .layers import RotaryEmbedding
-from .llama import MODEL_CLASSES
+from .registry import MODEL_CLASSES
 from .prequantized import PackedParts, checkpoint_quantization
 from .quantization import (CHECKPOINT_METHODS, METHODS, QuantizedLinear, quantize_model,
                            quantized_shells)
@@ -22,32 +22,7 @@ logger = logging.getLogger(__name__)
 
 def hf_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Hugging Face parameter names and shapes of a checkpoint for this config."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
-            p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
-            p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        })
-        if cfg.qkv_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                           p + "self_attn.v_proj.bias": (kv,)})
-        if cfg.qk_norm:
-            shapes.update({p + "self_attn.q_norm.weight": (d,),
-                           p + "self_attn.k_norm.weight": (d,)})
-    shapes["model.norm.weight"] = (h,)
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    return shapes
+    return MODEL_CLASSES[cfg.architecture].parameter_shapes(cfg)
 
 
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -65,9 +40,13 @@ def dummy_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.fl
     engines that load the same tensors.
     """
     gen = torch.Generator(device=device).manual_seed(seed)
+    # Gemma's norms scale by 1 + weight: zeros are its identity, as ones are the others'.
+    norm_value = 0.0 if cfg.family.startswith("gemma") else 1.0
     for name, shape in hf_parameter_shapes(cfg).items():
-        if name.endswith("norm.weight"):
-            t = torch.ones(shape, dtype=torch.float32, device=device)
+        if name.endswith(("norm.weight", "ln_1.weight", "ln_2.weight", "ln_f.weight")):
+            t = torch.full(shape, norm_value, dtype=torch.float32, device=device)
+        elif name.endswith(("ln_1.bias", "ln_2.bias", "ln_f.bias")):
+            t = torch.zeros(shape, dtype=torch.float32, device=device)
         else:
             t = torch.empty(shape, dtype=torch.float32, device=device)
             t.normal_(0.0, cfg.initializer_range, generator=gen)
@@ -143,8 +122,8 @@ def load_model(cfg: ModelConfig, model_path: Path, *, load_format: str, dtype: t
     for layer in model.modules():
         if isinstance(layer, QuantizedLinear):
             layer.restore_storage_dtypes()
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    if cfg.tie_word_embeddings:  # to_empty() untied them
+        model.lm_head.weight = model.input_embeddings().weight
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_tables(device)

@@ -149,7 +149,7 @@ def make_prelude(model: torch.nn.Module, device: torch.device):
     slow down after regular launches"). None for a quantized model (its projections are
     not cuBLAS GEMMs).
     """
-    weight = getattr(model.model.layers[0].mlp.down_proj, "weight", None)  # no bias
+    weight = getattr(model.decode_prelude_linear(), "weight", None)
     if weight is None:
         return None  # a quantized projection: its GEMM is not cuBLAS's split-K kernel
     weight = weight[:PRELUDE_ROWS]

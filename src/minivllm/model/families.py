@@ -1,0 +1,190 @@
+"""What each supported architecture's config.json means: the family it belongs to, the
+settings its fields give the model code, and which fields are used or knowingly ignored.
+
+A field that changes the computation is either read here or refused with the reason; a
+test (tests/test_model_families.py) reads each family's transformers config and fails on
+a field that is in neither list, so a new transformers field is looked at, not silently
+dropped (Mistral's `sliding_window` once was: its models loaded as Llama and gave other
+tokens than transformers past the window).
+"""
+
+from __future__ import annotations
+
+import math
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+    "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "GPT2LMHeadModel": "gpt2",
+}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
+               "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+               "gpt2": "GPT2LMHeadModel"}
+
+# Fields of every family that do not change inference: training-only settings, output
+# switches of transformers' modules, labels, bookkeeping.
+COMMON_IGNORED = {
+    "_name_or_path", "transformers_version", "chunk_size_feed_forward", "id2label",
+    "label2id", "is_encoder_decoder", "output_attentions", "output_hidden_states",
+    "problem_type", "return_dict", "use_cache", "pad_token_id", "attention_dropout",
+    "dtype", "torch_dtype", "model_type", "architectures", "tie_word_embeddings",
+    "bos_token_id", "eos_token_id", "initializer_range", "max_position_embeddings",
+    "embd_pdrop", "resid_pdrop", "attn_pdrop", "summary_activation", "summary_first_dropout",
+    "summary_proj_to_labels", "summary_type", "summary_use_proj",  # GPT-2's unused heads
+    "quantization_config",  # model/prequantized.py reads it
+}
+_LLAMA_USED = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+               "rope_parameters", "rope_theta", "rope_scaling", "hidden_act"}
+USED = {
+    "llama": _LLAMA_USED | {"attention_bias", "mlp_bias", "pretraining_tp"},
+    "mistral": _LLAMA_USED | {"sliding_window"},
+    "qwen2": _LLAMA_USED | {"sliding_window", "use_sliding_window", "max_window_layers",
+                            "layer_types"},
+    "qwen3": _LLAMA_USED | {"attention_bias", "sliding_window", "use_sliding_window",
+                            "max_window_layers", "layer_types"},
+    "phi3": _LLAMA_USED | {"sliding_window", "original_max_position_embeddings",
+                           "partial_rotary_factor"},
+    "gemma": _LLAMA_USED | {"attention_bias", "hidden_activation",
+                            "use_bidirectional_attention"},
+    "gemma2": _LLAMA_USED | {"attention_bias", "hidden_activation", "attn_logit_softcapping",
+                             "final_logit_softcapping", "query_pre_attn_scalar",
+                             "sliding_window", "layer_types", "use_bidirectional_attention"},
+    "gemma3": _LLAMA_USED | {"attention_bias", "hidden_activation", "attn_logit_softcapping",
+                             "final_logit_softcapping", "query_pre_attn_scalar",
+                             "sliding_window", "layer_types", "_sliding_window_pattern",
+                             "sliding_window_pattern", "rope_local_base_freq",
+                             "use_bidirectional_attention"},
+    "gpt2": {"vocab_size", "n_embd", "n_head", "n_layer", "n_inner", "n_positions",
+             "n_ctx", "activation_function", "layer_norm_epsilon", "scale_attn_weights",
+             "scale_attn_by_inverse_layer_idx", "add_cross_attention"},
+}
+# Fields read but refused unless they have their harmless value (see family_settings).
+IGNORED = {
+    "gpt2": {"reorder_and_upcast_attn": "the same attention, in fp32 either way on the CPU"},
+}
+
+
+def _rope(cfg: dict, section: str | None = None) -> tuple[float, dict | None]:
+    """(theta, scaling) from rope_parameters (transformers 5; per layer type for Gemma 3)
+    or the older rope_theta / rope_scaling fields."""
+    params = dict(cfg.get("rope_parameters") or {})
+    if section is not None and section in params:
+        params = dict(params[section] or {})
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") or (
+        params if params.get("rope_type", params.get("type", "default")) != "default"
+        else None)
+    if scaling is not None:
+        scaling = dict(scaling)
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in ("default", "llama3", "linear", "longrope"):
+            raise ValueError(f"Unsupported rope scaling type {kind!r}.")
+        if kind == "default":
+            scaling = None
+        else:
+            scaling["rope_type"] = kind
+    return float(theta), scaling
+
+
+def _windows_by_type(cfg: dict, n: int, default_pattern: int | None) -> list[int | None]:
+    """Per layer: its sliding window, None for a global layer (layer_types, else Gemma's
+    pattern: every `default_pattern`-th layer global)."""
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types is None and default_pattern is not None:
+        pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern",
+                                                            default_pattern))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                 for i in range(n)]
+    if types is None:
+        return [window] * n
+    if len(types) != n:
+        raise ValueError(f"layer_types has {len(types)} entries for {n} layers.")
+    for t in types:
+        if t not in ("sliding_attention", "full_attention"):
+            raise ValueError(f"Unsupported layer type {t!r}.")
+    return [window if t == "sliding_attention" else None for t in types]
+
+
+def family_settings(family: str, cfg: dict) -> dict:
+    """ModelConfig's fields that depend on the family (see ModelConfig)."""
+    n = cfg.get("num_hidden_layers", cfg.get("n_layer"))
+    out: dict = {"attn_softcap": None, "final_softcap": None, "attn_scale": None,
+                 "rope_local": None, "hidden_act": cfg.get("hidden_act", "silu")}
+    if family == "gpt2":
+        if cfg.get("add_cross_attention"):
+            raise ValueError("GPT-2 with cross-attention (an encoder-decoder) is not "
+                             "supported.")
+        if cfg.get("scale_attn_by_inverse_layer_idx"):
+            raise ValueError("GPT-2's scale_attn_by_inverse_layer_idx is not supported.")
+        if cfg.get("scale_attn_weights", True) is False:
+            out["attn_scale"] = 1.0
+        out["hidden_act"] = cfg.get("activation_function", "gelu_new")
+        out["layer_windows"] = [None] * n
+        return out
+    windows = [None] * n
+    if family in ("mistral", "phi3"):
+        windows = [cfg.get("sliding_window")] * n
+    elif family in ("qwen2", "qwen3"):
+        if cfg.get("use_sliding_window"):
+            raise ValueError(f"{family} with use_sliding_window is not supported (its "
+                             "released models do not use it).")
+    elif family == "gemma":
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("Gemma with use_bidirectional_attention (an encoder) is not "
+                             "supported.")
+        out["hidden_act"] = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+    elif family in ("gemma2", "gemma3"):
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("Gemma with use_bidirectional_attention (an encoder) is not "
+                             "supported.")
+        windows = _windows_by_type(cfg, n, 2 if family == "gemma2" else 6)
+        out["hidden_act"] = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+        out["attn_softcap"] = cfg.get("attn_logit_softcapping")
+        out["final_softcap"] = cfg.get("final_logit_softcapping")
+        out["attn_scale"] = cfg.get("query_pre_attn_scalar", 256) ** -0.5
+        if family == "gemma3":
+            local = dict((cfg.get("rope_parameters") or {}).get("sliding_attention") or {})
+            theta = local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
+            out["rope_local"] = (float(theta), None)
+    if family == "phi3":
+        params = dict(cfg.get("rope_parameters") or {})
+        partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(f"Phi-3 with partial_rotary_factor {partial} is not supported.")
+    if cfg.get("mlp_bias"):
+        raise ValueError("mlp_bias is not supported.")
+    if cfg.get("pretraining_tp", 1) != 1:
+        pass  # a training-time split of the same matmuls: the result is the same
+    out["layer_windows"] = windows
+    if out["hidden_act"] not in ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu"):
+        raise ValueError(f"Unsupported activation {out['hidden_act']!r}.")
+    return out
+
+
+def longrope_tables(head_dim: int, theta: float, scaling: dict,
+                    max_position_embeddings: int) -> tuple:
+    """(short inv_freq, long inv_freq, original max positions, attention factor): Phi-3's
+    LongRoPE. Positions below the original maximum use the short factors, the rest the
+    long ones (vLLM's reading; transformers switches a whole forward by its longest
+    position, which differs only for a forward that spans the boundary)."""
+    import torch
+    original = scaling.get("original_max_position_embeddings") or max_position_embeddings
+    factor = scaling.get("factor") or max_position_embeddings / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor)
+                                                        / math.log(original))
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    short = 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * theta ** shape)
+    long = 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32) * theta ** shape)
+    return short, long, original, float(attention)

@@ -1,0 +1,127 @@
+"""The model families beyond Llama and Qwen: tiny random models made by transformers, greedy
+fp32 output token for token equal to its `generate` (prompts of different lengths in one
+batch, sliding windows shorter than prompt + output, preemption and prefix caching on, the
+block pool whole after); and every config field of each family either used or knowingly
+ignored."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from minivllm.model.families import COMMON_IGNORED, IGNORED, MODEL_TYPES, USED
+from conftest import hf_greedy, random_prompts
+
+MAX_NEW = 12
+_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256, max_position_embeddings=256,
+             rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+FAMILIES = {
+    "mistral": dict(_BASE, model_type="mistral", sliding_window=16, head_dim=16,
+                    tie_word_embeddings=False),
+    "phi3": dict(_BASE, model_type="phi3", sliding_window=24, tie_word_embeddings=False,
+                 original_max_position_embeddings=32,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                  "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                  "long_factor": [2.0 + 0.3 * i for i in range(8)],
+                                  "original_max_position_embeddings": 32}),
+    "gemma": dict(_BASE, model_type="gemma", head_dim=32, num_key_value_heads=1,
+                  hidden_activation="gelu_pytorch_tanh"),
+    "gemma2": dict(_BASE, model_type="gemma2", head_dim=32, sliding_window=16,
+                   attn_logit_softcapping=20.0, final_logit_softcapping=5.0,
+                   query_pre_attn_scalar=24,
+                   layer_types=["sliding_attention", "full_attention"] * 2),
+    "gemma3": dict(_BASE, model_type="gemma3_text", head_dim=32, sliding_window=16,
+                   query_pre_attn_scalar=32,
+                   layer_types=["sliding_attention", "sliding_attention", "sliding_attention",
+                                "full_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                          "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                       "rope_theta": 1000000.0}}),
+    "gpt2": dict(model_type="gpt2", n_embd=64, n_head=4, n_layer=3, n_positions=256,
+                 vocab_size=256, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+}
+
+
+def make_model(family: str, folder) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = dict(FAMILIES[family])
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ("norm" in name or "ln_" in name) and name.endswith("weight"):
+                p.normal_(0.0 if family.startswith("gemma") else 1.0, 0.1)
+            else:  # GPT-2's smaller weights need more spread for clear greedy choices
+                p.normal_(0.0, 0.2 if family == "gpt2" else 0.08)
+    model.eval().save_pretrained(folder, safe_serialization=True)
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    dirs = {}
+    for family in FAMILIES:
+        d = tmp_path_factory.mktemp(f"family-{family}")
+        make_model(family, d)
+        dirs[family] = d
+    return dirs
+
+
+# Lengths from 3 to 28: prompt + output crosses the 16-token windows and Phi-3's 32
+# original positions (LongRoPE's switch) in decode.
+PROMPTS = random_prompts(6, 256, 3, 28, seed=5)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_matches_transformers(family_dirs, family):
+    want = hf_greedy(family_dirs[family], PROMPTS, MAX_NEW)
+    assert len({t for r in want for t in r}) > 3, want
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    for kw in (dict(max_model_len=128),
+               dict(max_model_len=128, block_size=4, max_num_batched_tokens=16, max_num_seqs=4),
+               dict(max_model_len=48, block_size=4, num_kv_blocks=12, max_num_seqs=6)):  # preempts
+        llm = LLM(str(family_dirs[family]), skip_tokenizer_init=True, **kw)
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        assert got == want, kw
+        # Again, now from the prefix cache.
+        again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        assert again == want, kw
+        assert llm.engine.scheduler.pool.all_free()
+
+
+@pytest.mark.parametrize("model_type", list(MODEL_TYPES))
+def test_every_config_field_is_used_or_knowingly_ignored(model_type):
+    """transformers' config of each supported family has no field this engine neither
+    reads nor lists as not changing the computation."""
+    from transformers import AutoConfig
+    from minivllm.model.families import ARCHITECTURES
+    family = ARCHITECTURES[MODEL_TYPES[model_type]]
+    fields = set(AutoConfig.for_model(model_type).to_dict())
+    unknown = fields - USED[family] - set(IGNORED.get(family, {})) - COMMON_IGNORED
+    assert not unknown, f"{model_type}: fields neither used nor ignored: {sorted(unknown)}"
+
+
+@pytest.mark.parametrize("cfg,needle", [
+    (dict(model_type="gemma2", use_bidirectional_attention=True), "bidirectional"),
+    (dict(model_type="phi3", rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                               "partial_rotary_factor": 0.5}),
+     "partial_rotary_factor"),
+    (dict(model_type="gpt2", scale_attn_by_inverse_layer_idx=True), "inverse_layer_idx"),
+    (dict(model_type="llama", rope_scaling={"rope_type": "yarn", "factor": 2.0}), "yarn"),
+    (dict(model_type="qwen2", use_sliding_window=True), "use_sliding_window"),
+    (dict(model_type="falcon"), "Unsupported model architecture"),
+])
+def test_unsupported_settings_are_refused(cfg, needle):
+    from transformers import AutoConfig
+    from minivllm.config import ModelConfig
+    model_type = cfg.pop("model_type")
+    try:
+        raw = AutoConfig.for_model(model_type, **cfg).to_dict()
+    except ValueError:
+        raw = {"model_type": model_type, **cfg}
+    raw.update(cfg)
+    with pytest.raises(ValueError, match=needle):
+        ModelConfig.from_dict(raw)
