@@ -125,3 +125,38 @@ def test_unsupported_settings_are_refused(cfg, needle):
     raw.update(cfg)
     with pytest.raises(ValueError, match=needle):
         ModelConfig.from_dict(raw)
+
+
+def test_blocks_out_of_the_window_go_back_to_the_pool(family_dirs):
+    """Mistral's window of 16: past it a sequence holds ~window / block_size + 1 blocks
+    however long it runs (the rest are HOLEs), the output is still transformers', and the
+    pool is whole after; forks (n=2) and preemption keep the count right."""
+    from minivllm.engine.scheduler import HOLE
+    prompt = random_prompts(1, 256, 30, 30, seed=9)
+    want = hf_greedy(family_dirs["mistral"], prompt, 60)
+    llm = LLM(str(family_dirs["mistral"]), skip_tokenizer_init=True, max_model_len=128,
+              block_size=4)
+    engine = llm.engine
+    assert engine.scheduler.sliding_window == 16
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    engine.add_request(prompt[0], params, request_id="long")
+    held = []
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+        for seq in engine.scheduler.running:
+            held.append(len(seq.block_table) - seq.num_dropped_blocks)
+            assert seq.block_table[:seq.num_dropped_blocks] == [HOLE] * seq.num_dropped_blocks
+    assert outputs["long"].outputs[0].token_ids == want[0]
+    assert max(held[len(held) // 2:]) <= 16 // 4 + 2  # flat, not growing with the output
+    assert engine.scheduler.pool.all_free()
+    # Samples forked from a prompt longer than the window, and a pool small enough to preempt.
+    small = LLM(str(family_dirs["mistral"]), skip_tokenizer_init=True, max_model_len=96,
+                block_size=4, num_kv_blocks=24)
+    prompts = random_prompts(4, 256, 20, 40, seed=3)
+    refs = hf_greedy(family_dirs["mistral"], prompts, 30)
+    outs = small.generate(prompts, SamplingParams(temperature=0.0, max_tokens=30,
+                                                  ignore_eos=True, n=2), use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[r, r] for r in refs]
+    assert small.engine.scheduler.pool.all_free()

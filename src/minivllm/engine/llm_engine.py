@@ -107,7 +107,8 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
-            enable_prefix_caching=config.enable_prefix_caching)
+            enable_prefix_caching=config.enable_prefix_caching,
+            sliding_window=self._freeable_window(draft))
         self.requests: dict[str, Request] = {}
         # Steps launched before the previous one is read back (decode steps, and mixed
         # steps of new requests joining in-flight decodes).
@@ -128,6 +129,15 @@ class LLMEngine:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0,
                       "spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
                       "spec_decode_num_accepted_tokens": 0}
+
+    def _freeable_window(self, draft) -> int | None:
+        """The window within which every layer attends, when blocks before it can go back
+        to the pool: shorter than max_model_len, and no draft model (which shares the
+        block tables and may attend to everything)."""
+        window = self.model_config.kv_window
+        if window is None or window >= self.config.max_model_len or draft is not None:
+            return None
+        return window
 
     def _draft_model_config(self) -> tuple:
         """(weights path, ModelConfig) of the draft model, checked against the target."""

@@ -7,6 +7,14 @@ sequences are admitted while budget, sequence slots and blocks last. When a runn
 sequence needs a block and none is free, the most recently admitted running sequence is
 preempted: its blocks are freed and it goes back to the front of the queue, to be
 recomputed later from its prompt plus the tokens it has already produced.
+
+With a sliding window in every layer (Mistral, Phi-3 with a window shorter than
+max_model_len), a running sequence's blocks that lie wholly before the window of the next
+token it computes are never read again: they go back to the pool as soon as the step
+that moves past them is recorded (`advance`), and their table entries become HOLE (the
+table stays positional: block i holds positions i*bs..). A sequence then holds
+len(block_table) - num_dropped_blocks blocks, about window / block_size + 1, whatever
+its length; the scheduler's budget counts only those (the pool's free count).
 """
 
 from __future__ import annotations
@@ -17,6 +25,9 @@ from dataclasses import dataclass, field
 
 from .block_pool import BlockPool, block_hash
 from .sequence import Sequence, SequenceStatus
+
+# A block-table entry whose block went back to the pool (out of the sliding window).
+HOLE = -1
 
 
 @dataclass
@@ -57,8 +68,11 @@ class Scheduler:
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
                  enable_chunked_prefill: bool = True,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         self.pool = BlockPool(num_blocks)
+        # Every layer's window (None: some layer sees all): blocks before it are freed.
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -97,7 +111,9 @@ class Scheduler:
         only the partial last block, so no block is ever written by two sequences and no
         copy-on-write is needed."""
         full_blocks = child.num_prompt_tokens // self.block_size
-        child.block_table = [self.pool.share(b) for b in parent.block_table[:full_blocks]]
+        child.block_table = [b if b == HOLE else self.pool.share(b)
+                             for b in parent.block_table[:full_blocks]]
+        child.num_dropped_blocks = min(parent.num_dropped_blocks, full_blocks)
         child.num_computed_tokens = full_blocks * self.block_size
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
@@ -173,6 +189,25 @@ class Scheduler:
                 hashes = self._hashes(seq, new // bs)
                 for i in range(old // bs, new // bs):
                     self.pool.register(seq.block_table[i], hashes[i])
+            if self.sliding_window is not None:
+                self._drop_out_of_window(seq)
+
+    def _drop_out_of_window(self, seq: Sequence) -> None:
+        """Free the blocks wholly before the window of the next token the sequence
+        computes (position num_computed_tokens sees keys from num_computed_tokens -
+        window + 1 on; later tokens see less). A step launched ahead of this one reads
+        them first: the device runs steps in launch order, and a freed block is written
+        only by a step launched later."""
+        computed = seq.num_computed_tokens
+        if seq.forks_pending:  # its samples will recompute the prompt's partial last block
+            computed = min(computed, seq.num_prompt_tokens // self.block_size * self.block_size)
+        first_needed = computed - self.sliding_window + 1
+        upto = min(max(0, first_needed) // self.block_size, len(seq.block_table))
+        table = seq.block_table
+        for i in range(seq.num_dropped_blocks, upto):
+            self.pool.free(table[i])
+            table[i] = HOLE
+        seq.num_dropped_blocks = max(seq.num_dropped_blocks, upto)
 
     # ---- prefix cache -----------------------------------------------------------------
 
@@ -218,8 +253,10 @@ class Scheduler:
         # Tail first: the free queue evicts oldest first, and a prefix's later blocks are
         # the least likely to be shared.
         for block in reversed(seq.block_table):
-            self.pool.free(block)
+            if block != HOLE:
+                self.pool.free(block)
         seq.block_table = []
+        seq.num_dropped_blocks = 0
 
     def _preempt(self, seq: Sequence) -> None:
         self._free_blocks(seq)

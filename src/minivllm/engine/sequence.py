@@ -59,6 +59,8 @@ class Sequence:
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        # Leading entries of block_table freed out of the sliding window (scheduler.HOLE).
+        self.num_dropped_blocks = 0
         self.block_hashes: list[int] = []  # prefix-cache identity of each full block
         self.num_cached_tokens: int | None = None  # prompt tokens found in the cache
         self.status = SequenceStatus.WAITING
