@@ -186,3 +186,14 @@ def test_kernel_features_missing_are_refused(family_dirs, monkeypatch):
         LLM(str(family_dirs["gemma2"]), skip_tokenizer_init=True, max_model_len=16)
     with pytest.raises(ValueError, match="sliding window"):
         LLM(str(family_dirs["mistral"]), skip_tokenizer_init=True, max_model_len=64)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_dummy_weights(family_dirs, family):
+    """load_format="dummy" fills every parameter from the config alone (the benchmarks'
+    configs in bench/model_configs/ load the same way)."""
+    llm = LLM(str(family_dirs[family]), skip_tokenizer_init=True, max_model_len=32,
+              load_format="dummy")
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3,
+                                                   ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
