@@ -7,10 +7,9 @@ same device call, then compare the JSON files).
     machine: bench/run_vs_vllm.sh's bundle puts it in /tmp/qwen25).
 
 Rows: "unconstrained", "constrained", "mixed" (both halves in one batch): output tok/s,
-best of --reps; "ttft cached schema" and "ttft unconstrained": one request alone, time to
-its first token (streamed engine API), median of 9 after a warm-up that compiled the
-schema. A constrained row's output may end before max_tokens (its grammar completes);
-its tokens are what is counted.
+best of --reps; "ttft cached schema" and "ttft unconstrained": one request alone for one
+token, start to finish, median of 9 after a warm-up that compiled the schema. A constrained row's output may end before max_tokens (its grammar completes);
+its tokens are what is counted. TTFT here is a one-token request's whole time, alone.
 
     python -m bench.w8_structured --engine minivllm --config bench/model_configs/X.json \\
         --tokenizer /tmp/qwen25 --out results/w8-minivllm.json
@@ -79,7 +78,35 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}
 
 
-class Minivllm:
+class Engine:
+    """What the two engines share: their offline APIs take the same names."""
+
+    llm = None
+
+    def classes(self):
+        """(SamplingParams, StructuredOutputsParams) of this engine."""
+        raise NotImplementedError
+
+    def params(self, schema, max_tokens: int):
+        sampling, structured = self.classes()
+        so = structured(json=schema) if schema is not None else None
+        return sampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                        structured_outputs=so)
+
+    def generate(self, reqs, max_tokens: int) -> int:
+        outs = self.llm.generate([p for p, _ in reqs],
+                                 [self.params(s, max_tokens) for _, s in reqs], use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+    def ttft(self, prompt: str, schema) -> float:
+        """A one-token request alone, start to finish (the same measure for both: vLLM's
+        offline API has no step loop to watch for the first token)."""
+        start = time.perf_counter()
+        self.llm.generate([prompt], [self.params(schema, 1)], use_tqdm=False)
+        return time.perf_counter() - start
+
+
+class Minivllm(Engine):
     def __init__(self, folder: Path, smoke: bool, speculative: bool = False) -> None:
         from minivllm import LLM
         kw = dict(device="cpu", dtype="float32", max_model_len=512) if smoke else dict(
@@ -88,32 +115,12 @@ class Minivllm:
             kw["speculative_config"] = NGRAM
         self.llm = LLM(str(folder), load_format="dummy", seed=0, **kw)
 
-    def params(self, schema, max_tokens: int):
+    def classes(self):
         from minivllm import SamplingParams, StructuredOutputsParams
-        so = StructuredOutputsParams(json=schema) if schema is not None else None
-        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                              structured_outputs=so)
-
-    def generate(self, reqs, max_tokens: int) -> int:
-        outs = self.llm.generate([p for p, _ in reqs],
-                                 [self.params(s, max_tokens) for _, s in reqs], use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outs)
-
-    def ttft(self, prompt: str, schema) -> float:
-        engine = self.llm.engine
-        start = time.perf_counter()
-        rid = engine.add_request(prompt, self.params(schema, 4))
-        while True:
-            for out in engine.step():
-                if out.request_id == rid and out.outputs[0].token_ids:
-                    took = time.perf_counter() - start
-                    engine.abort_request(rid)
-                    while engine.has_unfinished_requests():
-                        engine.step()
-                    return took
+        return SamplingParams, StructuredOutputsParams
 
 
-class Vllm:
+class Vllm(Engine):
     def __init__(self, folder: Path, smoke: bool, speculative: bool = False) -> None:
         if smoke:
             raise SystemExit("vLLM needs a GPU")
@@ -122,23 +129,10 @@ class Vllm:
         self.llm = LLM(model=str(folder), load_format="dummy", dtype="bfloat16",
                        max_model_len=2048, seed=0, generation_config="vllm", **kw)
 
-    def params(self, schema, max_tokens: int):
+    def classes(self):
         from vllm import SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
-        so = StructuredOutputsParams(json=schema) if schema is not None else None
-        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                              structured_outputs=so)
-
-    def generate(self, reqs, max_tokens: int) -> int:
-        outs = self.llm.generate([p for p, _ in reqs],
-                                 [self.params(s, max_tokens) for _, s in reqs], use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outs)
-
-    def ttft(self, prompt: str, schema) -> float:
-        # vLLM's offline API has no streaming step loop: time a one-token request.
-        start = time.perf_counter()
-        self.llm.generate([prompt], [self.params(schema, 1)], use_tqdm=False)
-        return time.perf_counter() - start
+        return SamplingParams, StructuredOutputsParams
 
 
 def main(argv=None) -> int:
