@@ -296,8 +296,11 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            max_seq_len: int, out: torch.Tensor | None = None,
                            num_splits: int | None = None,
                            counters: torch.Tensor | None = None,
-                           min_split_tokens: int | None = None) -> torch.Tensor:
+                           min_split_tokens: int | None = None, window: int = 0,
+                           softcap: float = 0.0) -> torch.Tensor:
     """Decode attention: one query token per sequence, ``q`` is ``[B, Hq, D]``.
+    ``window`` > 0: each sequence attends to its last ``window`` positions only (block-table
+    entries before them may be -1: freed); ``softcap`` > 0: scores soft-capped.
 
     Sequence ``b`` attends to kv positions ``0 .. seq_lens[b]-1``.  Rows with
     ``seq_lens[b] == 0`` (CUDA-graph padding) produce zeros.  The grid is
@@ -317,8 +320,11 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
     if B == 0:
         return out
-    launch = _decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, counters)
+    launch = _decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, counters,
+                            window, softcap)
     kern, args, meta = launch
+    if window:  # the keys a query reads: the window, from its first tile
+        max_seq_len = min(max_seq_len, window + meta["BLOCK_N"])
     if num_splits is None:
         num_splits, min_tokens = _decode_plan(q, k_cache, launch, max_seq_len, counters)
     else:
@@ -343,7 +349,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             part_o, part_lse, out, seq_lens,
             out.stride(0), out.stride(1), out.stride(2), min_tiles,
             NUM_Q_HEADS=Hq, HEAD_DIM=D, BLOCK_N=meta["BLOCK_N"], BLOCK_D=meta["BLOCK_D"],
-            NUM_SPLITS=num_splits, BLOCK_S=_next_pow2(num_splits),
+            NUM_SPLITS=num_splits, BLOCK_S=_next_pow2(num_splits), WINDOW=meta["WINDOW"],
             num_warps=1 if _uses_interpreter(q.device) else 4, **_pdl_args(q.device),
         )
     return out
@@ -367,7 +373,7 @@ def _decode_plan(q, k_cache, launch, max_seq_len: int, counters) -> tuple[int, i
     if not _uses_interpreter(q.device):
         index = q.device.index if q.device.index is not None else torch.cuda.current_device()
         key = (index, q.dtype, k_cache.dtype, D, Hq // Hkv, k_cache.shape[1],
-               counters is not None, meta["num_stages"])
+               counters is not None, meta["num_stages"], meta["WINDOW"], meta["SOFTCAP"])
         per_sm = _occupancy_cache.get(key)
         if per_sm is None:  # compiled once: the split variant (the unsplit one lacks a store)
             part = torch.empty(1, dtype=torch.float32, device=q.device)
@@ -379,7 +385,8 @@ def _decode_plan(q, k_cache, launch, max_seq_len: int, counters) -> tuple[int, i
             decode_min_split_tokens(B, Hkv, q.device, per_sm))
 
 
-def _decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, counters):
+def _decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, counters,
+                   window: int = 0, softcap: float = 0.0):
     """The split kernel's module, leading arguments and compile-time arguments (everything
     but the partials, the counters, the least chunk and the splits)."""
     B, Hq, D, bs, Hkv = _check_attention_shapes(q, k_cache, v_cache)
@@ -393,7 +400,8 @@ def _decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, coun
     meta = dict(NUM_Q_HEADS=Hq, GQA=gqa, HEAD_DIM=D, BLOCK_SIZE=bs,
                 BLOCK_G=max(16, _next_pow2(gqa)), BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
                 DOT_FP32=_dot_fp32(q.dtype, interpreted), num_warps=cfg["num_warps"],
-                num_stages=cfg["num_stages"], **_pdl_args(q.device))
+                num_stages=cfg["num_stages"], WINDOW=int(window or 0),
+                SOFTCAP=float(softcap or 0.0), **_pdl_args(q.device))
     return _kernels_for(q.device), args, meta
 
 
@@ -451,9 +459,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                     max_seq_len: int, out: torch.Tensor | None = None,
                     decode_counters: torch.Tensor | None = None,
-                    use_tma: bool | None = None) -> torch.Tensor:
+                    use_tma: bool | None = None, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
     """Ragged causal attention over the paged KV cache (prefill, chunked
-    prefill, decode, or a mix of them).
+    prefill, decode, or a mix of them). ``window`` > 0: a query at position p sees
+    positions p - window + 1 .. p only (table entries wholly before may be -1);
+    ``softcap`` > 0: scores -> softcap * tanh(scores / softcap).
 
     Sequence ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``
     (``qlen`` rows) and has ``seq_lens[i]`` tokens in the cache, these new
@@ -475,12 +486,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     if max_query_len == 1 and T == num_seqs:
         return paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                      max_seq_len, out=out, counters=decode_counters)
+                                      max_seq_len, out=out, counters=decode_counters,
+                                      window=window, softcap=softcap)
     interpreted = _uses_interpreter(q.device)
     cfg = _prefill_config(int(max_query_len), int(max_seq_len), Hq // Hkv, D, q.dtype,
                           interpreted, k_cache.dtype)
     _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, cfg,
-                    use_tma)
+                    use_tma, window, softcap)
     return out
 
 
@@ -514,7 +526,8 @@ def _tma_available(device: torch.device) -> bool:
 
 
 def _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                    cfg: dict, use_tma: bool | None = None) -> None:
+                    cfg: dict, use_tma: bool | None = None, window: int = 0,
+                    softcap: float = 0.0) -> None:
     """The prefill kernel's launch with an explicit tile config (bench/attention_tuning.py
     sweeps configs through it). use_tma: load K/V tiles through tensor descriptors (None:
     wherever the GPU and the cache allow it; True under the interpreter for tests)."""
@@ -553,7 +566,7 @@ def _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         DOT_FP32=_dot_fp32(q.dtype, interpreted),
         HEAVY_FIRST=cfg.get("HEAVY_FIRST", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **descs,
-        **_pdl_args(q.device),
+        **_pdl_args(q.device), WINDOW=int(window or 0), SOFTCAP=float(softcap or 0.0),
     )
 
 

@@ -74,12 +74,17 @@ def _attn_tiles(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr,
     k_desc=None, v_desc=None, USE_TMA: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     """Online-softmax accumulation over kv positions [lo, hi), tile by tile.
 
     MASKED: positions >= hi are masked (and not loaded); CAUSAL additionally
-    masks kv positions > q_pos[row].  Without MASKED every position in
-    [lo, hi) must be valid for every row (hi - lo a multiple of BLOCK_N).
+    masks kv positions > q_pos[row], WINDOW (a sliding window, 0: none) those
+    <= q_pos[row] - WINDOW: a masked tile may then reach into blocks freed out of
+    the window (table entries -1), read as block 0 and masked. Without MASKED
+    every position in [lo, hi) must be valid for every row (hi - lo a multiple
+    of BLOCK_N). SOFTCAP (0: none): scores -> SOFTCAP * tanh(scores / SOFTCAP)
+    (Gemma 2), before the masks.
 
     USE_TMA: each tile lies inside one block (BLOCK_SIZE % BLOCK_N == 0, lo a multiple
     of BLOCK_N) and is loaded whole through the tensor descriptors k_desc / v_desc over
@@ -95,6 +100,8 @@ def _attn_tiles(
         pos = start + offs_n
         if USE_TMA:
             page = tl.load(bt_row_ptr + (start // BLOCK_SIZE) * stride_btn)
+            if WINDOW > 0:
+                page = tl.maximum(page, 0)
             row = page * BLOCK_SIZE + start % BLOCK_SIZE
             k = k_desc.load([row, kvh * HEAD_DIM])
             v = v_desc.load([row, kvh * HEAD_DIM])
@@ -108,6 +115,8 @@ def _attn_tiles(
             # (tokens contiguous) loads in vectors, not bytes; its columns past hi are zeroed.
             last = (hi - 1) // BLOCK_SIZE
             blk = tl.load(bt_row_ptr + tl.minimum(pos // BLOCK_SIZE, last) * stride_btn).to(tl.int64)
+            if WINDOW > 0:
+                blk = tl.maximum(blk, 0)
             ld_mask = n_valid[:, None] & d_mask[None, :]
             vt_mask = None if BLOCK_D == HEAD_DIM else d_mask[:, None]
             other = 0.0
@@ -148,10 +157,14 @@ def _attn_tiles(
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * qk_scale
+        if SOFTCAP > 0.0:  # in log2 units, like the scores: cap * log2(e)
+            s = (SOFTCAP * 1.4426950408889634) * _tanh(s / (SOFTCAP * 1.4426950408889634))
         if MASKED:
             keep = n_valid[None, :]
             if CAUSAL:
                 keep = keep & (pos[None, :] <= q_pos[:, None])
+            if WINDOW > 0:
+                keep = keep & (pos[None, :] > q_pos[:, None] - WINDOW)
             s = tl.where(keep, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -167,6 +180,13 @@ def _attn_tiles(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def _tanh(x):
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x >= 0, t, -t)
 
 
 @triton.jit
@@ -205,8 +225,10 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr, HEAVY_FIRST: tl.constexpr,
     k_desc=None, v_desc=None, USE_TMA: tl.constexpr = False, PDL: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
-    """Varlen causal attention over the paged cache.
+    """Varlen causal attention over the paged cache (within a sliding WINDOW when > 0;
+    SOFTCAP: see _attn_tiles).
 
     grid = (num_tokens * GQA // BLOCK_M + num_seqs, num_kv_heads): one program
     per row tile of the whole batch, not per (tile of the longest query,
@@ -269,14 +291,30 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
+    # Keys [0, full_end) are visible to every row; with a window, only those from
+    # mid_lo on are (keys [lo_all, mid_lo) are in some rows' windows: masked tiles).
+    lo_all = full_end * 0
+    mid_lo = lo_all
+    if WINDOW > 0:
+        lo_all = tl.maximum(ctx + tok_lo - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        mid_lo = tl.cdiv(tl.maximum(ctx + tok_hi - WINDOW + 1, 0), BLOCK_N) * BLOCK_N
+        mid_lo = tl.minimum(tl.maximum(mid_lo, lo_all), full_end)
+        acc, m_i, l_i = _attn_tiles(
+            acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, stride_btn, kvh, lo_all, mid_lo, qk_scale,
+            stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, True, DOT_FP32, k_desc, v_desc, USE_TMA,
+            WINDOW, SOFTCAP)
     acc, m_i, l_i = _attn_tiles(
-        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, stride_btn, kvh, 0, full_end, qk_scale,
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, stride_btn, kvh, mid_lo, full_end, qk_scale,
         stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, False, False, DOT_FP32, k_desc, v_desc, USE_TMA)
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, False, False, DOT_FP32, k_desc, v_desc, USE_TMA,
+        WINDOW, SOFTCAP)
     acc, m_i, l_i = _attn_tiles(
-        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, stride_btn, kvh, full_end, kv_end, qk_scale,
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, stride_btn, kvh,
+        tl.maximum(full_end, lo_all), kv_end, qk_scale,
         stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, True, DOT_FP32, k_desc, v_desc, USE_TMA)
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, True, DOT_FP32, k_desc, v_desc, USE_TMA,
+        WINDOW, SOFTCAP)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -297,9 +335,11 @@ def _decode_split_kernel(
     NUM_Q_HEADS: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, FUSED_REDUCE: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
-    """Flash-decoding, one query token per sequence.
+    """Flash-decoding, one query token per sequence (within a sliding WINDOW when > 0:
+    the splits share out the keys from the window's first tile on, _decode_span;
+    SOFTCAP: see _attn_tiles).
 
     grid = (num_seqs, num_kv_heads, NUM_SPLITS).  Each program handles one
     contiguous chunk of the sequence's context for the whole GQA group (query
@@ -323,12 +363,13 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    chunk = _split_chunk(seq_len, min_tiles, NUM_SPLITS, BLOCK_N)
-    lo = split * chunk
+    base, span = _decode_span(seq_len, WINDOW, BLOCK_N)
+    chunk = _split_chunk(span, min_tiles, NUM_SPLITS, BLOCK_N)
+    lo = base + split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
     # Splits past the sequence's end have nothing to add: they leave at once (no partials,
     # no count), and the splits that saw tokens (one for an empty row) are combined.
-    n_used = tl.maximum(tl.cdiv(seq_len, tl.maximum(chunk, 1)), 1)
+    n_used = tl.maximum(tl.cdiv(span, tl.maximum(chunk, 1)), 1)
     if split >= n_used:
         return
 
@@ -348,7 +389,7 @@ def _decode_split_kernel(
         q = q.to(tl.float16)  # e4m3 -> fp16 is one instruction per pair; -> bf16 is not
     else:
         q = q.to(k_cache_ptr.dtype.element_ty)
-    q_pos = tl.zeros([BLOCK_G], dtype=tl.int32)  # unused (CAUSAL=False)
+    q_pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (seq_len - 1)  # read by WINDOW's mask
 
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -357,15 +398,24 @@ def _decode_split_kernel(
     # Whole tiles unmasked, then the tail: with per-token masks on every tile the e4m3
     # cache's kernel (bound by instructions, not bytes) took 859 us a layer at batch 64,
     # context 8192, against 412 (docs/decisions.md).
-    full_hi = lo + (hi - lo) // BLOCK_N * BLOCK_N
+    first = lo
+    if WINDOW > 0:  # the window's first tile, partly before it: masked
+        first = tl.where((lo == base) & (seq_len - WINDOW > base),
+                         tl.minimum(hi, base + BLOCK_N), lo)
+        acc, m_i, l_i = _attn_tiles(
+            acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, stride_btn, kvh, lo, first, qk_scale,
+            stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, False, DOT_FP32,
+            WINDOW=WINDOW, SOFTCAP=SOFTCAP)
+    full_hi = first + (hi - first) // BLOCK_N * BLOCK_N
     acc, m_i, l_i = _attn_tiles(
-        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, stride_btn, kvh, lo, full_hi, qk_scale,
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, stride_btn, kvh, first, full_hi, qk_scale,
         stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, False, False, DOT_FP32)
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, False, False, DOT_FP32, SOFTCAP=SOFTCAP)
     acc, m_i, l_i = _attn_tiles(
         acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, stride_btn, kvh, full_hi, hi, qk_scale,
         stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, False, DOT_FP32)
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, False, DOT_FP32, SOFTCAP=SOFTCAP)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -388,7 +438,7 @@ def _decode_split_kernel(
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if done == n_used - 1:
                 _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, seq64, head, offs_d,
-                                g_valid, qo_mask, chunk, seq_len, stride_ot, stride_oh,
+                                g_valid, qo_mask, chunk, span, stride_ot, stride_oh,
                                 stride_od, NUM_Q_HEADS, HEAD_DIM, BLOCK_G, BLOCK_D,
                                 NUM_SPLITS)
                 tl.store(counter, 0)
@@ -427,6 +477,16 @@ def _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, seq64, head, offs_d, g_va
 
 
 @triton.jit
+def _decode_span(seq_len, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(base, span): a decode query's keys, from the tile of the window's first key (0
+    without a window) to seq_len; the splits share out the span."""
+    base = seq_len * 0
+    if WINDOW > 0:
+        base = tl.maximum(seq_len - WINDOW, 0) // BLOCK_N * BLOCK_N
+    return base, seq_len - base
+
+
+@triton.jit
 def _split_chunk(seq_len, min_tiles, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     """A split's share of a sequence's context: balanced, >= min_tiles whole tiles. The
     product with BLOCK_N last, so the compiler knows every split starts on a tile (an
@@ -442,14 +502,16 @@ def _decode_reduce_kernel(
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0,
 ):
     """Combine the NUM_SPLITS partial results of one (sequence, query head)."""
     _pdl.wait_for_previous(PDL)
     seq = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    chunk = _split_chunk(seq_len, min_tiles, NUM_SPLITS, BLOCK_N)
-    n_used = tl.cdiv(seq_len, tl.maximum(chunk, 1))  # splits that saw >= 1 token
+    _, span = _decode_span(seq_len, WINDOW, BLOCK_N)
+    chunk = _split_chunk(span, min_tiles, NUM_SPLITS, BLOCK_N)
+    n_used = tl.cdiv(span, tl.maximum(chunk, 1))  # splits that saw >= 1 token
     if n_used <= 1:
         return  # the split kernel wrote the output itself
 

@@ -773,3 +773,84 @@ def test_gpu_kernels_launched_early_equal_plain_launches_in_a_graph(weights, mon
         monkeypatch.setenv("MINIVLLM_PDL", "1")
         assert torch.isfinite(plain.float()).all()
         assert torch.equal(early, plain)
+
+
+# ----------------------------------------------------------------------------
+# sliding windows and soft-capping (Mistral, Gemma 2/3)
+# ----------------------------------------------------------------------------
+def ref_windowed(q, k_cache, v_cache, block_tables, seq_lens, qsl, scale, window, softcap):
+    """Dense fp32 reference with a sliding window (0: none) and soft-capped scores; the
+    block-table entries wholly before a query row's window are not read."""
+    T, Hq, D = q.shape
+    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    g = Hq // Hkv
+    out = torch.zeros(T, Hq, D, dtype=torch.float32, device=q.device)
+    qsl = qsl.tolist()
+    for i, sl in enumerate(seq_lens.tolist()):
+        s, e = qsl[i], qsl[i + 1]
+        if e == s or sl == 0:
+            continue
+        pos = torch.arange(sl, device=q.device)
+        blk = block_tables[i].long()[pos // bs].clamp(min=0)
+        k = k_cache[blk, pos % bs].float().repeat_interleave(g, dim=1)
+        v = v_cache[blk, pos % bs].float().repeat_interleave(g, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[s:e].float(), k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        qpos = torch.arange(sl - (e - s), sl, device=q.device)[:, None]
+        hide = pos[None, :] > qpos
+        if window:
+            hide |= pos[None, :] <= qpos - window
+        p = torch.softmax(scores.masked_fill(hide, float("-inf")), dim=-1)
+        out[s:e] = torch.einsum("hqk,khd->qhd", p, v)
+    return out
+
+
+def windowed_case(seq_lens, q_lens, window, block_size, seed, hq=4, hkv=2, d=16,
+                  dtype=torch.float32):
+    """Caches and tables whose blocks wholly before every query's window are freed (-1),
+    as the scheduler leaves them."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 2
+    k_cache, v_cache = make_cache(num_blocks, block_size, hkv, d, dtype, gen)
+    bt = make_block_tables(seq_lens, block_size, num_blocks, gen)
+    if window:
+        for i, (sl, ql) in enumerate(zip(seq_lens, q_lens)):
+            first = max(0, sl - ql - window + 1)  # the first query's window start
+            bt[i, :first // block_size] = -1
+    q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dtype).to(DEVICE)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32,
+                       device=DEVICE)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    return q, k_cache, v_cache, bt, sl, qsl
+
+
+@pytest.mark.parametrize("window,softcap", [(7, 0.0), (16, 0.0), (40, 0.0), (0, 3.0),
+                                            (9, 2.5)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_prefill_with_window_and_softcap(window, softcap, block_size):
+    """Chunked prefill rows (a cached context before the chunk), windows shorter and
+    longer than the chunk and than a tile, freed blocks before the window."""
+    seq_lens, q_lens = [45, 23, 60], [12, 23, 5]
+    q, k_cache, v_cache, bt, sl, qsl = windowed_case(seq_lens, q_lens, window, block_size, 3)
+    ref = ref_windowed(q, k_cache, v_cache, bt, sl, qsl, 0.3, window, softcap)
+    out = paged_attention(q, k_cache, v_cache, bt, sl, qsl, 0.3, max(q_lens), max(seq_lens),
+                          window=window, softcap=softcap)
+    assert rel_err(out, ref) < 1e-4
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("window,softcap", [(5, 0.0), (16, 0.0), (33, 1.5), (0, 2.0)])
+def test_decode_with_window_and_softcap(num_splits, window, softcap):
+    seq_lens = [45, 3, 70, 17, 0]
+    q, k_cache, v_cache, bt, sl, qsl = windowed_case(seq_lens, [1] * 4 + [0], window, 4, 5)
+    q = q[:4]
+    seq_lens = seq_lens[:4]
+    sl, bt, qsl = sl[:4], bt[:4], qsl[:5]
+    ref = ref_windowed(q, k_cache, v_cache, bt, sl, qsl, 0.25, window, softcap)
+    counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    for c in (None, counters):
+        out = paged_attention_decode(q, k_cache, v_cache, bt, sl, 0.25, max(seq_lens),
+                                     num_splits=num_splits, counters=c, window=window,
+                                     softcap=softcap)
+        assert rel_err(out, ref) < 1e-4

@@ -48,12 +48,14 @@ class AttentionMetadata:
 
 
 def _triton_attention(triton_ops, q, k_cache, v_cache, meta: AttentionMetadata,
-                      scale: float) -> torch.Tensor:
+                      scale: float, window: int | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
     args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             scale, meta.max_query_len, meta.max_seq_len)
+    extra = dict(window=window or 0, softcap=softcap or 0.0)
     if meta.decode_counters is not None:
-        return triton_ops.paged_attention_counted(*args, meta.decode_counters)
-    return triton_ops.paged_attention(*args)
+        return triton_ops.paged_attention_counted(*args, meta.decode_counters, **extra)
+    return triton_ops.paged_attention(*args, **extra)
 
 
 def store_kv_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -173,14 +175,6 @@ class PagedAttention(nn.Module):
         self.window = window
         self.softcap = softcap
         self.backend = backend
-        if backend == "triton" and (window is not None or softcap is not None):
-            raise ValueError(
-                "The Triton attention kernels take no sliding window or score soft-capping "
-                "yet: this model needs max_model_len at most its sliding window "
-                f"({window}), or the torch attention backend (MINIVLLM_ATTENTION_BACKEND="
-                "torch)." if softcap is None else
-                "The Triton attention kernels take no score soft-capping (Gemma 2) yet: "
-                "use the torch attention backend (MINIVLLM_ATTENTION_BACKEND=torch).")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -189,7 +183,8 @@ class PagedAttention(nn.Module):
         if self.backend == "triton":
             from . import triton_ops
             triton_ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            return _triton_attention(triton_ops, q, k_cache, v_cache, meta, self.scale)
+            return _triton_attention(triton_ops, q, k_cache, v_cache, meta, self.scale,
+                                     self.window, self.softcap)
         store_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention_reference(q, k_cache, v_cache, meta, self.scale, self.window,
                                          self.softcap)
@@ -201,6 +196,7 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = kv_cache
         if self.backend == "triton":
             from . import triton_ops
-            return _triton_attention(triton_ops, q, k_cache, v_cache, meta, self.scale)
+            return _triton_attention(triton_ops, q, k_cache, v_cache, meta, self.scale,
+                                     self.window, self.softcap)
         return paged_attention_reference(q, k_cache, v_cache, meta, self.scale, self.window,
                                          self.softcap)

@@ -27,7 +27,7 @@ def _(key, value, k_cache, v_cache, slot_mapping) -> None:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                    max_seq_len: int) -> torch.Tensor:
+                    max_seq_len: int, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     # The output is always a fresh contiguous tensor, in the real op and in the fake one:
     # empty_like(q) would copy q's strides, and under torch.compile q can be a strided view,
     # so the compiler would read a contiguous result with the wrong strides. Rows of no
@@ -36,12 +36,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = q.new_empty(q.shape)
     return csrc_triton.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                        query_start_loc, scale, max_query_len, max_seq_len,
-                                       out=out)
+                                       out=out, window=window, softcap=softcap)
 
 
 @paged_attention.register_fake
 def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
-      max_seq_len):
+      max_seq_len, window=0, softcap=0.0):
     return q.new_empty(q.shape)
 
 
@@ -52,14 +52,16 @@ def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_q
 def paged_attention_counted(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor,
                             query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                            max_seq_len: int, decode_counters: torch.Tensor) -> torch.Tensor:
+                            max_seq_len: int, decode_counters: torch.Tensor, window: int = 0,
+                            softcap: float = 0.0) -> torch.Tensor:
     out = q.new_empty(q.shape)  # see paged_attention
     return csrc_triton.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                        query_start_loc, scale, max_query_len, max_seq_len,
-                                       out=out, decode_counters=decode_counters)
+                                       out=out, decode_counters=decode_counters,
+                                       window=window, softcap=softcap)
 
 
 @paged_attention_counted.register_fake
 def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
-      max_seq_len, decode_counters):
+      max_seq_len, decode_counters, window=0, softcap=0.0):
     return q.new_empty(q.shape)
