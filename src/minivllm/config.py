@@ -127,6 +127,7 @@ class ModelConfig:
     final_softcap: float | None = None   # Gemma 2: the logits, the same way
     attn_scale: float | None = None      # the softmax scale, when not head_dim ** -0.5
     rope_local: tuple | None = None      # Gemma 3's sliding layers: (theta, scaling)
+    moe: dict | None = None              # mixtures of experts: families._moe_settings
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
@@ -173,8 +174,10 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings",
                                              family in ("gemma", "gemma2", "gemma3", "gpt2"))),
-            qkv_bias=family in ("qwen2", "gpt2") or bool(cfg.get("attention_bias", False)),
-            qk_norm=family in ("qwen3", "gemma3"),
+            qkv_bias=(family in ("qwen2", "gpt2")
+                      or (family == "qwen2_moe" and cfg.get("qkv_bias", True))
+                      or bool(cfg.get("attention_bias", False))),
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             checkpoint_dtype=_DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32),

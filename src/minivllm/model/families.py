@@ -22,12 +22,16 @@ ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "GPT2LMHeadModel": "gpt2",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-               "gpt2": "GPT2LMHeadModel"}
+               "gpt2": "GPT2LMHeadModel", "mixtral": "MixtralForCausalLM",
+               "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 # Fields of every family that do not change inference: training-only settings, output
 # switches of transformers' modules, labels, bookkeeping.
@@ -40,6 +44,9 @@ COMMON_IGNORED = {
     "embd_pdrop", "resid_pdrop", "attn_pdrop", "summary_activation", "summary_first_dropout",
     "summary_proj_to_labels", "summary_type", "summary_use_proj",  # GPT-2's unused heads
     "quantization_config",  # model/prequantized.py reads it
+    # Mixtures of experts: training's router losses and noise, and the router's logits as
+    # an output.
+    "output_router_logits", "router_aux_loss_coef", "router_jitter_noise",
 }
 _LLAMA_USED = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
@@ -63,6 +70,15 @@ USED = {
                              "sliding_window", "layer_types", "_sliding_window_pattern",
                              "sliding_window_pattern", "rope_local_base_freq",
                              "use_bidirectional_attention"},
+    "mixtral": _LLAMA_USED | {"sliding_window", "num_local_experts", "num_experts_per_tok"},
+    "qwen2_moe": _LLAMA_USED | {"sliding_window", "use_sliding_window", "max_window_layers",
+                                "layer_types", "qkv_bias", "num_experts", "num_experts_per_tok",
+                                "moe_intermediate_size", "shared_expert_intermediate_size",
+                                "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"},
+    "qwen3_moe": _LLAMA_USED | {"attention_bias", "sliding_window", "use_sliding_window",
+                                "num_experts", "num_local_experts", "num_experts_per_tok",
+                                "moe_intermediate_size", "norm_topk_prob",
+                                "decoder_sparse_step", "mlp_only_layers"},
     "gpt2": {"vocab_size", "n_embd", "n_head", "n_layer", "n_inner", "n_positions",
              "n_ctx", "activation_function", "layer_norm_epsilon", "scale_attn_weights",
              "scale_attn_by_inverse_layer_idx", "add_cross_attention"},
@@ -132,9 +148,11 @@ def family_settings(family: str, cfg: dict) -> dict:
         out["layer_windows"] = [None] * n
         return out
     windows = [None] * n
-    if family in ("mistral", "phi3"):
+    if family in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        out["moe"] = _moe_settings(family, cfg, n)
+    if family in ("mistral", "phi3", "mixtral"):
         windows = [cfg.get("sliding_window")] * n
-    elif family in ("qwen2", "qwen3"):
+    elif family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         if cfg.get("use_sliding_window"):
             raise ValueError(f"{family} with use_sliding_window is not supported (its "
                              "released models do not use it).")
@@ -169,6 +187,32 @@ def family_settings(family: str, cfg: dict) -> dict:
     if out["hidden_act"] not in ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu"):
         raise ValueError(f"Unsupported activation {out['hidden_act']!r}.")
     return out
+
+
+def _moe_settings(family: str, cfg: dict, n: int) -> dict:
+    """The mixture of experts: E experts, top-k of the router's softmax, renormalized
+    (Mixtral always; Qwen with norm_topk_prob), an always-on shared expert with a sigmoid
+    gate (Qwen2-MoE), and which layers are sparse (Qwen: every decoder_sparse_step-th but
+    mlp_only_layers; the others have a dense MLP of intermediate_size)."""
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if not experts or experts < 1:
+        raise ValueError(f"{family}: num_experts must be at least 1.")
+    k = cfg.get("num_experts_per_tok", 2)
+    if not 1 <= k <= experts:
+        raise ValueError(f"{family}: num_experts_per_tok must be in 1..{experts}, got {k}.")
+    if family == "mixtral":
+        sparse = [True] * n
+        size, renormalize, shared = cfg["intermediate_size"], True, 0
+    else:
+        step = cfg.get("decoder_sparse_step", 1) or 1
+        dense = set(cfg.get("mlp_only_layers") or [])
+        sparse = [i not in dense and (i + 1) % step == 0 for i in range(n)]
+        size = cfg.get("moe_intermediate_size", cfg["intermediate_size"])
+        renormalize = bool(cfg.get("norm_topk_prob", False))
+        shared = cfg.get("shared_expert_intermediate_size", 0) if family == "qwen2_moe" else 0
+    return {"num_experts": experts, "top_k": k, "intermediate_size": size,
+            "renormalize": renormalize, "shared_intermediate_size": shared,
+            "sparse_layers": tuple(sparse)}
 
 
 def longrope_tables(head_dim: int, theta: float, scaling: dict,

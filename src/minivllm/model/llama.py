@@ -23,6 +23,7 @@ import csrc_triton
 from ..config import ModelConfig
 from .attention import AttentionMetadata, PagedAttention
 from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from .moe import MoE
 from .prequantized import PackedParts
 from .quantization import Fp8Activations, fp8_activations_for
 
@@ -126,11 +127,14 @@ class DecoderLayer(nn.Module):
     the next norm can be one fused kernel: layer i adds its input to the residual."""
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: str,
-                 fused_ops: bool, window: int | None = None) -> None:
+                 fused_ops: bool, window: int | None = None, sparse: bool = False) -> None:
         super().__init__()
         self.fused_ops = fused_ops
         self.self_attn = DecoderAttention(cfg, rotary, backend, fused_ops, window)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, fused_ops)
+        if sparse:  # a mixture of experts (model/moe.py)
+            self.mlp = MoE(cfg.hidden_size, cfg.moe, cfg.hidden_act)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, fused_ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -141,7 +145,7 @@ class DecoderLayer(nn.Module):
                                    then=self.self_attn.qkv_proj)
         h = self.self_attn(h, positions, kv_cache, meta)
         h, residual = add_and_norm(h, residual, self.post_attention_layernorm, self.fused_ops,
-                                   then=self.mlp.gate_up_proj)
+                                   then=getattr(self.mlp, "gate_up_proj", None))
         return self.mlp(h), residual
 
 
@@ -155,7 +159,9 @@ class DecoderModel(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
                                  cfg.max_position_embeddings)
         windows = effective_windows(cfg, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend, fused_ops, windows[i])
+        sparse = cfg.moe["sparse_layers"] if cfg.moe else (False,) * cfg.num_layers
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend, fused_ops, windows[i],
+                                                 sparse[i])
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -189,8 +195,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens
 
     def decode_prelude_linear(self) -> nn.Module:
-        """A projection of the first layer (cuda_graph_runner.make_prelude's GEMM)."""
-        return self.model.layers[0].mlp.down_proj
+        """A projection of the first layer (cuda_graph_runner.make_prelude's GEMM): its
+        MLP's down projection (the o projection where the MLP is a mixture)."""
+        layer = self.model.layers[0]
+        return getattr(layer.mlp, "down_proj", None) or layer.self_attn.o_proj
 
     def compute_logits(self, hidden: torch.Tensor,
                        out: torch.Tensor | None = None) -> torch.Tensor:
@@ -229,12 +237,26 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
+            expert = _expert_target(name)
+            if expert is not None:  # one expert's projection: a slice of a stacked one
+                target, e, part = expert
+                param = params[target]
+                dest = param.data[e]
+                if part is not None:
+                    half = dest.shape[0] // 2
+                    dest = dest[:half] if part == 0 else dest[half:]
+                if dest.shape != tensor.shape:
+                    raise ValueError(f"Shape mismatch for {name}: checkpoint "
+                                     f"{tuple(tensor.shape)} vs model {tuple(dest.shape)}.")
+                dest.copy_(tensor)
+                loaded.add(target)
+                continue
             if _is_kv_cache_scale(name):
                 kv_scales += 1
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            target, shard = name, None
+            target, shard = name.replace(".block_sparse_moe.", ".mlp."), None
             for frag, (fused, shard_id) in self._FUSED.items():
                 if frag in name:
                     target, shard = name.replace(frag, fused), shard_id
@@ -287,10 +309,27 @@ class LlamaForCausalLM(nn.Module):
         if ".qkv_proj." in name:
             q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
             start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
-        else:
-            size = cfg.intermediate_size
+        else:  # gate_up: two halves (a dense MLP, or a shared expert of its own size)
+            size = param.shape[0] // 2
             start = shard * size
         return param.data.narrow(0, start, size)
+
+
+# A checkpoint's per-expert tensors: Mixtral's block_sparse_moe.experts.E.w1/w3/w2, Qwen's
+# mlp.experts.E.gate_proj/up_proj/down_proj -> (stacked parameter, part of w13 or None).
+_EXPERT_PARTS = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", None),
+                 "gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
+
+
+def _expert_target(name: str) -> tuple[str, int, int | None] | None:
+    """(parameter name, expert, half of w13) of a per-expert checkpoint tensor."""
+    if ".experts." not in name:
+        return None
+    prefix, _, rest = name.partition(".experts.")
+    e, proj, _ = rest.split(".", 2)
+    stacked, part = _EXPERT_PARTS[proj]
+    prefix = prefix.replace(".block_sparse_moe", ".mlp")
+    return f"{prefix}.{stacked}", int(e), part
 
 
 def llama_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -314,10 +353,15 @@ def llama_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 p + "mlp.up_proj.weight": (cfg.intermediate_size, h)})
         shapes.update({
             p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         })
+        if cfg.moe and cfg.moe["sparse_layers"][i]:
+            for key in [k for k in shapes if k.startswith(p + "mlp.")]:
+                del shapes[key]  # no dense MLP in this layer
+            shapes.update(_expert_shapes(cfg, p))
+        else:
+            shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
         if cfg.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
@@ -327,6 +371,26 @@ def llama_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+def _expert_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    moe, h = cfg.moe, cfg.hidden_size
+    size = moe["intermediate_size"]
+    mixtral = cfg.family == "mixtral"
+    base = p + ("block_sparse_moe." if mixtral else "mlp.")
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    shapes = {base + "gate.weight": (moe["num_experts"], h)}
+    for e in range(moe["num_experts"]):
+        shapes.update({f"{base}experts.{e}.{names[0]}.weight": (size, h),
+                       f"{base}experts.{e}.{names[1]}.weight": (size, h),
+                       f"{base}experts.{e}.{names[2]}.weight": (h, size)})
+    shared = moe["shared_intermediate_size"]
+    if shared:
+        shapes.update({base + "shared_expert.gate_proj.weight": (shared, h),
+                       base + "shared_expert.up_proj.weight": (shared, h),
+                       base + "shared_expert.down_proj.weight": (h, shared),
+                       base + "shared_expert_gate.weight": (1, h)})
     return shapes
 
 

@@ -1,0 +1,62 @@
+"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks k of E expert
+MLPs per token; the token's output is their weighted sum (plus, in Qwen2-MoE, an always-on
+shared expert behind a sigmoid gate).
+
+The experts' weights are stacked, one tensor per projection: w13 [E, 2I, H] (gate rows,
+then up rows) and w2 [E, H, I], filled from the checkpoint's per-expert tensors at load.
+`experts_reference` is the plain computation (a loop over the experts the batch uses); the
+numerics follow transformers' (the router's softmax in fp32, its top-k weights cast back).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import GatedMLP, activation
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool,
+          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] in dtype, expert ids [T, k] int64) of router logits [T, E]."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(dtype), ids
+
+
+def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      weights: torch.Tensor, ids: torch.Tensor, act) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t: for each expert
+    the batch uses, its tokens in one matmul."""
+    out = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == e)
+        gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)
+        y = F.linear(act(gate) * up, w2[e]) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+class MoE(nn.Module):
+    def __init__(self, hidden: int, settings: dict, act: str = "silu") -> None:
+        super().__init__()
+        e, size = settings["num_experts"], settings["intermediate_size"]
+        self.top_k = settings["top_k"]
+        self.renormalize = settings["renormalize"]
+        self.gate = nn.Linear(hidden, e, bias=False)  # the router
+        self.w13 = nn.Parameter(torch.empty(e, 2 * size, hidden))
+        self.w2 = nn.Parameter(torch.empty(e, hidden, size))
+        self.act = activation(act)
+        shared = settings["shared_intermediate_size"]
+        self.shared_expert = GatedMLP(hidden, shared, act=act) if shared else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize, x.dtype)
+        out = experts_reference(x, self.w13, self.w2, weights, ids, self.act)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
