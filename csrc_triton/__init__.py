@@ -601,6 +601,10 @@ __all__ += list(_FP8_MM_EXPORTS)
 _STEP_EXPORTS = ("argmax_rows", "decode_slots")
 __all__ += list(_STEP_EXPORTS)
 
+# mixtures of experts: grouped GEMMs over tokens sorted by expert (csrc_triton/moe.py)
+_MOE_EXPORTS = ("fused_moe", "align_by_expert")
+__all__ += list(_MOE_EXPORTS)
+
 
 def __getattr__(name):
     if name in _FUSED_EXPORTS:
@@ -612,4 +616,6 @@ def __getattr__(name):
         return getattr(importlib.import_module(__name__ + ".fp8_mm"), name)
     if name in _STEP_EXPORTS:
         return getattr(importlib.import_module(__name__ + ".step_ops"), name)
+    if name in _MOE_EXPORTS:
+        return getattr(importlib.import_module(__name__ + ".moe"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -132,7 +132,7 @@ class DecoderLayer(nn.Module):
         self.fused_ops = fused_ops
         self.self_attn = DecoderAttention(cfg, rotary, backend, fused_ops, window)
         if sparse:  # a mixture of experts (model/moe.py)
-            self.mlp = MoE(cfg.hidden_size, cfg.moe, cfg.hidden_act)
+            self.mlp = MoE(cfg.hidden_size, cfg.moe, cfg.hidden_act, backend)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, fused_ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -4,8 +4,11 @@ shared expert behind a sigmoid gate).
 
 The experts' weights are stacked, one tensor per projection: w13 [E, 2I, H] (gate rows,
 then up rows) and w2 [E, H, I], filled from the checkpoint's per-expert tensors at load.
-`experts_reference` is the plain computation (a loop over the experts the batch uses); the
-numerics follow transformers' (the router's softmax in fp32, its top-k weights cast back).
+`experts_reference` is the plain computation (a loop over the experts the batch uses), the
+CPU's path; with the Triton backend, csrc_triton.fused_moe computes the same as two
+grouped GEMMs over the tokens sorted by expert, with no host sync (inside the CUDA
+graphs). The numerics follow transformers' (the router's softmax in fp32, its top-k
+weights cast back).
 """
 
 from __future__ import annotations
@@ -41,8 +44,10 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 class MoE(nn.Module):
-    def __init__(self, hidden: int, settings: dict, act: str = "silu") -> None:
+    def __init__(self, hidden: int, settings: dict, act: str = "silu",
+                 backend: str = "torch") -> None:
         super().__init__()
+        self.fused = backend == "triton"
         e, size = settings["num_experts"], settings["intermediate_size"]
         self.top_k = settings["top_k"]
         self.renormalize = settings["renormalize"]
@@ -56,7 +61,11 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, x.dtype)
-        out = experts_reference(x, self.w13, self.w2, weights, ids, self.act)
+        if self.fused:
+            import csrc_triton
+            out = csrc_triton.fused_moe(x, self.w13, self.w2, weights, ids, self.act)
+        else:
+            out = experts_reference(x, self.w13, self.w2, weights, ids, self.act)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

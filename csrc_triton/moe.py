@@ -1,0 +1,135 @@
+"""Mixture-of-experts MLP as two grouped GEMMs over tokens sorted by expert.
+
+Public API (re-exported by ``csrc_triton``)
+-------------------------------------------
+fused_moe(x, w13, w2, weights, ids, act, block_m=None) -> [T, H]
+    sum_j weights[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = ids[t, j], with
+    w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I].
+align_by_expert(ids, num_experts, block_m) -> (sorted_rows, block_expert)
+
+The T * k (token, slot) rows are sorted by expert, each expert's run padded to a multiple
+of BLOCK_M: every row tile then belongs to one expert, and one program multiplies it by
+that expert's weights (the expert's tiles are read once per tile of rows, only for the
+experts the batch uses). Everything is sized by T, k and E alone, with no host sync, so
+the step stays inside a CUDA graph: tiles past the last expert's run find expert -1 and
+return at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from csrc_triton._interpret import kernels_for
+
+__all__ = ["fused_moe", "align_by_expert"]
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int,
+                    block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """sorted_rows [B * block_m] int32: the flat (token * k + slot) rows grouped by expert,
+    each expert's group padded to a multiple of block_m with the sentinel T * k;
+    block_expert [B] int32: each tile's expert, -1 past the last. B = cdiv(T * k, block_m)
+    + num_experts bounds the tiles whatever the routing."""
+    flat = ids.flatten()
+    rows = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount, without a host sync
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    order = torch.argsort(flat, stable=True)
+    expert = flat[order]
+    rank = torch.arange(rows, device=ids.device) - (counts.cumsum(0) - counts)[expert]
+    max_blocks = -(-rows // block_m) + num_experts
+    sorted_rows = torch.full((max_blocks * block_m,), rows, dtype=torch.int32,
+                             device=ids.device)
+    sorted_rows[starts[expert] + rank] = order.to(torch.int32)
+    block_start = torch.arange(max_blocks, device=ids.device) * block_m
+    block_expert = torch.searchsorted(ends, block_start, right=True)
+    block_expert = torch.where(block_start < ends[-1], block_expert, -1).to(torch.int32)
+    return sorted_rows, block_expert
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, weight_ptr,
+                         num_rows, N, K, stride_am, stride_we, stride_wn, stride_om,
+                         TOP_K: tl.constexpr, A_BY_TOKEN: tl.constexpr,
+                         SCALE_BY_WEIGHT: tl.constexpr, DOT_FP32: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (row tile, column tile): out[rows, cols] = A[rows] @ W[expert].T for the
+    tile's expert; A's row of a (token, slot) row is the token's (A_BY_TOKEN: the first
+    GEMM reads x) or its own (the second reads the activations); SCALE_BY_WEIGHT: times
+    the row's routing weight."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(sorted_ptr + offs_m)
+    valid = rows < num_rows
+    rows64 = rows.to(tl.int64)
+    a_rows = rows64 // TOP_K if A_BY_TOKEN else rows64
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_base = w_ptr + expert * stride_we
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
+                    mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None],
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if DOT_FP32:
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
+    if SCALE_BY_WEIGHT:
+        acc = acc * tl.load(weight_ptr + rows64, mask=valid, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + rows64[:, None] * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+def _tiles(n: int, k: int, rows: int, interpreted: bool) -> dict:
+    """Tile sizes: small ones for a decode step's few rows (the weights' bytes are the
+    cost) and for the interpreter."""
+    if interpreted:
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4)
+    block_m = 16 if rows <= 64 else 64
+    return dict(BLOCK_M=block_m, BLOCK_N=64 if n >= 64 else 32, BLOCK_K=64, num_warps=4)
+
+
+def _gemm(mod, a, w, out, sorted_rows, block_expert, weights, num_rows, top_k,
+          by_token: bool, scale: bool, tiles: dict) -> None:
+    e, n, k = w.shape
+    grid = (block_expert.shape[0], triton.cdiv(n, tiles["BLOCK_N"]))
+    mod._grouped_gemm_kernel[grid](
+        a, w, out, sorted_rows, block_expert, weights, num_rows, n, k, a.stride(0),
+        w.stride(0), w.stride(1), out.stride(0), TOP_K=top_k, A_BY_TOKEN=by_token,
+        SCALE_BY_WEIGHT=scale, DOT_FP32=a.dtype == torch.float32, **tiles)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor, act, block_m: int | None = None) -> torch.Tensor:
+    """See the module docstring. act: the activation of the gate half (act(gate) * up)."""
+    mod, interpreted = kernels_for(__name__, x.device)
+    tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    rows = tokens * top_k
+    tiles = _tiles(w13.shape[1], hidden, rows, interpreted)
+    if block_m is not None:
+        tiles["BLOCK_M"] = block_m
+    sorted_rows, block_expert = align_by_expert(ids, w13.shape[0], tiles["BLOCK_M"])
+    weights = weights.reshape(-1).contiguous()
+    gate_up = torch.empty(rows, w13.shape[1], dtype=x.dtype, device=x.device)
+    _gemm(mod, x.contiguous(), w13, gate_up, sorted_rows, block_expert, weights, rows, top_k,
+          True, False, tiles)
+    gate, up = gate_up.chunk(2, dim=-1)
+    h = (act(gate) * up).contiguous()
+    out = torch.empty(rows, w2.shape[1], dtype=x.dtype, device=x.device)
+    _gemm(mod, h, w2, out, sorted_rows, block_expert, weights, rows, 1, False, True,
+          dict(tiles, BLOCK_N=tiles["BLOCK_N"]))
+    return out.view(tokens, top_k, -1).sum(dim=1)
