@@ -23,6 +23,11 @@ an engine can reach but NOT a strict bound: a mixed step (prefill chunk beside d
 hide the decodes' memory time under the chunk's compute.
 Lengths are repetition 0's of bench/workloads.py (the head-to-head's requests). No torch
 here, so bench/report.py can import it cheaply.
+
+A mixture of experts (Mixtral, Qwen-MoE) counts per token the FLOPs of the k experts it is
+routed to (plus a shared expert and the router), and per step the bytes of the experts its
+tokens reach: for a step of n tokens, E (1 - (1 - k/E)^n) experts of each sparse layer,
+the expectation under uniform routing (what dummy weights give); batch 1 reads k.
 """
 
 from __future__ import annotations
@@ -54,21 +59,56 @@ class Model:
     head_dim: int
     intermediate: int
     vocab: int
+    # Mixtures of experts: experts, top-k, an expert's intermediate size, a shared
+    # expert's (0: none), and how many layers are sparse (the rest have a dense MLP).
+    experts: int = 0
+    top_k: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0
+    sparse_layers: int = 0
 
     @classmethod
     def from_config(cls, cfg: dict) -> "Model":
         heads = cfg["num_attention_heads"]
-        return cls(cfg["hidden_size"], cfg["num_hidden_layers"], heads,
-                   cfg.get("num_key_value_heads", heads),
+        layers = cfg["num_hidden_layers"]
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+        moe = {}
+        if experts:
+            step = cfg.get("decoder_sparse_step", 1) or 1
+            dense = set(cfg.get("mlp_only_layers") or [])
+            moe = dict(experts=experts, top_k=cfg.get("num_experts_per_tok", 2),
+                       expert_intermediate=cfg.get("moe_intermediate_size",
+                                                   cfg["intermediate_size"]),
+                       shared_intermediate=cfg.get("shared_expert_intermediate_size", 0),
+                       sparse_layers=sum(i not in dense and (i + 1) % step == 0
+                                         for i in range(layers)))
+        return cls(cfg["hidden_size"], layers, heads, cfg.get("num_key_value_heads", heads),
                    cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                   cfg["intermediate_size"], cfg["vocab_size"])
+                   cfg["intermediate_size"], cfg["vocab_size"], **moe)
+
+    def _params(self, experts_per_layer: float) -> float:
+        """q, k, v, o and the MLPs over all layers (biases and norms are noise), with
+        `experts_per_layer` experts of each sparse layer."""
+        qkv = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
+        o = self.heads * self.head_dim * self.hidden
+        dense = self.layers - self.sparse_layers
+        sparse = (experts_per_layer * 3 * self.hidden * self.expert_intermediate
+                  + 3 * self.hidden * self.shared_intermediate + self.hidden * self.experts)
+        return (self.layers * (qkv + o) + dense * 3 * self.hidden * self.intermediate
+                + self.sparse_layers * sparse)
 
     @property
     def linear_params(self) -> int:
-        """q, k, v, o, gate, up, down over all layers (biases and norms are noise)."""
-        qkv = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
-        o = self.heads * self.head_dim * self.hidden
-        return self.layers * (qkv + o + 3 * self.hidden * self.intermediate)
+        """The linear parameters a token multiplies (its k experts of a sparse layer)."""
+        return int(self._params(self.top_k))
+
+    def step_weight_params(self, tokens: int) -> int:
+        """The linear parameters a step of `tokens` tokens reads (all of a dense model;
+        the experts its tokens reach, expected under uniform routing)."""
+        if not self.experts:
+            return self.linear_params
+        reached = self.experts * (1 - (1 - self.top_k / self.experts) ** max(tokens, 1))
+        return int(self._params(reached))
 
     @property
     def lm_head_params(self) -> int:
@@ -103,7 +143,10 @@ def floor(cfg: dict, lengths: list[tuple[int, int]], weight_bytes: float = 2,
           kv_bytes: float = 2) -> dict:
     """FLOPs, bytes, `bound_s` and `ideal_s` of serving `lengths` (see the module doc)."""
     m = Model.from_config(cfg)
-    weights = (m.linear_params + m.lm_head_params) * weight_bytes
+
+    def weights_for(tokens: int) -> float:
+        return (m.step_weight_params(tokens) + m.lm_head_params) * weight_bytes
+
     kv_token = m.kv_elements_per_token() * kv_bytes
     linear_token, lm_head_row = 2 * m.linear_params, 2 * m.lm_head_params
     tokens = sum(p + o - 1 for p, o in lengths)
@@ -113,8 +156,10 @@ def floor(cfg: dict, lengths: list[tuple[int, int]], weight_bytes: float = 2,
              "lm_head": lm_head_row * sum(o for _, o in lengths)}
     # A decode producing output j (1..o-1) reads the p + j - 1 cached tokens before its input.
     kv_read_tokens = sum((o - 1) * p + (o - 1) * (o - 2) // 2 for p, o in lengths)
-    nbytes = {"weights": weights * steps, "kv_read": kv_token * kv_read_tokens,
-              "kv_write": kv_token * tokens}
+    # The fewest steps: the prefill (every prompt) then decodes of all the requests.
+    weights = weights_for(sum(p for p, _ in lengths))
+    nbytes = {"weights": weights + weights_for(len(lengths)) * (steps - 1),
+              "kv_read": kv_token * kv_read_tokens, "kv_write": kv_token * tokens}
     compute_s = sum(flops.values()) / PEAK_FLOPS
     memory_s = sum(nbytes.values()) / HBM_BYTES_PER_S
 
@@ -122,7 +167,8 @@ def floor(cfg: dict, lengths: list[tuple[int, int]], weight_bytes: float = 2,
     chunk = {"tokens": 0, "flops": 0, "kv_read": 0}
 
     def flush() -> float:
-        t = step_s(chunk["flops"], weights + kv_token * (chunk["kv_read"] + chunk["tokens"]))
+        t = step_s(chunk["flops"], weights_for(chunk["tokens"])
+                   + kv_token * (chunk["kv_read"] + chunk["tokens"]))
         chunk.update(tokens=0, flops=0, kv_read=0)
         return t
 
@@ -145,7 +191,8 @@ def floor(cfg: dict, lengths: list[tuple[int, int]], weight_bytes: float = 2,
         context = sum(running) + len(running) * (s - 1)  # cached tokens before the inputs
         step_flops = (len(running) * (linear_token + lm_head_row)
                       + sum(m.attention_flops(p + s - 1, p + s) for p in running))
-        ideal += step_s(step_flops, weights + kv_token * (context + len(running)))
+        ideal += step_s(step_flops, weights_for(len(running))
+                        + kv_token * (context + len(running)))
 
     # The bound's side (compute or memory) and its largest part, as a share of the bound.
     side, parts = (("compute", {PART_NAMES[k]: v / PEAK_FLOPS for k, v in flops.items()})

@@ -82,3 +82,17 @@ def test_llama_8b_figures():
     w5 = roofline.workload_floor(cfg, "W5")
     assert w5["dominant"].startswith("compute: linear FLOPs")
     assert w5["compute_s"] > 10 * w5["memory_s"]
+
+
+def test_moe_reads_the_experts_its_tokens_reach():
+    """A mixture of experts: batch 1 reads the k routed experts of each sparse layer, a
+    large batch all of them; FLOPs count k experts per token."""
+    from bench.roofline import Model, load_config
+    m = Model.from_config(load_config("qwen3-30b-a3b"))
+    expert = 3 * m.hidden * m.expert_intermediate
+    assert m.step_weight_params(1) == m.linear_params
+    full = m.step_weight_params(100_000)
+    assert abs(full - m.step_weight_params(1) - m.sparse_layers * (m.experts - m.top_k)
+               * expert) < m.sparse_layers * expert * 1e-3
+    dense = Model.from_config(load_config("llama-3.1-8b"))
+    assert dense.step_weight_params(1) == dense.step_weight_params(256) == dense.linear_params
