@@ -2,9 +2,10 @@
 
 Public API (re-exported by ``csrc_triton``)
 -------------------------------------------
-fused_moe(x, w13, w2, weights, ids, act, block_m=None) -> [T, H]
+fused_moe(x, w13, w2, weights, ids, act, block_m=None, w13_scale=None, w2_scale=None)
     sum_j weights[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = ids[t, j], with
-    w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I].
+    w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]; e4m3 weights take their
+    per-output-channel scales ([E, 2I], [E, H] fp32).
 align_by_expert(ids, num_experts, block_m) -> (sorted_rows, block_expert)
 
 The T * k (token, slot) rows are sorted by expert, each expert's run padded to a multiple
@@ -53,15 +54,17 @@ def align_by_expert(ids: torch.Tensor, num_experts: int,
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, weight_ptr,
-                         num_rows, N, K, stride_am, stride_we, stride_wn, stride_om,
-                         TOP_K: tl.constexpr, A_BY_TOKEN: tl.constexpr,
+def _grouped_gemm_kernel(a_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_ptr, block_expert_ptr,
+                         weight_ptr, num_rows, N, K, stride_am, stride_we, stride_wn,
+                         stride_om, TOP_K: tl.constexpr, A_BY_TOKEN: tl.constexpr,
                          SCALE_BY_WEIGHT: tl.constexpr, DOT_FP32: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         W_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
     """Program (row tile, column tile): out[rows, cols] = A[rows] @ W[expert].T for the
     tile's expert; A's row of a (token, slot) row is the token's (A_BY_TOKEN: the first
     GEMM reads x) or its own (the second reads the activations); SCALE_BY_WEIGHT: times
-    the row's routing weight."""
+    the row's routing weight. W_FP8: e4m3 weights, converted to A's type per tile, the
+    sums times their output channel's scale (w_scale [E, N])."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -83,10 +86,14 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, we
                     mask=valid[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None],
                     mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if W_FP8:
+            w = w.to(tl.float32).to(a.dtype)
         if DOT_FP32:
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(a, w)
+    if W_FP8:
+        acc = acc * tl.load(w_scale_ptr + expert * N + offs_n, mask=n_ok, other=0.0)[None, :]
     if SCALE_BY_WEIGHT:
         acc = acc * tl.load(weight_ptr + rows64, mask=valid, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + rows64[:, None] * stride_om + offs_n[None, :],
@@ -102,18 +109,22 @@ def _tiles(n: int, k: int, rows: int, interpreted: bool) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_N=64 if n >= 64 else 32, BLOCK_K=64, num_warps=4)
 
 
-def _gemm(mod, a, w, out, sorted_rows, block_expert, weights, num_rows, top_k,
+def _gemm(mod, a, w, w_scale, out, sorted_rows, block_expert, weights, num_rows, top_k,
           by_token: bool, scale: bool, tiles: dict) -> None:
     e, n, k = w.shape
     grid = (block_expert.shape[0], triton.cdiv(n, tiles["BLOCK_N"]))
+    fp8 = w.dtype == torch.float8_e4m3fn
     mod._grouped_gemm_kernel[grid](
-        a, w, out, sorted_rows, block_expert, weights, num_rows, n, k, a.stride(0),
-        w.stride(0), w.stride(1), out.stride(0), TOP_K=top_k, A_BY_TOKEN=by_token,
-        SCALE_BY_WEIGHT=scale, DOT_FP32=a.dtype == torch.float32, **tiles)
+        a, w, w_scale if fp8 else weights, out, sorted_rows, block_expert, weights, num_rows,
+        n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), TOP_K=top_k,
+        A_BY_TOKEN=by_token, SCALE_BY_WEIGHT=scale, DOT_FP32=a.dtype == torch.float32,
+        W_FP8=fp8, **tiles)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor, act, block_m: int | None = None) -> torch.Tensor:
+              ids: torch.Tensor, act, block_m: int | None = None,
+              w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring. act: the activation of the gate half (act(gate) * up)."""
     mod, interpreted = kernels_for(__name__, x.device)
     tokens, hidden = x.shape
@@ -125,11 +136,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     sorted_rows, block_expert = align_by_expert(ids, w13.shape[0], tiles["BLOCK_M"])
     weights = weights.reshape(-1).contiguous()
     gate_up = torch.empty(rows, w13.shape[1], dtype=x.dtype, device=x.device)
-    _gemm(mod, x.contiguous(), w13, gate_up, sorted_rows, block_expert, weights, rows, top_k,
-          True, False, tiles)
+    _gemm(mod, x.contiguous(), w13, w13_scale, gate_up, sorted_rows, block_expert, weights,
+          rows, top_k, True, False, tiles)
     gate, up = gate_up.chunk(2, dim=-1)
     h = (act(gate) * up).contiguous()
     out = torch.empty(rows, w2.shape[1], dtype=x.dtype, device=x.device)
-    _gemm(mod, h, w2, out, sorted_rows, block_expert, weights, rows, 1, False, True,
-          dict(tiles, BLOCK_N=tiles["BLOCK_N"]))
+    _gemm(mod, h, w2, w2_scale, out, sorted_rows, block_expert, weights, rows, 1, False,
+          True, tiles)
     return out.view(tokens, top_k, -1).sum(dim=1)

@@ -30,15 +30,25 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool,
     return weights.to(dtype), ids
 
 
+def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, e: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    if scale is None:
+        return w[e]
+    return (w[e].float() * scale[e][:, None]).to(dtype)  # e4m3 and its channels' scales
+
+
 def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                      weights: torch.Tensor, ids: torch.Tensor, act) -> torch.Tensor:
+                      weights: torch.Tensor, ids: torch.Tensor, act,
+                      w13_scale: torch.Tensor | None = None,
+                      w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t: for each expert
-    the batch uses, its tokens in one matmul."""
+    the batch uses, its tokens in one matmul (e4m3 weights dequantized first)."""
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
         token, slot = torch.where(ids == e)
-        gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)
-        y = F.linear(act(gate) * up, w2[e]) * weights[token, slot, None]
+        gate, up = F.linear(x[token], _expert_weight(w13, w13_scale, e, x.dtype)).chunk(2, -1)
+        y = F.linear(act(gate) * up, _expert_weight(w2, w2_scale, e, x.dtype))
+        y = y * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     return out
 
@@ -58,14 +68,31 @@ class MoE(nn.Module):
         shared = settings["shared_intermediate_size"]
         self.shared_expert = GatedMLP(hidden, shared, act=act) if shared else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared else None
+        self.w13_scale = self.w2_scale = None  # fp8 experts: per-channel scales
+
+    def quantize(self, method: str) -> bool:
+        """Store the experts' weights in e4m3 with a scale per output channel (fp8);
+        returns whether it did (other methods leave the experts as they are)."""
+        if method != "fp8":
+            return False
+        from .quantization import quantize_fp8
+        for name in ("w13", "w2"):
+            w = getattr(self, name).detach()
+            q, scale = quantize_fp8(w.reshape(-1, w.shape[-1]))
+            delattr(self, name)
+            self.register_buffer(name, q.view(w.shape))
+            setattr(self, f"{name}_scale", scale.view(w.shape[0], w.shape[1]))
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, x.dtype)
         if self.fused:
             import csrc_triton
-            out = csrc_triton.fused_moe(x, self.w13, self.w2, weights, ids, self.act)
+            out = csrc_triton.fused_moe(x, self.w13, self.w2, weights, ids, self.act,
+                                        w13_scale=self.w13_scale, w2_scale=self.w2_scale)
         else:
-            out = experts_reference(x, self.w13, self.w2, weights, ids, self.act)
+            out = experts_reference(x, self.w13, self.w2, weights, ids, self.act,
+                                    self.w13_scale, self.w2_scale)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

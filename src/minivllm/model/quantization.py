@@ -22,12 +22,15 @@ are quantized; the embeddings and the LM head keep the model's dtype (as vLLM do
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 import csrc_triton
+
+logger = logging.getLogger(__name__)
 # The packed int4 layout's helpers, also used from here by the loaders and tests.
 from csrc_triton.int4_layout import (int4_half, int4_packed_bytes, pack_int4,  # noqa: F401
                                      unpack_int4)
@@ -348,8 +351,16 @@ def quantized_shells(model: nn.Module, layout: str, group_size: int = GROUP_SIZE
 def quantize_model(model: nn.Module, method: str) -> None:
     """Replace every decoder projection by its QuantizedLinear, freeing the full-precision
     weight as it goes (peak memory: the model plus one projection)."""
+    from .moe import MoE
+    kept = 0
     for module in list(model.modules()):
         for name in PROJECTIONS:
             linear = getattr(module, name, None)
             if isinstance(linear, nn.Linear):
                 setattr(module, name, QuantizedLinear.from_linear(linear, method))
+        if isinstance(module, MoE) and not module.quantize(method):
+            kept += 1
+    if kept:
+        logger.warning("%s quantization leaves the experts of %d mixture-of-experts layers "
+                       "in the model's dtype (experts are quantized with fp8 only).",
+                       method, kept)
