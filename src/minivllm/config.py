@@ -274,6 +274,8 @@ class EngineConfig:
     speculative_config: dict | None = None
     # Quantized decoder projections: "fp8", "int8" or "int4" (model/quantization.py).
     quantization: str | None = None
+    # Processes the model is split over (worker/tensor_parallel.py): gloo on the CPU.
+    tensor_parallel_size: int = 1
     # The KV cache's element type (vLLM's name): "auto" (the model's dtype) or "fp8" (e4m3).
     kv_cache_dtype: str = "auto"
 

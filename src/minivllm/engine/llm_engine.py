@@ -87,7 +87,7 @@ class LLMEngine:
         if draft is not None:
             draft_cfg = dataclasses.replace(
                 config, model=self.speculative.model, tokenizer=None, speculative_config=None,
-                num_kv_blocks=self.runner.num_blocks)
+                num_kv_blocks=self.runner.num_blocks, tensor_parallel_size=1)
             self.drafter = DraftModel(ModelRunner(draft_cfg, draft[1], draft[0], self.device,
                                                   self.dtype, backend, proposals=True))
         if self.runner.num_blocks * config.block_size < config.max_model_len:

@@ -78,6 +78,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "max_new_tokens as max_tokens): 'auto' (default) reads the model "
                              "folder's generation_config.json, 'vllm' ignores it (OpenAI's "
                              "defaults), a FOLDER reads its generation_config.json.")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="Split the model over this many processes (tensor parallelism; "
+                             "on the CPU, over gloo, so far).")
     parser.add_argument("--tool-call-parser", default="auto",
                         choices=["auto", "hermes", "llama3_json", "mistral"],
                         help="The format of the model's tool calls: auto (default) reads it "
@@ -177,7 +180,7 @@ def engine_config_from_args(args: argparse.Namespace):
         enable_prefix_caching=args.enable_prefix_caching,
         generation_config=args.generation_config,
         speculative_config=args.speculative_config, quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype)
+        kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size)
 
 
 # The cyclic GC's thresholds in an HTTP frontend process (Python's: 700, 10, 10). With 256

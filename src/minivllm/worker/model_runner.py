@@ -26,6 +26,8 @@ from .cuda_graph_runner import DecodeGraphRunner
 from .kv_cache import KVCache, cpu_num_blocks, gpu_num_blocks
 from .mixed_graph_runner import MixedGraphRunner
 from .sampler import SampledRows, Sampler, SamplerGraphs, SamplerOutput, argmax_rows
+from .tensor_parallel import (BroadcastingModel, TensorParallel, check_tp, local_config,
+                              shard_model)
 
 logger = logging.getLogger(__name__)
 
@@ -153,12 +155,21 @@ class ModelRunner:
         self._memory_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         t0 = time.perf_counter()
         check_device(engine_cfg.quantization, device)
+        world = engine_cfg.tensor_parallel_size
+        check_tp(model_cfg, world, engine_cfg.quantization, device)
+        self.tp = None
+        if world > 1:  # the workers load their shards meanwhile
+            self.tp = TensorParallel(world, (engine_cfg, model_cfg, model_path, dtype,
+                                             attention_backend))
         self.model = load_model(model_cfg, model_path, load_format=engine_cfg.load_format,
                                 dtype=dtype, device=device,
                                 max_positions=engine_cfg.max_model_len,
                                 attention_backend=attention_backend,
                                 fused_ops=fused_ops_enabled(attention_backend),
                                 seed=engine_cfg.seed, quantization=engine_cfg.quantization)
+        if self.tp is not None:
+            shard_model(self.model, model_cfg, self.tp.group)
+            self.model = BroadcastingModel(self.model, self.tp.group)
         if fused_ops_enabled(attention_backend) and not fused_ops_work(device, dtype):
             logger.warning("The fused Triton kernels failed their self-check on this device; "
                            "running the model with plain PyTorch ops instead.")
@@ -181,7 +192,11 @@ class ModelRunner:
         if device.type == "cuda":
             self.sampler.check_kernels()
         self.num_blocks = self._decide_num_blocks()
-        self.kv_cache = KVCache(model_cfg, self.num_blocks, self.block_size, self.kv_dtype,
+        kv_cfg = model_cfg
+        if self.tp is not None:
+            self.tp.group.broadcast_object(self.num_blocks)
+            kv_cfg = local_config(model_cfg, 0, world)
+        self.kv_cache = KVCache(kv_cfg, self.num_blocks, self.block_size, self.kv_dtype,
                                 device)
         self.startup["kv_cache_s"] = time.perf_counter() - t0
         self.graph_runner: DecodeGraphRunner | None = None

@@ -1,0 +1,256 @@
+"""Tensor parallelism: one model split over N processes, the engine in the first.
+
+Rank 0 is the engine's own process: it schedules, samples and runs its shard of every
+forward; ranks 1..N-1 are worker processes that hold the other shards and their part of
+the KV cache. Before each forward rank 0 broadcasts the step's inputs (token ids,
+positions, attention metadata); every rank runs the same forward on its shard, and the
+row-parallel projections' partial sums are all-reduced, so that every rank ends the
+forward with the same hidden states (the head and the sampler run on rank 0 only).
+
+The split (Megatron's): q/k/v and gate/up column-parallel (each rank its heads and its
+slice of the MLP's inner width), o and down row-parallel with an all-reduce; KV heads
+split, or replicated where there are fewer than ranks. Embeddings and the head are
+replicated. The group is gloo over TCP on this machine (the CPU's path and its tests);
+a process group of its own per engine, so several engines can live in one process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import pickle
+import socket
+import weakref
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_TIMEOUT = timedelta(minutes=10)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TPGroup:
+    """A gloo process group of `world` ranks rendezvousing at host:port."""
+
+    def __init__(self, rank: int, world: int, host: str, port: int) -> None:
+        self.rank, self.world = rank, world
+        store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=_TIMEOUT)
+        self.pg = dist.ProcessGroupGloo(store, rank, world, _TIMEOUT)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        self.pg.allreduce([t]).wait()
+        return t
+
+    def broadcast_object(self, obj=None):
+        """Rank 0's `obj` on every rank (pickled: tensors are CPU tensors here)."""
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            size = torch.tensor([data.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        self.pg.broadcast([size], dist.BroadcastOptions()).wait()
+        if self.rank != 0:
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.pg.broadcast([data], dist.BroadcastOptions()).wait()
+        return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
+
+
+# ---- splitting a model ---------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """What rank `rank` of `world` holds: query heads [q0, q0 + q), KV heads [kv0, kv0 +
+    kv), the MLP's inner columns [i0, i0 + i)."""
+
+    q0: int
+    q: int
+    kv0: int
+    kv: int
+    i0: int
+    i: int
+
+    @classmethod
+    def of(cls, cfg, rank: int, world: int) -> "Shard":
+        hq, hkv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+        if hq % world or inter % world:
+            raise ValueError(f"tensor_parallel_size={world} must divide the attention heads "
+                             f"({hq}) and the MLP's width ({inter}).")
+        if hkv >= world:
+            if hkv % world:
+                raise ValueError(f"tensor_parallel_size={world} must divide the KV heads "
+                                 f"({hkv}), or be a multiple of them.")
+            kv, kv0 = hkv // world, rank * (hkv // world)
+        else:
+            if world % hkv:
+                raise ValueError(f"tensor_parallel_size={world} must be a multiple of the "
+                                 f"KV heads ({hkv}) when larger.")
+            kv, kv0 = 1, rank // (world // hkv)
+        q = hq // world
+        i = inter // world
+        return cls(rank * q, q, kv0, kv, rank * i, i)
+
+
+def check_tp(cfg, world: int, quantization: str | None, device: torch.device) -> None:
+    if world == 1:
+        return
+    if device.type == "cuda":
+        raise ValueError("tensor_parallel_size > 1 runs on the CPU (gloo) so far; the GPU "
+                         "path (NCCL, inside the CUDA graphs) is not built yet.")
+    if cfg.family not in ("llama", "mistral", "qwen2", "qwen3"):
+        raise ValueError(f"tensor_parallel_size > 1 takes the Llama, Mistral and Qwen "
+                         f"families so far, not {cfg.family}.")
+    if quantization is not None:
+        raise ValueError("tensor_parallel_size > 1 with quantization is not supported yet.")
+    Shard.of(cfg, 0, world)
+
+
+class RowParallel(nn.Module):
+    """A row-parallel projection: this rank's partial product, summed over the ranks."""
+
+    def __init__(self, linear: nn.Module, group: TPGroup) -> None:
+        super().__init__()
+        self.linear = linear
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(self.linear(x))
+
+
+def _rows(w: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    return w[start:start + size]
+
+
+def shard_model(model: nn.Module, cfg, group: TPGroup) -> None:
+    """Cut a loaded Llama-family model down to this rank's shard, in place."""
+    from ..model.llama import DecoderAttention, DecoderLayer
+    s = Shard.of(cfg, group.rank, group.world)
+    d = cfg.head_dim
+    q_all, kv_all = cfg.num_heads * d, cfg.num_kv_heads * d
+    for module in model.modules():
+        if isinstance(module, DecoderAttention):
+            qkv = module.qkv_proj
+            pieces = [(s.q0 * d, s.q * d), (q_all + s.kv0 * d, s.kv * d),
+                      (q_all + kv_all + s.kv0 * d, s.kv * d)]
+            qkv.weight = nn.Parameter(torch.cat([_rows(qkv.weight.data, a, n)
+                                                 for a, n in pieces]), requires_grad=False)
+            if qkv.bias is not None:
+                qkv.bias = nn.Parameter(torch.cat([_rows(qkv.bias.data, a, n)
+                                                   for a, n in pieces]), requires_grad=False)
+            qkv.out_features = qkv.weight.shape[0]
+            o = module.o_proj
+            o.weight = nn.Parameter(o.weight.data[:, s.q0 * d:(s.q0 + s.q) * d].contiguous(),
+                                    requires_grad=False)
+            o.in_features = o.weight.shape[1]
+            module.o_proj = RowParallel(o, group)
+            module.num_heads, module.num_kv_heads = s.q, s.kv
+            module.q_size, module.kv_size = s.q * d, s.kv * d
+            module.attn.num_heads, module.attn.num_kv_heads = s.q, s.kv
+        elif isinstance(module, DecoderLayer):
+            mlp = module.mlp
+            inter = cfg.intermediate_size
+            gu = mlp.gate_up_proj
+            gu.weight = nn.Parameter(torch.cat([_rows(gu.weight.data, s.i0, s.i),
+                                                _rows(gu.weight.data, inter + s.i0, s.i)]),
+                                     requires_grad=False)
+            gu.out_features = gu.weight.shape[0]
+            down = mlp.down_proj
+            down.weight = nn.Parameter(down.weight.data[:, s.i0:s.i0 + s.i].contiguous(),
+                                       requires_grad=False)
+            down.in_features = down.weight.shape[1]
+            mlp.down_proj = RowParallel(down, group)
+
+
+def local_config(cfg, rank: int, world: int):
+    """The model config as one rank's KV cache sees it (its KV heads)."""
+    s = Shard.of(cfg, rank, world)
+    return dataclasses.replace(cfg, num_heads=s.q, num_kv_heads=s.kv)
+
+
+# ---- rank 0 and the workers ----------------------------------------------------------------
+
+class BroadcastingModel(nn.Module):
+    """Rank 0's model: each forward first sends its inputs to the workers (which run the
+    same forward on their shards); everything else is the model's."""
+
+    def __init__(self, model: nn.Module, group: TPGroup) -> None:
+        super().__init__()
+        self.inner = model
+        self.group = group
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        self.group.broadcast_object((input_ids, positions, meta))
+        return self.inner(input_ids, positions, kv_caches, meta)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["inner"], name)
+
+
+def start_workers(world: int, port: int, build_args: tuple) -> list:
+    """Worker processes for ranks 1..world-1 (started before rank 0 joins the group)."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = []
+    for rank in range(1, world):
+        p = ctx.Process(target=worker_main, args=(rank, world, port, *build_args),
+                        daemon=True, name=f"minivllm-tp{rank}")
+        p.start()
+        procs.append(p)
+    return procs
+
+
+def stop_workers(group: TPGroup, procs: list) -> None:
+    try:
+        group.broadcast_object(None)
+    except Exception:  # noqa: BLE001 - a worker already gone: nothing to stop
+        pass
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+
+
+def worker_main(rank: int, world: int, port: int, engine_cfg, model_cfg, model_path,
+                dtype: torch.dtype, backend: str) -> None:
+    """A worker: its shard of the model and of the KV cache, then every forward rank 0
+    broadcasts, until it sends None."""
+    torch.set_num_threads(1)
+    from ..model.loader import load_model
+    from .kv_cache import KVCache
+    group = TPGroup(rank, world, "127.0.0.1", port)
+    device = torch.device("cpu")
+    model = load_model(model_cfg, model_path, load_format=engine_cfg.load_format, dtype=dtype,
+                       device=device, max_positions=engine_cfg.max_model_len,
+                       attention_backend=backend, seed=engine_cfg.seed)
+    shard_model(model, model_cfg, group)
+    num_blocks = group.broadcast_object()
+    kv = KVCache(local_config(model_cfg, rank, world), num_blocks, engine_cfg.block_size,
+                 engine_cfg.kv_dtype(dtype), device)
+    with torch.inference_mode():
+        while True:
+            step = group.broadcast_object()
+            if step is None:
+                return
+            input_ids, positions, meta = step
+            model(input_ids, positions, kv.layers, meta)
+
+
+class TensorParallel:
+    """Rank 0's side: the group, the workers, and their shutdown with the engine."""
+
+    def __init__(self, world: int, build_args: tuple) -> None:
+        port = free_port()
+        self.procs = start_workers(world, port, build_args)
+        self.group = TPGroup(0, world, "127.0.0.1", port)
+        weakref.finalize(self, stop_workers, self.group, self.procs)
