@@ -48,13 +48,15 @@ class ServerThread:
     """A real minivllm server (AsyncLLMEngine + FastAPI app + uvicorn) on 127.0.0.1 on a
     free port, served from a background thread. Use as a context manager, or start()
     and stop(). `engine_kwargs` go to EngineConfig; `app_kwargs` to build_app;
-    engine_process=True runs the engine in a process of its own, as `minivllm serve`."""
+    engine_process=True runs the engine in a process of its own, as `minivllm serve`;
+    data_parallel_size=N runs N such engines (engine/data_parallel.py)."""
 
     def __init__(self, engine_kwargs: dict, *, max_waiting_requests: int | None = None,
                  log_level: str = "warning", engine_process: bool = False,
-                 **app_kwargs) -> None:
+                 data_parallel_size: int = 1, **app_kwargs) -> None:
         self.engine_kwargs = engine_kwargs
         self.engine_process = engine_process
+        self.data_parallel_size = data_parallel_size
         self.max_waiting_requests = max_waiting_requests
         self.app_kwargs = app_kwargs
         self.log_level = log_level
@@ -70,9 +72,15 @@ class ServerThread:
         from ..engine.async_llm_engine import AsyncLLMEngine
         from .api_server import build_app, make_server
 
-        self.engine = AsyncLLMEngine(EngineConfig(**self.engine_kwargs),
-                                     max_waiting_requests=self.max_waiting_requests,
-                                     engine_process=self.engine_process)
+        if self.data_parallel_size > 1:
+            from ..engine.data_parallel import DataParallelEngine
+            self.engine = DataParallelEngine(EngineConfig(**self.engine_kwargs),
+                                             self.data_parallel_size,
+                                             max_waiting_requests=self.max_waiting_requests)
+        else:
+            self.engine = AsyncLLMEngine(EngineConfig(**self.engine_kwargs),
+                                         max_waiting_requests=self.max_waiting_requests,
+                                         engine_process=self.engine_process)
         try:
             self.app = build_app(self.engine, **self.app_kwargs)
         except BaseException:
