@@ -53,3 +53,34 @@ def test_what_tp_does_not_take_yet(tiny_model_dirs):
     with pytest.raises(ValueError, match="quantization"):
         LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, max_model_len=64,
             tensor_parallel_size=2, quantization="int8")
+
+
+def test_two_nodes(tiny_model_dirs):
+    """A "two-node" launch on this machine: node 1 is `minivllm serve --node-rank 1` (its
+    rank's worker only), node 0 the engine; they meet at master_port. The output is one
+    process's, and node 1 ends when the engine stops."""
+    import gc
+    import subprocess
+    import sys
+
+    from minivllm.worker.tensor_parallel import free_port
+    model = str(tiny_model_dirs["llama"])
+    port = free_port()
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "minivllm.cli", "serve", "--model", model,
+         "--skip-tokenizer-init", "--max-model-len", "128", "--tensor-parallel-size", "2",
+         "--nnodes", "2", "--node-rank", "1", "--master-port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        want = _run(model, 1)
+        llm = LLM(model, skip_tokenizer_init=True, max_model_len=128, tensor_parallel_size=2,
+                  nnodes=2, master_port=port)
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+        got = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        del llm, got
+        gc.collect()
+        assert node1.wait(timeout=30) == 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()

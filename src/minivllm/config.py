@@ -276,6 +276,13 @@ class EngineConfig:
     quantization: str | None = None
     # Processes the model is split over (worker/tensor_parallel.py): gloo on the CPU.
     tensor_parallel_size: int = 1
+    # Several hosts (torchrun's names): the ranks are split evenly over nnodes; node 0 runs
+    # the engine, the others only workers (`minivllm serve --node-rank K`), all meeting at
+    # master_addr:master_port (a free local port when unset and nnodes is 1).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
     # The KV cache's element type (vLLM's name): "auto" (the model's dtype) or "fp8" (e4m3).
     kv_cache_dtype: str = "auto"
 

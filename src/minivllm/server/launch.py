@@ -81,6 +81,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="Split the model over this many processes (tensor parallelism; "
                              "on the CPU, over gloo, so far).")
+    parser.add_argument("--nnodes", type=int, default=1,
+                        help="Hosts the tensor-parallel ranks are split over (evenly).")
+    parser.add_argument("--node-rank", type=int, default=0,
+                        help="This host's place among them: 0 runs the engine and the API "
+                             "server, the others only their ranks' workers.")
+    parser.add_argument("--master-addr", default="127.0.0.1",
+                        help="Node 0's address, where the ranks meet.")
+    parser.add_argument("--master-port", type=int, default=None,
+                        help="Node 0's port for the ranks to meet (needed with --nnodes).")
     parser.add_argument("--tool-call-parser", default="auto",
                         choices=["auto", "hermes", "llama3_json", "mistral"],
                         help="The format of the model's tool calls: auto (default) reads it "
@@ -184,7 +193,9 @@ def engine_config_from_args(args: argparse.Namespace):
         enable_prefix_caching=args.enable_prefix_caching,
         generation_config=args.generation_config,
         speculative_config=args.speculative_config, quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size)
+        kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
+        nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+        master_port=args.master_port)
 
 
 # The cyclic GC's thresholds in an HTTP frontend process (Python's: 700, 10, 10). With 256
@@ -310,11 +321,31 @@ def _stop_with_parent() -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def run_worker_node_from_args(args: argparse.Namespace) -> None:
+    """`minivllm serve --node-rank K` (K > 0): this node's tensor-parallel workers."""
+    from ..config import attention_backend, resolve_device, resolve_dtype
+    from ..engine.llm_engine import read_model_config
+    from ..worker.tensor_parallel import run_worker_node
+
+    cfg = engine_config_from_args(args)
+    model_path, _, model_cfg = read_model_config(cfg.model)
+    device = resolve_device(cfg.device)
+    cfg.finalize(model_cfg, device)
+    dtype = resolve_dtype(cfg.dtype, model_cfg.checkpoint_dtype, device)
+    logging.getLogger("minivllm.server").info(
+        "Node %d of %d: tensor-parallel workers, meeting at %s:%s.", args.node_rank,
+        args.nnodes, args.master_addr, args.master_port)
+    run_worker_node(cfg, model_cfg, model_path, dtype, attention_backend(device))
+
+
 def run_server(args: argparse.Namespace) -> None:
     """Build the engine, then serve until SIGINT/SIGTERM; shut down gracefully."""
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     log = logging.getLogger("minivllm.server")
+    if args.node_rank > 0:  # a worker node: no engine, no HTTP server
+        run_worker_node_from_args(args)
+        return
     if args.data_parallel_size > 1:
         if args.engine_in_thread or (args.api_servers or 1) > 1:
             sys.exit("minivllm serve: --data-parallel-size takes one API server process and "

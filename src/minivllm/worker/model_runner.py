@@ -159,8 +159,8 @@ class ModelRunner:
         check_tp(model_cfg, world, engine_cfg.quantization, device)
         self.tp = None
         if world > 1:  # the workers load their shards meanwhile
-            self.tp = TensorParallel(world, (engine_cfg, model_cfg, model_path, dtype,
-                                             attention_backend))
+            self.tp = TensorParallel(engine_cfg, (engine_cfg, model_cfg, model_path, dtype,
+                                                  attention_backend))
         self.model = load_model(model_cfg, model_path, load_format=engine_cfg.load_format,
                                 dtype=dtype, device=device,
                                 max_positions=engine_cfg.max_model_len,

@@ -198,16 +198,40 @@ class BroadcastingModel(nn.Module):
             return getattr(self._modules["inner"], name)
 
 
-def start_workers(world: int, port: int, build_args: tuple) -> list:
-    """Worker processes for ranks 1..world-1 (started before rank 0 joins the group)."""
+def start_workers(ranks: range, world: int, host: str, port: int, build_args: tuple,
+                  daemon: bool = True) -> list:
+    """Worker processes for `ranks` (started before rank 0 joins the group)."""
     ctx = multiprocessing.get_context("spawn")
     procs = []
-    for rank in range(1, world):
-        p = ctx.Process(target=worker_main, args=(rank, world, port, *build_args),
-                        daemon=True, name=f"minivllm-tp{rank}")
+    for rank in ranks:
+        p = ctx.Process(target=worker_main, args=(rank, world, host, port, *build_args),
+                        daemon=daemon, name=f"minivllm-tp{rank}")
         p.start()
         procs.append(p)
     return procs
+
+
+def node_ranks(cfg) -> range:
+    """The ranks node cfg.node_rank hosts (tensor_parallel_size split over nnodes)."""
+    world, nodes = cfg.tensor_parallel_size, cfg.nnodes
+    if nodes < 1 or world % nodes or not 0 <= cfg.node_rank < nodes:
+        raise ValueError(f"tensor_parallel_size={world} must split evenly over nnodes={nodes}"
+                         f", and node_rank must be in 0..{nodes - 1}.")
+    per = world // nodes
+    return range(cfg.node_rank * per, (cfg.node_rank + 1) * per)
+
+
+def run_worker_node(cfg, model_cfg, model_path, dtype: torch.dtype, backend: str) -> None:
+    """A node other than the engine's: start its ranks' workers and wait for them (they
+    end when the engine stops)."""
+    if cfg.master_port is None:
+        raise ValueError("A worker node needs master_port (--master-port), the port the "
+                         "engine's node listens on.")
+    procs = start_workers(node_ranks(cfg), cfg.tensor_parallel_size, cfg.master_addr,
+                          cfg.master_port, (cfg, model_cfg, model_path, dtype, backend),
+                          daemon=False)
+    for p in procs:
+        p.join()
 
 
 def stop_workers(group: TPGroup, procs: list) -> None:
@@ -221,14 +245,14 @@ def stop_workers(group: TPGroup, procs: list) -> None:
             p.kill()
 
 
-def worker_main(rank: int, world: int, port: int, engine_cfg, model_cfg, model_path,
-                dtype: torch.dtype, backend: str) -> None:
+def worker_main(rank: int, world: int, host: str, port: int, engine_cfg, model_cfg,
+                model_path, dtype: torch.dtype, backend: str) -> None:
     """A worker: its shard of the model and of the KV cache, then every forward rank 0
     broadcasts, until it sends None."""
     torch.set_num_threads(1)
     from ..model.loader import load_model
     from .kv_cache import KVCache
-    group = TPGroup(rank, world, "127.0.0.1", port)
+    group = TPGroup(rank, world, host, port)
     device = torch.device("cpu")
     model = load_model(model_cfg, model_path, load_format=engine_cfg.load_format, dtype=dtype,
                        device=device, max_positions=engine_cfg.max_model_len,
@@ -247,10 +271,18 @@ def worker_main(rank: int, world: int, port: int, engine_cfg, model_cfg, model_p
 
 
 class TensorParallel:
-    """Rank 0's side: the group, the workers, and their shutdown with the engine."""
+    """Rank 0's side: the group, this node's workers, and their shutdown with the engine
+    (the other nodes' workers end when they hear it)."""
 
-    def __init__(self, world: int, build_args: tuple) -> None:
-        port = free_port()
-        self.procs = start_workers(world, port, build_args)
-        self.group = TPGroup(0, world, "127.0.0.1", port)
+    def __init__(self, cfg, build_args: tuple) -> None:
+        if cfg.node_rank != 0:
+            raise ValueError("The engine runs on node 0; other nodes run workers only "
+                             "(minivllm serve --node-rank K).")
+        ranks = node_ranks(cfg)
+        port = cfg.master_port or free_port()
+        if cfg.nnodes > 1 and cfg.master_port is None:
+            raise ValueError("Several nodes meet at master_addr:master_port: set master_port.")
+        self.procs = start_workers(range(1, ranks.stop), cfg.tensor_parallel_size,
+                                   cfg.master_addr, port, build_args)
+        self.group = TPGroup(0, cfg.tensor_parallel_size, cfg.master_addr, port)
         weakref.finalize(self, stop_workers, self.group, self.procs)
