@@ -42,9 +42,58 @@ def test_requests_are_balanced_over_the_engines(server):
     assert min(done) >= 64 * 8 // 4  # both served a fair share
     metrics = httpx.get(server.url + "/metrics").text
     assert "minivllm:generation_tokens_total" in metrics
+    per_engine = [line for line in metrics.splitlines()
+                  if line.startswith("minivllm:engine_generation_tokens_total{")]
+    assert len(per_engine) == 2 and all('engine="' in line for line in per_engine)
 
 
-def test_one_engine_dies_the_other_serves(server):
+def test_offline_replicas_split_the_prompts(tiny_model_dirs):
+    """LLM(data_parallel_size=2): the prompts split over two engines give one engine's
+    outputs, in order (greedy and seeded sampling)."""
+    from minivllm import LLM, SamplingParams
+    from conftest import random_prompts
+    prompts = random_prompts(7, 256, 3, 30, seed=4)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=8,
+                             ignore_eos=True) for i in range(7)]
+    kw = dict(skip_tokenizer_init=True, max_model_len=64)
+    want = LLM(str(tiny_model_dirs["qwen2"]), **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tiny_model_dirs["qwen2"]), data_parallel_size=2, **kw)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.prompt_token_ids for o in got] == prompts
+
+
+def test_a_shared_prefix_goes_to_the_engine_that_has_it(server):
+    """Requests whose prompts start alike go to the engine that served the prefix while it
+    is not much busier than the other, even when the other is less busy."""
+    from minivllm.engine.data_parallel import PREFIX_TOKENS
+    system = "You are a helpful assistant. " * 20
+    assert len(server.engine.tokenizer.encode(system)) > PREFIX_TOKENS
+    engines = server.engine.replicas
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            async def ask(prompt, n):
+                r = await client.post("/v1/completions", json={
+                    "prompt": prompt, "max_tokens": n, "ignore_eos": True})
+                assert r.status_code == 200
+            await ask(system + "First?", 2)       # the prefix's engine: the first, idle
+            first = engines[0].snapshot.get("prompt_tokens", 0)
+            before = [e.snapshot.get("prompt_tokens", 0) for e in engines]
+            busy = asyncio.create_task(ask("A long unrelated request.", 200))
+            while not engines[0].num_in_flight:
+                await asyncio.sleep(0.01)
+            for i in range(4):  # engine 1 is idle, engine 0 has the prefix
+                await ask(system + f"Question {i}?", 2)
+            await busy
+            return first, before
+    first, before = asyncio.run(run())
+    time.sleep(0.2)
+    grew = [e.snapshot.get("prompt_tokens", 0) - b for e, b in zip(engines, before)]
+    assert first > 0 and grew[1] == 0 and grew[0] > 0
+
+
+def test_one_engine_dies_the_other_serves(server):  # last: it kills engine 1
     engines = server.engine.replicas
 
     async def run():

@@ -279,6 +279,9 @@ class EngineConfig:
     # Several hosts (torchrun's names): the ranks are split evenly over nnodes; node 0 runs
     # the engine, the others only workers (`minivllm serve --node-rank K`), all meeting at
     # master_addr:master_port (a free local port when unset and nnodes is 1).
+    # Offline LLM(...) only: engines splitting each generate() call's prompts (the server's
+    # is --data-parallel-size, engine/data_parallel.py).
+    data_parallel_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"

@@ -43,6 +43,10 @@ class LLM:
         self.default_sampling_overrides = generation_config_defaults(
             self.config.generation_config, resolve_model_path(self.config.model)[1])
         _show_engine_logs()
+        self.replicas = None
+        if self.config.data_parallel_size > 1:  # the other engines, in processes
+            from .engine.data_parallel import OfflineReplicas
+            self.replicas = OfflineReplicas(self.config, self.config.data_parallel_size)
         self.engine = LLMEngine(self.config)
 
     def get_tokenizer(self):
@@ -60,6 +64,15 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _as_params_list(sampling_params, len(prompt_list))
+        if self.replicas is not None and len(prompt_list) > 1:
+            return self.replicas.generate(
+                lambda p, s: self._generate_here(p, s, use_tqdm), prompt_list, params_list)
+        return self._generate_here(prompt_list, params_list, use_tqdm)
+
+    def _generate_here(self, prompt_list: list, params_list: list,
+                       use_tqdm: bool) -> list[RequestOutput]:
+        if not prompt_list:
+            return []
         # Validate everything before queueing anything: a bad prompt loses nothing.
         request_ids = []
         try:

@@ -1,7 +1,11 @@
-"""Data parallelism: N engines, each in a process of its own, behind one frontend.
+"""Data parallelism: N engines, each in a process of its own, behind one frontend (the
+server's DataParallelEngine), or splitting an offline generate() call (OfflineReplicas).
 
 Each request goes whole (its n samples together) to the live engine with the fewest
-requests in flight from this frontend; an engine that dies fails its own requests (its
+requests in flight from this frontend, unless an engine that served a prompt starting with
+the same PREFIX_TOKENS tokens is at most OVERLOAD requests busier (its prefix cache likely
+holds them: a shared system prompt then prefills once per engine, not per request); an
+engine that dies fails its own requests (its
 AsyncLLMEngine ends their streams with an error) and takes no new ones, while the others
 keep serving. On one GPU the engines share its memory (each gets its share of
 gpu_memory_utilization). The server reads this object like an AsyncLLMEngine.
@@ -11,9 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections import OrderedDict
 
 from ..config import EngineConfig
 from .async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+
+PREFIX_TOKENS = 64   # what identifies a prompt's prefix for routing
+OVERLOAD = 4         # how much busier than the least busy the prefix's engine may be
+_PREFIXES_KEPT = 10_000
 
 # Snapshot entries that add up over the engines (the others are averaged).
 _SUMMED = ("num_requests_running", "num_requests_waiting", "num_preemptions",
@@ -47,6 +56,7 @@ class DataParallelEngine:
                          for _ in range(size)]
         self.stat_loggers = _StatLoggers(self.replicas)
         self.engine = None  # the engines live in other processes
+        self._prefix_engine: OrderedDict[tuple, int] = OrderedDict()  # prefix -> engine
         if start:
             self.start()
 
@@ -79,15 +89,33 @@ class DataParallelEngine:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def pick(self) -> AsyncLLMEngine:
-        """The live engine with the fewest of this frontend's requests in flight."""
-        live = [r for r in self.replicas if r.accepting]
+    def pick(self, token_ids: list[int] | None = None) -> AsyncLLMEngine:
+        """The engine for a request (see the module docstring)."""
+        live = [i for i, r in enumerate(self.replicas) if r.accepting]
         if not live:
             raise EngineDeadError("No engine is running.")
-        return min(live, key=lambda r: r.num_in_flight)
+        least = min(live, key=lambda i: self.replicas[i].num_in_flight)
+        key = tuple(token_ids[:PREFIX_TOKENS]) if token_ids and len(
+            token_ids) >= PREFIX_TOKENS else None
+        if key is None:
+            return self.replicas[least]
+        chosen = self._prefix_engine.get(key)
+        if chosen not in live or (self.replicas[chosen].num_in_flight
+                                  > self.replicas[least].num_in_flight + OVERLOAD):
+            chosen = least
+        self._prefix_engine[key] = chosen
+        self._prefix_engine.move_to_end(key)
+        if len(self._prefix_engine) > _PREFIXES_KEPT:
+            self._prefix_engine.popitem(last=False)
+        return self.replicas[chosen]
 
     async def add_requests(self, specs: list[dict]) -> list[RequestStream]:
-        return await self.pick().add_requests(specs)
+        ids = None
+        if specs:
+            prompt = specs[0].get("prompt")
+            ids = (prompt.get("prompt_token_ids") if isinstance(prompt, dict)
+                   else specs[0].get("prompt_token_ids"))
+        return await self.pick(ids).add_requests(specs)
 
     def abort(self, request_id: str | list[str]) -> None:
         """Ids unknown to an engine are ignored there: every live engine is told."""
@@ -125,3 +153,70 @@ def merge_snapshots(snaps: list[dict]) -> dict:
     if usage:
         merged["kv_cache_usage"] = sum(usage) / len(usage)
     return merged
+
+
+# ---- offline: LLM(data_parallel_size=N) ---------------------------------------------------
+
+def _replica_main(config: EngineConfig, conn) -> None:
+    """A replica: its own LLM, answering generate() calls sent over `conn` until None."""
+    from ..llm import LLM
+    llm = LLM(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+    conn.send("ready")
+    while True:
+        job = conn.recv()
+        if job is None:
+            return
+        try:
+            conn.send(llm.generate(job[0], job[1], use_tqdm=False))
+        except Exception as e:  # noqa: BLE001 - the caller raises it
+            conn.send(e)
+
+
+class OfflineReplicas:
+    """The other engines of LLM(data_parallel_size=N): N - 1 processes; each generate()
+    gives every engine (the caller's own included) a contiguous share of the prompts."""
+
+    def __init__(self, config: EngineConfig, size: int) -> None:
+        import multiprocessing
+        import weakref
+        ctx = multiprocessing.get_context("spawn")
+        replica = dataclasses.replace(config, data_parallel_size=1)
+        self.conns, self.procs = [], []
+        for i in range(size - 1):
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=_replica_main, args=(replica, theirs), daemon=True,
+                            name=f"minivllm-dp{i + 1}")
+            p.start()
+            self.conns.append(mine)
+            self.procs.append(p)
+        for conn in self.conns:
+            if conn.recv() != "ready":
+                raise RuntimeError("A data-parallel replica failed to start.")
+        weakref.finalize(self, _stop_replicas, self.conns, self.procs)
+
+    def generate(self, local_generate, prompts: list, params: list) -> list:
+        """The outputs of every prompt, in order: the replicas' shares sent first, the
+        caller's own run by `local_generate` meanwhile."""
+        n = len(self.conns) + 1
+        bounds = [len(prompts) * i // n for i in range(n + 1)]
+        for i, conn in enumerate(self.conns, start=1):
+            conn.send((prompts[bounds[i]:bounds[i + 1]], params[bounds[i]:bounds[i + 1]]))
+        outputs = local_generate(prompts[:bounds[1]], params[:bounds[1]])
+        for conn in self.conns:
+            part = conn.recv()
+            if isinstance(part, BaseException):
+                raise part
+            outputs += part
+        return outputs
+
+
+def _stop_replicas(conns: list, procs: list) -> None:
+    for conn in conns:
+        try:
+            conn.send(None)
+        except (OSError, ValueError):
+            pass
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()

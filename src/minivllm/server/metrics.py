@@ -223,6 +223,18 @@ class EngineMetrics:
         lines += _scalar("counter", "minivllm:generation_tokens_total",
                          "Number of generation tokens processed.",
                          [(lbl, snapshot.get("generation_tokens", 0))])
+        # Data parallelism: each engine's own gauges and counters beside the totals above.
+        engines = snapshot.get("engines") or []
+        if engines:
+            for key, kind, help_text in (
+                    ("num_requests_running", "gauge", "Requests running, per engine."),
+                    ("num_requests_waiting", "gauge", "Requests waiting, per engine."),
+                    ("kv_cache_usage", "gauge", "KV-cache usage per engine (1: full)."),
+                    ("generation_tokens", "counter", "Generation tokens, per engine.")):
+                name = f"minivllm:engine_{key}" + ("_total" if kind == "counter" else "")
+                lines += _scalar(kind, name, help_text,
+                                 [({**lbl, "engine": str(i)}, e.get(key, 0))
+                                  for i, e in enumerate(engines)])
         # vLLM's speculative-decoding counters (zero without --speculative-config).
         for key, help_text in (
                 ("spec_decode_num_drafts", "Number of speculative steps with drafts."),
