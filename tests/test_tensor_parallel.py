@@ -84,3 +84,20 @@ def test_two_nodes(tiny_model_dirs):
     finally:
         if node1.poll() is None:
             node1.kill()
+
+
+def test_speculative_decoding_under_tp(tiny_model_dirs):
+    """n-gram and draft-model speculation verify their drafts through the split model
+    (the draft model runs unsplit in the engine's process): one process's tokens."""
+    from test_speculative import repetitive_prompts
+    prompts = repetitive_prompts(3, seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    kw = dict(skip_tokenizer_init=True, max_model_len=128)
+    model = str(tiny_model_dirs["llama"])
+    want = LLM(model, **kw).generate(prompts, params, use_tqdm=False)
+    for spec in ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+                  "prompt_lookup_max": 4},
+                 {"method": "draft_model", "model": model, "num_speculative_tokens": 2}):
+        llm = LLM(model, tensor_parallel_size=2, speculative_config=spec, **kw)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
