@@ -351,13 +351,17 @@ def quantized_shells(model: nn.Module, layout: str, group_size: int = GROUP_SIZE
 def quantize_model(model: nn.Module, method: str) -> None:
     """Replace every decoder projection by its QuantizedLinear, freeing the full-precision
     weight as it goes (peak memory: the model plus one projection)."""
+    from ..worker.tensor_parallel import RowParallel
     from .moe import MoE
     kept = 0
     for module in list(model.modules()):
         for name in PROJECTIONS:
             linear = getattr(module, name, None)
+            owner = module
+            if isinstance(linear, RowParallel):  # a split projection: its own part
+                owner, name, linear = linear, "linear", linear.linear
             if isinstance(linear, nn.Linear):
-                setattr(module, name, QuantizedLinear.from_linear(linear, method))
+                setattr(owner, name, QuantizedLinear.from_linear(linear, method))
         if isinstance(module, MoE) and not module.quantize(method):
             kept += 1
     if kept:

@@ -26,8 +26,8 @@ from .cuda_graph_runner import DecodeGraphRunner
 from .kv_cache import KVCache, cpu_num_blocks, gpu_num_blocks
 from .mixed_graph_runner import MixedGraphRunner
 from .sampler import SampledRows, Sampler, SamplerGraphs, SamplerOutput, argmax_rows
-from .tensor_parallel import (BroadcastingModel, TensorParallel, check_tp, local_config,
-                              shard_model)
+from .tensor_parallel import (BroadcastingModel, TensorParallel, check_tp, load_shard,
+                              local_config)
 
 logger = logging.getLogger(__name__)
 
@@ -161,15 +161,17 @@ class ModelRunner:
         if world > 1:  # the workers load their shards meanwhile
             self.tp = TensorParallel(engine_cfg, (engine_cfg, model_cfg, model_path, dtype,
                                                   attention_backend))
-        self.model = load_model(model_cfg, model_path, load_format=engine_cfg.load_format,
-                                dtype=dtype, device=device,
-                                max_positions=engine_cfg.max_model_len,
-                                attention_backend=attention_backend,
-                                fused_ops=fused_ops_enabled(attention_backend),
-                                seed=engine_cfg.seed, quantization=engine_cfg.quantization)
         if self.tp is not None:
-            shard_model(self.model, model_cfg, self.tp.group)
-            self.model = BroadcastingModel(self.model, self.tp.group)
+            self.model = BroadcastingModel(load_shard(
+                model_cfg, model_path, engine_cfg, dtype, device, attention_backend,
+                self.tp.group, fused_ops_enabled(attention_backend)), self.tp.group)
+        else:
+            self.model = load_model(model_cfg, model_path, load_format=engine_cfg.load_format,
+                                    dtype=dtype, device=device,
+                                    max_positions=engine_cfg.max_model_len,
+                                    attention_backend=attention_backend,
+                                    fused_ops=fused_ops_enabled(attention_backend),
+                                    seed=engine_cfg.seed, quantization=engine_cfg.quantization)
         if fused_ops_enabled(attention_backend) and not fused_ops_work(device, dtype):
             logger.warning("The fused Triton kernels failed their self-check on this device; "
                            "running the model with plain PyTorch ops instead.")

@@ -109,8 +109,9 @@ def check_tp(cfg, world: int, quantization: str | None, device: torch.device) ->
     if cfg.family not in ("llama", "mistral", "qwen2", "qwen3"):
         raise ValueError(f"tensor_parallel_size > 1 takes the Llama, Mistral and Qwen "
                          f"families so far, not {cfg.family}.")
-    if quantization is not None:
-        raise ValueError("tensor_parallel_size > 1 with quantization is not supported yet.")
+    if quantization not in (None, "fp8", "int8", "int4") or checkpoint_quantized(cfg):
+        raise ValueError("tensor_parallel_size > 1 takes quantization at load (fp8, int8, "
+                         "int4), not a checkpoint quantized ahead, so far.")
     Shard.of(cfg, 0, world)
 
 
@@ -124,6 +125,26 @@ class RowParallel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(self.linear(x))
+
+
+def checkpoint_quantized(cfg) -> bool:
+    return bool((cfg.raw or {}).get("quantization_config"))
+
+
+def load_shard(model_cfg, model_path, engine_cfg, dtype, device, backend: str, group,
+               fused_ops: bool = False) -> nn.Module:
+    """This rank's shard: the whole model loaded, cut down, then quantized if asked (the
+    scales are the shard's own: a row-parallel projection's come from its columns)."""
+    from ..model.loader import load_model
+    from ..model.quantization import quantize_model
+    model = load_model(model_cfg, model_path, load_format=engine_cfg.load_format, dtype=dtype,
+                       device=device, max_positions=engine_cfg.max_model_len,
+                       attention_backend=backend, fused_ops=fused_ops, seed=engine_cfg.seed)
+    shard_model(model, model_cfg, group)
+    if engine_cfg.quantization is not None:
+        with torch.no_grad():
+            quantize_model(model, engine_cfg.quantization)
+    return model
 
 
 def _rows(w: torch.Tensor, start: int, size: int) -> torch.Tensor:
@@ -250,14 +271,10 @@ def worker_main(rank: int, world: int, host: str, port: int, engine_cfg, model_c
     """A worker: its shard of the model and of the KV cache, then every forward rank 0
     broadcasts, until it sends None."""
     torch.set_num_threads(1)
-    from ..model.loader import load_model
     from .kv_cache import KVCache
     group = TPGroup(rank, world, host, port)
     device = torch.device("cpu")
-    model = load_model(model_cfg, model_path, load_format=engine_cfg.load_format, dtype=dtype,
-                       device=device, max_positions=engine_cfg.max_model_len,
-                       attention_backend=backend, seed=engine_cfg.seed)
-    shard_model(model, model_cfg, group)
+    model = load_shard(model_cfg, model_path, engine_cfg, dtype, device, backend, group)
     num_blocks = group.broadcast_object()
     kv = KVCache(local_config(model_cfg, rank, world), num_blocks, engine_cfg.block_size,
                  engine_cfg.kv_dtype(dtype), device)
