@@ -10,6 +10,8 @@ import csrc_triton
 from minivllm.model.moe import experts_reference, route
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Every test runs here (interpreted) and in the GPU check's `-m gpu` selection (compiled).
+pytestmark = pytest.mark.gpu
 
 
 def test_align_by_expert_groups_rows_by_expert():

@@ -825,6 +825,7 @@ def windowed_case(seq_lens, q_lens, window, block_size, seed, hq=4, hkv=2, d=16,
     return q, k_cache, v_cache, bt, sl, qsl
 
 
+@pytest.mark.gpu  # runs here too; the GPU check's `-m gpu` selection must include it
 @pytest.mark.parametrize("window,softcap", [(7, 0.0), (16, 0.0), (40, 0.0), (0, 3.0),
                                             (9, 2.5)])
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -839,6 +840,7 @@ def test_prefill_with_window_and_softcap(window, softcap, block_size):
     assert rel_err(out, ref) < 1e-4
 
 
+@pytest.mark.gpu  # runs here too (see above)
 @pytest.mark.parametrize("num_splits", [1, 3, None])
 @pytest.mark.parametrize("window,softcap", [(5, 0.0), (16, 0.0), (33, 1.5), (0, 2.0)])
 def test_decode_with_window_and_softcap(num_splits, window, softcap):
