@@ -42,3 +42,38 @@ def test_bench_lists_the_harness_commands():
     proc = subprocess.run([sys.executable, "-m", "minivllm.cli", "bench"], capture_output=True,
                           text=True, timeout=120, env=env)
     assert "report" in proc.stdout + proc.stderr
+
+
+def _cli(*args):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "minivllm.cli", *args], capture_output=True,
+                          text=True, timeout=120, env=env)
+
+
+def test_inspect_the_default_model_and_a_dummy_config(default_model_dir):
+    import json
+    from pathlib import Path
+
+    proc = _cli("inspect", str(default_model_dir), "--gpu-memory", "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    # SmolLM2-135M: 134.5M parameters; 30 layers x 3 KV heads x 64 x 2 (K, V) x 2 bytes.
+    assert 134e6 < info["parameters"] < 135e6
+    assert info["kv_bytes_per_token"] == 30 * 3 * 64 * 2 * 2
+    fits = info["fits"]["bf16"]
+    assert fits["kv_tokens"] == int((2e9 - info["weight_bytes"]["bf16"]) // 23040)
+    config = Path(__file__).resolve().parents[1] / "bench/model_configs/mixtral-8x7b.json"
+    proc = _cli("inspect", str(config))
+    assert proc.returncode == 0, proc.stderr
+    assert "experts: 8, top-2" in proc.stdout and "bf16 93.4" in proc.stdout
+
+
+def test_tokenize_prints_the_tokenizers_ids(default_model_dir):
+    from transformers import AutoTokenizer
+
+    want = AutoTokenizer.from_pretrained(default_model_dir).encode("Hello, world!")
+    proc = _cli("tokenize", str(default_model_dir), "Hello, world!")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert [int(line.split()[0]) for line in lines[:-1]] == want
+    assert lines[-1] == f"{len(want)} tokens"

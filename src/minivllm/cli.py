@@ -1,4 +1,5 @@
-"""Command line: minivllm serve | generate | chat | bench | download-default-model."""
+"""Command line: minivllm serve | generate | chat | inspect | tokenize | bench |
+download-default-model."""
 
 from __future__ import annotations
 
@@ -123,6 +124,25 @@ def cmd_bench(args) -> None:
                                      cwd=root))
 
 
+def cmd_inspect(args) -> None:
+    import json
+
+    from .model_info import format_info, model_info
+    info = model_info(args.model, args.gpu_memory, args.max_model_len, args.kv_dtype)
+    print(json.dumps(info, indent=1) if args.json else format_info(info))
+
+
+def cmd_tokenize(args) -> None:
+    from .config import resolve_model_path
+    from .tokenizer import load_tokenizer
+    folder, config = resolve_model_path(args.model)
+    tok = load_tokenizer(config if config.suffix == ".gguf" else folder)
+    ids = tok.encode(args.text, add_special_tokens=not args.no_special_tokens)
+    for i in ids:
+        print(f"{i:>8}  {tok.convert_ids_to_tokens(i)!r}")
+    print(f"{len(ids)} tokens")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -144,6 +164,23 @@ def main(argv: list[str] | None = None) -> None:
     chat.add_argument("--system", default=None)
     _add_engine_arguments(chat)
     _add_sampling_arguments(chat)
+
+    ins = sub.add_parser("inspect", help="a model's shape, weight and KV-cache bytes, and "
+                                         "what fits in a given memory (from its config)")
+    ins.add_argument("model", nargs="?", default=None,
+                     help="folder, config.json or .gguf (default: the default model)")
+    ins.add_argument("--gpu-memory", type=float, default=None, metavar="GB",
+                     help="how many KV tokens and full-length sequences fit beside the "
+                          "weights in this much memory")
+    ins.add_argument("--max-model-len", type=int, default=None)
+    ins.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp16", "fp8", "fp32"])
+    ins.add_argument("--json", action="store_true", help="print JSON")
+
+    tok = sub.add_parser("tokenize", help="a text's tokens and ids under a model's tokenizer")
+    tok.add_argument("model", help="a folder or .gguf with a tokenizer")
+    tok.add_argument("text")
+    tok.add_argument("--no-special-tokens", action="store_true",
+                     help="without the tokenizer's added special tokens (BOS, ...)")
 
     sub.add_parser("download-default-model",
                    help="prepare SmolLM2-135M-Instruct in the local cache (once)")
@@ -169,6 +206,10 @@ def _dispatch(parser: argparse.ArgumentParser, args) -> None:
         cmd_generate(args)
     elif args.command == "chat":
         cmd_chat(args)
+    elif args.command == "inspect":
+        cmd_inspect(args)
+    elif args.command == "tokenize":
+        cmd_tokenize(args)
     elif args.command == "download-default-model":
         cmd_download(args)
     elif args.command == "bench":
