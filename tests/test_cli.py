@@ -77,3 +77,29 @@ def test_tokenize_prints_the_tokenizers_ids(default_model_dir):
     lines = proc.stdout.strip().splitlines()
     assert [int(line.split()[0]) for line in lines[:-1]] == want
     assert lines[-1] == f"{len(want)} tokens"
+
+
+def test_simulate_reproduces_the_engines_decisions(tiny_model_dirs, tmp_path, monkeypatch):
+    """`minivllm simulate examples/traffic.json` (no model) decides what the real engine
+    decides on the same traffic (a tiny model, step by step): the same requests scheduled
+    with the same token counts, the same admissions and preemptions; its plot is written."""
+    from pathlib import Path
+
+    from minivllm.config import EngineConfig
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.engine.simulate import load_traffic, replay, simulated_engine
+
+    traffic = Path(__file__).resolve().parents[1] / "examples" / "traffic.json"
+    requests, settings = load_traffic(traffic)
+    blocks = settings.pop("num_kv_blocks")
+    model = str(tiny_model_dirs["llama"])
+    simulated = replay(simulated_engine(model, blocks, **settings), requests)
+    monkeypatch.setenv("MINIVLLM_PIPELINE", "0")
+    real = replay(LLMEngine(EngineConfig(model=model, skip_tokenizer_init=True, device="cpu",
+                                         num_kv_blocks=blocks, **settings)), requests)
+    assert simulated.decisions() == real.decisions()
+    assert sum(len(r.preempted) for r in real.steps) > 0  # the example does preempt
+    png = tmp_path / "timeline.png"
+    proc = _cli("simulate", str(traffic), "--model", model, "--plot", str(png), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert "preemptions" in proc.stdout and png.stat().st_size > 10_000

@@ -143,6 +143,23 @@ def cmd_tokenize(args) -> None:
     print(f"{len(ids)} tokens")
 
 
+def cmd_simulate(args) -> None:
+    from .engine.simulate import load_traffic, plot, replay, simulated_engine, step_lines, summary
+    requests, settings = load_traffic(args.traffic)
+    blocks = args.num_kv_blocks or settings.pop("num_kv_blocks", None)
+    settings.pop("num_kv_blocks", None)
+    if blocks is None:
+        raise ValueError("Give the KV pool: --num-kv-blocks, or num_kv_blocks in the file.")
+    engine = simulated_engine(args.model, blocks, **settings)
+    timeline = replay(engine, requests)
+    if not args.quiet:
+        print("\n".join(step_lines(timeline)))
+    print(summary(timeline))
+    if args.plot:
+        plot(timeline, args.plot)
+        print(f"plot: {args.plot}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -182,6 +199,17 @@ def main(argv: list[str] | None = None) -> None:
     tok.add_argument("--no-special-tokens", action="store_true",
                      help="without the tokenizer's added special tokens (BOS, ...)")
 
+    sim = sub.add_parser("simulate", help="replay a traffic file through the scheduler, "
+                                          "without the model (examples/traffic.json)")
+    sim.add_argument("traffic")
+    sim.add_argument("--model", default=None,
+                     help="folder or config.json whose shapes count (default: the default "
+                          "model); never loaded")
+    sim.add_argument("--num-kv-blocks", type=int, default=None,
+                     help="the KV pool (default: the traffic file's num_kv_blocks)")
+    sim.add_argument("--plot", default=None, metavar="PNG", help="write the timeline here")
+    sim.add_argument("--quiet", action="store_true", help="the summary only")
+
     sub.add_parser("download-default-model",
                    help="prepare SmolLM2-135M-Instruct in the local cache (once)")
 
@@ -210,6 +238,8 @@ def _dispatch(parser: argparse.ArgumentParser, args) -> None:
         cmd_inspect(args)
     elif args.command == "tokenize":
         cmd_tokenize(args)
+    elif args.command == "simulate":
+        cmd_simulate(args)
     elif args.command == "download-default-model":
         cmd_download(args)
     elif args.command == "bench":

@@ -53,7 +53,9 @@ def read_model_config(model) -> tuple:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, runner_factory: Callable | None = None) -> None:
+        """runner_factory(config, model_config, device): a stand-in for the ModelRunner
+        (engine/simulate.py's, which schedules without a model)."""
         start = time.perf_counter()
         self.config = config
         model_path, config_path, self.model_config = read_model_config(config.model)
@@ -81,8 +83,11 @@ class LLMEngine:
         reserved = (0, 0) if draft is None else (
             weight_bytes(draft[1], self.dtype), block_bytes(draft[1], config.block_size,
                                                             config.kv_dtype(self.dtype)))
-        self.runner = ModelRunner(config, self.model_config, model_path, self.device,
-                                  self.dtype, backend, reserved)
+        if runner_factory is not None:
+            self.runner = runner_factory(config, self.model_config, self.device)
+        else:
+            self.runner = ModelRunner(config, self.model_config, model_path, self.device,
+                                      self.dtype, backend, reserved)
         self.drafter = None
         if draft is not None:
             draft_cfg = dataclasses.replace(
