@@ -103,3 +103,16 @@ def test_simulate_reproduces_the_engines_decisions(tiny_model_dirs, tmp_path, mo
     proc = _cli("simulate", str(traffic), "--model", model, "--plot", str(png), "--quiet")
     assert proc.returncode == 0, proc.stderr
     assert "preemptions" in proc.stdout and png.stat().st_size > 10_000
+
+
+def test_stats_reads_a_running_server(tiny_text_model_dir):
+    import httpx
+
+    from minivllm.server.testing import ServerThread
+    with ServerThread(dict(model=str(tiny_text_model_dir), max_model_len=256)) as s:
+        httpx.post(s.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 5,
+                                                    "ignore_eos": True}, timeout=60)
+        proc = _cli("stats", "--url", s.url, "--count", "2", "--interval", "0.2")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 2 and "generated 5" in lines[0] and "tok/s" in lines[1]

@@ -160,6 +160,50 @@ def cmd_simulate(args) -> None:
         print(f"plot: {args.plot}")
 
 
+def _metric_values(text: str) -> dict[str, float]:
+    """Prometheus text -> {name: value}, summed over the label sets (per-engine series
+    left out: their totals are there too)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#") or "minivllm:engine_" in line:
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        try:
+            values[name] = values.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return values
+
+
+def cmd_stats(args) -> None:
+    import time
+    import urllib.request
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    last = None
+    printed = 0
+    try:
+        while not args.count or printed < args.count:
+            req = urllib.request.Request(args.url.rstrip("/") + "/metrics", headers=headers)
+            with urllib.request.urlopen(req, timeout=10) as r:
+                m = _metric_values(r.read().decode())
+            now = time.monotonic()
+            gen = m.get("minivllm:generation_tokens_total", 0.0)
+            rate = "" if last is None else f"  {(gen - last[1]) / (now - last[0]):,.0f} tok/s"
+            done = sum(v for k, v in m.items() if k == "minivllm:request_success_total")
+            print(f"running {m.get('minivllm:num_requests_running', 0):.0f}  waiting "
+                  f"{m.get('minivllm:num_requests_waiting', 0):.0f}  KV "
+                  f"{100 * m.get('minivllm:kv_cache_usage_perc', 0):.1f}%  finished "
+                  f"{done:.0f}  generated {gen:,.0f}{rate}", flush=True)
+            printed += 1
+            last = (now, gen)
+            if not args.count or printed < args.count:
+                time.sleep(args.interval)
+    except KeyboardInterrupt:
+        pass
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -210,6 +254,13 @@ def main(argv: list[str] | None = None) -> None:
     sim.add_argument("--plot", default=None, metavar="PNG", help="write the timeline here")
     sim.add_argument("--quiet", action="store_true", help="the summary only")
 
+    st = sub.add_parser("stats", help="a running server's live numbers (its /metrics), "
+                                      "refreshed in the terminal")
+    st.add_argument("--url", default="http://127.0.0.1:8000")
+    st.add_argument("--interval", type=float, default=1.0, help="seconds between lines")
+    st.add_argument("--count", type=int, default=0, help="lines to print (0: until Ctrl-C)")
+    st.add_argument("--api-key", default=None)
+
     sub.add_parser("download-default-model",
                    help="prepare SmolLM2-135M-Instruct in the local cache (once)")
 
@@ -240,6 +291,8 @@ def _dispatch(parser: argparse.ArgumentParser, args) -> None:
         cmd_tokenize(args)
     elif args.command == "simulate":
         cmd_simulate(args)
+    elif args.command == "stats":
+        cmd_stats(args)
     elif args.command == "download-default-model":
         cmd_download(args)
     elif args.command == "bench":
