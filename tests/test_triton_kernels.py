@@ -67,34 +67,9 @@ def make_block_tables(seq_lens, block_size, num_blocks, gen, max_blocks=None):
     return bt.to(DEVICE)
 
 
-def gather_kv(cache, bt_row, n, block_size):
-    pos = torch.arange(n, device=cache.device)
-    blk = bt_row.long()[pos // block_size]
-    return cache[blk, pos % block_size]  # [n, Hkv, D]
-
-
 def ref_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, scale):
     """Dense fp32 reference; returns [T, Hq, D] fp32 (rows of no sequence = 0)."""
-    T, Hq, D = q.shape
-    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
-    g = Hq // Hkv
-    out = torch.zeros(T, Hq, D, dtype=torch.float32, device=q.device)
-    qsl = qsl.tolist()
-    for i, sl in enumerate(seq_lens.tolist()):
-        s, e = qsl[i], qsl[i + 1]
-        qlen = e - s
-        if qlen == 0 or sl == 0:
-            continue
-        k = gather_kv(k_cache, block_tables[i], sl, bs).float().repeat_interleave(g, dim=1)
-        v = gather_kv(v_cache, block_tables[i], sl, bs).float().repeat_interleave(g, dim=1)
-        qi = q[s:e].float()
-        scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
-        qpos = torch.arange(sl - qlen, sl, device=q.device)[:, None]
-        kpos = torch.arange(sl, device=q.device)[None, :]
-        scores = scores.masked_fill(kpos > qpos, float("-inf"))
-        p = torch.softmax(scores, dim=-1)
-        out[s:e] = torch.einsum("hqk,khd->qhd", p, v)
-    return out
+    return ref_windowed(q, k_cache, v_cache, block_tables, seq_lens, qsl, scale, 0, 0.0)
 
 
 def rel_err(out, ref):

@@ -281,22 +281,11 @@ def _dispatch(parser: argparse.ArgumentParser, args) -> None:
             parser.error(f"the server needs fastapi and uvicorn: {args.serve_import_error}")
         from .server.launch import run_server
         run_server(args)
-    elif args.command == "generate":
-        cmd_generate(args)
-    elif args.command == "chat":
-        cmd_chat(args)
-    elif args.command == "inspect":
-        cmd_inspect(args)
-    elif args.command == "tokenize":
-        cmd_tokenize(args)
-    elif args.command == "simulate":
-        cmd_simulate(args)
-    elif args.command == "stats":
-        cmd_stats(args)
-    elif args.command == "download-default-model":
-        cmd_download(args)
-    elif args.command == "bench":
-        cmd_bench(args)
+        return
+    commands = {"generate": cmd_generate, "chat": cmd_chat, "inspect": cmd_inspect,
+                "tokenize": cmd_tokenize, "simulate": cmd_simulate, "stats": cmd_stats,
+                "download-default-model": cmd_download, "bench": cmd_bench}
+    commands[args.command](args)
 
 
 if __name__ == "__main__":
