@@ -214,3 +214,17 @@ def test_fp8_quantization_covers_the_experts(family_dirs, family):
     got = [o.outputs[0].token_ids for o in fp8.generate(PROMPTS, params, use_tqdm=False)]
     same = sum(a == b for w, g in zip(want, got) for a, b in zip(w, g))
     assert same >= 0.5 * sum(len(w) for w in want)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gpt2"])
+def test_tensor_parallel_families(family_dirs, family):
+    """Split over two processes (gloo), every family but GPT-2 gives one process's greedy
+    tokens: Gemma's sandwich norms and soft-caps, sliding windows with freed blocks, the
+    experts split by their inner columns (one all-reduce a mixture), a shared expert."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    kw = dict(skip_tokenizer_init=True, max_model_len=64, block_size=4)
+    want = LLM(str(family_dirs[family]), **kw).generate(PROMPTS[:4], params, use_tqdm=False)
+    llm = LLM(str(family_dirs[family]), tensor_parallel_size=2, **kw)
+    got = llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert llm.engine.scheduler.pool.all_free()

@@ -70,21 +70,29 @@ class TPGroup:
 @dataclasses.dataclass(frozen=True)
 class Shard:
     """What rank `rank` of `world` holds: query heads [q0, q0 + q), KV heads [kv0, kv0 +
-    kv), the MLP's inner columns [i0, i0 + i)."""
+    kv); of an MLP of inner width W, the columns [rank * W / world, ...)."""
 
     q0: int
     q: int
     kv0: int
     kv: int
-    i0: int
-    i: int
+    rank: int
+    world: int
+
+    def columns(self, width: int) -> tuple[int, int]:
+        """(first, count) of this rank's inner columns of an MLP `width` wide."""
+        if width % self.world:
+            raise ValueError(f"tensor_parallel_size={self.world} must divide the MLPs' "
+                             f"width ({width}).")
+        size = width // self.world
+        return self.rank * size, size
 
     @classmethod
     def of(cls, cfg, rank: int, world: int) -> "Shard":
-        hq, hkv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
-        if hq % world or inter % world:
+        hq, hkv = cfg.num_heads, cfg.num_kv_heads
+        if hq % world:
             raise ValueError(f"tensor_parallel_size={world} must divide the attention heads "
-                             f"({hq}) and the MLP's width ({inter}).")
+                             f"({hq}).")
         if hkv >= world:
             if hkv % world:
                 raise ValueError(f"tensor_parallel_size={world} must divide the KV heads "
@@ -96,8 +104,13 @@ class Shard:
                                  f"KV heads ({hkv}) when larger.")
             kv, kv0 = 1, rank // (world // hkv)
         q = hq // world
-        i = inter // world
-        return cls(rank * q, q, kv0, kv, rank * i, i)
+        shard = cls(rank * q, q, kv0, kv, rank, world)
+        widths = [cfg.intermediate_size]
+        if cfg.moe:
+            widths += [cfg.moe["intermediate_size"], cfg.moe["shared_intermediate_size"] or world]
+        for width in widths:
+            shard.columns(width)
+        return shard
 
 
 def check_tp(cfg, world: int, quantization: str | None, device: torch.device) -> None:
@@ -106,9 +119,8 @@ def check_tp(cfg, world: int, quantization: str | None, device: torch.device) ->
     if device.type == "cuda":
         raise ValueError("tensor_parallel_size > 1 runs on the CPU (gloo) so far; the GPU "
                          "path (NCCL, inside the CUDA graphs) is not built yet.")
-    if cfg.family not in ("llama", "mistral", "qwen2", "qwen3"):
-        raise ValueError(f"tensor_parallel_size > 1 takes the Llama, Mistral and Qwen "
-                         f"families so far, not {cfg.family}.")
+    if cfg.family == "gpt2":
+        raise ValueError("tensor_parallel_size > 1 does not take GPT-2 yet.")
     if quantization not in (None, "fp8", "int8", "int4") or checkpoint_quantized(cfg):
         raise ValueError("tensor_parallel_size > 1 takes quantization at load (fp8, int8, "
                          "int4), not a checkpoint quantized ahead, so far.")
@@ -151,44 +163,73 @@ def _rows(w: torch.Tensor, start: int, size: int) -> torch.Tensor:
     return w[start:start + size]
 
 
-def shard_model(model: nn.Module, cfg, group: TPGroup) -> None:
-    """Cut a loaded Llama-family model down to this rank's shard, in place."""
-    from ..model.llama import DecoderAttention, DecoderLayer
-    s = Shard.of(cfg, group.rank, group.world)
+def _shard_attention(module: nn.Module, cfg, s: Shard, group: TPGroup) -> None:
+    """q/k/v column-parallel (this rank's heads), o row-parallel."""
     d = cfg.head_dim
     q_all, kv_all = cfg.num_heads * d, cfg.num_kv_heads * d
-    for module in model.modules():
-        if isinstance(module, DecoderAttention):
-            qkv = module.qkv_proj
-            pieces = [(s.q0 * d, s.q * d), (q_all + s.kv0 * d, s.kv * d),
-                      (q_all + kv_all + s.kv0 * d, s.kv * d)]
-            qkv.weight = nn.Parameter(torch.cat([_rows(qkv.weight.data, a, n)
-                                                 for a, n in pieces]), requires_grad=False)
-            if qkv.bias is not None:
-                qkv.bias = nn.Parameter(torch.cat([_rows(qkv.bias.data, a, n)
-                                                   for a, n in pieces]), requires_grad=False)
-            qkv.out_features = qkv.weight.shape[0]
-            o = module.o_proj
-            o.weight = nn.Parameter(o.weight.data[:, s.q0 * d:(s.q0 + s.q) * d].contiguous(),
-                                    requires_grad=False)
-            o.in_features = o.weight.shape[1]
-            module.o_proj = RowParallel(o, group)
-            module.num_heads, module.num_kv_heads = s.q, s.kv
-            module.q_size, module.kv_size = s.q * d, s.kv * d
-            module.attn.num_heads, module.attn.num_kv_heads = s.q, s.kv
-        elif isinstance(module, DecoderLayer):
-            mlp = module.mlp
-            inter = cfg.intermediate_size
-            gu = mlp.gate_up_proj
-            gu.weight = nn.Parameter(torch.cat([_rows(gu.weight.data, s.i0, s.i),
-                                                _rows(gu.weight.data, inter + s.i0, s.i)]),
-                                     requires_grad=False)
-            gu.out_features = gu.weight.shape[0]
-            down = mlp.down_proj
-            down.weight = nn.Parameter(down.weight.data[:, s.i0:s.i0 + s.i].contiguous(),
-                                       requires_grad=False)
-            down.in_features = down.weight.shape[1]
-            mlp.down_proj = RowParallel(down, group)
+    qkv = module.qkv_proj
+    pieces = [(s.q0 * d, s.q * d), (q_all + s.kv0 * d, s.kv * d),
+              (q_all + kv_all + s.kv0 * d, s.kv * d)]
+    qkv.weight = nn.Parameter(torch.cat([_rows(qkv.weight.data, a, n) for a, n in pieces]),
+                              requires_grad=False)
+    if qkv.bias is not None:
+        qkv.bias = nn.Parameter(torch.cat([_rows(qkv.bias.data, a, n) for a, n in pieces]),
+                                requires_grad=False)
+    qkv.out_features = qkv.weight.shape[0]
+    o = module.o_proj
+    o.weight = nn.Parameter(o.weight.data[:, s.q0 * d:(s.q0 + s.q) * d].contiguous(),
+                            requires_grad=False)
+    o.in_features = o.weight.shape[1]
+    if o.bias is not None and s.rank:  # a row-parallel bias is added once
+        o.bias = nn.Parameter(torch.zeros_like(o.bias), requires_grad=False)
+    module.o_proj = RowParallel(o, group)
+    module.num_heads, module.num_kv_heads = s.q, s.kv
+    module.q_size, module.kv_size = s.q * d, s.kv * d
+    module.attn.num_heads, module.attn.num_kv_heads = s.q, s.kv
+
+
+def _shard_gated(mlp: nn.Module, s: Shard) -> None:
+    """gate/up column-parallel, down's input columns to match (its sum not reduced here)."""
+    gu, down = mlp.gate_up_proj, mlp.down_proj
+    width = gu.weight.shape[0] // 2
+    i0, i = s.columns(width)
+    gu.weight = nn.Parameter(torch.cat([_rows(gu.weight.data, i0, i),
+                                        _rows(gu.weight.data, width + i0, i)]),
+                             requires_grad=False)
+    gu.out_features = gu.weight.shape[0]
+    down.weight = nn.Parameter(down.weight.data[:, i0:i0 + i].contiguous(), requires_grad=False)
+    down.in_features = down.weight.shape[1]
+
+
+def _shard_experts(moe: nn.Module, s: Shard) -> None:
+    """Every expert's inner columns split like a dense MLP's; the router replicated."""
+    width = moe.w13.shape[1] // 2
+    i0, i = s.columns(width)
+    w13, w2 = moe.w13.data, moe.w2.data
+    moe.w13 = nn.Parameter(torch.cat([w13[:, i0:i0 + i], w13[:, width + i0:width + i0 + i]],
+                                     dim=1).contiguous(), requires_grad=False)
+    moe.w2 = nn.Parameter(w2[:, :, i0:i0 + i].contiguous(), requires_grad=False)
+    if moe.shared_expert is not None:
+        _shard_gated(moe.shared_expert, s)
+
+
+def shard_model(model: nn.Module, cfg, group: TPGroup) -> None:
+    """Cut a loaded model down to this rank's shard, in place: each attention (any module
+    with qkv_proj, o_proj and attn) and each layer's MLP (dense: down all-reduced; a
+    mixture of experts: its whole output all-reduced once)."""
+    from ..model.layers import GatedMLP
+    from ..model.moe import MoE
+    s = Shard.of(cfg, group.rank, group.world)
+    for module in list(model.modules()):
+        if all(hasattr(module, a) for a in ("qkv_proj", "o_proj", "attn")):
+            _shard_attention(module, cfg, s, group)
+        mlp = getattr(module, "mlp", None)
+        if isinstance(mlp, MoE):
+            _shard_experts(mlp, s)
+            module.mlp = RowParallel(mlp, group)
+        elif isinstance(mlp, GatedMLP):
+            _shard_gated(mlp, s)
+            mlp.down_proj = RowParallel(mlp.down_proj, group)
 
 
 def local_config(cfg, rank: int, world: int):
