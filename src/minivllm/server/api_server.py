@@ -27,6 +27,8 @@ from starlette.responses import Response
 from .. import __version__
 from ..engine.async_llm_engine import AsyncLLMEngine
 from ..sampling_params import generation_config_defaults
+from .dashboard import OPEN_PATHS as DASHBOARD_PAGES
+from .dashboard import add_dashboard
 from .metrics import CONTENT_TYPE, EngineMetrics
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                        CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
@@ -51,7 +53,7 @@ _SSE = {"text/event-stream": {"schema": {"type": "string"},
 
 # Paths that work without the API key.
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/docs", "/redoc",
-                        "/openapi.json", "/docs/oauth2-redirect"})
+                        "/openapi.json", "/docs/oauth2-redirect", *DASHBOARD_PAGES})
 
 
 class ReceivedAtMiddleware:
@@ -226,6 +228,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(await engine.refresh_snapshot()),
                         media_type=CONTENT_TYPE)
+
+    add_dashboard(app, engine)
 
     # ---- generation ---------------------------------------------------------------------
 
