@@ -50,6 +50,10 @@ def test_engine_numbers_move_while_requests_run(server):
         time.sleep(0.02)
     after = httpx.get(server.url + "/dashboard/api/engine", headers=auth).json()
     assert seen_running == 1 and after["generation_tokens"] - before["generation_tokens"] == 240
+    steps = httpx.get(server.url + "/dashboard/api/steps", headers=auth).json()
+    assert steps["fields"] == ["time", "path", "tokens", "sequences", "seconds"]
+    decodes = [s for s in steps["steps"] if s[3] == 2 and s[2] == 2]  # the two samples
+    assert len(decodes) > 50 and all(s[4] >= 0 for s in decodes)
 
 
 def test_benchmarks_list_the_committed_results(server):

@@ -96,6 +96,7 @@ def test_engine_numbers_move(page, server):
         time.sleep(0.5)
         moved = generated() > before
     running_seen = int(page.inner_text("b[data-key=num_requests_running]"))
+    page.wait_for_function("document.querySelectorAll('#steps tr').length > 1")
     _shot(page, "engine")
     load.join()
     assert moved and running_seen <= 1

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import gc
@@ -37,6 +38,13 @@ logger = logging.getLogger(__name__)
 
 # Stands for a token sampled on the device but not yet read back (pipelined decoding).
 PLACEHOLDER_TOKEN = -1
+STEP_HISTORY = 240  # steps kept in LLMEngine.step_history
+
+
+def recent_steps(engine: "LLMEngine") -> list[tuple]:
+    """The engine's last steps (an AsyncLLMEngine.call function: module-level, so it
+    crosses to an engine process)."""
+    return list(engine.step_history)
 
 
 def read_model_config(model) -> tuple:
@@ -123,6 +131,7 @@ class LLMEngine:
         if self.speculative is not None:
             self.draft_policy = DraftLengthPolicy(self.speculative.num_speculative_tokens)
         self._pending: PendingDecode | None = None
+        self.step_history: collections.deque = collections.deque(maxlen=STEP_HISTORY)
         # Structured outputs: requests wait here (not in the scheduler) for their grammar.
         self.grammars: GrammarCompiler | None = None
         self._awaiting_grammar: list[Request] = []
@@ -386,14 +395,20 @@ class LLMEngine:
         return list(seen.values())
 
     def _step(self, report: Callable[[list[Request]], list]) -> list:
+        start = time.perf_counter()
         if self.speculative is None:
-            return self._plan_and_run(report)
-        start, tokens = time.perf_counter(), self.stats["generation_tokens"]
-        self._looked_for_drafts = False
-        out = self._plan_and_run(report)
-        self.draft_policy.gate.record(
-            len(self.scheduler.running), self.stats["generation_tokens"] - tokens,
-            time.perf_counter() - start, self._looked_for_drafts)
+            out = self._plan_and_run(report)
+        else:
+            tokens = self.stats["generation_tokens"]
+            self._looked_for_drafts = False
+            out = self._plan_and_run(report)
+            self.draft_policy.gate.record(
+                len(self.scheduler.running), self.stats["generation_tokens"] - tokens,
+                time.perf_counter() - start, self._looked_for_drafts)
+        # The last steps, for the dashboard's timeline: when, what (the runner's path,
+        # tokens, sequences), how long the host spent in it.
+        self.step_history.append((time.monotonic(), *(self.runner.last_step or ("idle", 0, 0)),
+                                  time.perf_counter() - start))
         return out
 
     def _plan_and_run(self, report: Callable[[list[Request]], list]) -> list:

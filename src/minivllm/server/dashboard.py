@@ -3,7 +3,9 @@ app.js: no build step, nothing fetched from elsewhere) that reads the server's o
 
 Its live numbers come from GET /dashboard/api/engine: the snapshot the engine publishes
 to the frontend after every step anyway (engine_core.EngineCore.snapshot), so polling the
-page costs the engine nothing; only the HTTP side works. The page and its script are open
+page costs the engine nothing; only the HTTP side works. Its step timeline comes from
+GET /dashboard/api/steps: the engine's last steps (LLMEngine.step_history, a tuple
+appended per step), fetched between two steps. The page and its script are open
 (they hold no data); the data endpoints are behind --api-key like the API (the page sends
 the key typed into it).
 """
@@ -56,6 +58,14 @@ def add_dashboard(app, engine) -> None:
         snapshot.setdefault("time", time.monotonic())
         return {**snapshot, "model": str(engine.model_path), "max_model_len":
                 engine.max_model_len, "running": engine.is_running}
+
+    @app.get("/dashboard/api/steps", include_in_schema=False)
+    async def steps():
+        """The engine's last steps (asked between two steps: one round trip)."""
+        from ..engine.llm_engine import recent_steps
+        target = getattr(engine, "replicas", [engine])[0]  # data parallel: the first
+        rows = await target.call(recent_steps) if target.is_running else []
+        return {"fields": ["time", "path", "tokens", "sequences", "seconds"], "steps": rows}
 
     @app.get("/dashboard/api/benchmarks", include_in_schema=False)
     async def benchmarks():

@@ -157,6 +157,16 @@ async function pollEngine() {
                      waiting: s.num_requests_waiting, kv: 100 * s.kv_cache_usage });
       if (history.length > 120) history.shift();
       drawChart();
+      const recent = await api("/dashboard/api/steps");
+      const table = $("steps");
+      table.innerHTML = "<tr><th>seconds ago</th><th>path</th><th>tokens</th>" +
+                        "<th>sequences</th><th>ms</th></tr>";
+      for (const [t, path, tokens, seqs, secs] of recent.steps.slice(-15).reverse()) {
+        const row = table.insertRow();
+        for (const v of [(s.time - t).toFixed(2), path, tokens, seqs, (1000 * secs).toFixed(2)]) {
+          row.insertCell().textContent = v;
+        }
+      }
     } catch (e) { $("cards").textContent = e.message; }
   }
   setTimeout(pollEngine, 500);
