@@ -53,6 +53,7 @@ def _shot(page, name: str) -> None:
 def test_playground_streams_an_answer(page):
     page.fill("#prompt", "What is the capital of France?")
     page.fill("#max_tokens", "12")
+    page.fill("#seed", "3")
     page.check("#logprobs")
     page.click("#send")
     page.wait_for_function(
@@ -74,6 +75,17 @@ def test_tokenizer_ids_are_the_servers(page, server):
         "#tok_table tr", "rows => rows.slice(1).map(r => +r.cells[1].textContent)")
     want = httpx.post(server.url + "/tokenize", json={"prompt": text}).json()["tokens"]
     assert shown == want
+    page.check("#tok_chat")  # the same text as a chat: through the chat template
+    page.click("#tokenize")
+    chat = httpx.post(server.url + "/tokenize", json={
+        "messages": [{"role": "user", "content": text}]}).json()["tokens"]
+    page.wait_for_function(f"document.querySelectorAll('#tok_table tr').length == {len(chat) + 1}")
+    shown = page.eval_on_selector_all(
+        "#tok_table tr", "rows => rows.slice(1).map(r => +r.cells[1].textContent)")
+    assert shown == chat and len(chat) > len(want)
+    page.uncheck("#tok_chat")
+    page.click("#tokenize")
+    page.wait_for_function(f"document.querySelectorAll('#tok_table tr').length == {len(want) + 1}")
     _shot(page, "tokenizer")
     assert not page.errors, page.errors
 
@@ -104,7 +116,12 @@ def test_engine_numbers_move(page, server):
 
 
 def test_benchmarks_tab(page):
+    """The report's tables and charts (bench/results/report), then the results folders."""
     page.click("nav button[data-tab=benchmarks]")
     page.wait_for_function("document.querySelectorAll('#bench_table tr').length > 1")
+    assert page.locator("#report table").count() > 3
+    page.wait_for_function(
+        "[...document.querySelectorAll('#report img')].some(i => i.naturalWidth > 0)")
+    assert "vLLM" in page.inner_text("#report")
     _shot(page, "benchmarks")
     assert not page.errors, page.errors

@@ -28,6 +28,7 @@ from .. import __version__
 from ..engine.async_llm_engine import AsyncLLMEngine
 from ..sampling_params import generation_config_defaults
 from .dashboard import OPEN_PATHS as DASHBOARD_PAGES
+from .dashboard import OPEN_PREFIX as DASHBOARD_CHARTS
 from .dashboard import add_dashboard
 from .metrics import CONTENT_TYPE, EngineMetrics
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -77,8 +78,9 @@ class ApiKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
         if scope["type"] != "http" or scope.get("method") == "OPTIONS" or \
-                scope.get("path", "") in OPEN_PATHS:
+                path in OPEN_PATHS or path.startswith(DASHBOARD_CHARTS):
             return await self.app(scope, receive, send)
         given = b""
         for name, value in scope.get("headers", []):

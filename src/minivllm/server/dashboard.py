@@ -3,7 +3,8 @@ app.js: no build step, nothing fetched from elsewhere) that reads the server's o
 
 Its live numbers come from GET /dashboard/api/engine: the snapshot the engine publishes
 to the frontend after every step anyway (engine_core.EngineCore.snapshot), so polling the
-page costs the engine nothing; only the HTTP side works. Its step timeline comes from
+page costs the engine nothing; only the HTTP side works. The benchmarks tab renders
+bench/results/report/report.md (`python -m bench report`'s tables and charts). Its step timeline comes from
 GET /dashboard/api/steps: the engine's last steps (LLMEngine.step_history, a tuple
 appended per step), fetched between two steps. The page and its script are open
 (they hold no data); the data endpoints are behind --api-key like the API (the page sends
@@ -16,10 +17,11 @@ import re
 import time
 from pathlib import Path
 
-from starlette.responses import HTMLResponse, Response
+from starlette.responses import FileResponse, HTMLResponse, Response
 
 PAGE_DIR = Path(__file__).resolve().parent / "dashboard"
 OPEN_PATHS = ("/dashboard", "/dashboard/app.js")
+OPEN_PREFIX = "/dashboard/report/"  # the report's charts (images: the page cannot send a key)
 _RESULTS = Path(__file__).resolve().parents[3] / "bench" / "results"  # a source checkout
 
 
@@ -35,8 +37,10 @@ def benchmark_rows(results: Path = _RESULTS, most: int = 40) -> dict:
         date, machine, what = m.groups() if m else ("", "", d.name)
         rows.append({"date": date, "machine": machine, "what": what.replace("-", " "),
                      "json files": len(list(d.glob("*.json")))})
+    report = results / "report" / "report.md"
     return {"note": f"The newest {len(rows)} results folders of bench/results "
-                    "(their README.md says what each measured).", "rows": rows}
+                    "(their README.md says what each measured).", "rows": rows,
+            "report": report.read_text() if report.is_file() else None}
 
 
 def add_dashboard(app, engine) -> None:
@@ -70,3 +74,10 @@ def add_dashboard(app, engine) -> None:
     @app.get("/dashboard/api/benchmarks", include_in_schema=False)
     async def benchmarks():
         return benchmark_rows()
+
+    @app.get("/dashboard/report/{name}", include_in_schema=False)
+    async def report_chart(name: str) -> Response:
+        path = _RESULTS / "report" / name
+        if "/" in name or not name.endswith(".png") or not path.is_file():
+            return Response(status_code=404)
+        return FileResponse(path, media_type="image/png")

@@ -46,8 +46,10 @@ $("send").addEventListener("click", async () => {
   const chat = $("endpoint").value === "chat";
   const wantLogprobs = $("logprobs").checked;
   const body = { max_tokens: +$("max_tokens").value, temperature: +$("temperature").value,
-                 top_p: +$("top_p").value, stream: true,
+                 top_p: +$("top_p").value, top_k: +$("top_k").value,
+                 repetition_penalty: +$("repetition_penalty").value, stream: true,
                  stream_options: { include_usage: true } };
+  if ($("seed").value !== "") body.seed = +$("seed").value;
   if (chat) {
     body.messages = [{ role: "user", content: $("prompt").value }];
     if (wantLogprobs) body.logprobs = true;
@@ -104,7 +106,10 @@ $("tokenize").addEventListener("click", async () => {
   const table = $("tok_table");
   table.textContent = "";
   try {
-    const r = await api("/tokenize", { prompt: $("tok_text").value, return_token_strs: true });
+    const text = $("tok_text").value;
+    const r = await api("/tokenize", $("tok_chat").checked
+      ? { messages: [{ role: "user", content: text }], return_token_strs: true }
+      : { prompt: text, return_token_strs: true });
     $("tok_count").textContent = `${r.count} tokens`;
     const head = table.insertRow();
     head.innerHTML = "<th>#</th><th>id</th><th>token</th>";
@@ -122,6 +127,7 @@ const history = [];
 const CARDS = [["running", "num_requests_running"], ["waiting", "num_requests_waiting"],
                ["KV cache used", "kv_cache_usage", (v) => (100 * v).toFixed(1) + "%"],
                ["free blocks", "num_free_blocks"], ["preemptions", "num_preemptions"],
+               ["prefix cache hits (tokens)", "prefix_cache_hits"],
                ["prompt tokens", "prompt_tokens"], ["generated tokens", "generation_tokens"],
                ["tokens/s", "tokens_per_s", (v) => v.toFixed(0)]];
 
@@ -173,11 +179,55 @@ async function pollEngine() {
 }
 pollEngine();
 
-// ---- benchmarks: the committed results' summaries ------------------------------------------
+// ---- benchmarks: the report's tables and charts, then the results folders --------------------
+function renderReport(markdown) {
+  // The report's own Markdown: headings, tables, images, paragraphs (what it uses).
+  const box = $("report");
+  for (const block of markdown.split(/\n\s*\n/)) {
+    const lines = block.trim().split("\n");
+    if (!lines[0]) continue;
+    if (lines[0].startsWith("#")) {
+      const h = document.createElement("h3");
+      h.textContent = lines[0].replace(/^#+\s*/, "");
+      box.appendChild(h);
+      lines.shift();
+      if (!lines.length) continue;
+    }
+    if (lines[0].startsWith("|")) {
+      const table = document.createElement("table");
+      lines.filter((l) => !/^\|[-\s|:]+\|$/.test(l)).forEach((l, i) => {
+        const row = table.insertRow();
+        for (const cell of l.replace(/^\||\|$/g, "").split("|")) {
+          const c = document.createElement(i === 0 ? "th" : "td");
+          c.textContent = cell.trim();
+          row.appendChild(c);
+        }
+      });
+      box.appendChild(table);
+      continue;
+    }
+    for (const line of lines) {
+      const img = line.match(/!\[([^\]]*)\]\(([^)]+\.png)\)/);
+      if (img) {
+        const el = document.createElement("img");
+        el.src = "/dashboard/report/" + img[2].split("/").pop();
+        el.alt = img[1];
+        el.style.maxWidth = "100%";
+        box.appendChild(el);
+      } else {
+        const p = document.createElement("p");
+        p.textContent = line;
+        box.appendChild(p);
+      }
+    }
+  }
+}
+
 (async () => {
   try {
     const r = await api("/dashboard/api/benchmarks");
     $("bench_note").textContent = r.note;
+    if (r.report) renderReport(r.report);
     const table = $("bench_table");
     if (!r.rows.length) return;
     const cols = Object.keys(r.rows[0]);
