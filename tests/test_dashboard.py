@@ -67,3 +67,25 @@ def test_the_script_parses():
     proc = subprocess.run(["node", "--check", str(PAGE_DIR / "app.js")], capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_streams_report_their_timings_when_asked(server):
+    """return_metrics (minivllm's extension, the playground's queue wait): the final
+    usage chunk carries the queue wait and the time to first token; without it, nothing."""
+    import json
+    auth = {"Authorization": "Bearer secret"}
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+                       ("/v1/completions", {"prompt": "Hi"})):
+        for ask in (True, False):
+            r = httpx.post(server.url + path, headers=auth, timeout=60, json={
+                **body, "max_tokens": 4, "stream": True, "return_metrics": ask,
+                "stream_options": {"include_usage": True}})
+            chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                      if line.startswith("data: {")]
+            final = chunks[-1]
+            assert final["usage"]["completion_tokens"] == 4
+            if ask:
+                m = final["metrics"]
+                assert 0 <= m["queue_s"] <= m["ttft_s"] < 60
+            else:
+                assert "metrics" not in final

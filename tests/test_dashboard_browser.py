@@ -60,6 +60,7 @@ def test_playground_streams_an_answer(page):
         "document.getElementById('timings').textContent.includes('first token')",
         timeout=60_000)
     assert "Paris" in page.inner_text("#answer")
+    assert "queue wait" in page.inner_text("#timings")
     assert page.locator("#answer span.tok").count() > 1  # tokens with their logprobs
     _shot(page, "playground")
     assert not page.errors, page.errors

@@ -130,6 +130,9 @@ class _SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     # vLLM's extension: each choice also carries its token ids (and the prompt's).
     return_token_ids: bool = False
+    # minivllm's extension: the final usage chunk of a stream also carries the request's
+    # timings ("metrics": queue wait and time to first token, in the engine's view).
+    return_metrics: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None

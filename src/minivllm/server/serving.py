@@ -447,8 +447,10 @@ class OpenAIServing:
         first_chunk = [True] * len(states)
         usage_chunks = req.include_usage
         completion_tokens = 0
+        last = None
         try:
             async for pi, out in merge_streams(job.streams):
+                last = out
                 prompt = job.prompts[pi]
                 for o in sample_outputs(out):
                     ci = pi * n + o.index
@@ -493,9 +495,12 @@ class OpenAIServing:
                     yield sse(chunk)
             if usage_chunks:
                 prompt_tokens = sum(len(p.token_ids) for p in job.prompts)
-                yield sse({"id": job.request_id, "object": "text_completion",
-                           "created": job.created, "model": job.model, "choices": [],
-                           "usage": _usage(prompt_tokens, completion_tokens)})
+                final = {"id": job.request_id, "object": "text_completion",
+                         "created": job.created, "model": job.model, "choices": [],
+                         "usage": _usage(prompt_tokens, completion_tokens)}
+                if req.return_metrics:
+                    final["metrics"] = _timings(last)
+                yield sse(final)
             yield SSE_DONE
         except Exception as e:  # noqa: BLE001 - engine failure: tell the client, end cleanly
             yield sse(error_body(_engine_error_message(e), "server_error", 500))
@@ -602,6 +607,7 @@ class OpenAIServing:
         n = job.params.n
         states = [_ChoiceState() for _ in range(n)]
         parsers = [plan.parser() for _ in range(n)] if plan.parses else None
+        last = None
         usage_chunks = req.include_usage
         top_n = req.top_logprobs or 0
         completion_tokens = 0
@@ -621,6 +627,7 @@ class OpenAIServing:
                     yield chunk({"index": i, "delta": {"content": echo_text},
                                  "logprobs": None, "finish_reason": None})
             async for _, out in merge_streams(job.streams):
+                last = out
                 for o in sample_outputs(out):
                     st = states[o.index]
                     if st.done:
@@ -653,9 +660,12 @@ class OpenAIServing:
                         choice["token_ids"] = new_tokens
                     yield chunk(choice)
             if usage_chunks:
-                yield sse({"id": job.request_id, "object": "chat.completion.chunk",
-                           "created": job.created, "model": job.model, "choices": [],
-                           "usage": _usage(len(job.prompts[0].token_ids), completion_tokens)})
+                final = {"id": job.request_id, "object": "chat.completion.chunk",
+                         "created": job.created, "model": job.model, "choices": [],
+                         "usage": _usage(len(job.prompts[0].token_ids), completion_tokens)}
+                if req.return_metrics:
+                    final["metrics"] = _timings(last)
+                yield sse(final)
             yield SSE_DONE
         except Exception as e:  # noqa: BLE001 - engine failure: tell the client, end cleanly
             yield sse(error_body(_engine_error_message(e), "server_error", 500))
@@ -773,6 +783,18 @@ def _engine_error_message(e: BaseException) -> str:
         return str(e)
     logger.exception("unexpected error while streaming", exc_info=e)
     return f"Internal error while generating: {type(e).__name__}: {e}"
+
+
+def _timings(out) -> dict | None:
+    """A request's timings as the engine saw them (return_metrics): seconds from its
+    arrival to its first step (the queue wait) and to its first token."""
+    m = getattr(out, "metrics", None) if out is not None else None
+    if m is None or m.first_scheduled_time is None:
+        return None
+
+    def since(t):
+        return None if t is None else round(t - m.arrival_time, 6)
+    return {"queue_s": since(m.first_scheduled_time), "ttft_s": since(m.first_token_time)}
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:

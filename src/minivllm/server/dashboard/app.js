@@ -48,7 +48,7 @@ $("send").addEventListener("click", async () => {
   const body = { max_tokens: +$("max_tokens").value, temperature: +$("temperature").value,
                  top_p: +$("top_p").value, top_k: +$("top_k").value,
                  repetition_penalty: +$("repetition_penalty").value, stream: true,
-                 stream_options: { include_usage: true } };
+                 stream_options: { include_usage: true }, return_metrics: true };
   if ($("seed").value !== "") body.seed = +$("seed").value;
   if (chat) {
     body.messages = [{ role: "user", content: $("prompt").value }];
@@ -61,7 +61,7 @@ $("send").addEventListener("click", async () => {
   out.textContent = "";
   $("timings").textContent = "";
   const start = performance.now();
-  let first = null, tokens = 0;
+  let first = null, tokens = 0, timings = null;
   const r = await fetch(chat ? "/v1/chat/completions" : "/v1/completions",
                         { method: "POST", headers: headers(), body: JSON.stringify(body) });
   if (!r.ok) { out.textContent = (await r.json()).error.message; return; }
@@ -79,6 +79,7 @@ $("send").addEventListener("click", async () => {
       if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
       const chunk = JSON.parse(line.slice(6));
       if (chunk.usage) tokens = chunk.usage.completion_tokens;
+      if (chunk.metrics) timings = chunk.metrics;
       for (const c of chunk.choices || []) {
         const text = chat ? (c.delta && c.delta.content) || "" : c.text || "";
         if (!text) continue;
@@ -96,7 +97,9 @@ $("send").addEventListener("click", async () => {
   const end = performance.now();
   if (first !== null) {
     const rate = tokens > 1 ? ((tokens - 1) / ((end - first) / 1000)).toFixed(1) : "-";
-    $("timings").textContent = `time to first token ${(first - start).toFixed(0)} ms, ` +
+    const queue = timings && timings.queue_s !== null
+      ? `queue wait ${(1000 * timings.queue_s).toFixed(1)} ms, ` : "";
+    $("timings").textContent = `${queue}time to first token ${(first - start).toFixed(0)} ms, ` +
       `${tokens} tokens, ${rate} tokens/s after the first`;
   }
 });
