@@ -148,7 +148,7 @@ def test_grammar_waits_outside_the_batch_and_aborts_cleanly(llm):
             if out.finished:
                 done[out.request_id] = out
     assert list(done) == [rid2] and json.loads(done[rid2].outputs[0].text)["n"] in (1, 2, 3)
-    assert not engine._awaiting_grammar
+    assert not engine._awaiting_grammar and engine._num_constrained == 0
     assert engine.scheduler.pool.num_free == engine.runner.num_blocks
 
 

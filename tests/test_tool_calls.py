@@ -123,7 +123,7 @@ def test_grammars_take_what_the_parser_reads(compiler, name):
 
 def test_check_tools_errors():
     tool = {"type": "function", "function": {"name": "f"}}
-    assert check_tools([tool], "auto", True)[0][0].parameters["type"] == "object"
+    assert check_tools([tool], "auto")[0][0].parameters["type"] == "object"
     for tools, choice, needle in [
             ([{"type": "function", "function": {}}], "auto", "name is required"),
             ([{"type": "retrieval"}], "auto", "type 'function'"),
@@ -132,7 +132,7 @@ def test_check_tools_errors():
             ([tool, tool], "auto", "same name"),
             ([], "required", "needs tools")]:
         with pytest.raises(ValueError, match=needle):
-            check_tools(tools, choice, True)
+            check_tools(tools, choice)
 
 
 def test_reasoning_split_at_any_cut():

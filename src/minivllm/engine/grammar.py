@@ -102,10 +102,7 @@ def _checked(key: tuple[str, str, bool]) -> None:
 def check_grammar(params) -> None:
     """Raise ValueError if a StructuredOutputsParams' constraint does not compile to a
     grammar (cached by its key: a repeated schema costs a lookup)."""
-    kind, text, compact = params.key()
-    if kind == "choice":
-        text = json.dumps(params.choice)
-    _checked((kind, text, compact))
+    _checked(params.key())
 
 
 # ---- compiling, off the engine's path ----------------------------------------------------
@@ -144,8 +141,7 @@ class GrammarCompiler:
         with self._lock:
             future = self._futures.get(key)
             if future is None or (future.done() and future.exception() is not None):
-                value = params.choice if key[0] == "choice" else getattr(params, key[0])
-                future = self._pool.submit(self._compile, key, value)
+                future = self._pool.submit(self._compile, key, getattr(params, key[0]))
                 self._futures[key] = future
         return future
 
@@ -302,6 +298,3 @@ def fill_masks(states: list[GrammarState], bitmask: torch.Tensor) -> None:
 def _batch_matcher():
     return _xgr().BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 2) - 1)))
 
-
-def bitmask_words(vocab_size: int) -> int:
-    return -(-vocab_size // 32)

@@ -135,6 +135,7 @@ class LLMEngine:
         # Structured outputs: requests wait here (not in the scheduler) for their grammar.
         self.grammars: GrammarCompiler | None = None
         self._awaiting_grammar: list[Request] = []
+        self._num_constrained = 0  # requests with a grammar: the hooks below return at once
         self.runner.sampler.before_sample = self._grammar_masks
         if self.drafter is not None:
             self.drafter.runner.sampler.before_sample = self._grammar_masks
@@ -247,6 +248,7 @@ class LLMEngine:
         if params.structured_outputs is not None:
             req.grammar_future = self._grammar_compiler().submit(params.structured_outputs)
             self._awaiting_grammar.append(req)
+            self._num_constrained += 1
         else:
             self.scheduler.add(req.seqs[0])
         self.requests[request_id] = req
@@ -283,7 +285,7 @@ class LLMEngine:
                     seq.status = SequenceStatus.FINISHED
                     seq.finish_reason = "abort"
                 req.finished_time = time.monotonic()
-                self.requests.pop(req.request_id, None)
+                self._forget(req.request_id)
                 failed.append(req)
                 continue
             for seq in req.seqs:
@@ -300,6 +302,8 @@ class LLMEngine:
         still constrains get their bitmask. A row after drafts (speculative decoding, or
         the draft model's own steps) is masked as if they were accepted. Returns row ->
         mask row."""
+        if not self._num_constrained:
+            return None
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if not rows:
             return None
@@ -332,6 +336,8 @@ class LLMEngine:
     def _clip_drafts(self, batch: ScheduledBatch) -> None:
         """Constrained sequences' drafts end where their grammar stops allowing them (a
         draft model proposes under the masks too; n-gram drafts may not fit)."""
+        if not self._num_constrained:
+            return
         for i, seq in enumerate(batch.seqs):
             k = seq.num_drafts
             if not k or seq.grammar is None:
@@ -345,7 +351,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and return its blocks. Unknown or finished ids are ignored."""
-        req = self.requests.pop(request_id, None)
+        req = self._forget(request_id)
         if req is None:
             return False
         for seq in req.seqs:
@@ -363,6 +369,13 @@ class LLMEngine:
         self.runner.sampler.release(seq)
         if self.drafter is not None:
             self.drafter.runner.sampler.release(seq)
+
+    def _forget(self, request_id: str) -> Request | None:
+        """Take a request out of the live ones (finished, aborted, failed)."""
+        req = self.requests.pop(request_id, None)
+        if req is not None and req.params.structured_outputs is not None:
+            self._num_constrained -= 1
+        return req
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -732,7 +745,7 @@ class LLMEngine:
         for req in ended:
             if req.finished and req.finished_time is None:
                 req.finished_time = now
-                self.requests.pop(req.request_id, None)
+                self._forget(req.request_id)
                 self.stats["finished_requests"] += 1
         return list(touched.values())
 

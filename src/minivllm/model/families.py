@@ -52,7 +52,7 @@ _LLAMA_USED = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
                "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
                "rope_parameters", "rope_theta", "rope_scaling", "hidden_act"}
 USED = {
-    "llama": _LLAMA_USED | {"attention_bias", "mlp_bias", "pretraining_tp"},
+    "llama": _LLAMA_USED | {"attention_bias", "mlp_bias"},
     "mistral": _LLAMA_USED | {"sliding_window"},
     "qwen2": _LLAMA_USED | {"sliding_window", "use_sliding_window", "max_window_layers",
                             "layer_types"},
@@ -85,6 +85,7 @@ USED = {
 }
 # Fields read but refused unless they have their harmless value (see family_settings).
 IGNORED = {
+    "llama": {"pretraining_tp": "a training-time split of the same matmuls"},
     "gpt2": {"reorder_and_upcast_attn": "the same attention, in fp32 either way on the CPU"},
 }
 
@@ -181,8 +182,6 @@ def family_settings(family: str, cfg: dict) -> dict:
             raise ValueError(f"Phi-3 with partial_rotary_factor {partial} is not supported.")
     if cfg.get("mlp_bias"):
         raise ValueError("mlp_bias is not supported.")
-    if cfg.get("pretraining_tp", 1) != 1:
-        pass  # a training-time split of the same matmuls: the result is the same
     out["layer_windows"] = windows
     if out["hidden_act"] not in ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu"):
         raise ValueError(f"Unsupported activation {out['hidden_act']!r}.")

@@ -6,7 +6,7 @@ streamed (server/reasoning.py, server/tool_calls.py)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..sampling_params import StructuredOutputsParams
 from .protocol import RequestError
@@ -92,7 +92,6 @@ class ChoiceParser:
     reasoning: ReasoningParser | None = None
     tools: ToolCallParser | None = None
     content: str = ""
-    _finished: bool = field(default=False)
 
     def __post_init__(self) -> None:
         if self.plan.reasoning is not None:

@@ -360,7 +360,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise RequestError("tool_choice is only allowed when tools are specified.",
                                param="tool_choice")
         try:
-            return check_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+            return check_tools(self.tools, self.tool_choice)
         except ValueError as e:
             param = "tool_choice" if str(e).startswith("tool_choice") else "tools"
             raise RequestError(str(e), param=param) from None

@@ -278,11 +278,23 @@ class OpenAIServing:
             fixed.append({**c, "function": fn})
         return {**m, "tool_calls": fixed}
 
-    def chat_plan(self, req: ChatCompletionRequest, prompt_text: str) -> ChatOutputPlan:
+    def chat_plan(self, req: ChatCompletionRequest, prompt_text: str,
+                  params: SamplingParams) -> ChatOutputPlan:
+        """What the answer is parsed into (tool calls, reasoning), and params' constraint
+        set to the grammar that holds them (and the request's own constraint) together."""
         tools, forced = req.check_tools()
         plan = ChatOutputPlan(
             fmt=self.tool_format if req.calls_tools else None, forced=forced,
             reasoning=(reasoning_state(prompt_text) if self.reasoning_parser else None))
+        if plan.parses:
+            try:
+                params.structured_outputs = plan.constraint(
+                    tools, req.tool_choice, req.parallel_tool_calls is not False,
+                    params.structured_outputs, self.tool_trigger_is_token)
+            except ValueError as e:
+                if isinstance(e, RequestError):
+                    raise
+                raise RequestError(str(e), param="tools") from None
         return plan
 
     async def start(self, job: _Job, raw_request: Request) -> DisconnectWatcher:
@@ -527,17 +539,7 @@ class OpenAIServing:
         self.check_model(req.model)
         params = req.to_sampling_params(self.max_n, self.sampling_defaults)
         text = self.render_chat(req)
-        plan = self.chat_plan(req, text)
-        if plan.parses:
-            tools, _ = req.check_tools()
-            try:
-                params.structured_outputs = plan.constraint(
-                    tools, req.tool_choice, req.parallel_tool_calls is not False,
-                    params.structured_outputs, self.tool_trigger_is_token)
-            except ValueError as e:
-                if isinstance(e, RequestError):
-                    raise
-                raise RequestError(str(e), param="tools") from None
+        plan = self.chat_plan(req, text, params)
         prompt = _Prompt(text, self.tokenize(text, req.add_special_tokens))
         job = _Job(_new_id("chatcmpl", req.request_id), self.model_name, int(time.time()),
                    [prompt], params, default_max_tokens=req.max_tokens is None

@@ -72,10 +72,10 @@ class ToolSpec:
     parameters: dict
 
 
-def check_tools(tools: list | None, tool_choice, parallel: bool | None) -> tuple[list[ToolSpec], str | None]:
+def check_tools(tools: list | None, tool_choice) -> tuple[list[ToolSpec], str | None]:
     """The request's function tools and the tool name a named tool_choice forces; ValueError
-    (with the offending field) for a tool without a name, a choice of an unknown tool,
-    "required" without tools. Returns ([], None) for tool_choice "none"."""
+    (with the offending field) for a tool without a name or with a name taken, a choice
+    of an unknown tool, "required" without tools."""
     specs = []
     for i, tool in enumerate(tools or []):
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":

@@ -1,7 +1,7 @@
 """Batched sampling on the device, one row of logits per sampled token.
 
-Per row, in order (vLLM's): a grammar's token mask, logit_bias, min_tokens' bans (EOS and stop tokens), the
-repetition / frequency / presence penalties, then for a random row temperature, top-k,
+Per row, in order (vLLM's): a grammar's token mask, logit_bias, min_tokens' bans (EOS and
+stop tokens), the repetition / frequency / presence penalties, then for a random row temperature, top-k,
 top-p and min-p, and a draw. Reported logprobs are the raw logits' (the model's own
 distribution), top-N up to 20.
 
@@ -392,8 +392,7 @@ class Sampler:
         # Grammar bitmasks (structured outputs): filled on the host by `before_sample`
         # (the engine's hook, called with the step's rows first thing in `sample`), copied
         # to the device rows the kernels read; two host sets alternate like the staging.
-        from ..engine.grammar import bitmask_words
-        words = bitmask_words(vocab_size)
+        words = -(-vocab_size // 32)  # a bit a token
         self.rows = RowInputs(d.slot, d.position, d.flags, d.tables,
                               torch.zeros(max_rows, words, dtype=torch.int32, device=device))
         self._mask_host = [torch.zeros(max_rows, words, dtype=torch.int32, pin_memory=pin)
