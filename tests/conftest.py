@@ -33,6 +33,7 @@ SAME_WORKER_MODULES = {
     "tests/test_parity_smollm2.py",          # HF's reference outputs (~20 s), the engine
     "tests/test_gguf_and_default_model.py",  # the real GGUF's reader, the HF tokenizer
     "tests/test_bench_report.py",            # the committed results' report (~10 s)
+    "tests/test_readme.py",                  # the README's server, started as a user would
 }
 
 
