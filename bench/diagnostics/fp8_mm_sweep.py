@@ -1,6 +1,6 @@
 """W8A8 fp8 matmuls at decode-sized batches (CUDA): the split-K Triton kernel
-(csrc_triton/fp8_mm.py) over its configurations against torch._scaled_mm (cuBLAS, what
-fp8 used for every step of more than 32 rows) and cuBLAS on bf16 weights, on
+(csrc_triton/fp8_mm.py) over its configurations against torch._scaled_mm (cuBLAS: what
+fp8 takes where csrc_triton.fp8_mm.fp8_mm_config gives way) and cuBLAS on bf16 weights, on
 Llama-3.1-8B's four projections. CUDA-graph replays, the weights cycling through copies
 larger than L2 (as bench.diagnostics.gemv_sweep). Each configuration's output is checked
 against an fp32 product of the same e4m3 numbers, as _scaled_mm's is (max difference

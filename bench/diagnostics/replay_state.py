@@ -4,9 +4,9 @@
 On the H200 the batch-1 decode graph of Qwen2.5-0.5B replays ~10% slower (its kernels
 further apart) once a few regular kernels have run since the last cuBLAS split-K GEMM;
 the engine launches one such GEMM before each decode replay for that reason
-(cuda_graph_runner.make_prelude; docs/performance.md). This runs a sequence of actions in
-one process (a kernel launch, a GEMM, an eager step, a recapture, an allocation, ...) and
-times the lone replay after each. Run it on a new GPU or driver to see whether the
+(cuda_graph_runner.make_prelude; bench/results/2026-11-29-h200-graph-replay-gaps/). This
+runs a sequence of actions in one process (a kernel launch, a GEMM, an eager step, a
+recapture, an allocation, ...) and times the lone replay after each. Run it on a new GPU or driver to see whether the
 behaviour, and so the prelude, still matters there.
 
     python -m bench.diagnostics.replay_state --actions base,kernel,kernel,down1,kernel [--out FILE]
