@@ -115,3 +115,23 @@ def test_one_engine_dies_the_other_serves(server):  # last: it kills engine 1
     again = asyncio.run(_completions(server.url, 8, 4))
     assert all(status == 200 for status, _ in again)  # all on the live engine
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_replica_configs_give_each_engine_a_gpu_where_there_are_enough(monkeypatch):
+    """One engine per GPU where the host has as many and the config names none; otherwise
+    the engines share the device and split its memory share."""
+    import torch
+
+    from minivllm.config import EngineConfig
+    from minivllm.engine.data_parallel import replica_configs
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    own = replica_configs(EngineConfig(device="cuda", gpu_memory_utilization=0.8), 2)
+    assert [c.device for c in own] == ["cuda:0", "cuda:1"]
+    assert [c.gpu_memory_utilization for c in own] == [0.8, 0.8]
+    for cfg, size in [(EngineConfig(device="cuda", gpu_memory_utilization=0.8), 3),
+                      (EngineConfig(device="cuda:1", gpu_memory_utilization=0.8), 2),
+                      (EngineConfig(device="cpu", gpu_memory_utilization=0.8), 2)]:
+        shared = replica_configs(cfg, size)
+        assert [c.device for c in shared] == [cfg.device] * size
+        assert all(abs(c.gpu_memory_utilization - 0.8 / size) < 1e-9 for c in shared)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.model.families import COMMON_IGNORED, IGNORED, MODEL_TYPES, USED
+from minivllm.model.families import MODEL_TYPES, unread_fields
 from conftest import hf_greedy, random_prompts
 
 MAX_NEW = 12
@@ -109,8 +109,20 @@ def test_every_config_field_is_used_or_knowingly_ignored(model_type):
     from minivllm.model.families import ARCHITECTURES
     family = ARCHITECTURES[MODEL_TYPES[model_type]]
     fields = set(AutoConfig.for_model(model_type).to_dict())
-    unknown = fields - USED[family] - set(IGNORED.get(family, {})) - COMMON_IGNORED
-    assert not unknown, f"{model_type}: fields neither used nor ignored: {sorted(unknown)}"
+    unknown = unread_fields(family, dict.fromkeys(fields))
+    assert not unknown, f"{model_type}: fields neither used nor ignored: {unknown}"
+
+
+def test_an_unread_config_field_is_named_at_load(family_dirs, caplog):
+    import json
+
+    from minivllm.config import ModelConfig
+    config = json.loads((family_dirs["mistral"] / "config.json").read_text())
+    with caplog.at_level("WARNING", logger="minivllm"):
+        ModelConfig.from_dict(config)
+        assert "does not read" not in caplog.text
+        ModelConfig.from_dict({**config, "attn_logit_softcapping": 30.0})
+    assert "does not read" in caplog.text and "attn_logit_softcapping" in caplog.text
 
 
 @pytest.mark.parametrize("cfg,needle", [
@@ -228,3 +240,23 @@ def test_tensor_parallel_families(family_dirs, family):
     got = llm.generate(PROMPTS[:4], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert llm.engine.scheduler.pool.all_free()
+
+
+def test_gpt2_refuses_quantization_with_the_reason(family_dirs):
+    """GPT-2's Conv1D projections are not quantized: asking for it is an error, not a
+    model silently left in full precision."""
+    with pytest.raises(ValueError, match="GPT-2 is not quantized"):
+        LLM(str(family_dirs["gpt2"]), skip_tokenizer_init=True, max_model_len=64,
+            quantization="int8")
+
+
+def test_a_mixture_quantized_ahead_is_refused_with_the_reason(family_dirs, tmp_path):
+    """A GPTQ mixture of experts: its packed experts have no kernel yet; the error says
+    so before any weight is read, and what to load instead."""
+    import json
+    config = json.loads((family_dirs["mixtral"] / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128,
+                                     "desc_act": False, "sym": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="mixture of experts quantized with GPTQ"):
+        LLM(str(tmp_path), skip_tokenizer_init=True, max_model_len=64, load_format="dummy")

@@ -1,7 +1,7 @@
 """Speculative decoding by n-gram lookup: greedy output identical to the target alone, under
-batching, preemption, prefix caching, stops and max_tokens; sampled output by rejection
-sampling with the target's distribution (chi-square) and reproducible seeds; logprobs of
-accepted tokens; the draft-length policy; the block pool whole after."""
+batching, preemption, prefix caching, stops and max_tokens; sampled output the tokens the
+request draws alone (a draft is kept only where it is the token drawn at its position);
+logprobs of accepted tokens; the draft-length policy; the block pool whole after."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -131,7 +132,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
-        from .model.families import ARCHITECTURES, MODEL_TYPES, _rope, family_settings
+        from .model.families import (ARCHITECTURES, MODEL_TYPES, _rope, family_settings,
+                                     unread_fields)
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
@@ -141,6 +143,11 @@ class ModelConfig:
                 f"Unsupported model architecture {archs or cfg.get('model_type')}; "
                 f"supported: {sorted(ARCHITECTURES)}.")
         family = ARCHITECTURES[arch]
+        unread = unread_fields(family, cfg)
+        if unread:
+            logging.getLogger("minivllm").warning(
+                "config.json fields that minivllm does not read and may change the model's "
+                "outputs: %s.", ", ".join(unread))
         if family == "gpt2":  # GPT-2's own names
             cfg = {**cfg, "hidden_size": cfg["n_embd"], "num_attention_heads": cfg["n_head"],
                    "num_hidden_layers": cfg["n_layer"],

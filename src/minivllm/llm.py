@@ -44,10 +44,12 @@ class LLM:
             self.config.generation_config, resolve_model_path(self.config.model)[1])
         _show_engine_logs()
         self.replicas = None
+        own = self.config
         if self.config.data_parallel_size > 1:  # the other engines, in processes
-            from .engine.data_parallel import OfflineReplicas
-            self.replicas = OfflineReplicas(self.config, self.config.data_parallel_size)
-        self.engine = LLMEngine(self.config)
+            from .engine.data_parallel import OfflineReplicas, replica_configs
+            own, *others = replica_configs(self.config, self.config.data_parallel_size)
+            self.replicas = OfflineReplicas(others)
+        self.engine = LLMEngine(own)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

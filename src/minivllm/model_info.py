@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import math
 
-# Bytes per parameter of the decoder's projections in each format (int4: 4 bits plus a
-# 16-bit scale and a zero point per group of 128).
-FORMAT_BYTES = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5 + 3 / 128}
+# Bytes per parameter of the decoder's projections in each format, as quantized at load
+# (int4: 4 bits plus an fp32 scale and a uint8 zero point per group of 128).
+FORMAT_BYTES = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5 + 5 / 128}
 
 
 def _is_projection(name: str) -> bool:
-    return (name.endswith("_proj.weight") or ".experts." in name
-            or name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")))
+    return name.endswith(("_proj.weight", "c_attn.weight", "c_proj.weight", "c_fc.weight"))
+
+
+def _is_expert(name: str) -> bool:
+    return ".experts." in name
 
 
 def model_info(model: str, gpu_memory_gb: float | None = None,
@@ -26,9 +29,14 @@ def model_info(model: str, gpu_memory_gb: float | None = None,
     _, config_path, cfg = read_model_config(model)
     shapes = hf_parameter_shapes(cfg)
     total = sum(math.prod(s) for s in shapes.values())
-    projections = sum(math.prod(s) for n, s in shapes.items() if _is_projection(n))
-    rest = total - projections
-    by_format = {fmt: projections * b + rest * 2 for fmt, b in FORMAT_BYTES.items()}
+    projections = sum(math.prod(s) for n, s in shapes.items()
+                      if _is_projection(n) and not _is_expert(n))
+    experts = sum(math.prod(s) for n, s in shapes.items() if _is_expert(n))
+    rest = total - projections - experts
+    # What quantize_model does: experts are quantized with fp8 only; GPT-2 not at all.
+    formats = {"bf16": 2.0} if cfg.family == "gpt2" else FORMAT_BYTES
+    by_format = {fmt: projections * b + experts * (b if fmt in ("bf16", "fp8") else 2.0)
+                 + rest * 2 for fmt, b in formats.items()}
     kv_elem = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}[kv_dtype]
     import torch
     kv_token = cfg.kv_bytes_per_token({1: torch.float8_e4m3fn, 2: torch.bfloat16,
@@ -39,7 +47,7 @@ def model_info(model: str, gpu_memory_gb: float | None = None,
         "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.max_position_embeddings,
         "sliding_windows": sorted({w for w in cfg.layer_windows if w is not None}),
-        "parameters": total, "projection_parameters": projections,
+        "parameters": total, "projection_parameters": projections + experts,
         "weight_bytes": by_format, "kv_bytes_per_token": kv_token, "kv_dtype": kv_dtype,
     }
     if cfg.moe:

@@ -7,8 +7,9 @@ the same PREFIX_TOKENS tokens is at most OVERLOAD requests busier (its prefix ca
 holds them: a shared system prompt then prefills once per engine, not per request); an
 engine that dies fails its own requests (its
 AsyncLLMEngine ends their streams with an error) and takes no new ones, while the others
-keep serving. On one GPU the engines share its memory (each gets its share of
-gpu_memory_utilization). The server reads this object like an AsyncLLMEngine.
+keep serving. On a host with at least N GPUs (and no GPU named in `device`) engine i runs
+on cuda:i; otherwise the engines share the device's memory, each with its share of
+gpu_memory_utilization. The server reads this object like an AsyncLLMEngine.
 """
 
 from __future__ import annotations
@@ -44,16 +45,27 @@ class _StatLoggers(list):
             r.stat_loggers.append(logger)
 
 
+def replica_configs(config: EngineConfig, size: int) -> list[EngineConfig]:
+    """Each engine's config: a GPU of its own where the host has one per engine and the
+    config names none ("auto", "cuda"), else the shared device and 1/size of its memory."""
+    import torch
+
+    from ..config import resolve_device
+    device = resolve_device(config.device)
+    if device.type == "cuda" and device.index is None and torch.cuda.device_count() >= size:
+        return [dataclasses.replace(config, device=f"cuda:{i}") for i in range(size)]
+    share = config.gpu_memory_utilization / size
+    return [dataclasses.replace(config, gpu_memory_utilization=share) for _ in range(size)]
+
+
 class DataParallelEngine:
     def __init__(self, config: EngineConfig, size: int, *,
                  max_waiting_requests: int | None = None, start: bool = True) -> None:
         if size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {size}.")
-        share = dataclasses.replace(
-            config, gpu_memory_utilization=config.gpu_memory_utilization / size)
-        self.replicas = [AsyncLLMEngine(share, max_waiting_requests=max_waiting_requests,
+        self.replicas = [AsyncLLMEngine(c, max_waiting_requests=max_waiting_requests,
                                         engine_process=True, start=False)
-                         for _ in range(size)]
+                         for c in replica_configs(config, size)]
         self.stat_loggers = _StatLoggers(self.replicas)
         self.engine = None  # the engines live in other processes
         self._prefix_engine: OrderedDict[tuple, int] = OrderedDict()  # prefix -> engine
@@ -173,17 +185,18 @@ def _replica_main(config: EngineConfig, conn) -> None:
 
 
 class OfflineReplicas:
-    """The other engines of LLM(data_parallel_size=N): N - 1 processes; each generate()
-    gives every engine (the caller's own included) a contiguous share of the prompts."""
+    """The other engines of LLM(data_parallel_size=N): N - 1 processes, one per config
+    (replica_configs' 2nd to Nth); each generate() gives every engine (the caller's own
+    included) a contiguous share of the prompts."""
 
-    def __init__(self, config: EngineConfig, size: int) -> None:
+    def __init__(self, configs: list[EngineConfig]) -> None:
         import multiprocessing
         import weakref
         ctx = multiprocessing.get_context("spawn")
-        replica = dataclasses.replace(config, data_parallel_size=1)
         self.conns, self.procs = [], []
-        for i in range(size - 1):
+        for i, config in enumerate(configs):
             mine, theirs = ctx.Pipe()
+            replica = dataclasses.replace(config, data_parallel_size=1)
             p = ctx.Process(target=_replica_main, args=(replica, theirs), daemon=True,
                             name=f"minivllm-dp{i + 1}")
             p.start()

@@ -44,6 +44,7 @@ COMMON_IGNORED = {
     "embd_pdrop", "resid_pdrop", "attn_pdrop", "summary_activation", "summary_first_dropout",
     "summary_proj_to_labels", "summary_type", "summary_use_proj",  # GPT-2's unused heads
     "quantization_config",  # model/prequantized.py reads it
+    "_note",  # bench/model_configs' remarks on a dummy-weight config
     # Mixtures of experts: training's router losses and noise, and the router's logits as
     # an output.
     "output_router_logits", "router_aux_loss_coef", "router_jitter_noise",
@@ -88,6 +89,12 @@ IGNORED = {
     "llama": {"pretraining_tp": "a training-time split of the same matmuls"},
     "gpt2": {"reorder_and_upcast_attn": "the same attention, in fp32 either way on the CPU"},
 }
+
+
+def unread_fields(family: str, cfg: dict) -> list[str]:
+    """The config's fields this engine neither reads nor knows to be harmless: a newer
+    transformers' setting, or a checkpoint's own, that may change the result."""
+    return sorted(set(cfg) - USED[family] - set(IGNORED.get(family, {})) - COMMON_IGNORED)
 
 
 def _rope(cfg: dict, section: str | None = None) -> tuple[float, dict | None]:

@@ -14,8 +14,8 @@ from ..config import ModelConfig
 from .layers import RotaryEmbedding
 from .registry import MODEL_CLASSES
 from .prequantized import PackedParts, checkpoint_quantization
-from .quantization import (CHECKPOINT_METHODS, METHODS, QuantizedLinear, quantize_model,
-                           quantized_shells)
+from .quantization import (CHECKPOINT_METHODS, METHODS, QuantizedLinear, check_device,
+                           quantize_model, quantized_shells)
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,12 @@ def load_model(cfg: ModelConfig, model_path: Path, *, load_format: str, dtype: t
             raise ValueError(f"This checkpoint is quantized with {ahead.method.upper()}: "
                              f"quantization must be None or one of {sorted(names)}, got "
                              f"{quantization!r}.")
+    if ahead is not None and ahead.layout != "dense" and cfg.moe:
+        raise ValueError(f"A mixture of experts quantized with {ahead.method.upper()} is not "
+                         "supported yet: load its 16-bit checkpoint, with quantization='fp8' "
+                         "to store the experts in fp8.")
+    if ahead is not None and ahead.layout == "fp8":
+        check_device("fp8", device)  # an FP8 checkpoint needs FP8 tensor cores too
     if ahead is not None and ahead.layout != "int4" and load_format == "dummy":
         # Dummy weights, quantized as they load (block-wise FP8: kept in the model dtype).
         if ahead.layout in ("fp8", "int8"):

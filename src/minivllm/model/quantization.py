@@ -353,7 +353,7 @@ def quantize_model(model: nn.Module, method: str) -> None:
     weight as it goes (peak memory: the model plus one projection)."""
     from ..worker.tensor_parallel import RowParallel
     from .moe import MoE
-    kept = 0
+    kept = replaced = 0
     for module in list(model.modules()):
         for name in PROJECTIONS:
             linear = getattr(module, name, None)
@@ -362,8 +362,12 @@ def quantize_model(model: nn.Module, method: str) -> None:
                 owner, name, linear = linear, "linear", linear.linear
             if isinstance(linear, nn.Linear):
                 setattr(owner, name, QuantizedLinear.from_linear(linear, method))
+                replaced += 1
         if isinstance(module, MoE) and not module.quantize(method):
             kept += 1
+    if not replaced:
+        raise ValueError(f"quantization={method!r}: {type(model).__name__} has no decoder "
+                         "projections this engine quantizes (GPT-2 is not quantized yet).")
     if kept:
         logger.warning("%s quantization leaves the experts of %d mixture-of-experts layers "
                        "in the model's dtype (experts are quantized with fp8 only).",
