@@ -106,7 +106,7 @@ def test_curl_example(server):
     assert done.returncode == 0, done.stderr
     reply = json.loads(done.stdout)
     assert reply["object"] == "chat.completion"
-    assert reply["choices"][0]["message"]["content"].strip()
+    assert "Paris" in reply["choices"][0]["message"]["content"]
 
 
 def test_openai_client_example(server):
