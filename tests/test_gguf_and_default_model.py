@@ -436,3 +436,76 @@ def test_second_ensure_call_does_not_reconvert(default_model_dir, monkeypatch):
     assert dm.ensure_default_model(verbose=False) == default_model_dir
     assert time.perf_counter() - t0 < 0.5
     assert before == (marker.stat().st_mtime_ns, (default_model_dir / "model.safetensors").stat().st_ino)
+
+
+def _llamacpp_rope_factors(scaling: dict, theta: float, head_dim: int) -> np.ndarray:
+    """llama.cpp's converter for Llama 3.x: the rope_scaling as a divisor per frequency."""
+    import math
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
+def test_llama3_rope_factors_in_a_gguf_are_read_back_as_its_scaling(tmp_path):
+    """A Llama 3.x GGUF stores its RoPE scaling as a rope_freqs tensor: the engine reads it
+    back as the llama3 rope_scaling, and its greedy tokens are transformers' on the
+    original model (prompts long enough that the scaled frequencies matter)."""
+    import transformers
+
+    from minivllm import LLM, SamplingParams
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    cfg = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=scaling, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight")
+                    else 0.1 * torch.randn_like(p))
+    path = tmp_path / "llama3.gguf"
+    factors = _llamacpp_rope_factors(scaling, 10000.0, 16)
+    assert 1.0 < factors[1] < 8.0  # the test's frequencies include the ramp
+    original_write = gguf.GGUFWriter.write_header_to_file
+
+    def with_rope_freqs(self, *args, **kwargs):
+        self.add_tensor("rope_freqs.weight", factors)
+        return original_write(self, *args, **kwargs)
+
+    gguf.GGUFWriter.write_header_to_file = with_rope_freqs
+    try:
+        _write_gguf(path, "llama", model, GGMLQuantizationType.F32)
+    finally:
+        gguf.GGUFWriter.write_header_to_file = original_write
+    config, _ = gl.load_gguf_state(path)
+    assert config["rope_scaling"]["rope_type"] == "llama3"
+    assert config["rope_scaling"]["factor"] == pytest.approx(8.0)
+    # The file has no original context length: 8192 is assumed, and the ramp's ends are
+    # the same wavelengths (64 / 1 and 64 / 4) as 8192 / 128 and 8192 / 512.
+    assert config["rope_scaling"]["low_freq_factor"] == pytest.approx(128, rel=1e-4)
+    assert config["rope_scaling"]["high_freq_factor"] == pytest.approx(512, rel=1e-4)
+
+    prompts = [torch.randint(3, 96, (150,), generator=torch.Generator().manual_seed(s)).tolist()
+               for s in range(2)]
+    with torch.no_grad():
+        want = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):]
+                .tolist() for p in prompts]
+    llm = LLM(str(path), skip_tokenizer_init=True, max_model_len=256)
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want

@@ -19,7 +19,7 @@ Public API
     (``tokenizer.ggml.tokens``/``merges``/``token_type``/``scores``) are only
     included when ``with_vocab=True``; otherwise they are replaced by their length.
 
-``build_hf_config(metadata, tensor_names) -> dict``
+``build_hf_config(metadata, tensor_names, rope_freqs=None) -> dict``
     The ``config.json`` dict (``architectures``, ``model_type``, ``hidden_size``,
     ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``,
     ``num_key_value_heads``, ``head_dim``, ``rms_norm_eps``, ``rope_theta`` (also as
@@ -30,7 +30,9 @@ Public API
 ``gguf_name_to_hf(name) -> str | None``
     Tensor name mapping (``blk.3.attn_q.weight`` ->
     ``model.layers.3.self_attn.q_proj.weight``); ``None`` for tensors that have no
-    Hugging Face counterpart and are skipped (``rope_freqs.weight``).
+    Hugging Face counterpart and are skipped (``rope_freqs.weight``: Llama 3's RoPE
+    scaling as per-frequency factors, which ``build_hf_config`` turns back into the
+    ``llama3`` ``rope_scaling`` they were computed from).
 
 ``permute_qk_to_gguf(w, n_head)`` / ``unpermute_qk_from_gguf(w, n_head)``
     llama.cpp's Q/K row permutation and its inverse (see below).
@@ -276,12 +278,7 @@ def _iter_tensors(reader, meta: dict[str, Any]) -> Iterator[tuple[str, torch.Ten
     n_kv_head = int(meta.get(f"{arch}.attention.head_count_kv", n_head))
     for tensor in reader.tensors:
         hf_name = gguf_name_to_hf(tensor.name)
-        if hf_name is None:
-            if tensor.name == "rope_freqs.weight":
-                warnings.warn(
-                    "GGUF has a rope_freqs tensor (Llama-3-style RoPE scaling); it is ignored",
-                    stacklevel=2,
-                )
+        if hf_name is None:  # rope_freqs: in the config (build_hf_config)
             continue
         w = torch.from_numpy(_dequantize(tensor))
         if permute:
@@ -301,8 +298,51 @@ def iter_gguf_tensors(path_or_reader) -> Iterator[tuple[str, torch.Tensor]]:
 # --------------------------------------------------------------------------------------
 # config
 # --------------------------------------------------------------------------------------
-def build_hf_config(metadata: dict[str, Any], tensor_names: Iterable[str]) -> dict[str, Any]:
-    """A Hugging Face ``config.json`` dict from GGUF metadata and GGUF tensor names."""
+def _rope_freqs(reader) -> np.ndarray | None:
+    """The ``rope_freqs.weight`` tensor's values (one divisor per rotary frequency)."""
+    t = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    return None if t is None else np.asarray(t.data, dtype=np.float64).reshape(-1)
+
+
+def llama3_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: int,
+                                original_len: int = 8192) -> dict[str, Any]:
+    """The ``llama3`` rope_scaling that llama.cpp's converter turned into ``factors``.
+
+    Each frequency's inverse is divided by its factor: 1 for short wavelengths, ``factor``
+    for long ones, and between them 1 / ((1 - s) / factor + s), where s is linear in
+    1 / wavelength. The ramp's two ends (wavelengths original_len / high_freq_factor and
+    original_len / low_freq_factor) follow from a line through those points; only their
+    ratio to original_len is fixed by the factors, so original_len is the file's (or 8192,
+    Llama 3's) and the frequency factors are solved for it."""
+    factors = np.asarray(factors, dtype=np.float64)
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if factors.shape != inv_freq.shape:
+        raise ValueError(f"GGUF rope_freqs has {factors.size} factors; the rotary embedding "
+                         f"has {inv_freq.size} frequencies.")
+    factor = float(factors.max())
+    ramp = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+    if factor <= 1 or ramp.sum() < 2:
+        raise ValueError("GGUF rope_freqs is not Llama 3's RoPE scaling (a ramp between 1 "
+                         "and a factor), which is the only kind this engine reads.")
+    smooth = (1 / factors[ramp] - 1 / factor) / (1 - 1 / factor)
+    slope, intercept = np.polyfit(inv_freq[ramp] / (2 * np.pi), smooth, 1)
+    # smooth = (original_len / wavelength - low) / (high - low)
+    low = -intercept * original_len / slope
+    high = low + original_len / slope
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(low),
+               "high_freq_factor": float(high), "original_max_position_embeddings": original_len}
+    from .layers import rope_inverse_frequencies
+    got = rope_inverse_frequencies(head_dim, theta, scaling).double().numpy()
+    if not np.allclose(got, inv_freq / factors, rtol=1e-4):
+        raise ValueError("GGUF rope_freqs is not Llama 3's RoPE scaling (a ramp between 1 "
+                         "and a factor), which is the only kind this engine reads.")
+    return scaling
+
+
+def build_hf_config(metadata: dict[str, Any], tensor_names: Iterable[str],
+                    rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
+    """A Hugging Face ``config.json`` dict from GGUF metadata, GGUF tensor names and the
+    ``rope_freqs`` tensor's values, if the file has one."""
     arch = _architecture(metadata)
     model_type, arch_class = SUPPORTED_ARCHITECTURES[arch]
     names = set(tensor_names)
@@ -334,6 +374,10 @@ def build_hf_config(metadata: dict[str, Any], tensor_names: Iterable[str]) -> di
                 rope_params["original_max_position_embeddings"] = int(orig)
         else:
             warnings.warn(f"unsupported GGUF rope scaling {scaling_type!r}; ignored", stacklevel=2)
+    if rope_freqs is not None:
+        rope_params.update(llama3_scaling_from_factors(
+            rope_freqs, rope_theta, int(key("rope.dimension_count", head_dim)),
+            int(key("rope.scaling.original_context_length", 8192))))
     rot_dims = key("rope.dimension_count")
     if rot_dims is not None and int(rot_dims) != head_dim:
         warnings.warn(f"partial rotary ({rot_dims} of {head_dim} head dims) is not represented", stacklevel=2)
@@ -382,7 +426,7 @@ def load_gguf_state(path: PathLike) -> tuple[dict[str, Any], Iterator[tuple[str,
     """
     reader = open_gguf(path)
     meta = read_gguf_metadata(reader)
-    config = build_hf_config(meta, (t.name for t in reader.tensors))
+    config = build_hf_config(meta, (t.name for t in reader.tensors), _rope_freqs(reader))
     return config, _iter_tensors(reader, meta)
 
 
@@ -453,7 +497,7 @@ def convert_gguf_to_hf_dir(gguf_path: PathLike, out_dir: PathLike, *, tokenizer:
     out.mkdir(parents=True, exist_ok=True)
     reader = open_gguf(gguf_path)
     meta = read_gguf_metadata(reader)
-    config = build_hf_config(meta, (t.name for t in reader.tensors))
+    config = build_hf_config(meta, (t.name for t in reader.tensors), _rope_freqs(reader))
 
     state: dict[str, torch.Tensor] = {}
     for name, tensor in _iter_tensors(reader, meta):
