@@ -23,6 +23,33 @@ def test_generate_streams_the_same_text_as_the_api(tiny_text_model_dir):
     assert proc.stdout == want[0].outputs[0].text + "\n"
 
 
+def test_generate_takes_the_generation_config_and_the_engine_flags(tiny_text_model_dir,
+                                                                    tmp_path):
+    """Like the server: unset sampling flags take generation_config.json's defaults (here
+    a seeded sample of 5 tokens), a flag overrides them, and the engine flags are serve's."""
+    import json
+    import shutil
+
+    from minivllm import LLM, SamplingParams
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_text_model_dir, model)
+    (model / "generation_config.json").write_text(json.dumps(
+        {"max_new_tokens": 5, "temperature": 0.9, "top_k": 20}))
+    want = LLM(str(model), max_model_len=256).generate(
+        "Hello there", SamplingParams(temperature=0.9, top_k=20, max_tokens=5, seed=7),
+        use_tqdm=False)[0].outputs[0]
+    proc = _run(["generate", "Hello there", "--sampling-seed", "7", "--num-kv-blocks", "64",
+                 "--max-graph-tokens", "0"], model)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == want.text + "\n" and len(want.token_ids) == 5
+    greedy = LLM(str(model), max_model_len=256, generation_config="vllm").generate(
+        "Hello there", SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    proc = _run(["generate", "Hello there", "--generation-config", "vllm", "--max-tokens", "12"],
+                model)
+    assert proc.stdout == greedy[0].outputs[0].text + "\n"
+
+
 def test_chat_repl_answers_and_quits(tiny_text_model_dir):
     proc = _run(["chat", "--max-tokens", "8"], tiny_text_model_dir, stdin="Hi!\nAnd again?\n\n")
     assert proc.returncode == 0, proc.stderr

@@ -7,50 +7,35 @@ import argparse
 import sys
 
 
-def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="Hugging Face folder, config.json (with --load-format dummy) or .gguf; "
-                        "default: SmolLM2-135M-Instruct")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=None,
-                   help="tokens per KV-cache block (default: 64 on a GPU, 16 on a CPU)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--load-format", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=True)
-
-
 def _add_sampling_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    # Unset flags take the model's generation_config.json defaults, else greedy.
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="default: the generation config's max_new_tokens, else 256")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="default: the generation config's, else 0 (greedy)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--sampling-seed", type=int, default=None)
 
 
 def _engine_from_args(args):
-    from .config import EngineConfig
     from .engine.llm_engine import LLMEngine
+    from .server.launch import engine_config_from_args
 
-    return LLMEngine(EngineConfig(
-        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=args.enforce_eager, load_format=args.load_format, seed=args.seed,
-        device=args.device, enable_prefix_caching=args.enable_prefix_caching))
+    return LLMEngine(engine_config_from_args(args))
 
 
-def _params_from_args(args):
-    from .sampling_params import SamplingParams
+def _params_from_args(args, engine):
+    from .config import resolve_model_path
+    from .sampling_params import SamplingParams, generation_config_defaults
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
+    cfg = engine.config
+    defaults = generation_config_defaults(cfg.generation_config,
+                                          resolve_model_path(cfg.model)[1])
+    given = {"max_tokens": args.max_tokens, "temperature": args.temperature,
+             "top_p": args.top_p, "top_k": args.top_k, "seed": args.sampling_seed}
+    return SamplingParams(**{"max_tokens": 256, "temperature": 0.0, **defaults,
+                             **{k: v for k, v in given.items() if v is not None}})
 
 
 def _stream(engine, prompt, params, out=sys.stdout) -> str:
@@ -80,14 +65,14 @@ def cmd_generate(args) -> None:
         from .tokenizer import render_chat
         text = render_chat(engine.tokenizer, [{"role": "user", "content": prompt}])
         prompt = {"prompt": text, "prompt_token_ids": engine.tokenize(text, False)}
-    _stream(engine, prompt, _params_from_args(args))
+    _stream(engine, prompt, _params_from_args(args, engine))
 
 
 def cmd_chat(args) -> None:
     from .tokenizer import render_chat
 
     engine = _engine_from_args(args)
-    params = _params_from_args(args)
+    params = _params_from_args(args, engine)
     history: list[dict] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
@@ -207,6 +192,7 @@ def cmd_stats(args) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    from .server.launch import add_engine_arguments  # imports nothing heavy
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     try:
@@ -218,12 +204,12 @@ def main(argv: list[str] | None = None) -> None:
     gen = sub.add_parser("generate", help="generate from one prompt, streaming to stdout")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    _add_engine_arguments(gen)
+    add_engine_arguments(gen)
     _add_sampling_arguments(gen)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal")
     chat.add_argument("--system", default=None)
-    _add_engine_arguments(chat)
+    add_engine_arguments(chat)
     _add_sampling_arguments(chat)
 
     ins = sub.add_parser("inspect", help="a model's shape, weight and KV-cache bytes, and "

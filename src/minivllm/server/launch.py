@@ -24,26 +24,15 @@ DEFAULT_MAX_WAITING_REQUESTS = 1024
 MIN_CPUS_FOR_TWO_API_SERVERS = 8
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The flags of `minivllm serve` (vLLM's names)."""
-    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="Model folder, config.json or .gguf (same as --model).")
+def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The engine's flags (vLLM's names), shared by `minivllm serve`, `generate` and
+    `chat`; engine_config_from_args reads them."""
     parser.add_argument("--model", default=None,
                         help="A Hugging Face model folder, a config.json (with --load-format "
                              "dummy) or a .gguf file. Default: SmolLM2-135M-Instruct, "
                              "prepared on first use.")
     parser.add_argument("--tokenizer", default=None, help="Tokenizer folder (default: the "
                                                           "model's).")
-    parser.add_argument("--host", default=DEFAULT_HOST, help="Address to listen on "
-                                                             f"(default {DEFAULT_HOST}).")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
-                        help=f"Port (default {DEFAULT_PORT}).")
-    parser.add_argument("--served-model-name", nargs="+", default=None,
-                        help="Name(s) the API answers to; the first is reported. Default: "
-                             "the model folder's name.")
-    parser.add_argument("--api-key", default=None,
-                        help="Require 'Authorization: Bearer KEY' (except on /health, /ping, "
-                             "/version, /metrics and the docs).")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="Context length (default: the model's).")
     parser.add_argument("--max-num-seqs", type=int, default=256,
@@ -90,17 +79,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="Node 0's address, where the ranks meet.")
     parser.add_argument("--master-port", type=int, default=None,
                         help="Node 0's port for the ranks to meet (needed with --nnodes).")
-    parser.add_argument("--tool-call-parser", default="auto",
-                        choices=["auto", "hermes", "llama3_json", "mistral"],
-                        help="The format of the model's tool calls: auto (default) reads it "
-                             "from the chat template (hermes when the template shows none).")
-    parser.add_argument("--enable-auto-tool-choice", action="store_true",
-                        help="Accepted for vLLM's command lines: tool_choice 'auto' is "
-                             "always on.")
-    parser.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
-                        help="Report <think>...</think> apart from the answer "
-                             "(reasoning_content); grammars and tool calls then constrain "
-                             "only what follows it.")
     parser.add_argument("--quantization", "-q", default=None,
                         choices=["fp8", "int8", "int4", "gptq", "awq", "compressed-tensors"],
                         help="Quantize the decoder's projections at load: fp8 (FP8 weights; "
@@ -119,6 +97,35 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\' or '
                              '\'{"method": "draft_model", "model": PATH, '
                              '"num_speculative_tokens": 4}\'.')
+    return parser
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of `minivllm serve`: the engine's and the server's own."""
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="Model folder, config.json or .gguf (same as --model).")
+    add_engine_arguments(parser)
+    parser.add_argument("--host", default=DEFAULT_HOST, help="Address to listen on "
+                                                             f"(default {DEFAULT_HOST}).")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                        help=f"Port (default {DEFAULT_PORT}).")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="Name(s) the API answers to; the first is reported. Default: "
+                             "the model folder's name.")
+    parser.add_argument("--api-key", default=None,
+                        help="Require 'Authorization: Bearer KEY' (except on /health, /ping, "
+                             "/version, /metrics and the docs).")
+    parser.add_argument("--tool-call-parser", default="auto",
+                        choices=["auto", "hermes", "llama3_json", "mistral"],
+                        help="The format of the model's tool calls: auto (default) reads it "
+                             "from the chat template (hermes when the template shows none).")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="Accepted for vLLM's command lines: tool_choice 'auto' is "
+                             "always on.")
+    parser.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                        help="Report <think>...</think> apart from the answer "
+                             "(reasoning_content); grammars and tool calls then constrain "
+                             "only what follows it.")
     parser.add_argument("--max-waiting-requests", type=int,
                         default=DEFAULT_MAX_WAITING_REQUESTS,
                         help="Requests accepted but not yet started before the server "
