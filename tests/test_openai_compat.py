@@ -417,3 +417,62 @@ def test_offline_llm_default_sampling_params(gen_model_dir):
     del llm
     plain = LLM(str(gen_model_dir), generation_config="vllm", **kw)
     assert plain.get_default_sampling_params() == SamplingParams()
+
+
+# ---- prompt_logprobs, vLLM's shape ----------------------------------------------------------
+
+def test_prompt_logprobs_in_the_response_as_vllm_gives_them(http, tiny_chat_dir):
+    """Completions: each choice's prompt_logprobs, None for the first token, then {token id:
+    {logprob, rank, decoded_token}} with the prompt's own token and the top 2, the values
+    the offline engine gives. Chat: at the top of the response. A stream asking for them is
+    a 400, as in vLLM."""
+    from minivllm import LLM, SamplingParams
+
+    prompt = "The colour of the sky is"
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2,
+                                           "temperature": 0, "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["prompt_logprobs"]
+    want = LLM(str(tiny_chat_dir), max_model_len=MAX_MODEL_LEN).generate(
+        prompt, SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    assert len(got) == len(want.prompt_token_ids) == r.json()["usage"]["prompt_tokens"]
+    assert got[0] is None
+    for tid, pos, wpos in zip(want.prompt_token_ids[1:], got[1:], want.prompt_logprobs[1:]):
+        assert str(tid) in pos and 2 <= len(pos) <= 3
+        assert {int(t) for t in pos} == set(wpos)
+        for t, entry in pos.items():
+            assert entry["logprob"] == pytest.approx(wpos[int(t)].logprob, abs=1e-4)
+            assert entry["rank"] == wpos[int(t)].rank and isinstance(entry["decoded_token"], str)
+
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT,
+                                                "max_tokens": 2, "prompt_logprobs": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
+    assert body["prompt_logprobs"][0] is None
+    assert all(len(pos) == 1 for pos in body["prompt_logprobs"][1:])  # the prompt's own token
+
+    for path, extra in (("/v1/completions", {"prompt": prompt}),
+                        ("/v1/chat/completions", {"messages": CHAT})):
+        r = http.post(path, json={"model": MODEL, "stream": True, "prompt_logprobs": 1,
+                                  **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+    assert "prompt_logprobs" not in r.json()["choices"][0]
+
+
+@pytest.mark.parametrize("path,extra", [("/v1/completions", {"prompt": "Once upon a time"}),
+                                        ("/v1/chat/completions", {"messages": CHAT})])
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(http, path, extra):
+    body = {"model": MODEL, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "stream": True, **extra,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events = sse_events(http.post(path, json=body))
+    assert events[-1] == "[DONE]"
+    chunks, final = events[:-2], events[-2]
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 6
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert all(c["usage"]["prompt_tokens"] == final["usage"]["prompt_tokens"] for c in chunks)
+    body["stream_options"] = {"include_usage": True}
+    assert all(c["usage"] is None for c in sse_events(http.post(path, json=body))[:-2])

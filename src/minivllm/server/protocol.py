@@ -159,6 +159,11 @@ class _SamplingFields(OpenAIBaseModel):
         if self.stream_options is not None and not self.stream:
             raise RequestError("Stream options can only be defined when `stream=True`.",
                                param="stream_options")
+        # As vLLM: the prompt's logprobs come whole, in the response (a stream would repeat
+        # or delay them).
+        if self.prompt_logprobs is not None and self.stream:
+            raise RequestError("prompt_logprobs is not supported with stream=true.",
+                               param="prompt_logprobs")
 
     def constraint(self) -> StructuredOutputsParams | None:
         """The output constraint the request asks for (at most one way of asking)."""
@@ -238,6 +243,11 @@ class _SamplingFields(OpenAIBaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats: every chunk carries the usage so far."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 # ---- completions -------------------------------------------------------------------------

@@ -420,12 +420,24 @@ class OpenAIServing:
                           "stop_reason": None if req.echo_only else o.stop_reason}
                 if req.return_token_ids:
                     choice.update(prompt_token_ids=prompt.token_ids, token_ids=list(gen_ids))
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._prompt_logprobs_json(out.prompt_logprobs)
                 choices.append(choice)
         prompt_tokens = sum(len(p.token_ids) for p in job.prompts)
         return OrjsonResponse({
             "id": job.request_id, "object": "text_completion", "created": job.created,
             "model": job.model, "choices": choices,
             "usage": _usage(prompt_tokens, completion_tokens)})
+
+    def _prompt_logprobs_json(self, positions: list | None) -> list | None:
+        """vLLM's prompt_logprobs: per prompt token, None for the first, else {token id:
+        {logprob, rank, decoded_token}} for the prompt's token and the top-N."""
+        if positions is None:
+            return None
+        return [None if pos is None else {
+            str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                     "decoded_token": self.token_str(t, lp)} for t, lp in pos.items()}
+            for pos in positions]
 
     def _prompt_text(self, prompt: _Prompt) -> str:
         return prompt.text if prompt.text is not None else self.decode(prompt.token_ids)
@@ -503,7 +515,8 @@ class OpenAIServing:
                     chunk = {"id": job.request_id, "object": "text_completion",
                              "created": job.created, "model": job.model, "choices": [choice]}
                     if usage_chunks:
-                        chunk["usage"] = None
+                        chunk["usage"] = (_usage(len(prompt.token_ids), st.num_tokens)
+                                          if req.continuous_usage else None)
                     yield sse(chunk)
             if usage_chunks:
                 prompt_tokens = sum(len(p.token_ids) for p in job.prompts)
@@ -580,10 +593,12 @@ class OpenAIServing:
             if req.return_token_ids:
                 choice.update(prompt_token_ids=prompt.token_ids, token_ids=list(o.token_ids))
             choices.append(choice)
-        return OrjsonResponse({
-            "id": job.request_id, "object": "chat.completion", "created": job.created,
-            "model": job.model, "choices": choices,
-            "usage": _usage(len(prompt.token_ids), completion_tokens)})
+        body = {"id": job.request_id, "object": "chat.completion", "created": job.created,
+                "model": job.model, "choices": choices,
+                "usage": _usage(len(prompt.token_ids), completion_tokens)}
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs_json(final.prompt_logprobs)
+        return OrjsonResponse(body)
 
     def _chat_logprobs(self, token_ids: list[int], positions: list | None,
                        top_n: int) -> list[dict]:
@@ -614,11 +629,14 @@ class OpenAIServing:
         top_n = req.top_logprobs or 0
         completion_tokens = 0
 
+        prompt_tokens = len(job.prompts[0].token_ids)
+
         def chunk(choice: dict) -> bytes:
             c = {"id": job.request_id, "object": "chat.completion.chunk",
                  "created": job.created, "model": job.model, "choices": [choice]}
             if usage_chunks:
-                c["usage"] = None
+                c["usage"] = (_usage(prompt_tokens, states[choice["index"]].num_tokens)
+                              if req.continuous_usage else None)
             return sse(c)
 
         try:
@@ -664,7 +682,7 @@ class OpenAIServing:
             if usage_chunks:
                 final = {"id": job.request_id, "object": "chat.completion.chunk",
                          "created": job.created, "model": job.model, "choices": [],
-                         "usage": _usage(len(job.prompts[0].token_ids), completion_tokens)}
+                         "usage": _usage(prompt_tokens, completion_tokens)}
                 if req.return_metrics:
                     final["metrics"] = _timings(last)
                 yield sse(final)
