@@ -27,7 +27,7 @@ FAMILIES = {
                                   "long_factor": [2.0 + 0.3 * i for i in range(8)],
                                   "original_max_position_embeddings": 32}),
     "gemma": dict(_BASE, model_type="gemma", head_dim=32, num_key_value_heads=1,
-                  hidden_activation="gelu_pytorch_tanh"),
+                  hidden_activation="gelu_pytorch_tanh", attention_bias=True),
     "gemma2": dict(_BASE, model_type="gemma2", head_dim=32, sliding_window=16,
                    attn_logit_softcapping=20.0, final_logit_softcapping=5.0,
                    query_pre_attn_scalar=24,
@@ -48,7 +48,7 @@ FAMILIES = {
                       tie_word_embeddings=True),
     "qwen3_moe": dict(_BASE, model_type="qwen3_moe", num_experts=16, num_experts_per_tok=2,
                       moe_intermediate_size=32, norm_topk_prob=True, head_dim=32,
-                      tie_word_embeddings=False),
+                      tie_word_embeddings=False, attention_bias=True),  # o's bias too
     "gpt2": dict(model_type="gpt2", n_embd=64, n_head=4, n_layer=3, n_positions=256,
                  vocab_size=256, bos_token_id=1, eos_token_id=2, pad_token_id=0),
 }

@@ -127,6 +127,7 @@ class ModelConfig:
     attn_softcap: float | None = None    # Gemma 2: scores -> cap * tanh(scores / cap)
     final_softcap: float | None = None   # Gemma 2: the logits, the same way
     attn_scale: float | None = None      # the softmax scale, when not head_dim ** -0.5
+    o_bias: bool = False                 # the attention's output projection has a bias
     rope_local: tuple | None = None      # Gemma 3's sliding layers: (theta, scaling)
     moe: dict | None = None              # mixtures of experts: families._moe_settings
 
@@ -185,6 +186,10 @@ class ModelConfig:
                       or (family == "qwen2_moe" and cfg.get("qkv_bias", True))
                       or bool(cfg.get("attention_bias", False))),
             qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
+            # transformers: attention_bias gives o a bias too, except in Qwen2's families
+            # (whose q/k/v always have one).
+            o_bias=(family in ("llama", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3")
+                    and bool(cfg.get("attention_bias", False))),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             checkpoint_dtype=_DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32),

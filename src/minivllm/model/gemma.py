@@ -8,7 +8,7 @@ sliding-window and global layers. Gemma 3 normalizes q and k per head, has 5 loc
 to 1 global one, and gives the local layers a rotary base of their own.
 
 The norms here run as PyTorch ops (the fused RMSNorm kernels take weight, not 1 + weight);
-attention is the paged attention of every family.
+the attention is llama.DecoderAttention, every family's.
 """
 
 from __future__ import annotations
@@ -17,41 +17,9 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .attention import AttentionMetadata, PagedAttention
-from .layers import GatedMLP, GemmaRMSNorm, Linear, RotaryEmbedding
-from .llama import KVCache, LlamaForCausalLM, effective_windows
-
-
-class GemmaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: str,
-                 window: int | None) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_heads, cfg.num_kv_heads,
-                                                            cfg.head_dim)
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
-                               bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.qkv_bias)
-        self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm:
-            self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.rotary = rotary
-        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, backend,
-                                   window=window, softcap=cfg.attn_softcap,
-                                   scale=cfg.attn_scale)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta).reshape(-1, self.q_size))
+from .attention import AttentionMetadata
+from .layers import GatedMLP, GemmaRMSNorm, RotaryEmbedding
+from .llama import DecoderAttention, KVCache, LlamaForCausalLM, effective_windows
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -59,7 +27,9 @@ class GemmaDecoderLayer(nn.Module):
                  window: int | None) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
-        self.self_attn = GemmaAttention(cfg, rotary, backend, window)
+        # Unfused: the fused q/k norm kernel takes weight, not Gemma's 1 + weight.
+        self.self_attn = DecoderAttention(cfg, rotary, backend, fused_ops=False, window=window,
+                                          norm=GemmaRMSNorm)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act)
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
@@ -130,9 +100,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
     @staticmethod
     def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes = LlamaForCausalLM.parameter_shapes(cfg)
-        if cfg.qkv_bias:
-            for i in range(cfg.num_layers):
-                shapes[f"model.layers.{i}.self_attn.o_proj.bias"] = (cfg.hidden_size,)
         if cfg.family != "gemma":
             for i in range(cfg.num_layers):
                 for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):

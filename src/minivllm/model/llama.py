@@ -48,8 +48,13 @@ def effective_windows(cfg: ModelConfig, max_positions: int) -> list[int | None]:
 
 
 class DecoderAttention(nn.Module):
+    """Every family's attention but GPT-2's: fused q/k/v, optional per-head q/k norm
+    (Qwen3, Gemma 3: `norm` is the family's RMSNorm), rotary, paged attention (with
+    Gemma 2's soft-cap and query scale where the config has them), o."""
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: str,
-                 fused_ops: bool, window: int | None = None) -> None:
+                 fused_ops: bool, window: int | None = None,
+                 norm: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
         self.fused_ops = fused_ops
         self.eps = cfg.rms_norm_eps
@@ -60,14 +65,16 @@ class DecoderAttention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                bias=cfg.qkv_bias, fused_ops=fused_ops)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False, fused_ops=fused_ops)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias,
+                             fused_ops=fused_ops)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps)
         self.rotary = rotary
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, backend,
-                                   window=window)
+                                   window=window, softcap=cfg.attn_softcap,
+                                   scale=cfg.attn_scale)
 
     def forward(self, x: torch.Tensor | Fp8Activations, positions: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -365,6 +372,8 @@ def llama_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
+        if cfg.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
         if cfg.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (d,),
                            p + "self_attn.k_norm.weight": (d,)})
