@@ -37,7 +37,8 @@ def _supported(index: int) -> bool:
 def enabled(device: torch.device, interpreted: bool = False) -> bool:
     """Whether kernels on `device` launch with PDL: compiled kernels on a GPU of compute
     capability 9 or more, unless MINIVLLM_PDL=0."""
-    if interpreted or device.type != "cuda" or os.environ.get("MINIVLLM_PDL", "1") == "0":
+    off = os.environ.get("MINIVLLM_PDL", "1").strip().lower() in ("0", "false", "no", "off")
+    if interpreted or device.type != "cuda" or off:
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -250,13 +250,17 @@ def test_gpt2_refuses_quantization_with_the_reason(family_dirs):
             quantization="int8")
 
 
-def test_a_mixture_quantized_ahead_is_refused_with_the_reason(family_dirs, tmp_path):
-    """A GPTQ mixture of experts: its packed experts have no kernel yet; the error says
-    so before any weight is read, and what to load instead."""
+@pytest.mark.parametrize("qc,method", [
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
+     "GPTQ"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "FP8")])
+def test_a_mixture_quantized_ahead_is_refused_with_the_reason(family_dirs, tmp_path, qc,
+                                                              method):
+    """A GPTQ or block-wise FP8 mixture of experts: its quantized experts have no loader
+    or kernel yet; the error says so before any weight is read, and what to load instead."""
     import json
     config = json.loads((family_dirs["mixtral"] / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128,
-                                     "desc_act": False, "sym": True}
+    config["quantization_config"] = qc
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="mixture of experts quantized with GPTQ"):
+    with pytest.raises(ValueError, match=f"mixture of experts quantized with {method}"):
         LLM(str(tmp_path), skip_tokenizer_init=True, max_model_len=64, load_format="dummy")

@@ -413,3 +413,20 @@ def test_compressed_tensors_int8_checkpoint_loads_the_weights_it_encodes(tmp_pat
             torch.testing.assert_close(qm.dequantized_weight(), rm.weight.float(),
                                        rtol=0, atol=1e-6)
     assert_same_greedy_output(q, ref, 3, 10, 8, seed=4)
+
+
+def test_a_gptq_target_takes_a_full_precision_draft_model(tmp_path):
+    """The draft model reads its own checkpoint's quantization, not the target's: a GPTQ
+    target speculates with the 16-bit model it was made from, token for token as alone."""
+    qdir, rdir = write_checkpoints("llama", "gptq", tmp_path, False)
+    kw = dict(skip_tokenizer_init=True, max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5 + i, 9, 11, 5 + i, 9]} for i in range(3)]
+    want = [o.outputs[0].token_ids for o in LLM(str(qdir), **kw).generate(
+        prompts, params, use_tqdm=False)]
+    spec = LLM(str(qdir), quantization="gptq", **kw,  # named, as a user may
+               speculative_config={"method": "draft_model", "model": str(rdir),
+                                   "num_speculative_tokens": 3})
+    assert spec.engine.drafter.runner.cfg.quantization is None
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert got == want

@@ -1,4 +1,7 @@
-"""Engine and model configuration. Every knob and environment flag is named here once."""
+"""Engine and model configuration, and the engine's environment flags (the others:
+MINIVLLM_CACHE_DIR and MINIVLLM_DEFAULT_MODEL_WHEEL in default_model.py,
+MINIVLLM_GRAMMAR_CACHE in engine/grammar.py, MINIVLLM_ENGINE_TRACE in the engine process,
+MINIVLLM_PDL in csrc_triton/_pdl.py)."""
 
 from __future__ import annotations
 
@@ -144,6 +147,10 @@ class ModelConfig:
                 f"Unsupported model architecture {archs or cfg.get('model_type')}; "
                 f"supported: {sorted(ARCHITECTURES)}.")
         family = ARCHITECTURES[arch]
+        # transformers reads attention_bias (q/k/v and o) in these families only; Qwen2's
+        # q/k/v always have a bias, Mistral's, Phi-3's and Mixtral's never.
+        attention_bias = (family in ("llama", "qwen3", "qwen3_moe", "gemma", "gemma2",
+                                     "gemma3") and bool(cfg.get("attention_bias", False)))
         unread = unread_fields(family, cfg)
         if unread:
             logging.getLogger("minivllm").warning(
@@ -184,12 +191,9 @@ class ModelConfig:
                                              family in ("gemma", "gemma2", "gemma3", "gpt2"))),
             qkv_bias=(family in ("qwen2", "gpt2")
                       or (family == "qwen2_moe" and cfg.get("qkv_bias", True))
-                      or bool(cfg.get("attention_bias", False))),
+                      or attention_bias),
             qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
-            # transformers: attention_bias gives o a bias too, except in Qwen2's families
-            # (whose q/k/v always have one).
-            o_bias=(family in ("llama", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3")
-                    and bool(cfg.get("attention_bias", False))),
+            o_bias=attention_bias,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             checkpoint_dtype=_DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32),

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from ..config import _env_flag
+
 logger = logging.getLogger(__name__)
 
 
@@ -126,7 +128,7 @@ class GrammarCompiler:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
-        self.disk = disk and os.environ.get("MINIVLLM_GRAMMAR_CACHE", "1") != "0"
+        self.disk = disk and _env_flag("MINIVLLM_GRAMMAR_CACHE", True)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "grammar-compile")
         self._futures: dict[tuple, concurrent.futures.Future] = {}
         self._lock = threading.Lock()

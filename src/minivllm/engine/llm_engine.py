@@ -98,9 +98,15 @@ class LLMEngine:
                                       self.dtype, backend, reserved)
         self.drafter = None
         if draft is not None:
+            # The target's quantization at load applies to the draft too; a checkpoint's own
+            # (GPTQ, AWQ, ...) is each model's, read from its config.
+            from ..model.quantization import METHODS
+            ahead = bool((draft[1].raw or {}).get("quantization_config"))
             draft_cfg = dataclasses.replace(
                 config, model=self.speculative.model, tokenizer=None, speculative_config=None,
-                num_kv_blocks=self.runner.num_blocks, tensor_parallel_size=1)
+                num_kv_blocks=self.runner.num_blocks, tensor_parallel_size=1,
+                quantization=(config.quantization
+                              if config.quantization in METHODS and not ahead else None))
             self.drafter = DraftModel(ModelRunner(draft_cfg, draft[1], draft[0], self.device,
                                                   self.dtype, backend, proposals=True))
         if self.runner.num_blocks * config.block_size < config.max_model_len:

@@ -84,7 +84,7 @@ USED = {
              "n_ctx", "activation_function", "layer_norm_epsilon", "scale_attn_weights",
              "scale_attn_by_inverse_layer_idx", "add_cross_attention"},
 }
-# Fields read but refused unless they have their harmless value (see family_settings).
+# Fields transformers reads that give the same result here, each with the reason.
 IGNORED = {
     "llama": {"pretraining_tp": "a training-time split of the same matmuls"},
     "gpt2": {"reorder_and_upcast_attn": "the same attention, in fp32 either way on the CPU"},

@@ -102,7 +102,7 @@ def load_model(cfg: ModelConfig, model_path: Path, *, load_format: str, dtype: t
             raise ValueError(f"This checkpoint is quantized with {ahead.method.upper()}: "
                              f"quantization must be None or one of {sorted(names)}, got "
                              f"{quantization!r}.")
-    if ahead is not None and ahead.layout != "dense" and cfg.moe:
+    if ahead is not None and cfg.moe:
         raise ValueError(f"A mixture of experts quantized with {ahead.method.upper()} is not "
                          "supported yet: load its 16-bit checkpoint, with quantization='fp8' "
                          "to store the experts in fp8.")

@@ -147,9 +147,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "time at high concurrency). --max-waiting-requests is then "
                              "per process; /metrics counts every process's requests.")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                        help="Engines serving the same model, each in a process of its own "
-                             "(on one GPU they share its memory); each request goes to the "
-                             "one with the fewest in flight. Takes one API server process.")
+                        help="Engines serving the same model, each in a process of its own: "
+                             "one per GPU where the host has as many and --device names none, "
+                             "else sharing the device's memory. A request goes to the engine "
+                             "with the fewest in flight, or to the one that served its "
+                             "prompt's first tokens. Takes one API server process.")
     parser.add_argument("--engine-in-thread", action="store_true",
                         help="Run the engine on a thread of the server's process instead of "
                              "a process of its own (they then share the GIL: slower under "
