@@ -4,8 +4,8 @@ Public API (re-exported by ``csrc_triton``)
 -------------------------------------------
 fused_moe(x, w13, w2, weights, ids, act, block_m=None, w13_scale=None, w2_scale=None)
     sum_j weights[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = ids[t, j], with
-    w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]; e4m3 weights take their
-    per-output-channel scales ([E, 2I], [E, H] fp32).
+    w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]; e4m3 or int8 weights take
+    their per-output-channel scales ([E, 2I], [E, H] fp32).
 align_by_expert(ids, num_experts, block_m) -> (sorted_rows, block_expert)
 
 The T * k (token, slot) rows are sorted by expert, each expert's run padded to a multiple
@@ -58,13 +58,14 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_ptr, block_e
                          weight_ptr, num_rows, N, K, stride_am, stride_we, stride_wn,
                          stride_om, TOP_K: tl.constexpr, A_BY_TOKEN: tl.constexpr,
                          SCALE_BY_WEIGHT: tl.constexpr, DOT_FP32: tl.constexpr,
-                         W_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         W_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr):
     """Program (row tile, column tile): out[rows, cols] = A[rows] @ W[expert].T for the
     tile's expert; A's row of a (token, slot) row is the token's (A_BY_TOKEN: the first
     GEMM reads x) or its own (the second reads the activations); SCALE_BY_WEIGHT: times
-    the row's routing weight. W_FP8: e4m3 weights, converted to A's type per tile, the
-    sums times their output channel's scale (w_scale [E, N])."""
+    the row's routing weight. W_SCALED: e4m3 or int8 weights, converted to A's type per tile
+    (exact: int8's values are integers of at most 8 bits), the sums times their output
+    channel's scale (w_scale [E, N])."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -86,13 +87,13 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_ptr, block_e
                     mask=valid[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None],
                     mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if W_FP8:
+        if W_SCALED:
             w = w.to(tl.float32).to(a.dtype)
         if DOT_FP32:
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(a, w)
-    if W_FP8:
+    if W_SCALED:
         acc = acc * tl.load(w_scale_ptr + expert * N + offs_n, mask=n_ok, other=0.0)[None, :]
     if SCALE_BY_WEIGHT:
         acc = acc * tl.load(weight_ptr + rows64, mask=valid, other=0.0).to(tl.float32)[:, None]
@@ -113,12 +114,12 @@ def _gemm(mod, a, w, w_scale, out, sorted_rows, block_expert, weights, num_rows,
           by_token: bool, scale: bool, tiles: dict) -> None:
     e, n, k = w.shape
     grid = (block_expert.shape[0], triton.cdiv(n, tiles["BLOCK_N"]))
-    fp8 = w.dtype == torch.float8_e4m3fn
+    scaled = w.dtype in (torch.float8_e4m3fn, torch.int8)
     mod._grouped_gemm_kernel[grid](
-        a, w, w_scale if fp8 else weights, out, sorted_rows, block_expert, weights, num_rows,
+        a, w, w_scale if scaled else weights, out, sorted_rows, block_expert, weights, num_rows,
         n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), TOP_K=top_k,
         A_BY_TOKEN=by_token, SCALE_BY_WEIGHT=scale, DOT_FP32=a.dtype == torch.float32,
-        W_FP8=fp8, **tiles)
+        W_SCALED=scaled, **tiles)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

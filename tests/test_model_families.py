@@ -212,18 +212,19 @@ def test_dummy_weights(family_dirs, family):
     assert len(out[0].outputs[0].token_ids) == 3
 
 
+@pytest.mark.parametrize("method,dtype", [("fp8", torch.float8_e4m3fn), ("int8", torch.int8)])
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
-def test_fp8_quantization_covers_the_experts(family_dirs, family):
-    """quantization="fp8" stores the experts in e4m3 (they dominate a mixture's bytes),
-    and the model still decodes close to its full-precision self."""
+def test_quantization_covers_the_experts(family_dirs, family, method, dtype):
+    """quantization="fp8" / "int8" stores the experts in e4m3 / int8 (they dominate a
+    mixture's bytes), and the model still decodes close to its full-precision self."""
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     full = LLM(str(family_dirs[family]), skip_tokenizer_init=True, max_model_len=64)
-    fp8 = LLM(str(family_dirs[family]), skip_tokenizer_init=True, max_model_len=64,
-              quantization="fp8")
-    moe = next(m for m in fp8.engine.runner.model.modules() if hasattr(m, "w13_scale"))
-    assert moe.w13.dtype == torch.float8_e4m3fn and moe.w13_scale is not None
+    quant = LLM(str(family_dirs[family]), skip_tokenizer_init=True, max_model_len=64,
+                quantization=method)
+    moe = next(m for m in quant.engine.runner.model.modules() if hasattr(m, "w13_scale"))
+    assert moe.w13.dtype == dtype and moe.w13_scale is not None
     want = [o.outputs[0].token_ids for o in full.generate(PROMPTS, params, use_tqdm=False)]
-    got = [o.outputs[0].token_ids for o in fp8.generate(PROMPTS, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in quant.generate(PROMPTS, params, use_tqdm=False)]
     same = sum(a == b for w, g in zip(want, got) for a, b in zip(w, g))
     assert same >= 0.5 * sum(len(w) for w in want)
 

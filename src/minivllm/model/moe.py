@@ -34,7 +34,7 @@ def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, e: int,
                    dtype: torch.dtype) -> torch.Tensor:
     if scale is None:
         return w[e]
-    return (w[e].float() * scale[e][:, None]).to(dtype)  # e4m3 and its channels' scales
+    return (w[e].float() * scale[e][:, None]).to(dtype)  # e4m3 / int8 and their scales
 
 
 def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -42,7 +42,7 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       w13_scale: torch.Tensor | None = None,
                       w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t: for each expert
-    the batch uses, its tokens in one matmul (e4m3 weights dequantized first)."""
+    the batch uses, its tokens in one matmul (e4m3 or int8 weights dequantized first)."""
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
         token, slot = torch.where(ids == e)
@@ -68,17 +68,18 @@ class MoE(nn.Module):
         shared = settings["shared_intermediate_size"]
         self.shared_expert = GatedMLP(hidden, shared, act=act) if shared else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared else None
-        self.w13_scale = self.w2_scale = None  # fp8 experts: per-channel scales
+        self.w13_scale = self.w2_scale = None  # fp8 / int8 experts: per-channel scales
 
     def quantize(self, method: str) -> bool:
-        """Store the experts' weights in e4m3 with a scale per output channel (fp8);
-        returns whether it did (other methods leave the experts as they are)."""
-        if method != "fp8":
+        """Store the experts' weights in e4m3 (fp8) or int8, with a scale per output
+        channel; returns whether it did (int4 leaves the experts as they are)."""
+        from .quantization import quantize_fp8, quantize_int8
+        quantize = {"fp8": quantize_fp8, "int8": quantize_int8}.get(method)
+        if quantize is None:
             return False
-        from .quantization import quantize_fp8
         for name in ("w13", "w2"):
             w = getattr(self, name).detach()
-            q, scale = quantize_fp8(w.reshape(-1, w.shape[-1]))
+            q, scale = quantize(w.reshape(-1, w.shape[-1]))
             delattr(self, name)
             self.register_buffer(name, q.view(w.shape))
             setattr(self, f"{name}_scale", scale.view(w.shape[0], w.shape[1]))

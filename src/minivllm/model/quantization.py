@@ -370,5 +370,5 @@ def quantize_model(model: nn.Module, method: str) -> None:
                          "projections this engine quantizes (GPT-2 is not quantized yet).")
     if kept:
         logger.warning("%s quantization leaves the experts of %d mixture-of-experts layers "
-                       "in the model's dtype (experts are quantized with fp8 only).",
+                       "in the model's dtype (experts are quantized with fp8 and int8).",
                        method, kept)
