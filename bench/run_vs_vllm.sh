@@ -21,6 +21,9 @@
 # bench/vs_vllm.py's SAMPLING; each setting adds its workloads' time, so raise T_OFFLINE),
 # W3_GENCONFIG (a generation_config.json, e.g. bench/model_configs/qwen2.5-0.5b-instruct.generation_config.json:
 # both W3 servers read it as the model's own, files w3_ENGINE-genconfig.json, rows "W3 genconfig c=N"),
+# VS_TP / VS_DP (both engines' tensor_parallel_size / data_parallel_size, offline and W3:
+# files offline_ENGINE_tpN.json, w3_ENGINE-tpN.json, rows "W1 tp2", "W3 tp2 c=N"; NCCL runs
+# with NVLink multicast off, as the GPU hosts require),
 # T_OFFLINE / T_W3 / T_W3_VLLM (each part's limit, s), TOTAL_S (the call's, 560),
 # W3_ARGS (extra bench.w3_gpu flags), RES, OUT. The commit comes from bench/.commit.
 set -u
@@ -48,6 +51,11 @@ pack() {
 left() { echo $(( TOTAL_S - ($(date +%s) - START) )); }
 
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# Tensor / data parallelism: both engines, offline and W3 (labels -tpN / -dpN).
+PAR_FLAGS="" PAR_LABEL=""
+[ "${VS_TP:-1}" -gt 1 ] && PAR_FLAGS="--tensor-parallel-size $VS_TP" PAR_LABEL="-tp$VS_TP"
+[ "${VS_DP:-1}" -gt 1 ] && PAR_FLAGS="$PAR_FLAGS --data-parallel-size $VS_DP" PAR_LABEL="$PAR_LABEL-dp$VS_DP"
 export MINIVLLM_GIT_COMMIT=${MINIVLLM_GIT_COMMIT:-$(cat bench/.commit 2>/dev/null || echo unknown)}
 MINI_PATH="$PWD/src:$PWD"
 if ! python3 -c "import fastapi, uvicorn, pydantic, orjson" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
@@ -84,7 +92,8 @@ for model in "${MODELS[@]}"; do
   dir="$RES/$model"; mkdir -p "$dir"
   off=(python3 -m bench.vs_vllm offline --model "$model" --workloads "${VS_WORKLOADS:-w1,w2,w5,w6}"
        --out "$dir" --work "$WORK" ${VS_QUANT:+--quantization "$VS_QUANT"}
-       ${VS_KV_DTYPE:+--kv-cache-dtype "$VS_KV_DTYPE"} --sampling "${VS_SAMPLING:-greedy}")
+       ${VS_KV_DTYPE:+--kv-cache-dtype "$VS_KV_DTYPE"} --sampling "${VS_SAMPLING:-greedy}"
+       $PAR_FLAGS)
   # 8 rounds a level: at c=256, 2 rounds are 512 requests, under 2 s of minivllm's time with
   # its ramp: 39k tok/s in one call, 59-61k with 8 rounds in another (2026-12-02's
   # vs-vllm-qwen2.5-0.5b and w3-two-api-servers).
@@ -97,10 +106,12 @@ for model in "${MODELS[@]}"; do
     case $p in
       mini-offline) part "$model minivllm offline" "${T_OFFLINE:-240}" "$MINI_PATH" "${off[@]}" --engine minivllm ;;
       vllm-offline) part "$model vllm offline" "${T_OFFLINE:-240}" "${VLLM_SITE:-}:$PWD" "${off[@]}" --engine vllm ;;
-      mini-w3) part "$model minivllm W3" "${T_W3:-150}" "$MINI_PATH" "${w3[@]:0:3}" minivllm "${w3[@]:3}" --budget-s $(( ${T_W3:-150} - 15 )) ;;
+      mini-w3) part "$model minivllm W3" "${T_W3:-150}" "$MINI_PATH" "${w3[@]:0:3}" minivllm "${w3[@]:3}" --budget-s $(( ${T_W3:-150} - 15 )) \
+                 ${PAR_LABEL:+--label "minivllm$PAR_LABEL" --minivllm-args "$PAR_FLAGS"} ;;
       # vLLM's server took 115 s to start cold (compile and capture), 77 s warm: a W3
       # limit of 150 s measured nothing.
-      vllm-w3) part "$model vllm W3" "${T_W3_VLLM:-260}" "$MINI_PATH" "${w3[@]:0:3}" vllm "${w3[@]:3}" --budget-s $(( ${T_W3_VLLM:-260} - 15 )) ;;
+      vllm-w3) part "$model vllm W3" "${T_W3_VLLM:-260}" "$MINI_PATH" "${w3[@]:0:3}" vllm "${w3[@]:3}" --budget-s $(( ${T_W3_VLLM:-260} - 15 )) \
+                 ${PAR_LABEL:+--label "vllm$PAR_LABEL" --vllm-args "$PAR_FLAGS"} ;;
       *) say "unknown part $p" ;;
     esac
   done

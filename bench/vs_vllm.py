@@ -92,7 +92,8 @@ class MinivllmEngine:
     def __init__(self, folder: Path, smoke: bool, quantization: str | None = None,
                  kv_cache_dtype: str = "auto", block_size: int | None = None,
                  max_graph_tokens: int | None = None,
-                 max_num_batched_tokens: int | None = None) -> None:
+                 max_num_batched_tokens: int | None = None,
+                 parallel: dict | None = None) -> None:
         from minivllm import LLM
 
         kw = dict(device="cpu", dtype="float32", max_model_len=1024) if smoke else dict(
@@ -108,6 +109,7 @@ class MinivllmEngine:
             self.settings["max_num_batched_tokens"] = max_num_batched_tokens
         if kv_cache_dtype != "auto":
             self.settings["kv_cache_dtype"] = kv_cache_dtype
+        self.settings.update(parallel or {})
         self.llm = LLM(str(folder), **self.settings)
 
     def generate(self, requests, sampling: str = "greedy") -> list[int]:
@@ -129,7 +131,8 @@ class VllmEngine:
     def __init__(self, folder: Path, smoke: bool, quantization: str | None = None,
                  kv_cache_dtype: str = "auto", block_size: int | None = None,
                  max_graph_tokens: int | None = None,
-                 max_num_batched_tokens: int | None = None) -> None:
+                 max_num_batched_tokens: int | None = None,
+                 parallel: dict | None = None) -> None:
         if max_graph_tokens is not None:
             raise SystemExit("--max-graph-tokens is minivllm's setting")
         if smoke:
@@ -147,6 +150,7 @@ class VllmEngine:
             self.settings["max_num_batched_tokens"] = max_num_batched_tokens
         if kv_cache_dtype != "auto":
             self.settings["kv_cache_dtype"] = kv_cache_dtype
+        self.settings.update(parallel or {})
         self.llm = LLM(model=str(folder), **self.settings)
 
     def generate(self, requests, sampling: str = "greedy") -> list[int]:
@@ -228,7 +232,11 @@ def run_offline(args) -> int:
                      + ([f"graphs{args.max_graph_tokens}"]
                         if args.max_graph_tokens is not None else [])
                      + ([f"step{args.max_num_batched_tokens}"]
-                        if args.max_num_batched_tokens is not None else []))
+                        if args.max_num_batched_tokens is not None else [])
+                     + [f"{k}{v}" for k, v in (("tp", args.tensor_parallel_size),
+                                                ("dp", args.data_parallel_size)) if v > 1])
+    parallel = {k: v for k, v in (("tensor_parallel_size", args.tensor_parallel_size),
+                                  ("data_parallel_size", args.data_parallel_size)) if v > 1}
     suffix = f"_{label}" if label else ""
     path = out_dir / f"offline_{args.engine}{suffix}.json"
     folder, cfg = model_folder(args.model, args.smoke, Path(args.work))
@@ -245,7 +253,7 @@ def run_offline(args) -> int:
     t0 = time.perf_counter()
     engine = ENGINES[args.engine](folder, args.smoke, args.quantization, args.kv_cache_dtype,
                                   args.block_size, args.max_graph_tokens,
-                                  args.max_num_batched_tokens)
+                                  args.max_num_batched_tokens, parallel)
     record.update(startup_s=round(time.perf_counter() - t0, 1), settings=engine.settings,
                   version=engine.version())
     log(f"{args.engine} {args.model}: engine ready in {record['startup_s']} s")
@@ -321,7 +329,7 @@ def run_decode_sweep(engine, sweep, record: dict, args, save) -> None:
 # ---- merge -------------------------------------------------------------------------------------
 
 # The W3 files' label suffixes: plain, and bench/w3_gpu.py --generation-config-json's.
-W3_VARIANTS = ("", "-genconfig")
+W3_VARIANTS = ("", "-genconfig", "-tp2", "-dp2")  # run_vs_vllm.sh's W3_GENCONFIG, VS_TP, VS_DP
 W3_METRICS = (("output_tok_per_s", "tok/s", True), ("itl_ms_p99", "ITL p99 ms", False),
               ("ttft_ms_p99", "TTFT p99 ms", False), ("tokens_per_event", "tok/chunk", False))
 
@@ -463,6 +471,12 @@ def main(argv=None) -> int:
     off.add_argument("--max-graph-tokens", type=int, default=None,
                      help="minivllm's largest prefill/mixed-step graph (default: its own); "
                           "with it the file is offline_minivllm_graphsN.json")
+    off.add_argument("--tensor-parallel-size", type=int, default=1,
+                     help="both engines' tensor_parallel_size; above 1 the file is "
+                          "offline_ENGINE_tpN.json")
+    off.add_argument("--data-parallel-size", type=int, default=1,
+                     help="both engines' data_parallel_size; above 1 the file is "
+                          "offline_ENGINE_dpN.json")
     off.add_argument("--max-num-batched-tokens", type=int, default=None,
                      help="the engine's token budget per step (default: its own; vLLM's "
                           "offline LLM takes 16,384 on an H200, minivllm 8,192); with it "

@@ -113,3 +113,38 @@ def test_speculative_decoding_under_tp(tiny_model_dirs):
         llm = LLM(model, tensor_parallel_size=2, speculative_config=spec, **kw)
         got = llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_step_inputs_travel_to_each_ranks_device():
+    """What rank 0 broadcasts each forward (token ids, positions, AttentionMetadata with
+    host lists) comes back equal, its tensors on the device asked for."""
+    import torch
+
+    from minivllm.model.attention import AttentionMetadata
+    from minivllm.worker.tensor_parallel import moved
+
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(5), query_start_loc=torch.tensor([0, 2, 5], dtype=torch.int32),
+        seq_lens=torch.tensor([7, 3], dtype=torch.int32),
+        block_tables=torch.zeros(2, 4, dtype=torch.int32), max_query_len=3, max_seq_len=7,
+        query_start_loc_host=[0, 2, 5], seq_lens_host=[7, 3])
+    step = (torch.tensor([4, 5, 6, 7, 8]), torch.arange(5), meta)
+    back = moved(step, torch.device("cpu"))
+    assert isinstance(back, tuple) and isinstance(back[2], AttentionMetadata)
+    assert torch.equal(back[0], step[0]) and back[2].seq_lens_host == [7, 3]
+    assert torch.equal(back[2].block_tables, meta.block_tables)
+    assert back[2].max_query_len == 3 and back[2].decode_counters is None
+
+
+def test_each_rank_gets_a_gpu_of_its_node():
+    import torch
+
+    from minivllm.config import EngineConfig
+    from minivllm.worker.tensor_parallel import rank_device
+
+    cfg = EngineConfig(device="cuda", tensor_parallel_size=4, nnodes=2)
+    assert [rank_device(cfg, r) for r in range(4)] == [torch.device("cuda", i)
+                                                       for i in (0, 1, 0, 1)]
+    cfg = EngineConfig(device="cuda:2", tensor_parallel_size=2)
+    assert [rank_device(cfg, r).index for r in range(2)] == [2, 3]
+    assert rank_device(EngineConfig(device="cpu", tensor_parallel_size=2), 1).type == "cpu"

@@ -156,7 +156,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         check_device(engine_cfg.quantization, device)
         world = engine_cfg.tensor_parallel_size
-        check_tp(model_cfg, world, engine_cfg.quantization, device)
+        check_tp(model_cfg, engine_cfg, device)
         self.tp = None
         if world > 1:  # the workers load their shards meanwhile
             self.tp = TensorParallel(engine_cfg, (engine_cfg, model_cfg, model_path, dtype,
@@ -206,7 +206,9 @@ class ModelRunner:
         # (path, tokens, sequences) of the last step launched, for the engine's step trace.
         self.last_step: tuple[str, int, int] | None = None
         # The torch reference backend reads lengths on the host: it cannot be captured.
-        if device.type == "cuda" and not engine_cfg.enforce_eager and attention_backend == "triton":
+        # Tensor parallelism runs its forwards eagerly (worker/tensor_parallel.py).
+        if (device.type == "cuda" and not engine_cfg.enforce_eager
+                and attention_backend == "triton" and self.tp is None):
             self._setup_graphs()
 
     def weight_bytes(self) -> int:

@@ -10,8 +10,11 @@ forward with the same hidden states (the head and the sampler run on rank 0 only
 The split (Megatron's): q/k/v and gate/up column-parallel (each rank its heads and its
 slice of the MLP's inner width), o and down row-parallel with an all-reduce; KV heads
 split, or replicated where there are fewer than ranks. Embeddings and the head are
-replicated. The group is gloo over TCP on this machine (the CPU's path and its tests);
-a process group of its own per engine, so several engines can live in one process.
+replicated. Each engine has process groups of its own, so several engines can live in
+one process: gloo over TCP carries the step inputs (and, on the CPU, the all-reduces); on
+GPUs each rank has a GPU of its own (the engine's, then the next ones on its node) and the
+all-reduces go through NCCL. On GPUs the forwards run eagerly for now (no CUDA graphs):
+the workers would have to replay graphs of their own, in step with rank 0's.
 """
 
 from __future__ import annotations
@@ -40,20 +43,29 @@ def free_port() -> int:
 
 
 class TPGroup:
-    """A gloo process group of `world` ranks rendezvousing at host:port."""
+    """The process groups of `world` ranks rendezvousing at host:port: gloo (step inputs,
+    and the CPU's all-reduces) and, for ranks on a GPU, NCCL (the GPUs' all-reduces)."""
 
-    def __init__(self, rank: int, world: int, host: str, port: int) -> None:
-        self.rank, self.world = rank, world
+    def __init__(self, rank: int, world: int, host: str, port: int,
+                 device: torch.device = torch.device("cpu")) -> None:
+        self.rank, self.world, self.device = rank, world, device
         store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=_TIMEOUT)
         self.pg = dist.ProcessGroupGloo(store, rank, world, _TIMEOUT)
+        self.nccl = None
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            self.nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        self.pg.allreduce([t]).wait()
+        # NCCL's wait() orders the current stream after the sum; the host goes on.
+        (self.nccl if t.is_cuda else self.pg).allreduce([t]).wait()
         return t
 
     def broadcast_object(self, obj=None):
-        """Rank 0's `obj` on every rank (pickled: tensors are CPU tensors here)."""
+        """Rank 0's `obj` on every rank, its tensors on this rank's device (they travel
+        pickled, through the host)."""
         if self.rank == 0:
+            obj = moved(obj, torch.device("cpu"))
             data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
             size = torch.tensor([data.numel()], dtype=torch.int64)
         else:
@@ -62,7 +74,33 @@ class TPGroup:
         if self.rank != 0:
             data = torch.empty(int(size.item()), dtype=torch.uint8)
         self.pg.broadcast([data], dist.BroadcastOptions()).wait()
-        return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
+        if self.rank == 0:
+            return obj
+        return moved(pickle.loads(data.numpy().tobytes()), self.device)
+
+
+def moved(obj, device: torch.device):
+    """`obj` with every tensor in it (in tuples, lists and dataclasses such as
+    AttentionMetadata) on `device`; tensors already there are kept as they are."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(moved(o, device) for o in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: moved(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
+
+
+def rank_device(cfg, rank: int) -> torch.device:
+    """Where `rank` runs: the CPU, or on GPUs the engine's GPU plus the rank's place on its
+    node (rank 0 on cuda:0, rank 1 on cuda:1, ... by default)."""
+    from ..config import resolve_device
+    device = resolve_device(cfg.device)
+    if device.type != "cuda":
+        return device
+    per_node = cfg.tensor_parallel_size // max(cfg.nnodes, 1)
+    return torch.device("cuda", (device.index or 0) + rank % per_node)
 
 
 # ---- splitting a model ---------------------------------------------------------------------
@@ -113,12 +151,15 @@ class Shard:
         return shard
 
 
-def check_tp(cfg, world: int, quantization: str | None, device: torch.device) -> None:
+def check_tp(cfg, engine_cfg, device: torch.device) -> None:
+    world, quantization = engine_cfg.tensor_parallel_size, engine_cfg.quantization
     if world == 1:
         return
     if device.type == "cuda":
-        raise ValueError("tensor_parallel_size > 1 runs on the CPU (gloo) so far; the GPU "
-                         "path (NCCL, inside the CUDA graphs) is not built yet.")
+        last = rank_device(engine_cfg, world // max(engine_cfg.nnodes, 1) - 1)
+        if last.index >= torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={world} puts a rank on each GPU of a node "
+                             f"from {device}: this host has {torch.cuda.device_count()} GPUs.")
     if cfg.family == "gpt2":
         raise ValueError("tensor_parallel_size > 1 does not take GPT-2 yet.")
     if quantization not in (None, "fp8", "int8", "int4") or checkpoint_quantized(cfg):
@@ -311,11 +352,14 @@ def worker_main(rank: int, world: int, host: str, port: int, engine_cfg, model_c
                 model_path, dtype: torch.dtype, backend: str) -> None:
     """A worker: its shard of the model and of the KV cache, then every forward rank 0
     broadcasts, until it sends None."""
-    torch.set_num_threads(1)
+    from ..config import fused_ops_enabled
     from .kv_cache import KVCache
-    group = TPGroup(rank, world, host, port)
-    device = torch.device("cpu")
-    model = load_shard(model_cfg, model_path, engine_cfg, dtype, device, backend, group)
+    device = rank_device(engine_cfg, rank)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    group = TPGroup(rank, world, host, port, device)
+    model = load_shard(model_cfg, model_path, engine_cfg, dtype, device, backend, group,
+                       fused_ops_enabled(backend) and device.type == "cuda")
     num_blocks = group.broadcast_object()
     kv = KVCache(local_config(model_cfg, rank, world), num_blocks, engine_cfg.block_size,
                  engine_cfg.kv_dtype(dtype), device)
@@ -342,5 +386,6 @@ class TensorParallel:
             raise ValueError("Several nodes meet at master_addr:master_port: set master_port.")
         self.procs = start_workers(range(1, ranks.stop), cfg.tensor_parallel_size,
                                    cfg.master_addr, port, build_args)
-        self.group = TPGroup(0, cfg.tensor_parallel_size, cfg.master_addr, port)
+        self.group = TPGroup(0, cfg.tensor_parallel_size, cfg.master_addr, port,
+                             rank_device(cfg, 0))
         weakref.finalize(self, stop_workers, self.group, self.procs)
