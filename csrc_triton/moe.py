@@ -2,10 +2,13 @@
 
 Public API (re-exported by ``csrc_triton``)
 -------------------------------------------
-fused_moe(x, w13, w2, weights, ids, act, block_m=None, w13_scale=None, w2_scale=None)
+fused_moe(x, w13, w2, weights, ids, act, block_m=None, w13_scale=None, w2_scale=None,
+          w13_zero=None, w2_zero=None)
     sum_j weights[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = ids[t, j], with
     w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]; e4m3 or int8 weights take
-    their per-output-channel scales ([E, 2I], [E, H] fp32).
+    their per-output-channel scales ([E, 2I], [E, H] fp32); int4 weights are uint8 in
+    int4_layout's packing ([E, N, packed bytes]), with a scale and a zero point per group
+    of 128 inputs ([E, N, groups]: fp32, uint8).
 align_by_expert(ids, num_experts, block_m) -> (sorted_rows, block_expert)
 
 The T * k (token, slot) rows are sorted by expert, each expert's run padded to a multiple
@@ -23,6 +26,9 @@ import triton
 import triton.language as tl
 
 from csrc_triton._interpret import kernels_for
+from csrc_triton.int4_layout import int4_half
+
+INT4_GROUP = 128  # inputs per int4 scale and zero point
 
 __all__ = ["fused_moe", "align_by_expert"]
 
@@ -54,6 +60,38 @@ def align_by_expert(ids: torch.Tensor, num_experts: int,
 
 
 @triton.jit
+def _tile(sorted_ptr, num_rows, N, TOP_K: tl.constexpr, A_BY_TOKEN: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The program's (token, slot) rows, which of them are real, the row of A each reads
+    (the token's with A_BY_TOKEN: the first GEMM reads x; else its own), its columns."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(sorted_ptr + offs_m)
+    rows64 = rows.to(tl.int64)
+    a_rows = rows64 // TOP_K if A_BY_TOKEN else rows64
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows64, rows < num_rows, a_rows, offs_n, offs_n < N
+
+
+@triton.jit
+def _dot(a, w, DOT_FP32: tl.constexpr):
+    if DOT_FP32:
+        out = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, w.to(a.dtype))
+    return out
+
+
+@triton.jit
+def _store_tile(acc, out_ptr, weight_ptr, rows64, valid, offs_n, n_ok, stride_om,
+                SCALE_BY_WEIGHT: tl.constexpr):
+    """out[rows, cols] = the tile (SCALE_BY_WEIGHT: times each row's routing weight)."""
+    if SCALE_BY_WEIGHT:
+        acc = acc * tl.load(weight_ptr + rows64, mask=valid, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + rows64[:, None] * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _grouped_gemm_kernel(a_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_ptr, block_expert_ptr,
                          weight_ptr, num_rows, N, K, stride_am, stride_we, stride_wn,
                          stride_om, TOP_K: tl.constexpr, A_BY_TOKEN: tl.constexpr,
@@ -61,23 +99,14 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_ptr, block_e
                          W_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr):
     """Program (row tile, column tile): out[rows, cols] = A[rows] @ W[expert].T for the
-    tile's expert; A's row of a (token, slot) row is the token's (A_BY_TOKEN: the first
-    GEMM reads x) or its own (the second reads the activations); SCALE_BY_WEIGHT: times
-    the row's routing weight. W_SCALED: e4m3 or int8 weights, converted to A's type per tile
-    (exact: int8's values are integers of at most 8 bits), the sums times their output
-    channel's scale (w_scale [E, N])."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    tile's expert (_tile, _store_tile). W_SCALED: e4m3 or int8 weights, converted to A's
+    type per tile (exact: int8's values are integers of at most 8 bits), the sums times
+    their output channel's scale (w_scale [E, N])."""
+    expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
     if expert < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.load(sorted_ptr + offs_m)
-    valid = rows < num_rows
-    rows64 = rows.to(tl.int64)
-    a_rows = rows64 // TOP_K if A_BY_TOKEN else rows64
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
+    rows64, valid, a_rows, offs_n, n_ok = _tile(sorted_ptr, num_rows, N, TOP_K, A_BY_TOKEN,
+                                                BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_base = w_ptr + expert * stride_we
     for k0 in range(0, K, BLOCK_K):
@@ -88,17 +117,50 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_ptr, block_e
         w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None],
                     mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if W_SCALED:
-            w = w.to(tl.float32).to(a.dtype)
-        if DOT_FP32:
-            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(a, w)
+            w = w.to(tl.float32)
+        acc += _dot(a, w, DOT_FP32)
     if W_SCALED:
         acc = acc * tl.load(w_scale_ptr + expert * N + offs_n, mask=n_ok, other=0.0)[None, :]
-    if SCALE_BY_WEIGHT:
-        acc = acc * tl.load(weight_ptr + rows64, mask=valid, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + rows64[:, None] * stride_om + offs_n[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+    _store_tile(acc, out_ptr, weight_ptr, rows64, valid, offs_n, n_ok, stride_om,
+                SCALE_BY_WEIGHT)
+
+
+@triton.jit
+def _grouped_gemm_int4_kernel(a_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, sorted_ptr,
+                              block_expert_ptr, weight_ptr, num_rows, N, K, stride_am,
+                              stride_we, stride_wn, stride_se, stride_sn, stride_om,
+                              TOP_K: tl.constexpr, A_BY_TOKEN: tl.constexpr,
+                              SCALE_BY_WEIGHT: tl.constexpr, DOT_FP32: tl.constexpr,
+                              HALF: tl.constexpr, GROUP: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """_grouped_gemm_kernel for int4 weights: each step one packed block of 2 * HALF inputs
+    (byte j: input j in the low nibble, HALF + j in the high one), dequantized with its
+    group's scale and zero point, then two dots (the block's halves)."""
+    expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
+    if expert < 0:
+        return
+    rows64, valid, a_rows, offs_n, n_ok = _tile(sorted_ptr, num_rows, N, TOP_K, A_BY_TOKEN,
+                                                BLOCK_M, BLOCK_N)
+    offs_h = tl.arange(0, HALF)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_base = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
+    s_base = expert * stride_se + offs_n * stride_sn
+    for k0 in range(0, K, 2 * HALF):
+        g = k0 // GROUP
+        scale = tl.load(scale_ptr + s_base + g, mask=n_ok, other=0.0)[None, :]
+        zero = tl.load(zero_ptr + s_base + g, mask=n_ok, other=0).to(tl.float32)[None, :]
+        b = tl.load(w_base + (k0 // 2 + offs_h)[:, None], mask=n_ok[None, :], other=0)
+        for part in tl.static_range(2):
+            k = k0 + part * HALF + offs_h
+            a = tl.load(a_ptr + a_rows[:, None] * stride_am + k[None, :],
+                        mask=valid[:, None] & (k < K)[None, :], other=0.0)
+            if part == 1:
+                codes = b >> 4
+            else:
+                codes = b & 0xF
+            acc += _dot(a, (codes.to(tl.float32) - zero) * scale, DOT_FP32)
+    _store_tile(acc, out_ptr, weight_ptr, rows64, valid, offs_n, n_ok, stride_om,
+                SCALE_BY_WEIGHT)
 
 
 def _tiles(n: int, k: int, rows: int, interpreted: bool) -> dict:
@@ -110,10 +172,20 @@ def _tiles(n: int, k: int, rows: int, interpreted: bool) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_N=64 if n >= 64 else 32, BLOCK_K=64, num_warps=4)
 
 
-def _gemm(mod, a, w, w_scale, out, sorted_rows, block_expert, weights, num_rows, top_k,
-          by_token: bool, scale: bool, tiles: dict) -> None:
-    e, n, k = w.shape
+def _gemm(mod, a, w, w_scale, w_zero, out, sorted_rows, block_expert, weights, num_rows,
+          top_k, by_token: bool, scale: bool, tiles: dict) -> None:
+    e, n = w.shape[:2]
+    k = a.shape[1]
     grid = (block_expert.shape[0], triton.cdiv(n, tiles["BLOCK_N"]))
+    if w_zero is not None:  # int4
+        mod._grouped_gemm_int4_kernel[grid](
+            a, w, w_scale, w_zero, out, sorted_rows, block_expert, weights, num_rows, n, k,
+            a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
+            out.stride(0), TOP_K=top_k, A_BY_TOKEN=by_token, SCALE_BY_WEIGHT=scale,
+            DOT_FP32=a.dtype == torch.float32, HALF=int4_half(INT4_GROUP, k),
+            GROUP=INT4_GROUP, BLOCK_M=tiles["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"],
+            num_warps=tiles["num_warps"])
+        return
     scaled = w.dtype in (torch.float8_e4m3fn, torch.int8)
     mod._grouped_gemm_kernel[grid](
         a, w, w_scale if scaled else weights, out, sorted_rows, block_expert, weights, num_rows,
@@ -125,7 +197,8 @@ def _gemm(mod, a, w, w_scale, out, sorted_rows, block_expert, weights, num_rows,
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
               ids: torch.Tensor, act, block_m: int | None = None,
               w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+              w2_scale: torch.Tensor | None = None, w13_zero: torch.Tensor | None = None,
+              w2_zero: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring. act: the activation of the gate half (act(gate) * up)."""
     mod, interpreted = kernels_for(__name__, x.device)
     tokens, hidden = x.shape
@@ -137,11 +210,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     sorted_rows, block_expert = align_by_expert(ids, w13.shape[0], tiles["BLOCK_M"])
     weights = weights.reshape(-1).contiguous()
     gate_up = torch.empty(rows, w13.shape[1], dtype=x.dtype, device=x.device)
-    _gemm(mod, x.contiguous(), w13, w13_scale, gate_up, sorted_rows, block_expert, weights,
-          rows, top_k, True, False, tiles)
+    _gemm(mod, x.contiguous(), w13, w13_scale, w13_zero, gate_up, sorted_rows, block_expert,
+          weights, rows, top_k, True, False, tiles)
     gate, up = gate_up.chunk(2, dim=-1)
     h = (act(gate) * up).contiguous()
     out = torch.empty(rows, w2.shape[1], dtype=x.dtype, device=x.device)
-    _gemm(mod, h, w2, w2_scale, out, sorted_rows, block_expert, weights, rows, 1, False,
-          True, tiles)
+    _gemm(mod, h, w2, w2_scale, w2_zero, out, sorted_rows, block_expert, weights, rows, 1,
+          False, True, tiles)
     return out.view(tokens, top_k, -1).sum(dim=1)

@@ -212,11 +212,13 @@ def test_dummy_weights(family_dirs, family):
     assert len(out[0].outputs[0].token_ids) == 3
 
 
-@pytest.mark.parametrize("method,dtype", [("fp8", torch.float8_e4m3fn), ("int8", torch.int8)])
+@pytest.mark.parametrize("method,dtype", [("fp8", torch.float8_e4m3fn), ("int8", torch.int8),
+                                          ("int4", torch.uint8)])
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_quantization_covers_the_experts(family_dirs, family, method, dtype):
-    """quantization="fp8" / "int8" stores the experts in e4m3 / int8 (they dominate a
-    mixture's bytes), and the model still decodes close to its full-precision self."""
+    """quantization="fp8" / "int8" / "int4" stores the experts in e4m3 / int8 / packed
+    4 bits (they dominate a mixture's bytes), and the model still decodes close to its
+    full-precision self."""
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     full = LLM(str(family_dirs[family]), skip_tokenizer_init=True, max_model_len=64)
     quant = LLM(str(family_dirs[family]), skip_tokenizer_init=True, max_model_len=64,

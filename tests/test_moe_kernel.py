@@ -48,26 +48,33 @@ def test_fused_moe_matches_the_reference(tokens, experts, top_k, block_m):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["fp8", "int8"])
-def test_scaled_experts_match_their_dequantized_reference(method):
-    """e4m3 or int8 experts with per-channel scales: the kernel converts per tile and scales
-    the sums, the reference dequantizes first: the same result up to rounding."""
-    from minivllm.model.quantization import quantize_fp8, quantize_int8
-    quantize = {"fp8": quantize_fp8, "int8": quantize_int8}[method]
+@pytest.mark.parametrize("method", ["fp8", "int8", "int4"])
+def test_quantized_experts_match_their_dequantized_reference(method):
+    """e4m3 or int8 experts with per-channel scales (the kernel converts per tile and scales
+    the sums), int4 with a scale and a zero point per group (the kernel unpacks a block of
+    inputs at a time): the reference dequantizes first; the same result up to rounding.
+    int4 at 256 inputs: two groups of w13's rows, two packed blocks a row."""
+    from minivllm.model.quantization import quantize_fp8, quantize_int4, quantize_int8
+    quantize = {"fp8": quantize_fp8, "int8": quantize_int8, "int4": quantize_int4}[method]
     g = torch.Generator().manual_seed(4)
-    tokens, experts, top_k, hidden, inter = 9, 6, 2, 32, 16
+    tokens, experts, top_k = 9, 6, 2
+    hidden, inter = (256, 32) if method == "int4" else (32, 16)
     x = torch.randn(tokens, hidden, generator=g).to(DEVICE)
     w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2
     w2 = torch.randn(experts, hidden, inter, generator=g) * 0.2
-    q13, s13 = quantize(w13.reshape(-1, hidden))
-    q2, s2 = quantize(w2.reshape(-1, inter))
-    q13, q2 = q13.view(w13.shape).to(DEVICE), q2.view(w2.shape).to(DEVICE)
-    s13, s2 = s13.view(experts, -1).to(DEVICE), s2.view(experts, -1).to(DEVICE)
+    parts = [[t.view(experts, w.shape[1], -1).to(DEVICE) for t in quantize(w.reshape(-1, k))]
+             for w, k in ((w13, hidden), (w2, inter))]
+    (q13, s13, *z13), (q2, s2, *z2) = parts
+    zeros = dict(w13_zero=z13[0], w2_zero=z2[0]) if method == "int4" else {}
+    if method != "int4":
+        q13, q2 = q13.view(w13.shape), q2.view(w2.shape)
+        s13, s2 = s13.view(experts, -1), s2.view(experts, -1)
     weights, ids = route(torch.randn(tokens, experts, generator=g).to(DEVICE), top_k, True,
                          x.dtype)
-    want = experts_reference(x, q13, q2, weights, ids, F.silu, s13, s2)
-    got = csrc_triton.fused_moe(x, q13, q2, weights, ids, F.silu, w13_scale=s13, w2_scale=s2)
+    want = experts_reference(x, q13, q2, weights, ids, F.silu, s13, s2, **zeros)
+    got = csrc_triton.fused_moe(x, q13, q2, weights, ids, F.silu, w13_scale=s13,
+                                w2_scale=s2, **zeros)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    # And close to the full-precision experts (e4m3's precision; int8's is finer).
+    # And close to the full-precision experts (int8 finest, then e4m3, then 4 bits).
     full = experts_reference(x, w13.to(DEVICE), w2.to(DEVICE), weights, ids, F.silu)
-    assert (got - full).norm() / full.norm() < {"fp8": 0.08, "int8": 0.02}[method]
+    assert (got - full).norm() / full.norm() < {"fp8": 0.08, "int8": 0.02, "int4": 0.2}[method]

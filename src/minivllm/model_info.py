@@ -33,10 +33,8 @@ def model_info(model: str, gpu_memory_gb: float | None = None,
                       if _is_projection(n) and not _is_expert(n))
     experts = sum(math.prod(s) for n, s in shapes.items() if _is_expert(n))
     rest = total - projections - experts
-    # What quantize_model does: experts are quantized with fp8 and int8; GPT-2 not at all.
-    formats = {"bf16": 2.0} if cfg.family == "gpt2" else FORMAT_BYTES
-    by_format = {fmt: projections * b + experts * (2.0 if fmt == "int4" else b)
-                 + rest * 2 for fmt, b in formats.items()}
+    formats = {"bf16": 2.0} if cfg.family == "gpt2" else FORMAT_BYTES  # GPT-2: not quantized
+    by_format = {fmt: (projections + experts) * b + rest * 2 for fmt, b in formats.items()}
     kv_elem = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}[kv_dtype]
     import torch
     kv_token = cfg.kv_bytes_per_token({1: torch.float8_e4m3fn, 2: torch.bfloat16,

@@ -30,24 +30,32 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool,
     return weights.to(dtype), ids
 
 
-def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, e: int,
-                   dtype: torch.dtype) -> torch.Tensor:
+def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
+                   e: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
     if scale is None:
         return w[e]
+    if zero is not None:  # int4: packed codes, a scale and a zero point per group
+        from .quantization import GROUP_SIZE, dequantize_int4
+        return dequantize_int4(w[e], scale[e], zero[e], in_features, GROUP_SIZE).to(dtype)
     return (w[e].float() * scale[e][:, None]).to(dtype)  # e4m3 / int8 and their scales
 
 
 def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       weights: torch.Tensor, ids: torch.Tensor, act,
                       w13_scale: torch.Tensor | None = None,
-                      w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      w2_scale: torch.Tensor | None = None,
+                      w13_zero: torch.Tensor | None = None,
+                      w2_zero: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t: for each expert
-    the batch uses, its tokens in one matmul (e4m3 or int8 weights dequantized first)."""
+    the batch uses, its tokens in one matmul (quantized weights dequantized first)."""
     out = torch.zeros_like(x)
+    hidden, inner = x.shape[-1], w2.shape[2] if w2_zero is None else w13.shape[1] // 2
     for e in torch.unique(ids).tolist():
         token, slot = torch.where(ids == e)
-        gate, up = F.linear(x[token], _expert_weight(w13, w13_scale, e, x.dtype)).chunk(2, -1)
-        y = F.linear(act(gate) * up, _expert_weight(w2, w2_scale, e, x.dtype))
+        w = _expert_weight(w13, w13_scale, w13_zero, e, hidden, x.dtype)
+        gate, up = F.linear(x[token], w).chunk(2, -1)
+        w = _expert_weight(w2, w2_scale, w2_zero, e, inner, x.dtype)
+        y = F.linear(act(gate) * up, w)
         y = y * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     return out
@@ -68,32 +76,39 @@ class MoE(nn.Module):
         shared = settings["shared_intermediate_size"]
         self.shared_expert = GatedMLP(hidden, shared, act=act) if shared else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared else None
-        self.w13_scale = self.w2_scale = None  # fp8 / int8 experts: per-channel scales
+        self.w13_scale = self.w2_scale = None  # quantized experts: their scales,
+        self.w13_zero = self.w2_zero = None    # and int4's zero points
 
-    def quantize(self, method: str) -> bool:
-        """Store the experts' weights in e4m3 (fp8) or int8, with a scale per output
-        channel; returns whether it did (int4 leaves the experts as they are)."""
-        from .quantization import quantize_fp8, quantize_int8
-        quantize = {"fp8": quantize_fp8, "int8": quantize_int8}.get(method)
-        if quantize is None:
-            return False
+    def quantize(self, method: str) -> None:
+        """Store the experts' weights in e4m3 (fp8) or int8 with a scale per output
+        channel, or in int4 with a scale and a zero point per group of 128 inputs."""
+        from .quantization import quantize_fp8, quantize_int4, quantize_int8
+        quantize = {"fp8": quantize_fp8, "int8": quantize_int8, "int4": quantize_int4}[method]
         for name in ("w13", "w2"):
             w = getattr(self, name).detach()
+            if method == "int4":
+                q, scale, zero = quantize(w.reshape(-1, w.shape[-1]))
+                delattr(self, name)
+                self.register_buffer(name, q.view(w.shape[0], w.shape[1], -1))
+                setattr(self, f"{name}_scale", scale.view(w.shape[0], w.shape[1], -1))
+                setattr(self, f"{name}_zero", zero.view(w.shape[0], w.shape[1], -1))
+                continue
             q, scale = quantize(w.reshape(-1, w.shape[-1]))
             delattr(self, name)
             self.register_buffer(name, q.view(w.shape))
             setattr(self, f"{name}_scale", scale.view(w.shape[0], w.shape[1]))
-        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, x.dtype)
         if self.fused:
             import csrc_triton
             out = csrc_triton.fused_moe(x, self.w13, self.w2, weights, ids, self.act,
-                                        w13_scale=self.w13_scale, w2_scale=self.w2_scale)
+                                        w13_scale=self.w13_scale, w2_scale=self.w2_scale,
+                                        w13_zero=self.w13_zero, w2_zero=self.w2_zero)
         else:
             out = experts_reference(x, self.w13, self.w2, weights, ids, self.act,
-                                    self.w13_scale, self.w2_scale)
+                                    self.w13_scale, self.w2_scale, self.w13_zero,
+                                    self.w2_zero)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

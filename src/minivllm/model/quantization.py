@@ -22,7 +22,6 @@ are quantized; the embeddings and the LM head keep the model's dtype (as vLLM do
 
 from __future__ import annotations
 
-import logging
 from typing import NamedTuple
 
 import torch
@@ -30,7 +29,6 @@ from torch import nn
 
 import csrc_triton
 
-logger = logging.getLogger(__name__)
 # The packed int4 layout's helpers, also used from here by the loaders and tests.
 from csrc_triton.int4_layout import (int4_half, int4_packed_bytes, pack_int4,  # noqa: F401
                                      unpack_int4)
@@ -353,7 +351,7 @@ def quantize_model(model: nn.Module, method: str) -> None:
     weight as it goes (peak memory: the model plus one projection)."""
     from ..worker.tensor_parallel import RowParallel
     from .moe import MoE
-    kept = replaced = 0
+    replaced = 0
     for module in list(model.modules()):
         for name in PROJECTIONS:
             linear = getattr(module, name, None)
@@ -363,12 +361,8 @@ def quantize_model(model: nn.Module, method: str) -> None:
             if isinstance(linear, nn.Linear):
                 setattr(owner, name, QuantizedLinear.from_linear(linear, method))
                 replaced += 1
-        if isinstance(module, MoE) and not module.quantize(method):
-            kept += 1
+        if isinstance(module, MoE):
+            module.quantize(method)
     if not replaced:
         raise ValueError(f"quantization={method!r}: {type(model).__name__} has no decoder "
                          "projections this engine quantizes (GPT-2 is not quantized yet).")
-    if kept:
-        logger.warning("%s quantization leaves the experts of %d mixture-of-experts layers "
-                       "in the model's dtype (experts are quantized with fp8 and int8).",
-                       method, kept)
