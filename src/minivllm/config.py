@@ -147,10 +147,6 @@ class ModelConfig:
                 f"Unsupported model architecture {archs or cfg.get('model_type')}; "
                 f"supported: {sorted(ARCHITECTURES)}.")
         family = ARCHITECTURES[arch]
-        # transformers reads attention_bias (q/k/v and o) in these families only; Qwen2's
-        # q/k/v always have a bias, Mistral's, Phi-3's and Mixtral's never.
-        attention_bias = (family in ("llama", "qwen3", "qwen3_moe", "gemma", "gemma2",
-                                     "gemma3") and bool(cfg.get("attention_bias", False)))
         unread = unread_fields(family, cfg)
         if unread:
             logging.getLogger("minivllm").warning(
@@ -187,13 +183,6 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings",
-                                             family in ("gemma", "gemma2", "gemma3", "gpt2"))),
-            qkv_bias=(family in ("qwen2", "gpt2")
-                      or (family == "qwen2_moe" and cfg.get("qkv_bias", True))
-                      or attention_bias),
-            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
-            o_bias=attention_bias,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             checkpoint_dtype=_DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32),

@@ -142,8 +142,18 @@ def _windows_by_type(cfg: dict, n: int, default_pattern: int | None) -> list[int
 def family_settings(family: str, cfg: dict) -> dict:
     """ModelConfig's fields that depend on the family (see ModelConfig)."""
     n = cfg.get("num_hidden_layers", cfg.get("n_layer"))
+    # transformers reads attention_bias (q/k/v and o) in these families only; Qwen2's q/k/v
+    # always have a bias, Mistral's, Phi-3's and Mixtral's never.
+    attention_bias = (family in ("llama", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3")
+                      and bool(cfg.get("attention_bias", False)))
     out: dict = {"attn_softcap": None, "final_softcap": None, "attn_scale": None,
-                 "rope_local": None, "hidden_act": cfg.get("hidden_act", "silu")}
+                 "rope_local": None, "hidden_act": cfg.get("hidden_act", "silu"),
+                 "qkv_bias": (family in ("qwen2", "gpt2") or attention_bias
+                              or (family == "qwen2_moe" and cfg.get("qkv_bias", True))),
+                 "o_bias": attention_bias,
+                 "qk_norm": family in ("qwen3", "gemma3", "qwen3_moe"),
+                 "tie_word_embeddings": bool(cfg.get(
+                     "tie_word_embeddings", family in ("gemma", "gemma2", "gemma3", "gpt2")))}
     if family == "gpt2":
         if cfg.get("add_cross_attention"):
             raise ValueError("GPT-2 with cross-attention (an encoder-decoder) is not "
