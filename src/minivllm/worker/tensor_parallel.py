@@ -162,7 +162,8 @@ def check_tp(cfg, engine_cfg, device: torch.device) -> None:
                              f"from {device}: this host has {torch.cuda.device_count()} GPUs.")
     if cfg.family == "gpt2":
         raise ValueError("tensor_parallel_size > 1 does not take GPT-2 yet.")
-    if quantization not in (None, "fp8", "int8", "int4") or checkpoint_quantized(cfg):
+    from ..model.quantization import METHODS
+    if quantization not in (None, *METHODS) or checkpoint_quantized(cfg):
         raise ValueError("tensor_parallel_size > 1 takes quantization at load (fp8, int8, "
                          "int4), not a checkpoint quantized ahead, so far.")
     Shard.of(cfg, 0, world)
