@@ -18,13 +18,14 @@
 # fp8: its rows are "W1 fp8" and so on), VS_KV_DTYPE (both engines' kv_cache_dtype, e.g. fp8),
 # VS_SAMPLING (the offline parts' sampling settings, default greedy; e.g. greedy,sampled,top_p
 # runs each workload once per setting, rows "W1", "W1 sampled", "W1 top_p": the names are
-# bench/vs_vllm.py's SAMPLING; each setting adds its workloads' time, so raise T_OFFLINE),
+# bench/vs_vllm.py's SAMPLING; each setting adds its workloads' time, so raise T_OFFLINE;
+# VS_SAMPLING_VLLM gives vLLM's offline part fewer settings, default VS_SAMPLING's),
 # W3_GENCONFIG (a generation_config.json, e.g. bench/model_configs/qwen2.5-0.5b-instruct.generation_config.json:
 # both W3 servers read it as the model's own, files w3_ENGINE-genconfig.json, rows "W3 genconfig c=N"),
 # VS_TP / VS_DP (both engines' tensor_parallel_size / data_parallel_size, offline and W3:
 # files offline_ENGINE_tpN.json, w3_ENGINE-tpN.json, rows "W1 tp2", "W3 tp2 c=N"; NCCL runs
 # with NVLink multicast off, as the GPU hosts require),
-# T_OFFLINE / T_W3 / T_W3_VLLM (each part's limit, s), TOTAL_S (the call's, 560),
+# T_OFFLINE / T_OFFLINE_VLLM / T_W3 / T_W3_VLLM (each part's limit, s), TOTAL_S (the call's, 560),
 # W3_ARGS (extra bench.w3_gpu flags), RES, OUT. The commit comes from bench/.commit.
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -105,7 +106,8 @@ for model in "${MODELS[@]}"; do
   for p in $PARTS; do
     case $p in
       mini-offline) part "$model minivllm offline" "${T_OFFLINE:-240}" "$MINI_PATH" "${off[@]}" --engine minivllm ;;
-      vllm-offline) part "$model vllm offline" "${T_OFFLINE:-240}" "${VLLM_SITE:-}:$PWD" "${off[@]}" --engine vllm ;;
+      vllm-offline) part "$model vllm offline" "${T_OFFLINE_VLLM:-${T_OFFLINE:-240}}" "${VLLM_SITE:-}:$PWD" "${off[@]}" --engine vllm \
+                      ${VS_SAMPLING_VLLM:+--sampling "$VS_SAMPLING_VLLM"} ;;
       mini-w3) part "$model minivllm W3" "${T_W3:-150}" "$MINI_PATH" "${w3[@]:0:3}" minivllm "${w3[@]:3}" --budget-s $(( ${T_W3:-150} - 15 )) \
                  ${PAR_LABEL:+--label "minivllm$PAR_LABEL" --minivllm-args "$PAR_FLAGS"} ;;
       # vLLM's server took 115 s to start cold (compile and capture), 77 s warm: a W3
