@@ -50,6 +50,35 @@ def test_generate_takes_the_generation_config_and_the_engine_flags(tiny_text_mod
     assert proc.stdout == greedy[0].outputs[0].text + "\n"
 
 
+def test_a_default_max_tokens_is_cut_to_the_room_the_prompt_leaves(tiny_text_model_dir,
+                                                                   tmp_path):
+    """generation_config's max_new_tokens past max_model_len is a default, not an ask: the
+    offline API and the CLI cut it to the room the prompt leaves (as the server does); the
+    same number given explicitly is still refused."""
+    import json
+    import shutil
+
+    import pytest
+
+    from minivllm import LLM, SamplingParams
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_text_model_dir, model)
+    (model / "generation_config.json").write_text(json.dumps(
+        {"max_new_tokens": 1000, "temperature": 0.0}))
+    llm = LLM(str(model), max_model_len=256)
+    prompt = list(range(3, 243))
+    out = llm.generate([prompt, prompt[:10]], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) <= 256 - len(o.prompt_token_ids) for o in out] == [
+        True, True]
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.generate(prompt, SamplingParams(max_tokens=1000), use_tqdm=False)
+    assert llm.engine.scheduler.pool.all_free()
+    proc = _run(["generate", "Hello there", "--num-kv-blocks", "64", "--max-graph-tokens", "0"],
+                model)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_chat_repl_answers_and_quits(tiny_text_model_dir):
     proc = _run(["chat", "--max-tokens", "8"], tiny_text_model_dir, stdin="Hi!\nAnd again?\n\n")
     assert proc.returncode == 0, proc.stderr

@@ -38,9 +38,10 @@ def _params_from_args(args, engine):
                              **{k: v for k, v in given.items() if v is not None}})
 
 
-def _stream(engine, prompt, params, out=sys.stdout) -> str:
-    """Run one request to the end, writing text to `out` as it arrives."""
-    rid = engine.add_request(prompt, params)
+def _stream(engine, prompt, params, default_max_tokens, out=sys.stdout) -> str:
+    """Run one request to the end, writing text to `out` as it arrives. Without
+    --max-tokens the default is cut to the room the prompt leaves."""
+    rid = engine.add_request(prompt, params, default_max_tokens=default_max_tokens)
     shown = 0
     text = ""
     try:
@@ -65,7 +66,7 @@ def cmd_generate(args) -> None:
         from .tokenizer import render_chat
         text = render_chat(engine.tokenizer, [{"role": "user", "content": prompt}])
         prompt = {"prompt": text, "prompt_token_ids": engine.tokenize(text, False)}
-    _stream(engine, prompt, _params_from_args(args, engine))
+    _stream(engine, prompt, _params_from_args(args, engine), args.max_tokens is None)
 
 
 def cmd_chat(args) -> None:
@@ -87,7 +88,8 @@ def cmd_chat(args) -> None:
         history.append({"role": "user", "content": line})
         text = render_chat(engine.tokenizer, history)
         reply = _stream(engine, {"prompt": text,
-                                 "prompt_token_ids": engine.tokenize(text, False)}, params)
+                                 "prompt_token_ids": engine.tokenize(text, False)}, params,
+                         args.max_tokens is None)
         history.append({"role": "assistant", "content": reply})
 
 

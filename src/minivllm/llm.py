@@ -63,23 +63,27 @@ class LLM:
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         prompt_list = _as_prompt_list(prompts)
+        # The defaults' max_new_tokens is cut to each prompt's room (the server's rule).
+        default_max_tokens = sampling_params is None
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _as_params_list(sampling_params, len(prompt_list))
         if self.replicas is not None and len(prompt_list) > 1:
             return self.replicas.generate(
-                lambda p, s: self._generate_here(p, s, use_tqdm), prompt_list, params_list)
-        return self._generate_here(prompt_list, params_list, use_tqdm)
+                lambda p, s: self._generate_here(p, s, use_tqdm, default_max_tokens),
+                prompt_list, params_list, default_max_tokens)
+        return self._generate_here(prompt_list, params_list, use_tqdm, default_max_tokens)
 
-    def _generate_here(self, prompt_list: list, params_list: list,
-                       use_tqdm: bool) -> list[RequestOutput]:
+    def _generate_here(self, prompt_list: list, params_list: list, use_tqdm: bool,
+                       default_max_tokens: bool = False) -> list[RequestOutput]:
         if not prompt_list:
             return []
         # Validate everything before queueing anything: a bad prompt loses nothing.
         request_ids = []
         try:
             for prompt, params in zip(prompt_list, params_list):
-                request_ids.append(self.engine.add_request(prompt, params, stream=False))
+                request_ids.append(self.engine.add_request(
+                    prompt, params, stream=False, default_max_tokens=default_max_tokens))
         except Exception:
             for rid in request_ids:
                 self.engine.abort_request(rid)

@@ -179,7 +179,8 @@ def _replica_main(config: EngineConfig, conn) -> None:
         if job is None:
             return
         try:
-            conn.send(llm.generate(job[0], job[1], use_tqdm=False))
+            prompts, params, default_max_tokens = job
+            conn.send(llm._generate_here(prompts, params, False, default_max_tokens))
         except Exception as e:  # noqa: BLE001 - the caller raises it
             conn.send(e)
 
@@ -207,13 +208,16 @@ class OfflineReplicas:
                 raise RuntimeError("A data-parallel replica failed to start.")
         weakref.finalize(self, _stop_replicas, self.conns, self.procs)
 
-    def generate(self, local_generate, prompts: list, params: list) -> list:
+    def generate(self, local_generate, prompts: list, params: list,
+                 default_max_tokens: bool = False) -> list:
         """The outputs of every prompt, in order: the replicas' shares sent first, the
-        caller's own run by `local_generate` meanwhile."""
+        caller's own run by `local_generate` meanwhile (see LLMEngine.add_request for
+        default_max_tokens)."""
         n = len(self.conns) + 1
         bounds = [len(prompts) * i // n for i in range(n + 1)]
         for i, conn in enumerate(self.conns, start=1):
-            conn.send((prompts[bounds[i]:bounds[i + 1]], params[bounds[i]:bounds[i + 1]]))
+            conn.send((prompts[bounds[i]:bounds[i + 1]], params[bounds[i]:bounds[i + 1]],
+                       default_max_tokens))
         outputs = local_generate(prompts[:bounds[1]], params[:bounds[1]])
         for conn in self.conns:
             part = conn.recv()

@@ -219,9 +219,13 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int] | dict | None, params: SamplingParams,
                     request_id: str | None = None, prompt_token_ids: list[int] | None = None,
-                    arrival_time: float | None = None, stream: bool = True) -> str:
+                    arrival_time: float | None = None, stream: bool = True,
+                    default_max_tokens: bool = False) -> str:
         """Queue a request. stream=False reports it only once it has finished, which
-        saves building an output per step for offline batches."""
+        saves building an output per step for offline batches. default_max_tokens: the
+        params' max_tokens is a default (generation_config.json's max_new_tokens, the CLI's
+        256), not the caller's: it is cut to the room the prompt leaves, as the server does,
+        rather than refused."""
         if isinstance(prompt, dict):
             prompt_token_ids = prompt.get("prompt_token_ids")
             prompt = prompt.get("prompt")
@@ -235,6 +239,9 @@ class LLMEngine:
         prompt_token_ids = list(prompt_token_ids)
         params = params.clone()
         params._eos_token_ids = self.eos_token_ids
+        if default_max_tokens and params.max_tokens is not None:
+            room = self.max_model_len - len(prompt_token_ids)
+            params.max_tokens = max(1, min(params.max_tokens, room))
         self.validate_prompt(prompt_token_ids, params)
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - len(prompt_token_ids)
