@@ -394,8 +394,8 @@ def _bound_kernel(row_slot_ptr, ints_ptr, floats_ptr, part_ptr, part_idx_ptr, nu
                   NP: tl.constexpr, CAP: tl.constexpr):
     """Program row, for a truncated random row: a value every kept token reaches, from
     the blocks' maxima (each block holds a value at least its maximum): the k-th largest
-    block maximum for top-k; for top-p, the largest block maximum down to which the
-    maxima alone hold top_p of the row's mass. Its key goes to lo (the gather takes keys
+    block maximum for top-k; for top-p without a top-k cut, the largest block maximum
+    down to which the maxima alone hold top_p of the row's mass. Its key goes to lo (the gather takes keys
     in [lo, hi]), the gather's count to zero. A row without a bound starts the search
     levels instead (state: lo, hi, count above each, mode, active; f above hi, limit;
     the first pivots): mode 1 top-k's count, 2 top-p's mass (top-k off)."""
@@ -422,7 +422,9 @@ def _bound_kernel(row_slot_ptr, ints_ptr, floats_ptr, part_ptr, part_idx_ptr, nu
     top_k = tl.load(ints_ptr + slot * 8 + 1)
     if ((flags & 32) != 0) & (top_k <= num_blocks):
         bound = tl.sum(tl.where(b == top_k - 1, maxima, 0.0), 0)
-    if (flags & 64) != 0:
+    # Top-p's bound from the row's whole mass holds only where top-k cuts nothing: after
+    # a cut, top-p's share is of the mass top-k kept, read from top-k's gathered set.
+    if ((flags & 64) != 0) & (((flags & 32) == 0) | (top_k >= finite)):
         w = tl.where(maxima > float("-inf"), tl.exp(maxima - peak), 0.0)
         enough = tl.cumsum(w, 0) >= tl.load(floats_ptr + slot * 8 + 1) * total
         first = tl.min(tl.where(enough, b, BLOCKS_P2), 0)
@@ -592,11 +594,12 @@ def _listed_threshold(g_val, g_idx, n, flags, top_k, top_p, finite, total, peak,
     keys, ids, ok = _sorted_gathered(g_val, g_idx, n, SIZE)
     floor = tl.min(tl.where(ok, keys, 2**31 - 1), 0).to(tl.int64)
     tau = floor
-    if ((flags & 32) != 0) & (top_k < finite):
+    cut = ((flags & 32) != 0) & (top_k < finite)
+    if cut:
         tau, _, _ = _boundary(keys, ok, 0.0, top_k.to(tl.float32), floor, peak, False, SIZE)
     if (flags & 64) != 0:
         mass = total
-        if tau > floor:
+        if cut:  # the list holds all top-k kept (its floor may be top-k's boundary)
             _, _, mass = _boundary(keys, ok, 0.0, 3.0e38, tau, peak, True, SIZE)
         tau, _, _ = _boundary(keys, ok, 0.0, top_p * mass, tau, peak, True, SIZE)
     return tau

@@ -123,6 +123,21 @@ def test_kernels_match_the_reference(shape):
         torch.testing.assert_close(out.top_val[i, :n], want_lp[2][i, :n])
 
 
+def test_top_p_after_a_top_k_cut_takes_top_ks_mass():
+    """Rows with top-k (within the blocks' bound) and top-p, on logits whose top-p bound
+    from the block maxima lies above top-k's: top-p's share is of the mass top-k kept, not
+    the row's, so the kernels must gather top-k's whole set (the 64 and 256-row GPU runs
+    at 151,936 tokens drew outside the reference's set before)."""
+    vocab, n = 400, 16
+    for seed in range(10):
+        g = torch.Generator().manual_seed(seed)
+        logits = torch.randn(n, vocab, generator=g) * (2.5 + 0.5 * (seed % 2))
+        seqs = [row(i, temperature=0.7, top_k=10, top_p=0.8, seed=i) for i in range(n)]
+        want, _ = S.sample_reference(logits, *staged(seqs, vocab), False)
+        out = run_kernels(logits, *staged(seqs, vocab), False)
+        assert out.token.tolist() == want.tolist(), seed
+
+
 def test_grammar_masks_in_kernels_and_reference():
     """Rows with a grammar's bitmask (greedy, random, truncated, penalized) draw only
     allowed tokens, the kernels as the reference; a grammar row without a mask this step
