@@ -561,8 +561,14 @@ class Report:
         self.h(3, title)
         models = sorted({model_of(r) for r in rs})
         cap = provenance(env, "; ".join(models), None)
+        gen = w.get("generation_config")
+        sampling = ("temperature 0 from the client, the servers' defaults from the model's "
+                    "generation_config.json (" + ", ".join(
+                        f"{k} {gen[k]}" for k in ("top_p", "top_k", "min_p",
+                                                  "repetition_penalty") if k in gen) + ")"
+                    if gen else "greedy")
         self.p(f"{w.get('prompt_tokens')} prompt + {w.get('output_tokens')} output tokens, "
-               f"greedy, streamed; requests per level = max({w.get('min_requests')}, "
+               f"{sampling}, streamed; requests per level = max({w.get('min_requests')}, "
                f"{w.get('rounds')} x concurrency). {cap}. Files: "
                + ", ".join(f"`{self.src(r)}`" for r in rs))
         rows = []
@@ -1139,7 +1145,16 @@ class Report:
         vs = self.newest_vs_vllm()
         if not vs:
             rows.append(["vs vLLM", "vLLM", NOT_MEASURED + " (no committed result yet)", "-"])
-        named = set()
+        named: set[str] = set()
+        half: dict[str, tuple[dict, str | None]] = {}  # cells a run measured one engine of
+
+        def cell(name: str, x: dict, version: str | None) -> None:
+            rows.append([name, "minivllm", fmt(x.get("minivllm")) if x.get("minivllm")
+                         else NOT_MEASURED, "-"])
+            rows.append([name, f"vLLM {version or ''}".strip(),
+                         fmt(x.get("vllm")) if x.get("vllm") else NOT_MEASURED,
+                         f"{x['ratio']:.2f}x" if x.get("ratio") else "-"])
+
         for r in vs:  # each key's newest run first: it gives a cell two runs have
             version = ((r.data.get("offline") or {}).get("vllm") or {}).get("version")
             for x in r.data.get("rows", []):
@@ -1151,12 +1166,14 @@ class Report:
                         f"{x['metric'].replace('_per_s', '/s').replace('_', ' ')}{on}")
                 if name in named:
                     continue
+                if not (x.get("minivllm") and x.get("vllm")):
+                    half.setdefault(name, (x, version))  # an older run may have both
+                    continue
                 named.add(name)
-                rows.append([name, "minivllm", fmt(x.get("minivllm")) if x.get("minivllm")
-                             else NOT_MEASURED, "-"])
-                rows.append([name, f"vLLM {version or ''}".strip(),
-                             fmt(x.get("vllm")) if x.get("vllm") else NOT_MEASURED,
-                             f"{x['ratio']:.2f}x" if x.get("ratio") else "-"])
+                cell(name, x, version)
+        for name, (x, version) in half.items():
+            if name not in named:
+                cell(name, x, version)
         lines = [table(["workload", "engine", "value", "minivllm ÷ engine"], rows)]
         envs = [h["env"] for h in (w1, w2, w3) if h]
         if envs:
