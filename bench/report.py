@@ -561,12 +561,14 @@ class Report:
         self.h(3, title)
         models = sorted({model_of(r) for r in rs})
         cap = provenance(env, "; ".join(models), None)
-        gen = w.get("generation_config")
-        sampling = ("temperature 0 from the client, the servers' defaults from the model's "
-                    "generation_config.json (" + ", ".join(
-                        f"{k} {gen[k]}" for k in ("top_p", "top_k", "min_p",
-                                                  "repetition_penalty") if k in gen) + ")"
-                    if gen else "greedy")
+        gen, temp = w.get("generation_config"), w.get("temperature", 0.0)
+        sent = ("no temperature from the client" if temp is None
+                else f"temperature {temp:g} from the client")
+        keys = ("temperature",) * (temp is None) + ("top_p", "top_k", "min_p",
+                                                     "repetition_penalty")
+        sampling = (f"{sent}, the servers' defaults from the model's generation_config.json ("
+                    + ", ".join(f"{k} {gen[k]}" for k in keys if k in gen) + ")"
+                    if gen else "greedy" if not temp else sent)
         self.p(f"{w.get('prompt_tokens')} prompt + {w.get('output_tokens')} output tokens, "
                f"{sampling}, streamed; requests per level = max({w.get('min_requests')}, "
                f"{w.get('rounds')} x concurrency). {cap}. Files: "

@@ -21,7 +21,9 @@
 # bench/vs_vllm.py's SAMPLING; each setting adds its workloads' time, so raise T_OFFLINE;
 # VS_SAMPLING_VLLM gives vLLM's offline part fewer settings, default VS_SAMPLING's),
 # W3_GENCONFIG (a generation_config.json, e.g. bench/model_configs/qwen2.5-0.5b-instruct.generation_config.json:
-# both W3 servers read it as the model's own, files w3_ENGINE-genconfig.json, rows "W3 genconfig c=N"),
+# both W3 servers read it as the model's own, files w3_ENGINE-genconfig.json, rows "W3 genconfig c=N";
+# with W3_ARGS="--client-temperature unset" the client sends no temperature either, so the file's
+# samples: w3_ENGINE-genconfig-sampled.json, rows "W3 genconfig-sampled c=N"),
 # VS_TP / VS_DP (both engines' tensor_parallel_size / data_parallel_size, offline and W3:
 # files offline_ENGINE_tpN.json, w3_ENGINE-tpN.json, rows "W1 tp2", "W3 tp2 c=N"; NCCL runs
 # with NVLink multicast off, as the GPU hosts require),

@@ -226,9 +226,15 @@ def make_prompts(num: int, n_tokens: int, mode: str, tokenizer, vocab_size: int,
 STRUCTURED_SCHEMAS: list[dict] = []
 
 
+# The temperature every request sends; None leaves it out, so the server's default applies
+# (a model's generation_config.json, else OpenAI's 1.0). Set by the harness's flag.
+CLIENT_TEMPERATURE: float | None = 0.0
+
+
 def request_body(t: Target, prompt, output_tokens: int, index: int = 0) -> dict:
-    body = {"model": t.model, "prompt": prompt, "max_tokens": output_tokens,
-            "temperature": 0.0, "stream": True}
+    body = {"model": t.model, "prompt": prompt, "max_tokens": output_tokens, "stream": True}
+    if CLIENT_TEMPERATURE is not None:
+        body["temperature"] = CLIENT_TEMPERATURE
     if STRUCTURED_SCHEMAS and index % 2 == 0:
         body["structured_outputs"] = {
             "json": STRUCTURED_SCHEMAS[(index // 2) % len(STRUCTURED_SCHEMAS)]}
@@ -847,7 +853,7 @@ def main(argv=None) -> int:
             "concurrency": args.concurrency, "rounds": args.rounds,
             "min_requests": args.min_requests, "prompt_mode": args.prompt_mode,
             "tokenizer": tok_path if tokenizer is not None else None, "seed": args.seed,
-            "temperature": 0.0, "stream": True, "endpoint": "/v1/completions",
+            "temperature": CLIENT_TEMPERATURE, "stream": True, "endpoint": "/v1/completions",
         },
         "targets": results,
     }

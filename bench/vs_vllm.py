@@ -329,7 +329,9 @@ def run_decode_sweep(engine, sweep, record: dict, args, save) -> None:
 # ---- merge -------------------------------------------------------------------------------------
 
 # The W3 files' label suffixes: plain, and bench/w3_gpu.py --generation-config-json's.
-W3_VARIANTS = ("", "-genconfig", "-tp2", "-dp2")  # run_vs_vllm.sh's W3_GENCONFIG, VS_TP, VS_DP
+# run_vs_vllm.sh's W3_GENCONFIG (with W3_ARGS="--client-temperature unset": -sampled too), VS_TP,
+# VS_DP
+W3_VARIANTS = ("", "-genconfig", "-genconfig-sampled", "-tp2", "-dp2")
 W3_METRICS = (("output_tok_per_s", "tok/s", True), ("itl_ms_p99", "ITL p99 ms", False),
               ("ttft_ms_p99", "TTFT p99 ms", False), ("tokens_per_event", "tok/chunk", False))
 

@@ -26,15 +26,18 @@ those very ids, and every other id the dummy model samples decodes to a word " t
 streamed chunks carry text the client can time. (--prompt-mode tokens sends minivllm the ids
 with --skip-tokenizer-init instead: its chunks then carry no text.)
 
-Sampling: of the sampling fields the client sends only temperature 0 (greedy), max_tokens
-and ignore_eos; by default no server has sampling defaults (the model folder holds no
+Sampling: of the sampling fields the client sends only temperature 0 (greedy; another with
+--client-temperature, none with --client-temperature unset), max_tokens and ignore_eos; by
+default no server has sampling defaults (the model folder holds no
 generation_config.json and vLLM runs with --generation-config vllm).
 --generation-config-json PATH (minivllm and vllm parts, and prepare without --hf-weights)
 copies PATH into the model folder as generation_config.json and starts both servers with
 their default (auto), so each reads it as a model's own: the fields the client leaves unset
 (top_p, top_k, repetition_penalty, ...) come from it, as on a user's server. Those parts'
 labels and files then end in -genconfig (w3_minivllm-genconfig.json), and the file's content
-is the result's workload.generation_config (null without it).
+is the result's workload.generation_config (null without it). With --client-temperature
+unset as well, the file's temperature applies too (requests sampled as a user's would be
+who sends none): labels end in -genconfig-sampled.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ from bench.gpu_check import SMOKE_CONFIG  # noqa: E402  (the same tiny model)
 
 STOP_RESERVE_S = 15  # kept back from a part's budget to stop its server and write the JSON
 GENCONFIG_LABEL = "-genconfig"  # the label suffix of parts run with --generation-config-json
+SAMPLED_LABEL = "-sampled"  # and of parts whose client sends no temperature
 GENERATION_CONFIG = "generation_config.json"
 
 
@@ -238,7 +242,8 @@ def workload(args) -> dict:
             "concurrency": args.concurrency, "rounds": args.rounds,
             "min_requests": args.min_requests, "prompt_mode": args.prompt_mode,
             "seed": args.seed,
-            "prompt_chars": PROMPT_CHARS, "temperature": 0.0, "stream": True,
+            "prompt_chars": PROMPT_CHARS, "temperature": args.client_temperature,
+            "stream": True,
             "generation_config": generation_config(args),
             "endpoint": "/v1/completions",
             "model": model_name(args), "model_config": model_config(args),
@@ -574,6 +579,10 @@ def run_http_part(args, part: str) -> int:
     log_dir = Path(args.log_dir or Path(args.work) / "logs")
     log_dir.mkdir(parents=True, exist_ok=True)
     variant = GENCONFIG_LABEL if args.generation_config_json else ""
+    if args.client_temperature is None:
+        variant += SAMPLED_LABEL
+    elif args.client_temperature:
+        variant += f"-t{args.client_temperature:g}"
     if part == "minivllm":
         label, kind, levels = (args.label or "minivllm") + variant, "minivllm", args.concurrency
     elif part == "vllm":
@@ -763,6 +772,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "default, auto), for the sampling fields the client leaves unset; "
                         "labels get -genconfig. Default: no file, vLLM with "
                         "--generation-config vllm.")
+    p.add_argument("--client-temperature", type=_temperature, default=0.0,
+                   metavar="T|unset",
+                   help="The temperature each request sends (default 0: greedy); 'unset' "
+                        "sends none, so the server's default applies (with "
+                        "--generation-config-json, the file's temperature).")
     p.add_argument("--structured", action="store_true",
                    help="W8 through the server: every other request carries a JSON schema "
                         "(bench.w8_structured's four) in structured_outputs.")
@@ -796,6 +810,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not isinstance(content, dict):
             p.error(f"--generation-config-json {args.generation_config_json}: not a JSON "
                     "object")
+    if args.client_temperature is None and not args.generation_config_json:
+        p.error("--client-temperature unset needs --generation-config-json (without a file "
+                "the servers' defaults differ: vLLM's --generation-config vllm is 1.0)")
+    if args.part in ("offline", "transformers") and args.client_temperature != 0.0:
+        p.error("--client-temperature: the minivllm and vllm parts only")
     if args.client_procs is None:
         args.client_procs = max(1, min(8, (os.cpu_count() or 1) * 3 // 8))
     smoke = args.smoke
@@ -812,10 +831,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _temperature(text: str) -> float | None:
+    if text == "unset":
+        return None
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"a temperature is >= 0 or 'unset', not {text!r}")
+    return value
+
+
 def main(argv=None) -> int:
     global CLIENT_PROCS
     args = parse_args(argv)
     CLIENT_PROCS = args.client_procs
+    sb.CLIENT_TEMPERATURE = args.client_temperature
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.structured:
         from bench.w8_structured import SCHEMAS

@@ -257,6 +257,31 @@ def test_w3_tokenizer_gives_every_loader_the_same_ids(tmp_path):
             assert tok.decode([i]) == f" t{i}"
 
 
+def test_w3_client_temperature_unset_leaves_the_servers_defaults():
+    """--client-temperature unset: the requests carry no temperature (the model's
+    generation_config.json then samples them), only beside such a file."""
+    from bench import serve_bench as sb
+    from bench import w3_gpu
+
+    genconfig = str(REPO / "bench" / "model_configs"
+                    / "qwen2.5-0.5b-instruct.generation_config.json")
+    args = w3_gpu.parse_args(["minivllm", "--smoke", "--generation-config-json", genconfig,
+                              "--client-temperature", "unset"])
+    assert args.client_temperature is None and w3_gpu.workload(args)["temperature"] is None
+    t = sb.Target(label="x", kind="minivllm", base_url="http://127.0.0.1:1", model="m")
+    saved = sb.CLIENT_TEMPERATURE
+    try:
+        sb.CLIENT_TEMPERATURE = None
+        assert "temperature" not in sb.request_body(t, "hi", 4)
+        sb.CLIENT_TEMPERATURE = 0.0
+        assert sb.request_body(t, "hi", 4)["temperature"] == 0.0
+    finally:
+        sb.CLIENT_TEMPERATURE = saved
+    for bad in (["--client-temperature", "unset"], ["--client-temperature", "-1"]):
+        with pytest.raises(SystemExit):
+            w3_gpu.parse_args(["minivllm", "--smoke", *bad])
+
+
 def test_w3_budget_shrinks_then_skips_levels():
     from bench.w3_gpu import plan_level
 
