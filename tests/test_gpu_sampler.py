@@ -167,6 +167,7 @@ def _mask_hook(allowed: dict[int, list[int]]):
 def test_grammar_masks_on_the_device(graphed):
     """Rows with a grammar's bitmask draw only allowed tokens, as the reference does, in
     eager launches and graph replays; the other rows draw what they would unmasked."""
+    pytest.importorskip("xgrammar", reason="structured outputs need xgrammar")
     vocab, rows = 151936, 24
     g = torch.Generator(device=GPU).manual_seed(3)
     logits_buf = (torch.randn(32, vocab, device=GPU, generator=g) * 3).to(torch.bfloat16)
