@@ -518,7 +518,7 @@ def _level_kernel(x_ptr, stride_x, V, row_slot_ptr, state_ptr, pivots_ptr, peak_
 @triton.jit
 def _narrow_kernel(row_slot_ptr, state_ptr, state_f_ptr, pivots_ptr, level_count_ptr,
                    level_mass_ptr, num_splits, lo_ptr, hi_ptr,
-                   SPLITS_P2: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr):
+                   NP: tl.constexpr, CAP: tl.constexpr):
     """Program row of a searching row: the splits' counts added up, the interval
     narrowed (_narrow); done once it holds at most CAP values (the gather then takes
     them: all above lo if that is at most CAP, else those in (lo, hi]) or one key; else
@@ -529,14 +529,18 @@ def _narrow_kernel(row_slot_ptr, state_ptr, state_f_ptr, pivots_ptr, level_count
     state = state_ptr + row * 6
     if tl.load(state + 5) == 0:
         return
-    s = tl.arange(0, SPLITS_P2)
     j = tl.arange(0, NP)
-    at = (row * num_splits + s[:, None]) * NP + j[None, :]
-    ok = (s < num_splits)[:, None]
-    count = tl.sum(tl.load(level_count_ptr + at, mask=ok, other=0), 0)
-    if tl.load(state + 4) == 2:
-        f = tl.sum(tl.load(level_mass_ptr + at, mask=ok, other=0.0), 0)
-    else:
+    by_mass = tl.load(state + 4) == 2
+    count = tl.zeros((NP,), dtype=tl.int32)
+    f = tl.zeros((NP,), dtype=tl.float32)
+    for s0 in range(0, num_splits, 16):  # 16 splits at a time: one variant for any count
+        s = s0 + tl.arange(0, 16)
+        at = (row * num_splits + s[:, None]) * NP + j[None, :]
+        ok = (s < num_splits)[:, None]
+        count += tl.sum(tl.load(level_count_ptr + at, mask=ok, other=0), 0)
+        if by_mass:
+            f += tl.sum(tl.load(level_mass_ptr + at, mask=ok, other=0.0), 0)
+    if not by_mass:
         f = count.to(tl.float32)
     pivots = tl.load(pivots_ptr + row * NP + j)
     lo, hi, count_lo, count_hi, f_hi = _narrow(
@@ -865,8 +869,8 @@ def sampling_splits(rows: int, vocab: int, device: torch.device) -> int:
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     most = triton.cdiv(vocab, _BLOCK)
-    # By the rows' power of two: a few launch variants to compile, all warmed up by
-    # the sampler's graph capture.
+    # By the rows' power of two; the kernels' constants do not depend on it (sample_rows),
+    # so the row buckets share one compiled variant of each kernel.
     return max(1, min(most, triton.cdiv(4 * sms, triton.next_power_of_2(max(rows, 1)))))
 
 
@@ -890,7 +894,10 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
     splits = splits or sampling_splits(num_rows, vocab, logits.device)
     split_len = triton.cdiv(triton.cdiv(vocab, splits), block) * block
     splits = triton.cdiv(vocab, split_len)
-    splits_p2 = triton.next_power_of_2(splits)
+    # The partials' width is the most splits this vocabulary takes (one row's), not this
+    # launch's: one compiled variant serves every row bucket (each variant took ~2 s to
+    # compile at start-up, and the buckets took 7).
+    splits_p2 = triton.next_power_of_2(max(splits, sampling_splits(1, vocab, logits.device)))
     kx = rows.extra.shape[1]
     x = scratch.x
     cap = scratch.g_val.shape[1]
@@ -914,7 +921,7 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
             BLOCK=min(block, 256), num_warps=4)
         mod._narrow_kernel[(num_rows,)](
             rows.slot, scratch.search, scratch.search_f, scratch.pivots, scratch.level_count,
-            scratch.level_mass, splits, scratch.lo, scratch.hi, SPLITS_P2=splits_p2,
+            scratch.level_mass, splits, scratch.lo, scratch.hi,
             NP=_LEVEL_PIVOTS, CAP=cap, num_warps=1)
     mod._gather_kernel[(num_rows, splits)](
         x, x.stride(0), vocab, rows.slot, state.ints, scratch.lo, scratch.hi, scratch.count,

@@ -75,6 +75,7 @@ def run_kernels(logits, state, rows, want_logprobs: bool, cap: int = 32, block: 
     out.token.fill_(-7)
     K.sample_rows(logits, logits.argmax(-1), rows, state, scratch, out, want_logprobs, block,
                   splits)
+    out.tau = scratch.tau  # random rows' thresholds, as keys
     return out
 
 
@@ -92,12 +93,13 @@ MIXED = [dict(temperature=0.0), dict(temperature=0.0, repetition_penalty=1.3, lo
          dict(temperature=1.0, top_k=380, seed=1)]
 
 
-@pytest.mark.parametrize("shape", ["peaked", "flat", "ties"])
-def test_kernels_match_the_reference(shape):
+@pytest.mark.parametrize("shape,block,splits", [("peaked", 32, 3), ("flat", 32, 3),
+                                                ("ties", 32, 3), ("flat", 16, 25)])
+def test_kernels_match_the_reference(shape, block, splits):
     """Every row of a mixed batch gets the same token, counts and logprobs from the
     kernels as from sample_reference; 'flat' rows keep more tokens than the gather list
     holds (the search's interval, a draw over the whole row), 'ties' make the search end
-    on single keys."""
+    on single keys; 25 splits a row take the search levels' sums more than 16 at a time."""
     vocab = 400
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(len(MIXED), vocab, generator=g)
@@ -110,9 +112,19 @@ def test_kernels_match_the_reference(shape):
     want_state, rows = staged(seqs, vocab, extras=extras, counted=counted)
     want_tokens, want_lp = S.sample_reference(logits, want_state, rows, True)
     got_state, rows = staged(seqs, vocab, extras=extras, counted=counted)
-    out = run_kernels(logits, got_state, rows, True)
+    out = run_kernels(logits, got_state, rows, True, block=block, splits=splits)
     assert out.token.tolist() == want_tokens.tolist()
     assert torch.equal(got_state.counts, want_state.counts)
+    # The thresholds themselves (a token drawn from a kept set off at its margin can
+    # still match): every truncated row's tau is the sort-based one.
+    state, rows = staged(seqs, vocab, extras=extras, counted=counted)
+    x, flags = S.process_logits(logits, state, rows)
+    slot = rows.slot.long()
+    keep = S.kept_tokens(x, flags & ~K.FLAG_MIN_P, state.ints[slot, S._I_TOP_K],
+                         state.floats[slot, S._F_TOP_P], state.floats[slot, S._F_MIN_P])
+    for i, p in enumerate(MIXED):
+        if p.get("temperature") and ("top_k" in p or "top_p" in p):
+            assert out.tau[i].item() == S.float_keys(x[i][keep[i]].min()).item(), i
     for i, p in enumerate(MIXED):
         if p.get("logprobs") is None:
             continue
