@@ -41,6 +41,8 @@ shapes: the launches can be captured in CUDA graphs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -861,6 +863,7 @@ def _logprob_finish_kernel(row_slot_ptr, ints_ptr, lse_ptr, top_val_ptr, top_idx
 
 # ---- launcher ---------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)  # asked on every launch, twice
 def sampling_splits(rows: int, vocab: int, device: torch.device) -> int:
     """Programs per row in prepare and draw: enough for ~4 programs per SM in all, each
     at least a block of the vocabulary (on a CPU: one per row, the interpreter's cost is
