@@ -398,9 +398,9 @@ def _bound_kernel(row_slot_ptr, ints_ptr, floats_ptr, part_ptr, part_idx_ptr, nu
     the blocks' maxima (each block holds a value at least its maximum): the k-th largest
     block maximum for top-k; for top-p without a top-k cut, the largest block maximum
     down to which the maxima alone hold top_p of the row's mass. Its key goes to lo (the
-    gather takes keys in [lo, hi]), the gather's count to zero. A row without a bound starts the search
-    levels instead (state: lo, hi, count above each, mode, active; f above hi, limit;
-    the first pivots): mode 1 top-k's count, 2 top-p's mass (top-k off)."""
+    gather takes keys in [lo, hi]), the gather's count to zero. A row without a bound
+    starts the search levels instead (state: lo, hi, count above each, mode, active; f
+    above hi, limit; the first pivots): mode 1 top-k's count, 2 top-p's mass (top-k off)."""
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(row_slot_ptr + row).to(tl.int64)
     if slot < 0:

@@ -86,17 +86,13 @@ class MoE(nn.Module):
         quantize = {"fp8": quantize_fp8, "int8": quantize_int8, "int4": quantize_int4}[method]
         for name in ("w13", "w2"):
             w = getattr(self, name).detach()
-            if method == "int4":
-                q, scale, zero = quantize(w.reshape(-1, w.shape[-1]))
-                delattr(self, name)
-                self.register_buffer(name, q.view(w.shape[0], w.shape[1], -1))
-                setattr(self, f"{name}_scale", scale.view(w.shape[0], w.shape[1], -1))
-                setattr(self, f"{name}_zero", zero.view(w.shape[0], w.shape[1], -1))
-                continue
-            q, scale = quantize(w.reshape(-1, w.shape[-1]))
+            experts, rows = w.shape[:2]
+            # Per (expert, output row): a scale (int4: one per group, and zero points).
+            q, *scales = quantize(w.reshape(-1, w.shape[-1]))
             delattr(self, name)
-            self.register_buffer(name, q.view(w.shape))
-            setattr(self, f"{name}_scale", scale.view(w.shape[0], w.shape[1]))
+            self.register_buffer(name, q.view(experts, rows, -1))
+            for suffix, t in zip(("_scale", "_zero"), scales):
+                setattr(self, name + suffix, t.view(experts, rows, *t.shape[1:]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, x.dtype)
