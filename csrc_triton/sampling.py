@@ -898,8 +898,8 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
     split_len = triton.cdiv(triton.cdiv(vocab, splits), block) * block
     splits = triton.cdiv(vocab, split_len)
     # The partials' width is the most splits this vocabulary takes (one row's), not this
-    # launch's: one compiled variant serves every row bucket (each variant took ~2 s to
-    # compile at start-up, and the buckets took 7).
+    # launch's: one compiled variant serves every row bucket (the buckets took 7, and the
+    # sampler's capture spent 41.5-68 s compiling on an empty Triton cache).
     splits_p2 = triton.next_power_of_2(max(splits, sampling_splits(1, vocab, logits.device)))
     kx = rows.extra.shape[1]
     x = scratch.x
