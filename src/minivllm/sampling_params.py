@@ -167,6 +167,17 @@ class SamplingParams:
         return copy.deepcopy(self)
 
 
+def fit_default_max_tokens(params: SamplingParams, room: int) -> SamplingParams:
+    """`params` whose max_tokens is a default, not the caller's (generation_config.json's
+    max_new_tokens, the CLI's 256), cut to the `room` a prompt leaves in the context
+    (vLLM's get_max_tokens). Left as it is where even min_tokens would not fit, so that
+    validation says why."""
+    if params.max_tokens is not None and max(1, params.min_tokens) <= room < params.max_tokens:
+        params = params.clone()
+        params.max_tokens = room
+    return params
+
+
 # ---- generation_config.json defaults (vLLM's --generation-config) -------------------------
 
 # The generation_config.json keys taken as sampling defaults, and their SamplingParams

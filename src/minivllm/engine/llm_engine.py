@@ -21,7 +21,7 @@ from ..config import (EngineConfig, ModelConfig, attention_backend, load_config_
                       pipelining_enabled, resolve_device, resolve_dtype, resolve_model_path)
 from ..model.loader import weight_bytes
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, fit_default_max_tokens
 from ..tokenizer import load_tokenizer
 from ..worker.draft_model import DraftModel
 from ..worker.kv_cache import block_bytes
@@ -224,8 +224,8 @@ class LLMEngine:
         """Queue a request. stream=False reports it only once it has finished, which
         saves building an output per step for offline batches. default_max_tokens: the
         params' max_tokens is a default (generation_config.json's max_new_tokens, the CLI's
-        256), not the caller's: it is cut to the room the prompt leaves, as the server does,
-        rather than refused."""
+        256), not the caller's: fit_default_max_tokens cuts it to the room the prompt
+        leaves, as the server does, rather than refusing it."""
         if isinstance(prompt, dict):
             prompt_token_ids = prompt.get("prompt_token_ids")
             prompt = prompt.get("prompt")
@@ -237,11 +237,10 @@ class LLMEngine:
                                  "with 'prompt_token_ids'.")
             prompt_token_ids = self.tokenize(prompt)
         prompt_token_ids = list(prompt_token_ids)
+        if default_max_tokens:
+            params = fit_default_max_tokens(params, self.max_model_len - len(prompt_token_ids))
         params = params.clone()
         params._eos_token_ids = self.eos_token_ids
-        if default_max_tokens and params.max_tokens is not None:
-            room = self.max_model_len - len(prompt_token_ids)
-            params.max_tokens = max(1, min(params.max_tokens, room))
         self.validate_prompt(prompt_token_ids, params)
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - len(prompt_token_ids)

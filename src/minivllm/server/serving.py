@@ -28,7 +28,7 @@ from ..engine.async_llm_engine import (AsyncLLMEngine, EngineDeadError, EngineSh
                                        RequestStream)
 from ..engine.output_codec import DecodedOutput, materialize, sample_outputs
 from ..outputs import Logprob, RequestOutput
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, fit_default_max_tokens
 from ..tokenizer import render_chat
 from .chat_outputs import ChatOutputPlan, delta_of
 from .protocol import ChatCompletionRequest, CompletionRequest, RequestError
@@ -324,13 +324,10 @@ class OpenAIServing:
     def _fit_max_tokens(self, job: _Job, prompt: _Prompt) -> SamplingParams:
         """A default max_tokens is cut to the context the prompt leaves (vLLM's
         get_max_tokens); one the request asked for is not (too long is a 400)."""
-        params = job.params
-        room = self.engine.max_model_len - len(prompt.token_ids)
-        if job.default_max_tokens and params.max_tokens is not None and \
-                max(1, params.min_tokens) <= room < params.max_tokens:
-            params = params.clone()
-            params.max_tokens = room
-        return params
+        if not job.default_max_tokens:
+            return job.params
+        return fit_default_max_tokens(job.params,
+                                      self.engine.max_model_len - len(prompt.token_ids))
 
     # ---- tokenizer ----------------------------------------------------------------------
 
