@@ -24,7 +24,7 @@ for part in "${parts[@]}"; do
              tests/test_gpu_sampler.py > "$OUT/gpu_sampler_tests.log" 2>&1
            say "tests: exit $?"; tail -3 "$OUT/gpu_sampler_tests.log" ;;
     micro) timeout "${T_MICRO:-120}" python3 -m bench.sampler_bench --rows ${MICRO_ROWS:-1 256} \
-             --out "$OUT/sampler_bench.json" > "$OUT/sampler_bench.log" 2>&1
+             --out "$OUT/sampler_bench.json" ${MICRO_ARGS:-} > "$OUT/sampler_bench.log" 2>&1
            say "micro: exit $?"; cat "$OUT/sampler_bench.log" ;;
     settings:*)
       IFS=: read -r _ model wl sampling <<< "$part"

@@ -61,12 +61,31 @@ def time_replays(fn, reps: int = 50) -> float:
     return statistics.median(times[5:])
 
 
+def kernel_times(fn, reps: int = 10) -> dict[str, float]:
+    """Each kernel's mean device microseconds per call of fn (graph replays included)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = e.name.split("(")[0][:40]
+            times[name] = times.get(name, 0.0) + e.device_time / reps
+    return {k: round(v, 1) for k, v in sorted(times.items(), key=lambda kv: -kv[1])}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--vocab", type=int, nargs="+", default=[151936])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--scales", type=float, nargs="+", default=[4.0, 0.3])
     p.add_argument("--out", required=True)
+    p.add_argument("--profile", action="store_true",
+                   help="also each kernel's device time per replay (torch.profiler)")
     args = p.parse_args()
     dev = torch.device("cuda")
     record = {"benchmark": "sampler", "environment": environment(), "rows": []}
@@ -96,9 +115,14 @@ def main() -> int:
                     sampler.graphs.capture()
                     seqs = [Seq(i, vocab, SamplingParams(seed=i, **kw)) for i in range(n)]
                     lp_rows = sampler.stage(seqs, [300] * n, padded=n)
-                    us = time_replays(sampler.graphs.graphs[n, bool(lp_rows)].replay)
-                    record["rows"].append({"vocab": vocab, "scale": scale, "rows": n,
-                                           "setting": name, "us": round(us, 1)})
+                    replay = sampler.graphs.graphs[n, bool(lp_rows)].replay
+                    us = time_replays(replay)
+                    row = {"vocab": vocab, "scale": scale, "rows": n, "setting": name,
+                           "us": round(us, 1)}
+                    if args.profile:
+                        row["kernels_us"] = kernel_times(replay)
+                        print("   ", row["kernels_us"], flush=True)
+                    record["rows"].append(row)
                     print(f"V={vocab} scale={scale} rows={n:4d} {name:26s} {us:8.1f} us",
                           flush=True)
                     del sampler
