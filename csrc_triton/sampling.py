@@ -32,7 +32,8 @@ Kept tokens that fit the gathered list are drawn from it; otherwise one more pas
 the row draws.
 
 Kernels, in launch order: prepare (rows x splits: the processed values, their maximum,
-argmax, sum of exp, and the raw logits' log-sum-exp for logprob rows), select (a program
+argmax, sum of exp, and the raw logits' log-sum-exp for logprob rows; the draw of a
+random row that keeps every token, which then never stores its values), select (a program
 a row: tau, and the token when it can), draw and finish (the rows left to draw over the
 whole vocabulary; the counts update; the token's logprob), then for logprob rows the
 top-N and rank (rows x splits, then a program a row). Launch grids depend only on the
@@ -91,7 +92,7 @@ _LP_BLOCK = 4096      # a logprobs program's share of a row (one block)
 _INT64_MAX = tl.constexpr(2 ** 63 - 1)
 
 # Partial results of prepare, per (row, split), in a float32 [R, splits, 8] buffer.
-_P_MAX, _P_SUM, _P_MIN, _P_FINITE, _P_RAW_MAX, _P_RAW_SUM = range(6)
+_P_MAX, _P_SUM, _P_MIN, _P_FINITE, _P_RAW_MAX, _P_RAW_SUM, _P_DRAW, _P_DRAW_AT = range(8)
 
 
 @triton.jit
@@ -145,11 +146,12 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
                     mask_words, ints_ptr, floats_ptr, part_ptr, part_idx_ptr, block_max_ptr,
                     num_blocks, split_len, KX: tl.constexpr, BLOCK: tl.constexpr):
     """Program (row, split): the row's values over its split of the vocabulary, processed
-    (grammar mask, bias, bans, penalties, temperature) and stored to x for a random row,
-    with each
-    block's maximum (a truncated row's bound, see _bound_kernel); partial maximum, first
-    argmax, sum of exp (relative to that maximum), least finite value and finite count;
-    the raw logits' maximum and sum of exp for a logprob row."""
+    (grammar mask, bias, bans, penalties, temperature); partial maximum, first argmax,
+    sum of exp (relative to that maximum), least finite value and finite count; the raw
+    logits' maximum and sum of exp for a logprob row. A random row that keeps every
+    token (no top-k, top-p or min-p) is drawn here: the split's best x + gumbel noise and
+    its first index, as the draw kernel would find them. Other random rows store x, and
+    each block's maximum for a truncated row (its bound, see _bound_kernel)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -174,6 +176,8 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
     want_lp = (flags & 16) != 0
     top_p_on = (flags & 64) != 0
     truncated = (flags & 96) != 0
+    drawn_here = random & ((flags & 224) == 0)   # no top-k, top-p or min-p
+    seed = tl.load(ints_ptr + slot * 8 + 2)
     # 1 + the row's grammar bitmask row, 0 for none (only a FLAG_GRAMMAR slot has one).
     mask_row = (tl.load(row_flags_ptr + row) >> 2).to(tl.int64) * ((flags & 256) != 0)
 
@@ -186,6 +190,8 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
     finite = 0
     raw_max = float("-inf")
     raw_sum = 0.0
+    draw_best = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    draw_at = lanes + V
     start = split * split_len
     for k in range(start, tl.minimum(start + split_len, V), BLOCK):
         offs = k + lanes
@@ -219,7 +225,14 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
         x = tl.where(ok, x, float("-inf"))
         if random:
             x = x / temperature
-            tl.store(x_ptr + row * stride_x + offs, x, mask=ok)
+            if drawn_here:  # the draw kernel's scores, without a round trip through x
+                noise = -tl.log(-tl.log(_uniform_block(seed, k, position, BLOCK)))
+                score = tl.where(x > float("-inf"), x + noise, float("-inf"))
+                take = score > draw_best
+                draw_best = tl.where(take, score, draw_best)
+                draw_at = tl.where(take, offs, draw_at)
+            else:
+                tl.store(x_ptr + row * stride_x + offs, x, mask=ok)
             bm = tl.max(x, 0)
             if truncated:
                 tl.store(block_max_ptr + row * num_blocks + k // BLOCK, bm)
@@ -242,6 +255,10 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
     tl.store(part + 4, raw_max)
     tl.store(part + 5, raw_sum)
     tl.store(part_idx_ptr + row * num_splits + split, i)
+    if drawn_here:
+        v, i = tl.reduce((draw_best, draw_at), 0, _first_max)
+        tl.store(part + 6, v)
+        tl.store(part + 7, i.to(tl.float32))  # exact: a vocabulary is below 2 ** 24
 
 
 # ---- select: the threshold search ------------------------------------------------------
@@ -642,6 +659,14 @@ def _select_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floa
     tl.store(peak_ptr + row, peak)
     if (flags & 1) == 0:
         tl.store(token_ptr + row, argmax.to(tl.int64))
+        return
+    if (flags & 224) == 0:  # prepare drew it: the best of its splits' draws
+        s = tl.arange(0, SPLITS_P2)
+        part = part_ptr + (row * num_splits + s) * 8
+        scores = tl.load(part + 6, mask=s < num_splits, other=float("-inf"))
+        ids = tl.load(part + 7, mask=s < num_splits, other=V).to(tl.int32)
+        _, token = tl.reduce((scores, ids), 0, _first_max)
+        tl.store(token_ptr + row, tl.minimum(token, V - 1).to(tl.int64))
         return
     top_k = tl.load(ints_ptr + slot * 8 + 1)
     top_p = tl.load(floats_ptr + slot * 8 + 1)

@@ -90,7 +90,10 @@ MIXED = [dict(temperature=0.0), dict(temperature=0.0, repetition_penalty=1.3, lo
          dict(temperature=0.6, top_k=300, top_p=0.99, seed=-5),
          dict(temperature=1.5, min_p=0.2, repetition_penalty=0.8, seed=2**40),
          dict(temperature=0.8, top_k=12, seed=9), dict(temperature=0.9, top_k=100),
-         dict(temperature=1.0, top_k=380, seed=1)]
+         dict(temperature=1.0, top_k=380, seed=1),
+         # random over every token (drawn in prepare), after a bias, bans and penalties
+         dict(temperature=0.7, presence_penalty=0.5, min_tokens=5, stop_token_ids=[9],
+              logit_bias={3: 2.0}, seed=11, logprobs=2)]
 
 
 @pytest.mark.parametrize("shape,block,splits", [("peaked", 32, 3), ("flat", 32, 3),
@@ -106,7 +109,7 @@ def test_kernels_match_the_reference(shape, block, splits):
     logits = {"peaked": logits * 4, "flat": logits * 0.05,
               "ties": (logits * 2).round() / 2}[shape]
     seqs = [row(i, **p) for i, p in enumerate(MIXED)]
-    extras = [[], [], [7, 30], [], [], [], [12], [], [], [], [], [], []]
+    extras = [[], [], [7, 30], [], [], [], [12], [], [], [], [], [], [], [5]]
     counted = [True] * len(seqs)
     counted[2] = counted[6] = False
     want_state, rows = staged(seqs, vocab, extras=extras, counted=counted)
