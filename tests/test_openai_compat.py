@@ -452,6 +452,18 @@ def test_prompt_logprobs_in_the_response_as_vllm_gives_them(http, tiny_chat_dir)
     assert body["prompt_logprobs"][0] is None
     assert all(len(pos) == 1 for pos in body["prompt_logprobs"][1:])  # the prompt's own token
 
+    # echo with logprobs 4 has the engine keep 4 a prompt position; prompt_logprobs 1
+    # still shows the top 1 (and the prompt's own token), echo's logprobs the top 4.
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                                           "echo": True, "logprobs": 4, "prompt_logprobs": 1})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    for tid, pos, top in zip(want.prompt_token_ids[1:], choice["prompt_logprobs"][1:],
+                             choice["logprobs"]["top_logprobs"][1:]):
+        assert str(tid) in pos and 1 <= len(pos) <= 2
+        assert all(e["rank"] == 1 or t == str(tid) for t, e in pos.items())
+        assert len(top) >= 4
+
     for path, extra in (("/v1/completions", {"prompt": prompt}),
                         ("/v1/chat/completions", {"messages": CHAT})):
         r = http.post(path, json={"model": MODEL, "stream": True, "prompt_logprobs": 1,

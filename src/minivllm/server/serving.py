@@ -418,7 +418,8 @@ class OpenAIServing:
                 if req.return_token_ids:
                     choice.update(prompt_token_ids=prompt.token_ids, token_ids=list(gen_ids))
                 if req.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = self._prompt_logprobs_json(out.prompt_logprobs)
+                    choice["prompt_logprobs"] = self._prompt_logprobs_json(
+                        out.prompt_logprobs, prompt.token_ids, req.prompt_logprobs)
                 choices.append(choice)
         prompt_tokens = sum(len(p.token_ids) for p in job.prompts)
         return OrjsonResponse({
@@ -426,15 +427,18 @@ class OpenAIServing:
             "model": job.model, "choices": choices,
             "usage": _usage(prompt_tokens, completion_tokens)})
 
-    def _prompt_logprobs_json(self, positions: list | None) -> list | None:
+    def _prompt_logprobs_json(self, positions: list | None, token_ids: list[int],
+                              num: int) -> list | None:
         """vLLM's prompt_logprobs: per prompt token, None for the first, else {token id:
-        {logprob, rank, decoded_token}} for the prompt's token and the top-N."""
+        {logprob, rank, decoded_token}} for the prompt's token and the top `num` (the
+        engine may hold more: echo with a larger `logprobs` asks it for those)."""
         if positions is None:
             return None
         return [None if pos is None else {
             str(t): {"logprob": lp.logprob, "rank": lp.rank,
-                     "decoded_token": self.token_str(t, lp)} for t, lp in pos.items()}
-            for pos in positions]
+                     "decoded_token": self.token_str(t, lp)}
+            for t, lp in pos.items() if t == tid or (lp.rank is not None and lp.rank <= num)}
+            for pos, tid in zip(positions, token_ids)]
 
     def _prompt_text(self, prompt: _Prompt) -> str:
         return prompt.text if prompt.text is not None else self.decode(prompt.token_ids)
@@ -594,7 +598,8 @@ class OpenAIServing:
                 "model": job.model, "choices": choices,
                 "usage": _usage(len(prompt.token_ids), completion_tokens)}
         if req.prompt_logprobs is not None:
-            body["prompt_logprobs"] = self._prompt_logprobs_json(final.prompt_logprobs)
+            body["prompt_logprobs"] = self._prompt_logprobs_json(
+                final.prompt_logprobs, prompt.token_ids, req.prompt_logprobs)
         return OrjsonResponse(body)
 
     def _chat_logprobs(self, token_ids: list[int], positions: list | None,
