@@ -50,10 +50,10 @@ def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return out
 
 
-def _tiny_hf_model(arch: str, tied: bool, seed: int = 0):
+def _tiny_hf_model(arch: str, tied: bool, seed: int = 0, **extra):
     import transformers
 
-    common = dict(
+    common = dict(**extra,
         vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=tied,
@@ -76,8 +76,10 @@ def _tiny_hf_model(arch: str, tied: bool, seed: int = 0):
     return model
 
 
-def _write_gguf(path: Path, arch: str, model, qtype: GGMLQuantizationType) -> dict[str, torch.Tensor]:
-    """Write ``model`` as GGUF; return the HF tensors the loader must give back."""
+def _write_gguf(path: Path, arch: str, model, qtype: GGMLQuantizationType,
+                skip: str | None = None) -> dict[str, torch.Tensor]:
+    """Write ``model`` as GGUF (without the tensors whose name holds ``skip``); return the
+    HF tensors the loader must give back."""
     cfg = model.config
     name_map = gguf.get_tensor_name_map(ARCHS[arch], cfg.num_hidden_layers)
     w = gguf.GGUFWriter(str(path), arch)
@@ -97,7 +99,8 @@ def _write_gguf(path: Path, arch: str, model, qtype: GGMLQuantizationType) -> di
     w.add_eos_token_id(2)
     expected: dict[str, torch.Tensor] = {}
     for hf_name, t in model.state_dict().items():
-        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+        if (hf_name == "lm_head.weight" and cfg.tie_word_embeddings) or (
+                skip and skip in hf_name):
             continue
         base, suffix = hf_name.rsplit(".", 1)
         gguf_name = f"{name_map.get_name(base)}.{suffix}"
@@ -227,6 +230,29 @@ def test_synthetic_llama_matches_transformers_gguf_loader(tmp_path):
     assert set(ours) <= set(theirs)
     for name, t in ours.items():
         assert torch.equal(t, theirs[name]), name
+
+
+def test_llama_with_qkv_biases_and_none_on_the_output(tmp_path):
+    """A Llama GGUF whose q/k/v have biases and whose output projection has none (the
+    config's attention_bias means all four) loads with zeros there: the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    model = _tiny_hf_model("llama", tied=True, seed=4, attention_bias=True)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.bias.zero_()
+    path = tmp_path / "qkv-bias.gguf"
+    _write_gguf(path, "llama", model, GGMLQuantizationType.F32, skip="o_proj.bias")
+    config, tensors = gl.load_gguf_state(path)
+    got = dict(tensors)
+    assert config["attention_bias"] is True
+    assert torch.equal(got["model.layers.1.self_attn.o_proj.bias"], torch.zeros(64))
+    loaded = AutoModelForCausalLM.from_pretrained(
+        gl.convert_gguf_to_hf_dir(path, tmp_path / "hf", tokenizer=False),
+        dtype=torch.float32).eval()
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_metadata_reader(tmp_path):

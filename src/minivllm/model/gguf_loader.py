@@ -287,6 +287,15 @@ def _iter_tensors(reader, meta: dict[str, Any]) -> Iterator[tuple[str, torch.Ten
             elif ".attn_k." in tensor.name:
                 w = unpermute_qk_from_gguf(w, n_kv_head)
         yield hf_name, w
+    # A Llama-style file with q/k/v biases and none on the output projection: the Hugging
+    # Face config's attention_bias (build_hf_config) means all four, so the output gets
+    # zeros, which change nothing.
+    names = {t.name for t in reader.tensors}
+    if arch in ("llama", "qwen3") and "blk.0.attn_q.bias" in names:
+        hidden = int(meta[f"{arch}.embedding_length"])
+        for i in range(int(meta[f"{arch}.block_count"])):
+            if f"blk.{i}.attn_output.bias" not in names:
+                yield f"model.layers.{i}.self_attn.o_proj.bias", torch.zeros(hidden)
 
 
 def iter_gguf_tensors(path_or_reader) -> Iterator[tuple[str, torch.Tensor]]:
