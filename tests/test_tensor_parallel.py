@@ -35,6 +35,38 @@ def test_tp2_matches_one_process(tiny_model_dirs, family):
                     assert abs(lg[token].logprob - entry.logprob) < 1e-4
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_vocabulary_the_ranks_do_not_divide(tmp_path, family):
+    """The embedding and the head split by vocabulary: 253 ids over 2 ranks, the last
+    slice padded (llama's head its own tensor, qwen2's tied to the embedding); the same
+    tokens and logprobs as one process, every id embedded and scored."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    import torch
+    from conftest import TINY_CONFIGS
+
+    cfg = dict(TINY_CONFIGS[family], vocab_size=253)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"),
+                                                                   **cfg))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    prompts = random_prompts(4, 253, 3, 30, seed=5)
+    prompts[0][:3] = [252, 0, 127]  # the ids at both ends of the slices
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+    want, got = (LLM(str(tmp_path), skip_tokenizer_init=True, max_model_len=64,
+                     tensor_parallel_size=w).generate(prompts, params, use_tqdm=False)
+                 for w in (1, 2))
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+            assert lw.keys() == lg.keys()
+            for token, entry in lw.items():
+                assert abs(lg[token].logprob - entry.logprob) < 1e-4
+
+
 @pytest.mark.slow
 def test_tp3_on_the_real_model(default_model_dir):
     """SmolLM2-135M: 9 heads, 3 KV heads, MLP width 1536 split three ways; 2 does not

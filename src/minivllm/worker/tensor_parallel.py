@@ -5,12 +5,13 @@ forward; ranks 1..N-1 are worker processes that hold the other shards and their 
 the KV cache. Before each forward rank 0 broadcasts the step's inputs (token ids,
 positions, attention metadata); every rank runs the same forward on its shard, and the
 row-parallel projections' partial sums are all-reduced, so that every rank ends the
-forward with the same hidden states (the head and the sampler run on rank 0 only).
+forward with the same hidden states; the sampler runs on rank 0 only.
 
 The split (Megatron's): q/k/v and gate/up column-parallel (each rank its heads and its
 slice of the MLP's inner width), o and down row-parallel with an all-reduce; KV heads
-split, or replicated where there are fewer than ranks. Embeddings and the head are
-replicated. Each engine has process groups of its own, so several engines can live in
+split, or replicated where there are fewer than ranks. The embedding and the head are split
+by vocabulary: each rank embeds the ids in its slice (zeros elsewhere, summed over the
+ranks) and computes its slice of the logits, which rank 0 gathers. Each engine has process groups of its own, so several engines can live in
 one process: gloo over TCP carries the step inputs (and, on the CPU, the all-reduces); on
 GPUs each rank has a GPU of its own (the engine's, then the next ones on its node) and the
 all-reduces go through NCCL. On GPUs the forwards run eagerly for now (no CUDA graphs):
@@ -60,6 +61,17 @@ class TPGroup:
         # NCCL's wait() orders the current stream after the sum; the host goes on.
         (self.nccl if t.is_cuda else self.pg).allreduce([t]).wait()
         return t
+
+    def broadcast_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `t` into every rank's `t` (same shape and dtype), in place."""
+        (self.nccl if t.is_cuda else self.pg).broadcast([t], dist.BroadcastOptions()).wait()
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `t` (same shape on each), in rank order."""
+        out = [torch.empty_like(t) for _ in range(self.world)]
+        (self.nccl if t.is_cuda else self.pg).allgather([out], [t]).wait()
+        return out
 
     def broadcast_object(self, obj=None):
         """Rank 0's `obj` on every rank, its tensors on this rank's device (they travel
@@ -169,6 +181,24 @@ def check_tp(cfg, engine_cfg, device: torch.device) -> None:
     Shard.of(cfg, 0, world)
 
 
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows [start, start + len(weight)) of an embedding (the last rank's
+    padded with zeros): ids outside them embed as zeros, and the sum over the ranks is
+    the whole table's lookup."""
+
+    def __init__(self, weight: nn.Parameter, start: int, group: TPGroup) -> None:
+        super().__init__()
+        self.weight = weight
+        self.start = start
+        self.group = group
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        x = nn.functional.embedding(torch.where(inside, local, 0), self.weight)
+        return self.group.all_reduce(x * inside.unsqueeze(-1).to(x.dtype))
+
+
 class RowParallel(nn.Module):
     """A row-parallel projection: this rank's partial product, summed over the ranks."""
 
@@ -255,12 +285,43 @@ def _shard_experts(moe: nn.Module, s: Shard) -> None:
         _shard_gated(moe.shared_expert, s)
 
 
+def vocab_slice(vocab: int, rank: int, world: int) -> tuple[int, int]:
+    """(first id, rows) of `rank`'s slice of a vocabulary: equal slices, the last one
+    padded past the vocabulary (so the ranks' logits gather as equal pieces)."""
+    rows = -(-vocab // world)
+    return rank * rows, rows
+
+
+def _shard_vocab(model: nn.Module, cfg, group: TPGroup) -> None:
+    """The embedding and the head cut to this rank's vocabulary slice (one tensor where
+    they are tied)."""
+    start, rows = vocab_slice(cfg.vocab_size, group.rank, group.world)
+
+    def cut(w: torch.Tensor) -> nn.Parameter:
+        part = w[start:start + rows]
+        if part.shape[0] < rows:
+            part = torch.cat([part, part.new_zeros(rows - part.shape[0], w.shape[1])])
+        return nn.Parameter(part.contiguous(), requires_grad=False)
+
+    embedding = model.input_embeddings()
+    tied = model.lm_head.weight is embedding.weight
+    weight = cut(embedding.weight.data)
+    for module in model.modules():
+        for name, child in list(module.named_children()):
+            if child is embedding:
+                setattr(module, name, VocabParallelEmbedding(weight, start, group))
+    model.lm_head.weight = weight if tied else cut(model.lm_head.weight.data)
+    model.lm_head.out_features = rows
+
+
 def shard_model(model: nn.Module, cfg, group: TPGroup) -> None:
-    """Cut a loaded model down to this rank's shard, in place: each attention (any module
-    with qkv_proj, o_proj and attn) and each layer's MLP (dense: down all-reduced; a
-    mixture of experts: its whole output all-reduced once)."""
+    """Cut a loaded model down to this rank's shard, in place: the embedding and the head
+    (vocabulary slices), each attention (any module with qkv_proj, o_proj and attn) and
+    each layer's MLP (dense: down all-reduced; a mixture of experts: its whole output
+    all-reduced once)."""
     from ..model.layers import GatedMLP
     from ..model.moe import MoE
+    _shard_vocab(model, cfg, group)
     s = Shard.of(cfg, group.rank, group.world)
     for module in list(model.modules()):
         if all(hasattr(module, a) for a in ("qkv_proj", "o_proj", "attn")):
@@ -282,9 +343,16 @@ def local_config(cfg, rank: int, world: int):
 
 # ---- rank 0 and the workers ----------------------------------------------------------------
 
+def gathered_logits(model: nn.Module, group: TPGroup, hidden: torch.Tensor) -> torch.Tensor:
+    """Every rank's slice of the logits of `hidden`'s rows, side by side: [rows, vocab]."""
+    pieces = group.all_gather(model.compute_logits(hidden))
+    return torch.cat(pieces, dim=-1)[:, :model.config.vocab_size]
+
+
 class BroadcastingModel(nn.Module):
     """Rank 0's model: each forward first sends its inputs to the workers (which run the
-    same forward on their shards); everything else is the model's."""
+    same forward on their shards), each compute_logits the rows to project (the workers
+    add their slices of the vocabulary); everything else is the model's."""
 
     def __init__(self, model: nn.Module, group: TPGroup) -> None:
         super().__init__()
@@ -292,8 +360,16 @@ class BroadcastingModel(nn.Module):
         self.group = group
 
     def forward(self, input_ids, positions, kv_caches, meta):
-        self.group.broadcast_object((input_ids, positions, meta))
+        self.group.broadcast_object(("forward", input_ids, positions, meta))
         return self.inner(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = hidden.contiguous()
+        self.group.broadcast_object(("logits", tuple(hidden.shape), hidden.dtype))
+        self.group.broadcast_tensor(hidden)
+        logits = gathered_logits(self.inner, self.group, hidden)
+        return logits if out is None else out.copy_(logits)
 
     def __getattr__(self, name):
         try:
@@ -351,8 +427,8 @@ def stop_workers(group: TPGroup, procs: list) -> None:
 
 def worker_main(rank: int, world: int, host: str, port: int, engine_cfg, model_cfg,
                 model_path, dtype: torch.dtype, backend: str) -> None:
-    """A worker: its shard of the model and of the KV cache, then every forward rank 0
-    broadcasts, until it sends None."""
+    """A worker: its shard of the model and of the KV cache, then every forward and
+    logits projection rank 0 broadcasts, until it sends None."""
     from ..config import fused_ops_enabled
     from .kv_cache import KVCache
     device = rank_device(engine_cfg, rank)
@@ -369,8 +445,12 @@ def worker_main(rank: int, world: int, host: str, port: int, engine_cfg, model_c
             step = group.broadcast_object()
             if step is None:
                 return
-            input_ids, positions, meta = step
-            model(input_ids, positions, kv.layers, meta)
+            if step[0] == "forward":
+                model(*step[1:3], kv.layers, step[3])
+            else:  # "logits": rank 0's rows to project, then this rank's slice of them
+                hidden = group.broadcast_tensor(torch.empty(step[1], dtype=step[2],
+                                                            device=device))
+                gathered_logits(model, group, hidden)
 
 
 class TensorParallel:
