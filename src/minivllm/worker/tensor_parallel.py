@@ -172,8 +172,6 @@ def check_tp(cfg, engine_cfg, device: torch.device) -> None:
         if last.index >= torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={world} puts a rank on each GPU of a node "
                              f"from {device}: this host has {torch.cuda.device_count()} GPUs.")
-    if cfg.family == "gpt2":
-        raise ValueError("tensor_parallel_size > 1 does not take GPT-2 yet.")
     from ..model.quantization import METHODS
     if quantization not in (None, *METHODS) or checkpoint_quantized(cfg):
         raise ValueError("tensor_parallel_size > 1 takes quantization at load (fp8, int8, "
@@ -235,42 +233,58 @@ def _rows(w: torch.Tensor, start: int, size: int) -> torch.Tensor:
     return w[start:start + size]
 
 
+def _column_parallel(linear: nn.Module, pieces: list[tuple[int, int]]) -> None:
+    """`linear` cut to these (first, count) output rows, its bias likewise."""
+    for name in ("weight", "bias"):
+        t = getattr(linear, name)
+        if t is not None:
+            setattr(linear, name, nn.Parameter(
+                torch.cat([_rows(t.data, a, n) for a, n in pieces]), requires_grad=False))
+    linear.out_features = linear.weight.shape[0]
+
+
+def _input_columns(linear: nn.Module, columns: tuple[int, int], s: Shard) -> nn.Module:
+    """`linear` cut to its input columns (first, count) of a row-parallel product, its
+    bias kept on rank 0 only (the sum over the ranks adds it once)."""
+    first, count = columns
+    linear.weight = nn.Parameter(linear.weight.data[:, first:first + count].contiguous(),
+                                 requires_grad=False)
+    linear.in_features = count
+    if linear.bias is not None and s.rank:
+        linear.bias = nn.Parameter(torch.zeros_like(linear.bias), requires_grad=False)
+    return linear
+
+
 def _shard_attention(module: nn.Module, cfg, s: Shard, group: TPGroup) -> None:
     """q/k/v column-parallel (this rank's heads), o row-parallel."""
     d = cfg.head_dim
     q_all, kv_all = cfg.num_heads * d, cfg.num_kv_heads * d
-    qkv = module.qkv_proj
-    pieces = [(s.q0 * d, s.q * d), (q_all + s.kv0 * d, s.kv * d),
-              (q_all + kv_all + s.kv0 * d, s.kv * d)]
-    qkv.weight = nn.Parameter(torch.cat([_rows(qkv.weight.data, a, n) for a, n in pieces]),
-                              requires_grad=False)
-    if qkv.bias is not None:
-        qkv.bias = nn.Parameter(torch.cat([_rows(qkv.bias.data, a, n) for a, n in pieces]),
-                                requires_grad=False)
-    qkv.out_features = qkv.weight.shape[0]
-    o = module.o_proj
-    o.weight = nn.Parameter(o.weight.data[:, s.q0 * d:(s.q0 + s.q) * d].contiguous(),
-                            requires_grad=False)
-    o.in_features = o.weight.shape[1]
-    if o.bias is not None and s.rank:  # a row-parallel bias is added once
-        o.bias = nn.Parameter(torch.zeros_like(o.bias), requires_grad=False)
-    module.o_proj = RowParallel(o, group)
+    _column_parallel(module.qkv_proj, [(s.q0 * d, s.q * d), (q_all + s.kv0 * d, s.kv * d),
+                                       (q_all + kv_all + s.kv0 * d, s.kv * d)])
+    module.o_proj = RowParallel(_input_columns(module.o_proj, (s.q0 * d, s.q * d), s), group)
     module.num_heads, module.num_kv_heads = s.q, s.kv
     module.q_size, module.kv_size = s.q * d, s.kv * d
     module.attn.num_heads, module.attn.num_kv_heads = s.q, s.kv
 
 
+def _shard_gpt2_block(block: nn.Module, cfg, s: Shard, group: TPGroup) -> None:
+    """GPT-2's fused c_attn (q, k and v, as many heads each) by heads and its c_fc by
+    columns; the two c_proj row-parallel."""
+    attn, mlp, d, h = block.attn, block.mlp, cfg.head_dim, cfg.hidden_size
+    _column_parallel(attn.c_attn, [(part * h + s.q0 * d, s.q * d) for part in range(3)])
+    attn.c_proj = RowParallel(_input_columns(attn.c_proj, (s.q0 * d, s.q * d), s), group)
+    attn.num_heads = attn.attn.num_heads = attn.attn.num_kv_heads = s.q
+    columns = s.columns(cfg.intermediate_size)
+    _column_parallel(mlp.c_fc, [columns])
+    mlp.c_proj = RowParallel(_input_columns(mlp.c_proj, columns, s), group)
+
+
 def _shard_gated(mlp: nn.Module, s: Shard) -> None:
     """gate/up column-parallel, down's input columns to match (its sum not reduced here)."""
-    gu, down = mlp.gate_up_proj, mlp.down_proj
-    width = gu.weight.shape[0] // 2
+    width = mlp.gate_up_proj.weight.shape[0] // 2
     i0, i = s.columns(width)
-    gu.weight = nn.Parameter(torch.cat([_rows(gu.weight.data, i0, i),
-                                        _rows(gu.weight.data, width + i0, i)]),
-                             requires_grad=False)
-    gu.out_features = gu.weight.shape[0]
-    down.weight = nn.Parameter(down.weight.data[:, i0:i0 + i].contiguous(), requires_grad=False)
-    down.in_features = down.weight.shape[1]
+    _column_parallel(mlp.gate_up_proj, [(i0, i), (width + i0, i)])
+    _input_columns(mlp.down_proj, (i0, i), s)
 
 
 def _shard_experts(moe: nn.Module, s: Shard) -> None:
@@ -319,11 +333,14 @@ def shard_model(model: nn.Module, cfg, group: TPGroup) -> None:
     (vocabulary slices), each attention (any module with qkv_proj, o_proj and attn) and
     each layer's MLP (dense: down all-reduced; a mixture of experts: its whole output
     all-reduced once)."""
+    from ..model.gpt2 import GPT2Block
     from ..model.layers import GatedMLP
     from ..model.moe import MoE
     _shard_vocab(model, cfg, group)
     s = Shard.of(cfg, group.rank, group.world)
     for module in list(model.modules()):
+        if isinstance(module, GPT2Block):
+            _shard_gpt2_block(module, cfg, s, group)
         if all(hasattr(module, a) for a in ("qkv_proj", "o_proj", "attn")):
             _shard_attention(module, cfg, s, group)
         mlp = getattr(module, "mlp", None)
