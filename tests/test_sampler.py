@@ -55,7 +55,7 @@ def staged(seqs, vocab: int, positions: list[int] | None = None, extras=None,
 
 
 def run_kernels(logits, state, rows, want_logprobs: bool, cap: int = 32, block: int = 32,
-                splits: int = 3):
+                splits: int = 3, levels: int = K._LEVELS):
     """csrc_triton.sampling.sample_rows (interpreted), with a small gather list and blocks
     so tiny vocabularies take every path: bounded by block maxima, the search levels, the
     one-program search; several programs a row, as on a GPU."""
@@ -74,7 +74,7 @@ def run_kernels(logits, state, rows, want_logprobs: bool, cap: int = 32, block: 
     out = S._Outputs(n, vocab, CPU)
     out.token.fill_(-7)
     K.sample_rows(logits, logits.argmax(-1), rows, state, scratch, out, want_logprobs, block,
-                  splits)
+                  splits, levels)
     out.tau = scratch.tau  # random rows' thresholds, as keys
     return out
 
@@ -96,13 +96,15 @@ MIXED = [dict(temperature=0.0), dict(temperature=0.0, repetition_penalty=1.3, lo
               logit_bias={3: 2.0}, seed=11, logprobs=2)]
 
 
-@pytest.mark.parametrize("shape,block,splits", [("peaked", 32, 3), ("flat", 32, 3),
-                                                ("ties", 32, 3), ("flat", 16, 25)])
-def test_kernels_match_the_reference(shape, block, splits):
+@pytest.mark.parametrize("shape,block,splits,levels", [
+    ("peaked", 32, 3, 4), ("flat", 32, 3, 4), ("flat", 32, 3, 1), ("ties", 32, 3, 1),
+    ("flat", 16, 25, 4)])
+def test_kernels_match_the_reference(shape, block, splits, levels):
     """Every row of a mixed batch gets the same token, counts and logprobs from the
     kernels as from sample_reference; 'flat' rows keep more tokens than the gather list
     holds (the search's interval, a draw over the whole row), 'ties' make the search end
-    on single keys; 25 splits a row take the search levels' sums more than 16 at a time."""
+    on single keys; 25 splits a row take the search levels' sums more than 16 at a time;
+    one search level leaves the rest of the search to the select kernel."""
     vocab = 400
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(len(MIXED), vocab, generator=g)
@@ -115,7 +117,8 @@ def test_kernels_match_the_reference(shape, block, splits):
     want_state, rows = staged(seqs, vocab, extras=extras, counted=counted)
     want_tokens, want_lp = S.sample_reference(logits, want_state, rows, True)
     got_state, rows = staged(seqs, vocab, extras=extras, counted=counted)
-    out = run_kernels(logits, got_state, rows, True, block=block, splits=splits)
+    out = run_kernels(logits, got_state, rows, True, block=block, splits=splits,
+                      levels=levels)
     assert out.token.tolist() == want_tokens.tolist()
     assert torch.equal(got_state.counts, want_state.counts)
     # The thresholds themselves (a token drawn from a kept set off at its margin can
