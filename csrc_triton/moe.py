@@ -2,7 +2,7 @@
 
 Public API (re-exported by ``csrc_triton``)
 -------------------------------------------
-fused_moe(x, w13, w2, weights, ids, act, block_m=None, w13_scale=None, w2_scale=None,
+fused_moe(x, w13, w2, weights, ids, act, tiles=None, w13_scale=None, w2_scale=None,
           w13_zero=None, w2_zero=None)
     sum_j weights[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = ids[t, j], with
     w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]; e4m3 or int8 weights take
@@ -10,6 +10,7 @@ fused_moe(x, w13, w2, weights, ids, act, block_m=None, w13_scale=None, w2_scale=
     int4_layout's packing ([E, N, packed bytes]), with a scale and a zero point per group
     of 128 inputs ([E, N, groups]: fp32, uint8).
 align_by_expert(ids, num_experts, block_m) -> (sorted_rows, block_expert)
+moe_tiles(w13, top_k, rows, device) -> the tiles fused_moe uses at this shape and row count
 
 The T * k (token, slot) rows are sorted by expert, each expert's run padded to a multiple
 of BLOCK_M: every row tile then belongs to one expert, and one program multiplies it by
@@ -17,9 +18,17 @@ that expert's weights (the expert's tiles are read once per tile of rows, only f
 experts the batch uses). Everything is sized by T, k and E alone, with no host sync, so
 the step stays inside a CUDA graph: tiles past the last expert's run find expert -1 and
 return at once.
+
+Tiles (BLOCK_M shared by both GEMMs, as the rows' alignment is; BLOCK_N, BLOCK_K, warps and
+stages per GEMM) come from moe_tiles.json beside this file, measured per GPU, expert shape,
+weight type and row count by bench/moe_tuning.py; a shape or GPU it lacks gets a rule.
 """
 
 from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
 
 import torch
 import triton
@@ -30,7 +39,9 @@ from csrc_triton.int4_layout import int4_half
 
 INT4_GROUP = 128  # inputs per int4 scale and zero point
 
-__all__ = ["fused_moe", "align_by_expert"]
+__all__ = ["fused_moe", "align_by_expert", "moe_tiles", "tiles_key", "TILES_FILE"]
+
+TILES_FILE = Path(__file__).with_name("moe_tiles.json")
 
 
 def align_by_expert(ids: torch.Tensor, num_experts: int,
@@ -163,58 +174,95 @@ def _grouped_gemm_int4_kernel(a_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, sorted
                 SCALE_BY_WEIGHT)
 
 
-def _tiles(n: int, k: int, rows: int, interpreted: bool) -> dict:
-    """Tile sizes: small ones for a decode step's few rows (the weights' bytes are the
-    cost) and for the interpreter."""
-    if interpreted:
-        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4)
-    block_m = 16 if rows <= 64 else 64
-    return dict(BLOCK_M=block_m, BLOCK_N=64 if n >= 64 else 32, BLOCK_K=64, num_warps=4)
+def tiles_key(w13: torch.Tensor, top_k: int) -> str:
+    """moe_tiles.json's name for an expert shape: experts, w13's rows (2 x the inner
+    width) and inputs, top-k, the weights' type."""
+    e, n, k = w13.shape
+    kind = {torch.float8_e4m3fn: "fp8", torch.int8: "int8", torch.uint8: "int4"}.get(
+        w13.dtype, str(w13.dtype).removeprefix("torch."))
+    return f"E{e}-N{n}-K{k}-top{top_k}-{kind}"
+
+
+@functools.lru_cache(maxsize=None)
+def _measured() -> dict:
+    """moe_tiles.json: {GPU name: {tiles_key: {rows: tiles}}}."""
+    return json.loads(TILES_FILE.read_text()) if TILES_FILE.exists() else {}
+
+
+def moe_tiles(w13: torch.Tensor, top_k: int, rows: int, device: torch.device,
+              table: dict | None = None) -> dict:
+    """{"BLOCK_M": m, "w13": {...}, "w2": {...}} (each GEMM's BLOCK_N, BLOCK_K, num_warps,
+    num_stages) for `rows` (token, expert) rows: the measured entry of the least row count
+    at or above `rows` (else the largest), for this GPU and shape; without one, small tiles
+    for a decode step's few rows (the weights' bytes are the cost) and larger ones past 64
+    rows. `table` stands in for moe_tiles.json's entries of this GPU (tests)."""
+    if device.type != "cuda":  # the interpreter: the smallest tiles tl.dot takes
+        gemm = dict(BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=1)
+        return {"BLOCK_M": 16, "w13": gemm, "w2": dict(gemm)}
+    if table is not None:
+        return _pick(table.get(tiles_key(w13, top_k)), w13.shape[1], rows)
+    return _measured_tiles(torch.cuda.get_device_name(device), tiles_key(w13, top_k),
+                           w13.shape[1], rows)
+
+
+@functools.lru_cache(maxsize=None)  # asked by every MoE layer of every step
+def _measured_tiles(gpu: str, key: str, n: int, rows: int) -> dict:
+    return _pick(_measured().get(gpu, {}).get(key), n, rows)
+
+
+def _pick(entries: dict | None, n: int, rows: int) -> dict:
+    if entries:
+        counts = sorted(int(r) for r in entries)
+        at = next((r for r in counts if r >= rows), counts[-1])
+        return entries[str(at)]
+    gemm = dict(BLOCK_N=64 if n >= 64 else 32, BLOCK_K=64, num_warps=4, num_stages=3)
+    return {"BLOCK_M": 16 if rows <= 64 else 64, "w13": gemm, "w2": dict(gemm)}
 
 
 def _gemm(mod, a, w, w_scale, w_zero, out, sorted_rows, block_expert, weights, num_rows,
-          top_k, by_token: bool, scale: bool, tiles: dict) -> None:
+          top_k, by_token: bool, scale: bool, block_m: int, tiles: dict) -> None:
     e, n = w.shape[:2]
     k = a.shape[1]
     grid = (block_expert.shape[0], triton.cdiv(n, tiles["BLOCK_N"]))
+    launch = dict(BLOCK_M=block_m, BLOCK_N=tiles["BLOCK_N"], num_warps=tiles["num_warps"],
+                  num_stages=tiles["num_stages"])
     if w_zero is not None:  # int4
         mod._grouped_gemm_int4_kernel[grid](
             a, w, w_scale, w_zero, out, sorted_rows, block_expert, weights, num_rows, n, k,
             a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
             out.stride(0), TOP_K=top_k, A_BY_TOKEN=by_token, SCALE_BY_WEIGHT=scale,
             DOT_FP32=a.dtype == torch.float32, HALF=int4_half(INT4_GROUP, k),
-            GROUP=INT4_GROUP, BLOCK_M=tiles["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"],
-            num_warps=tiles["num_warps"])
+            GROUP=INT4_GROUP, **launch)
         return
     scaled = w.dtype in (torch.float8_e4m3fn, torch.int8)
     mod._grouped_gemm_kernel[grid](
         a, w, w_scale if scaled else weights, out, sorted_rows, block_expert, weights, num_rows,
         n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), TOP_K=top_k,
         A_BY_TOKEN=by_token, SCALE_BY_WEIGHT=scale, DOT_FP32=a.dtype == torch.float32,
-        W_SCALED=scaled, **tiles)
+        W_SCALED=scaled, BLOCK_K=tiles["BLOCK_K"], **launch)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor, act, block_m: int | None = None,
+              ids: torch.Tensor, act, tiles: dict | None = None,
               w13_scale: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None, w13_zero: torch.Tensor | None = None,
               w2_zero: torch.Tensor | None = None) -> torch.Tensor:
-    """See the module docstring. act: the activation of the gate half (act(gate) * up)."""
-    mod, interpreted = kernels_for(__name__, x.device)
+    """See the module docstring. act: the activation of the gate half (act(gate) * up).
+    tiles: moe_tiles' answer, by default; tests and bench/moe_tuning.py give their own."""
+    mod, _ = kernels_for(__name__, x.device)
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     rows = tokens * top_k
-    tiles = _tiles(w13.shape[1], hidden, rows, interpreted)
-    if block_m is not None:
-        tiles["BLOCK_M"] = block_m
-    sorted_rows, block_expert = align_by_expert(ids, w13.shape[0], tiles["BLOCK_M"])
+    tiles = tiles or moe_tiles(w13, top_k, rows, x.device)
+    block_m = tiles["BLOCK_M"]
+    sorted_rows, block_expert = align_by_expert(ids, w13.shape[0], block_m)
     weights = weights.reshape(-1).contiguous()
     gate_up = torch.empty(rows, w13.shape[1], dtype=x.dtype, device=x.device)
     _gemm(mod, x.contiguous(), w13, w13_scale, w13_zero, gate_up, sorted_rows, block_expert,
-          weights, rows, top_k, True, False, tiles)
+          weights, rows, top_k, True, False, block_m, tiles["w13"])
     gate, up = gate_up.chunk(2, dim=-1)
     h = (act(gate) * up).contiguous()
     out = torch.empty(rows, w2.shape[1], dtype=x.dtype, device=x.device)
     _gemm(mod, h, w2, w2_scale, w2_zero, out, sorted_rows, block_expert, weights, rows, 1,
-          False, True, tiles)
+          False, True, block_m, tiles["w2"])
     return out.view(tokens, top_k, -1).sum(dim=1)

@@ -44,8 +44,43 @@ def test_fused_moe_matches_the_reference(tokens, experts, top_k, block_m):
     logits[:, -1] = -30.0  # the last expert gets no token
     weights, ids = route(logits, top_k, True, x.dtype)
     want = experts_reference(x, w13, w2, weights, ids, F.silu)
-    got = csrc_triton.fused_moe(x, w13, w2, weights, ids, F.silu, block_m=block_m)
+    gemm = dict(BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2)
+    tiles = {"BLOCK_M": block_m, "w13": gemm, "w2": gemm}
+    got = csrc_triton.fused_moe(x, w13, w2, weights, ids, F.silu, tiles=tiles)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_each_gemm_takes_its_own_tiles():
+    """The two GEMMs share BLOCK_M (the rows' alignment) and take their own BLOCK_N and
+    BLOCK_K: columns and inputs that are no multiple of either."""
+    g = torch.Generator().manual_seed(3)
+    tokens, experts, top_k, hidden, inter = 11, 5, 2, 48, 40
+    x = torch.randn(tokens, hidden, generator=g).to(DEVICE)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2).to(DEVICE)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) * 0.2).to(DEVICE)
+    weights, ids = route(torch.randn(tokens, experts, generator=g).to(DEVICE), top_k, True,
+                         x.dtype)
+    tiles = {"BLOCK_M": 16, "w13": dict(BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
+             "w2": dict(BLOCK_N=16, BLOCK_K=32, num_warps=2, num_stages=3)}
+    got = csrc_triton.fused_moe(x, w13, w2, weights, ids, F.silu, tiles=tiles)
+    want = experts_reference(x, w13, w2, weights, ids, F.silu)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_measured_tiles_are_looked_up_by_shape_and_rows():
+    """moe_tiles: the entry of the least measured row count at or above the step's rows,
+    else the largest; a shape without entries (or another weight type) gets the rule."""
+    from csrc_triton.moe import moe_tiles, tiles_key
+    w13 = torch.empty(8, 64, 32, dtype=torch.bfloat16)
+    gemm = dict(BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=4)
+    table = {tiles_key(w13, 2): {str(r): {"BLOCK_M": m, "w13": gemm, "w2": gemm}
+                                 for r, m in ((2, 16), (64, 32), (1024, 128))}}
+    assert tiles_key(w13, 2) == "E8-N64-K32-top2-bfloat16"
+    cuda = torch.device("cuda")
+    pick = [moe_tiles(w13, 2, rows, cuda, table)["BLOCK_M"] for rows in (1, 2, 3, 64, 65, 9000)]
+    assert pick == [16, 16, 32, 32, 128, 128]
+    rule = moe_tiles(w13.to(torch.float8_e4m3fn), 2, 4, cuda, table)
+    assert rule["w13"]["BLOCK_K"] == 64 and rule["BLOCK_M"] == 16
 
 
 @pytest.mark.parametrize("method", ["fp8", "int8", "int4"])
