@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="stop starting new token counts past this, and write what is done")
     p.add_argument("--table", default=str(K.TILES_FILE), help="the JSON file to merge into")
+    p.add_argument("--redo", action="store_true",
+                   help="measure row counts the table already has for this GPU (a later "
+                        "call otherwise goes on where a spent budget stopped one)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny experts on the CPU (interpreted kernels), no timing")
     args = p.parse_args(argv)
@@ -207,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             w = {k: None if v is None else v.float() for k, v in w.items()}
         key = K.tiles_key(w["w13"] if dtype != "bf16" else w["w13"].bfloat16(), top_k)
         for tokens in args.tokens:
+            if str(tokens * top_k) in mine.get(key, {}) and not args.redo:
+                continue
             if time.perf_counter() - start > args.budget_s:
                 print(f"[moe_tuning] budget spent: {name} {dtype} stops before T={tokens}")
                 break
