@@ -85,3 +85,20 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:,.2f}"
     return str(v)
+
+
+def median_gpu_us(fn, reps: int = 50, warmup: int = 5) -> float:
+    """Median microseconds of fn() on the GPU over reps calls (after warmup ones), each
+    timed by CUDA events."""
+    import statistics
+
+    import torch
+    times = []
+    for _ in range(warmup + reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times[warmup:])

@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from bench.common import median_gpu_us
 from csrc_triton import moe as K
 from csrc_triton._interpret import kernels_for
 from minivllm.config import ModelConfig
@@ -85,20 +85,6 @@ def reference_gate_up(x, w13, scale, ids) -> torch.Tensor:
     return out
 
 
-def time_us(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
-
-
 def tune_tokens(w: dict, top_k: int, tokens: int, device, candidates: dict, reps: int,
                 smoke: bool) -> dict:
     """The best tiles at this token count (moe_tiles' entry) and their time, us."""
@@ -144,7 +130,7 @@ def tune_tokens(w: dict, top_k: int, tokens: int, device, candidates: dict, reps
                 if not close(got, want13 if gemm == "w13" else want):
                     print(f"  wrong {gemm} M{block_m} {tiles}: dropped")
                     continue
-                us = 0.0 if smoke else time_us(run, reps)
+                us = 0.0 if smoke else median_gpu_us(run, reps, warmup=1)
                 if fastest is None or us < fastest[0]:
                     fastest = (us, tiles)
             if fastest is None:

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 
-from bench.common import environment
+from bench.common import environment, median_gpu_us
 from minivllm import SamplingParams
 from minivllm.worker import sampler as S
 
@@ -46,19 +45,6 @@ class Seq:
         self.output_token_ids = torch.randint(0, vocab, (100,), generator=g).tolist()
         self.num_prompt_tokens = 200
         self.plain_greedy = False
-
-
-def time_replays(fn, reps: int = 50) -> float:
-    """Median microseconds of fn() (a graph replay) over reps, each timed by events."""
-    times = []
-    for _ in range(reps + 5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times[5:])
 
 
 def kernel_times(fn, reps: int = 10) -> dict[str, float]:
@@ -103,7 +89,7 @@ def main() -> int:
         for scale in args.scales:
             logits.copy_(torch.randn(most, vocab, device=dev) * scale)
             for n in args.rows:
-                base = time_replays(argmax_graphs[n].replay)
+                base = median_gpu_us(argmax_graphs[n].replay)
                 record["rows"].append({"vocab": vocab, "scale": scale, "rows": n,
                                        "setting": "greedy argmax", "us": round(base, 1)})
                 print(f"V={vocab} scale={scale} rows={n:4d} {'greedy argmax':26s} "
@@ -116,7 +102,7 @@ def main() -> int:
                     seqs = [Seq(i, vocab, SamplingParams(seed=i, **kw)) for i in range(n)]
                     lp_rows = sampler.stage(seqs, [300] * n, padded=n)
                     replay = sampler.graphs.graphs[n, bool(lp_rows)].replay
-                    us = time_replays(replay)
+                    us = median_gpu_us(replay)
                     row = {"vocab": vocab, "scale": scale, "rows": n, "setting": name,
                            "us": round(us, 1)}
                     if args.profile:
