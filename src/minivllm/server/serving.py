@@ -550,6 +550,13 @@ class OpenAIServing:
 
     async def create_chat_completion(self, req: ChatCompletionRequest,
                                      raw_request: Request) -> Response:
+        chat = await self.start_chat(req, raw_request)
+        if req.stream:
+            return SSEResponse(self._chat_stream(chat))
+        return OrjsonResponse(await self.chat_body(chat))
+
+    async def start_chat(self, req: ChatCompletionRequest, raw_request: Request) -> "_Chat":
+        """A chat request's engine requests submitted (the Responses API's too)."""
         self.check_model(req.model)
         params = req.to_sampling_params(self.max_n, self.sampling_defaults)
         text = self.render_chat(req)
@@ -563,9 +570,11 @@ class OpenAIServing:
             content = req.messages[-1].content
             echo_text = content if isinstance(content, str) else "".join(
                 p.get("text", "") for p in (content or []) if isinstance(p, dict))
-        watcher = await self.start(job, raw_request)
-        if req.stream:
-            return SSEResponse(self._chat_stream(job, req, watcher, echo_text, plan))
+        return _Chat(req, job, prompt, plan, await self.start(job, raw_request), echo_text)
+
+    async def chat_body(self, chat: "_Chat") -> dict:
+        """The chat.completion object, once every sample has finished."""
+        req, job, prompt, plan, watcher, echo_text = chat.fields()
         try:
             [final] = await self._collect(job)
         finally:
@@ -600,7 +609,7 @@ class OpenAIServing:
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = self._prompt_logprobs_json(
                 final.prompt_logprobs, prompt.token_ids, req.prompt_logprobs)
-        return OrjsonResponse(body)
+        return body
 
     def _chat_logprobs(self, token_ids: list[int], positions: list | None,
                        top_n: int) -> list[dict]:
@@ -620,9 +629,15 @@ class OpenAIServing:
                                   "bytes": list(s.encode("utf-8"))} for t, e in tops]})
         return content
 
-    async def _chat_stream(self, job: _Job, req: ChatCompletionRequest,
-                           watcher: DisconnectWatcher, echo_text: str,
-                           plan: ChatOutputPlan) -> AsyncIterator[bytes]:
+    async def _chat_stream(self, chat: "_Chat") -> AsyncIterator[bytes]:
+        async for c in self.chat_chunks(chat):
+            yield sse(c)
+        yield SSE_DONE
+
+    async def chat_chunks(self, chat: "_Chat") -> AsyncIterator[dict]:
+        """The chat.completion.chunk objects of a streamed chat, the usage chunk if asked;
+        an engine failure ends them with an error object ({"error": ...})."""
+        req, job, prompt, plan, watcher, echo_text = chat.fields()
         n = job.params.n
         states = [_ChoiceState() for _ in range(n)]
         parsers = [plan.parser() for _ in range(n)] if plan.parses else None
@@ -633,13 +648,13 @@ class OpenAIServing:
 
         prompt_tokens = len(job.prompts[0].token_ids)
 
-        def chunk(choice: dict) -> bytes:
+        def chunk(choice: dict) -> dict:
             c = {"id": job.request_id, "object": "chat.completion.chunk",
                  "created": job.created, "model": job.model, "choices": [choice]}
             if usage_chunks:
                 c["usage"] = (_usage(prompt_tokens, states[choice["index"]].num_tokens)
                               if req.continuous_usage else None)
-            return sse(c)
+            return c
 
         try:
             for i in range(n):  # the role first, before any token
@@ -687,11 +702,9 @@ class OpenAIServing:
                          "usage": _usage(prompt_tokens, completion_tokens)}
                 if req.return_metrics:
                     final["metrics"] = _timings(last)
-                yield sse(final)
-            yield SSE_DONE
+                yield final
         except Exception as e:  # noqa: BLE001 - engine failure: tell the client, end cleanly
-            yield sse(error_body(_engine_error_message(e), "server_error", 500))
-            yield SSE_DONE
+            yield error_body(_engine_error_message(e), "server_error", 500)
         finally:
             watcher.stop()
             self.engine.abort([rid for rid, s in zip(job.engine_ids, job.streams)
@@ -721,6 +734,21 @@ class OpenAIServing:
         if token_ids is not None:
             choices[0]["token_ids"] = token_ids
         return choices
+
+
+@dataclass
+class _Chat:
+    """A chat request under way: what its body or its chunks are made from."""
+
+    req: ChatCompletionRequest
+    job: _Job
+    prompt: _Prompt
+    plan: ChatOutputPlan
+    watcher: DisconnectWatcher
+    echo_text: str
+
+    def fields(self) -> tuple:
+        return self.req, self.job, self.prompt, self.plan, self.watcher, self.echo_text
 
 
 @dataclass
