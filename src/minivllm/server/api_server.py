@@ -35,6 +35,7 @@ from .protocol import (ChatCompletionRequest, ChatCompletionResponse, Completion
                        CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
                        ModelList, RequestError, TokenizeRequest, TokenizeResponse,
                        TokenizerInfoResponse, VersionResponse)
+from .responses import ResponsesRequest, create_response
 from .serving import RECEIVED_AT, OpenAIServing, OrjsonResponse, error_response
 from .sse import RawSendMiddleware
 
@@ -246,6 +247,19 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
         """OpenAI chat completions, prompted through the tokenizer's chat template."""
         return await serving.create_chat_completion(request, raw_request)
+
+    @app.post("/v1/responses", responses={200: {"content": _SSE}, **_ERRORS})
+    async def responses(request: ResponsesRequest, raw_request: Request):
+        """OpenAI's Responses API, over the chat path (server/responses.py); nothing is
+        stored."""
+        return await create_response(serving, request, raw_request)
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"],
+                   responses={404: _ERRORS[404]})
+    async def stored_response(response_id: str):
+        """A stored response: none ever is."""
+        raise RequestError(f"Response {response_id!r} not found: this server does not store "
+                           f"responses.", 404, param="response_id")
 
     # ---- tokenizer ----------------------------------------------------------------------
 
