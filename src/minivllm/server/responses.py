@@ -51,6 +51,8 @@ class ResponsesRequest(OpenAIBaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     request_id: str | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def to_chat(self) -> ChatCompletionRequest:
         if self.previous_response_id is not None:
@@ -71,7 +73,8 @@ class ResponsesRequest(OpenAIBaseModel):
                 "top_p": self.top_p, "seed": self.seed, "top_k": self.top_k,
                 "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
                 "parallel_tool_calls": self.parallel_tool_calls, "user": self.user,
-                "request_id": self.request_id}
+                "request_id": self.request_id, "chat_template": self.chat_template,
+                "chat_template_kwargs": self.chat_template_kwargs}
         if self.stream:
             chat["stream_options"] = {"include_usage": True}
         if self.tools:
