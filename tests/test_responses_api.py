@@ -67,7 +67,11 @@ def test_a_short_budget_is_incomplete(client):
     r = client.responses.create(model=MODEL, input="Tell me a long story.", temperature=0,
                                 max_output_tokens=3)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
-    assert r.usage.output_tokens == 3
+    assert r.usage.output_tokens == 3 and r.output[-1].status == "incomplete"
+    events = list(client.responses.create(model=MODEL, input="Tell me a long story.",
+                                          temperature=0, max_output_tokens=3, stream=True))
+    [done] = [e for e in events if e.type == "response.output_item.done"]
+    assert done.item.status == "incomplete" and events[-1].response.status == "incomplete"
 
 
 @pytest.mark.parametrize("stream", [False, True])

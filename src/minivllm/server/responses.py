@@ -220,8 +220,9 @@ def _call_item(call_id: str, name: str, arguments: str, status: str = "completed
             "arguments": arguments, "status": status}
 
 
-def output_items(message: dict) -> list[dict]:
-    """A chat message as the Responses output: reasoning, text, then each tool call."""
+def output_items(message: dict, finish_reason: str | None) -> list[dict]:
+    """A chat message as the Responses output: reasoning, text, then each tool call; the
+    last item is incomplete where max_output_tokens cut it."""
     out = []
     if message.get("reasoning_content"):
         out.append(_reasoning_item(message["reasoning_content"]))
@@ -230,6 +231,8 @@ def output_items(message: dict) -> list[dict]:
     for call in message.get("tool_calls") or []:
         out.append(_call_item(call["id"], call["function"]["name"],
                               call["function"]["arguments"]))
+    if out and finish_reason == "length":
+        out[-1]["status"] = "incomplete"
     return out
 
 
@@ -241,8 +244,9 @@ async def create_response(serving: OpenAIServing, req: ResponsesRequest,
         return SSEResponse(_events(serving, chat, build))
     body = await serving.chat_body(chat)
     [choice] = body["choices"]
-    return OrjsonResponse(build.response("completed", output_items(choice["message"]),
-                                         body["usage"], choice["finish_reason"]))
+    return OrjsonResponse(build.response(
+        "completed", output_items(choice["message"], choice["finish_reason"]),
+        body["usage"], choice["finish_reason"]))
 
 
 class _Stream:
@@ -303,13 +307,13 @@ class _Stream:
                                      item_id=item["id"], delta=fn["arguments"]))
         return events
 
-    def close(self) -> list[bytes]:
+    def close(self, status: str = "completed") -> list[bytes]:
         """The open item's closing events."""
         item, self.open = self.open, None
         if item is None:
             return []
         index = self.output.index(item)
-        item["status"] = "completed"
+        item["status"] = status
         events = []
         if item["type"] == "message":
             text = item["content"][0]["text"]
@@ -358,7 +362,7 @@ async def _events(serving: OpenAIServing, chat, build: _Builder) -> AsyncIterato
                 for e in events:
                     yield e
                 finish = choice.get("finish_reason") or finish
-        for e in s.close():
+        for e in s.close("incomplete" if finish == "length" else "completed"):
             yield e
         yield s.event("response.completed", response=build.response(
             "completed", s.output, usage, finish))
