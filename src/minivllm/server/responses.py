@@ -6,8 +6,8 @@ conversation, function tools and `tool_choice` in chat's shape, `text.format` th
 response_format, `max_output_tokens` max_tokens. The chat's answer becomes the response's
 output items (a reasoning item, a message with its output_text, a function_call per tool
 call); a stream becomes the Responses events (response.created, output items and content
-parts opened, text and argument deltas, each closed, response.completed), every event with
-its sequence number. Nothing is stored: `previous_response_id` is refused with the reason,
+parts opened, text and argument deltas, each closed, response.completed, or
+response.incomplete where max_output_tokens cut it), every event with its sequence number. Nothing is stored: `previous_response_id` is refused with the reason,
 and a stored response cannot be read back.
 """
 
@@ -364,8 +364,8 @@ async def _events(serving: OpenAIServing, chat, build: _Builder) -> AsyncIterato
                 finish = choice.get("finish_reason") or finish
         for e in s.close("incomplete" if finish == "length" else "completed"):
             yield e
-        yield s.event("response.completed", response=build.response(
-            "completed", s.output, usage, finish))
+        response = build.response("completed", s.output, usage, finish)
+        yield s.event(f"response.{response['status']}", response=response)  # or .incomplete
     except Exception as e:  # noqa: BLE001 - a failure past the first event: say so, end
         yield s.event("error", code="server_error", message=_engine_error_message(e),
                       param=None)
