@@ -2,7 +2,7 @@
 the same text as the chat endpoint for the same conversation, streamed events in order and
 numbered, function calls whose arguments fit their schema (and a conversation that carries
 them back), text.format's JSON schema, and the requests it cannot serve refused with the
-reason."""
+reason; LangChain's Responses mode on top."""
 
 from __future__ import annotations
 
@@ -130,6 +130,30 @@ def test_what_it_cannot_serve_is_a_400_with_the_reason(client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(**{"model": MODEL, "input": "hi", **extra})
     assert e.value.body["param"] == param
+
+
+def test_langchain_over_the_responses_api(client):
+    """LangChain's ChatOpenAI(use_responses_api=True): a plain answer, a forced tool call
+    with its arguments parsed, a structured output."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    llm = ChatOpenAI(model=MODEL, base_url=str(client.base_url), api_key="x", temperature=0,
+                     max_tokens=60, use_responses_api=True)
+    assert "Paris" in llm.invoke("What is the capital of France?").text
+
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return "sunny"
+
+    [call] = llm.bind_tools([get_weather], tool_choice="required").invoke(ASK).tool_calls
+    assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
+
+    class Person(BaseModel):
+        name: str
+
+    person = llm.with_structured_output(Person, method="json_schema").invoke("Name a person.")
+    assert isinstance(person, Person) and person.name
 
 
 def test_nothing_is_stored(client):
