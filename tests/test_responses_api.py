@@ -161,21 +161,3 @@ def test_nothing_is_stored(client):
         client.responses.retrieve("resp_123")
     with pytest.raises(openai.NotFoundError):
         client.responses.delete("resp_123")
-
-
-def test_reasoning_is_an_item_of_its_own(default_model_dir):
-    """--reasoning-parser: a template that opens the reasoning puts the output in a
-    reasoning item, streamed (reasoning_text deltas) and not, the same text."""
-    from test_structured_server import THINKING_TEMPLATE
-    with ServerThread(dict(model=None, max_model_len=1024, max_num_seqs=4),
-                      reasoning_parser="qwen3") as s:
-        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=300)
-        kw = dict(model=MODEL, input=ASK, max_output_tokens=12, temperature=0,
-                  extra_body={"chat_template": THINKING_TEMPLATE})
-        r = c.responses.create(**kw)
-        [item] = r.output
-        assert item.type == "reasoning" and item.content[0].text and r.output_text == ""
-        events = list(c.responses.create(stream=True, **kw))
-        streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
-        assert streamed == item.content[0].text
-        assert events[-1].response.output[0].content[0].text == streamed

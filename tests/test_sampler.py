@@ -97,8 +97,7 @@ MIXED = [dict(temperature=0.0), dict(temperature=0.0, repetition_penalty=1.3, lo
 
 
 @pytest.mark.parametrize("shape,block,splits,levels", [
-    ("peaked", 32, 3, 4), ("flat", 32, 3, 4), ("flat", 32, 3, 1), ("ties", 32, 3, 1),
-    ("flat", 16, 25, 4)])
+    ("peaked", 32, 3, 4), ("flat", 32, 3, 4), ("ties", 32, 3, 1), ("flat", 16, 25, 4)])
 def test_kernels_match_the_reference(shape, block, splits, levels):
     """Every row of a mixed batch gets the same token, counts and logprobs from the
     kernels as from sample_reference; 'flat' rows keep more tokens than the gather list

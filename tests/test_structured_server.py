@@ -218,7 +218,7 @@ THINKING_TEMPLATE = (
 
 def test_reasoning_parser(default_model_dir):
     """--reasoning-parser: a prompt that opens the reasoning gets the output back as
-    reasoning_content (streamed and not); with a schema and a prompt that does not, the
+    reasoning_content (streamed and not; a reasoning item from /v1/responses); with a schema and a prompt that does not, the
     grammar lets an optional <think> block through and then holds the answer to the
     schema."""
     with ServerThread(dict(model=None, max_model_len=1024, max_num_seqs=4),
@@ -233,6 +233,14 @@ def test_reasoning_parser(default_model_dir):
                            for ch in c.chat.completions.create(stream=True, **kw)
                            if ch.choices)
         assert streamed == thought
+        # The Responses API: the thoughts are a reasoning item, streamed and not.
+        rkw = dict(model="SmolLM2-135M-Instruct", input=ASK, max_output_tokens=12,
+                   temperature=0, extra_body={"chat_template": THINKING_TEMPLATE})
+        [item] = c.responses.create(**rkw).output
+        assert item.type == "reasoning" and item.content[0].text == thought
+        events = list(c.responses.create(stream=True, **rkw))
+        assert "".join(e.delta for e in events
+                       if e.type == "response.reasoning_text.delta") == thought
         answer = c.chat.completions.create(
             model="SmolLM2-135M-Instruct", messages=ASK, max_tokens=200, temperature=0,
             response_format={"type": "json_schema", "json_schema": {
