@@ -64,6 +64,21 @@ def test_text_as_the_chat_endpoint_gives_it(client):
     assert done.text == text
 
 
+def test_cached_prompt_tokens_are_counted(client):
+    """The prefix cache's share of the prompt: in a chat's usage (prompt_tokens_details,
+    streamed and not, as OpenAI's) and a response's (input_tokens_details)."""
+    ask = [{"role": "user", "content": "Count the cached tokens of this prompt. " * 8}]
+    kw = dict(model=MODEL, messages=ask, max_tokens=2, temperature=0)
+    client.chat.completions.create(**kw)  # now in the cache
+    usage = client.chat.completions.create(**kw).usage
+    assert 0 < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+    *_, last = client.chat.completions.create(stream=True, stream_options={
+        "include_usage": True}, **kw)
+    assert last.usage.prompt_tokens_details.cached_tokens > 0
+    r = client.responses.create(model=MODEL, input=ask, max_output_tokens=2, temperature=0)
+    assert r.usage.input_tokens_details.cached_tokens > 0
+
+
 def test_a_short_budget_is_incomplete(client):
     r = client.responses.create(model=MODEL, input="Tell me a long story.", temperature=0,
                                 max_output_tokens=3)

@@ -195,7 +195,8 @@ class _Builder:
             "tools": req.tools or [], "truncation": "disabled", "user": req.user,
             "usage": None if usage is None else {
                 "input_tokens": usage["prompt_tokens"],
-                "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens_details": {"cached_tokens": (usage.get("prompt_tokens_details")
+                                                            or {}).get("cached_tokens", 0)},
                 "output_tokens": usage["completion_tokens"],
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": usage["total_tokens"]}}

@@ -605,7 +605,8 @@ class OpenAIServing:
             choices.append(choice)
         body = {"id": job.request_id, "object": "chat.completion", "created": job.created,
                 "model": job.model, "choices": choices,
-                "usage": _usage(len(prompt.token_ids), completion_tokens)}
+                "usage": _usage(len(prompt.token_ids), completion_tokens,
+                                final.num_cached_tokens)}
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = self._prompt_logprobs_json(
                 final.prompt_logprobs, prompt.token_ids, req.prompt_logprobs)
@@ -699,7 +700,8 @@ class OpenAIServing:
             if usage_chunks:
                 final = {"id": job.request_id, "object": "chat.completion.chunk",
                          "created": job.created, "model": job.model, "choices": [],
-                         "usage": _usage(prompt_tokens, completion_tokens)}
+                         "usage": _usage(prompt_tokens, completion_tokens,
+                                         getattr(last, "num_cached_tokens", 0))}
                 if req.return_metrics:
                     final["metrics"] = _timings(last)
                 yield final
@@ -847,9 +849,14 @@ def _timings(out) -> dict | None:
     return {"queue_s": since(m.first_scheduled_time), "ttft_s": since(m.first_token_time)}
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict:
+    """OpenAI's usage; `cached`: the prompt tokens the prefix cache held (a chat's final
+    usage carries them, as OpenAI's prompt_tokens_details)."""
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
 
 
 def _new_id(prefix: str, given: str | None) -> str:
