@@ -146,7 +146,9 @@ def test_top_p_after_a_top_k_cut_takes_top_ks_mass():
     the row's, so the kernels must gather top-k's whole set (the 64 and 256-row GPU runs
     at 151,936 tokens drew outside the reference's set before)."""
     vocab, n = 400, 16
-    for seed in range(10):
+    # Of seeds 0-9, these give rows where the rule matters: without it, one row of each
+    # drew outside the reference's set (the other seeds never did).
+    for seed in (4, 5, 8):
         g = torch.Generator().manual_seed(seed)
         logits = torch.randn(n, vocab, generator=g) * (2.5 + 0.5 * (seed % 2))
         seqs = [row(i, temperature=0.7, top_k=10, top_p=0.8, seed=i) for i in range(n)]
