@@ -101,7 +101,7 @@ def test_engine_numbers_move(page, server):
     before = generated()
     load = threading.Thread(target=lambda: httpx.post(
         server.url + "/v1/completions", timeout=120,
-        json={"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "n": 4}))
+        json={"prompt": "Once upon a time", "max_tokens": 64, "ignore_eos": True, "n": 4}))
     load.start()
     deadline = time.monotonic() + 60
     moved = False
