@@ -29,7 +29,8 @@ from bench.common import median_gpu_us
 from csrc_triton import moe as K
 from csrc_triton._interpret import kernels_for
 from minivllm.config import ModelConfig
-from minivllm.model.moe import experts_reference, route
+from minivllm.model.moe import _expert_weight, experts_reference, route
+from minivllm.model.quantization import quantize_fp8
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 CANDIDATES = dict(BLOCK_N=[64, 128], BLOCK_K=[64, 128], num_warps=[4, 8], num_stages=[3, 4])
@@ -61,10 +62,9 @@ def random_experts(e: int, i: int, h: int, dtype: str, device) -> dict:
     if dtype == "bf16":
         return {**w, "w13_scale": None, "w2_scale": None}
     out = {}
-    for name, t in w.items():
-        scale = t.float().abs().amax(dim=-1) / 448.0
-        out[name] = (t.float() / scale[..., None]).to(torch.float8_e4m3fn)
-        out[name + "_scale"] = scale
+    for name, t in w.items():  # as MoE.quantize stores them
+        q, scale = quantize_fp8(t.reshape(-1, t.shape[-1]))
+        out[name], out[name + "_scale"] = q.view(t.shape), scale.view(t.shape[:2])
     return out
 
 
@@ -80,7 +80,7 @@ def reference_gate_up(x, w13, scale, ids) -> torch.Tensor:
     out = torch.empty(flat.numel(), w13.shape[1], dtype=x.dtype, device=x.device)
     for e in torch.unique(flat).tolist():
         rows = torch.where(flat == e)[0]
-        w = w13[e] if scale is None else (w13[e].float() * scale[e][:, None]).to(x.dtype)
+        w = _expert_weight(w13, scale, None, e, x.shape[1], x.dtype)
         out[rows] = F.linear(x[rows // ids.shape[1]], w)
     return out
 

@@ -39,7 +39,8 @@ from csrc_triton.int4_layout import int4_half
 
 INT4_GROUP = 128  # inputs per int4 scale and zero point
 
-__all__ = ["fused_moe", "align_by_expert", "moe_tiles", "tiles_key", "TILES_FILE"]
+__all__ = ["fused_moe", "align_by_expert", "moe_tiles", "pick_tiles", "tiles_key",
+           "TILES_FILE"]
 
 TILES_FILE = Path(__file__).with_name("moe_tiles.json")
 
@@ -189,28 +190,26 @@ def _measured() -> dict:
     return json.loads(TILES_FILE.read_text()) if TILES_FILE.exists() else {}
 
 
-def moe_tiles(w13: torch.Tensor, top_k: int, rows: int, device: torch.device,
-              table: dict | None = None) -> dict:
+def moe_tiles(w13: torch.Tensor, top_k: int, rows: int, device: torch.device) -> dict:
     """{"BLOCK_M": m, "w13": {...}, "w2": {...}} (each GEMM's BLOCK_N, BLOCK_K, num_warps,
-    num_stages) for `rows` (token, expert) rows: the measured entry of the least row count
-    at or above `rows` (else the largest), for this GPU and shape; without one, small tiles
-    for a decode step's few rows (the weights' bytes are the cost) and larger ones past 64
-    rows. `table` stands in for moe_tiles.json's entries of this GPU (tests)."""
+    num_stages) for `rows` (token, expert) rows, from this GPU's measured entries for the
+    shape (pick_tiles)."""
     if device.type != "cuda":  # the interpreter: the smallest tiles tl.dot takes
         gemm = dict(BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=1)
         return {"BLOCK_M": 16, "w13": gemm, "w2": dict(gemm)}
-    if table is not None:
-        return _pick(table.get(tiles_key(w13, top_k)), w13.shape[1], rows)
     return _measured_tiles(torch.cuda.get_device_name(device), tiles_key(w13, top_k),
                            w13.shape[1], rows)
 
 
 @functools.lru_cache(maxsize=None)  # asked by every MoE layer of every step
 def _measured_tiles(gpu: str, key: str, n: int, rows: int) -> dict:
-    return _pick(_measured().get(gpu, {}).get(key), n, rows)
+    return pick_tiles(_measured().get(gpu, {}).get(key), n, rows)
 
 
-def _pick(entries: dict | None, n: int, rows: int) -> dict:
+def pick_tiles(entries: dict | None, n: int, rows: int) -> dict:
+    """Of one shape's measured entries {rows: tiles}, those of the least row count at or
+    above `rows` (else the largest); without entries, small tiles for a decode step's few
+    rows (the weights' bytes are the cost) and larger ones past 64 rows (n: w13's rows)."""
     if entries:
         counts = sorted(int(r) for r in entries)
         at = next((r for r in counts if r >= rows), counts[-1])

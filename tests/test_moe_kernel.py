@@ -70,16 +70,16 @@ def test_each_gemm_takes_its_own_tiles():
 def test_measured_tiles_are_looked_up_by_shape_and_rows():
     """moe_tiles: the entry of the least measured row count at or above the step's rows,
     else the largest; a shape without entries (or another weight type) gets the rule."""
-    from csrc_triton.moe import moe_tiles, tiles_key
+    from csrc_triton.moe import pick_tiles, tiles_key
     w13 = torch.empty(8, 64, 32, dtype=torch.bfloat16)
     gemm = dict(BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=4)
     table = {tiles_key(w13, 2): {str(r): {"BLOCK_M": m, "w13": gemm, "w2": gemm}
                                  for r, m in ((2, 16), (64, 32), (1024, 128))}}
     assert tiles_key(w13, 2) == "E8-N64-K32-top2-bfloat16"
-    cuda = torch.device("cuda")
-    pick = [moe_tiles(w13, 2, rows, cuda, table)["BLOCK_M"] for rows in (1, 2, 3, 64, 65, 9000)]
+    entries = table.get(tiles_key(w13, 2))
+    pick = [pick_tiles(entries, 64, rows)["BLOCK_M"] for rows in (1, 2, 3, 64, 65, 9000)]
     assert pick == [16, 16, 32, 32, 128, 128]
-    rule = moe_tiles(w13.to(torch.float8_e4m3fn), 2, 4, cuda, table)
+    rule = pick_tiles(table.get(tiles_key(w13.to(torch.float8_e4m3fn), 2)), 64, 4)
     assert rule["w13"]["BLOCK_K"] == 64 and rule["BLOCK_M"] == 16
 
 

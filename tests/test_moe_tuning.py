@@ -1,6 +1,6 @@
 """bench/moe_tuning.py on tiny experts in the interpreter: a candidate whose output is wrong
 is dropped, the best tiles land in the table under the shape's key, and moe_tiles reads them
-back from it."""
+back from it (pick_tiles, moe_tiles' lookup)."""
 
 import json
 
@@ -28,4 +28,4 @@ def test_tuning_keeps_correct_tiles_and_moe_tiles_reads_them(tmp_path, monkeypat
     assert sorted(entries[key], key=int) == ["2", "18"]  # T = 1 and 9, top-2
     for tiles in entries[key].values():
         assert tiles["w13"]["BLOCK_N"] == tiles["w2"]["BLOCK_N"] == 32
-    assert K.moe_tiles(w13, 2, 5, torch.device("cuda"), entries) == entries[key]["18"]
+    assert K.pick_tiles(entries[key], 48, 5) == entries[key]["18"]
