@@ -9,13 +9,14 @@ forward with the same hidden states; the sampler runs on rank 0 only.
 
 The split (Megatron's): q/k/v and gate/up column-parallel (each rank its heads and its
 slice of the MLP's inner width), o and down row-parallel with an all-reduce; KV heads
-split, or replicated where there are fewer than ranks. The embedding and the head are split
-by vocabulary: each rank embeds the ids in its slice (zeros elsewhere, summed over the
-ranks) and computes its slice of the logits, which rank 0 gathers. Each engine has process groups of its own, so several engines can live in
-one process: gloo over TCP carries the step inputs (and, on the CPU, the all-reduces); on
-GPUs each rank has a GPU of its own (the engine's, then the next ones on its node) and the
-all-reduces go through NCCL. On GPUs the forwards run eagerly for now (no CUDA graphs):
-the workers would have to replay graphs of their own, in step with rank 0's.
+split, or replicated where there are fewer than ranks. The embedding and the head are
+split by vocabulary: each rank embeds the ids in its slice (zeros elsewhere, summed over
+the ranks) and computes its slice of the logits, which rank 0 gathers. Each engine has
+process groups of its own, so several engines can live in one process: gloo over TCP
+carries the step inputs (and, on the CPU, the all-reduces); on GPUs each rank has a GPU of
+its own (the engine's, then the next ones on its node) and the all-reduces go through
+NCCL. On GPUs the forwards run eagerly for now (no CUDA graphs): the workers would have to
+replay graphs of their own, in step with rank 0's.
 """
 
 from __future__ import annotations
@@ -229,17 +230,13 @@ def load_shard(model_cfg, model_path, engine_cfg, dtype, device, backend: str, g
     return model
 
 
-def _rows(w: torch.Tensor, start: int, size: int) -> torch.Tensor:
-    return w[start:start + size]
-
-
 def _column_parallel(linear: nn.Module, pieces: list[tuple[int, int]]) -> None:
     """`linear` cut to these (first, count) output rows, its bias likewise."""
     for name in ("weight", "bias"):
         t = getattr(linear, name)
         if t is not None:
             setattr(linear, name, nn.Parameter(
-                torch.cat([_rows(t.data, a, n) for a, n in pieces]), requires_grad=False))
+                torch.cat([t.data[a:a + n] for a, n in pieces]), requires_grad=False))
     linear.out_features = linear.weight.shape[0]
 
 
@@ -467,7 +464,7 @@ def worker_main(rank: int, world: int, host: str, port: int, engine_cfg, model_c
             else:  # "logits": rank 0's rows to project, then this rank's slice of them
                 hidden = group.broadcast_tensor(torch.empty(step[1], dtype=step[2],
                                                             device=device))
-                gathered_logits(model, group, hidden)
+                group.all_gather(model.compute_logits(hidden))
 
 
 class TensorParallel:
