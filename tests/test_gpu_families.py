@@ -3,7 +3,8 @@ tests/test_model_families.py in fp32, through the engine's fast paths (CUDA grap
 decode and mixed steps, pipelined steps, the Triton attention with windows and soft-caps,
 the grouped expert GEMMs, the fused kernels), give transformers' greedy tokens; their bf16
 runs finish with the block pool whole. On two GPUs, tensor parallelism (a rank a GPU, the
-all-reduces through NCCL) gives one GPU's greedy tokens for every family it splits."""
+all-reduces through NCCL, eager and inside CUDA graphs) gives one GPU's greedy tokens for
+every family it splits."""
 
 import pytest
 import torch
@@ -48,10 +49,16 @@ def test_bf16_runs_with_sampling_and_frees_its_blocks(family_dirs, family):  # n
 @two_gpus
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gpt2"])
 def test_tp2_matches_one_gpu_in_fp32(family_dirs, family):  # noqa: F811
+    """Eagerly, and as CUDA graphs with the NCCL broadcasts, all-reduces and gather
+    inside them (every rank captures; a failed capture on any rank would leave none)."""
     want = greedy(LLM(str(family_dirs[family]), **FP32))
-    llm = LLM(str(family_dirs[family]), tensor_parallel_size=2, **FP32)
-    assert greedy(llm) == want
-    assert llm.engine.scheduler.pool.all_free()
+    for kw in (dict(enforce_eager=True), dict()):
+        llm = LLM(str(family_dirs[family]), tensor_parallel_size=2, **FP32, **kw)
+        if not kw:
+            runner = llm.engine.runner
+            assert runner.graph_runner.graphs and runner.mixed_runner.graphs
+        assert greedy(llm) == want
+        assert llm.engine.scheduler.pool.all_free()
 
 
 @two_gpus

@@ -147,6 +147,42 @@ def test_speculative_decoding_under_tp(tiny_model_dirs):
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
+def test_graphed_steps_run_on_every_rank(tiny_model_dirs):
+    """The steps a GPU replays as CUDA graphs, run eagerly here by their runners on both
+    ranks: each step's inputs reach the worker through the runner's own broadcasts (the
+    ones a graph captures), after rank 0 names the step. Decode buckets, mixed-step
+    buckets and the mixed runner's unpadded long steps, pipelined, with greedy and seeded
+    rows and logprobs: one process's tokens, and the pool whole."""
+    from collections import Counter
+
+    prompts = random_prompts(6, 256, 3, 60, seed=7)
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)] * 3
+    kw = dict(skip_tokenizer_init=True, max_model_len=128, max_num_seqs=4, block_size=4,
+              max_num_batched_tokens=64, max_graph_tokens=16)
+    model = str(tiny_model_dirs["llama"])
+    want = LLM(model, **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM(model, tensor_parallel_size=2, **kw)
+    runner = llm.engine.runner
+    runner.setup_step_runners()
+    steps = Counter()
+    for name, obj, method in (("decode", runner.graph_runner, "replay"),
+                              ("mixed", runner.mixed_runner, "replay"),
+                              ("long", runner.mixed_runner, "eager_step")):
+        def counted(*args, _name=name, _run=getattr(obj, method)):
+            steps[_name] += 1
+            return _run(*args)
+        setattr(obj, method, counted)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert steps["decode"] and steps["mixed"] and steps["long"], steps
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lw, lg in zip(w.outputs[0].logprobs or [], g.outputs[0].logprobs or []):
+            for token, entry in lw.items():
+                assert abs(lg[token].logprob - entry.logprob) < 1e-4
+    assert llm.engine.scheduler.pool.all_free()
+
+
 def test_step_inputs_travel_to_each_ranks_device():
     """What rank 0 broadcasts each forward (token ids, positions, AttentionMetadata with
     host lists) comes back equal, its tensors on the device asked for."""

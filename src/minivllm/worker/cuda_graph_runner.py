@@ -23,6 +23,7 @@ from ..config import decode_prelude_enabled
 from ..model.attention import AttentionMetadata
 from .compilation import compile_step
 from .sampler import argmax_rows
+from .tensor_parallel import Replay
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +69,16 @@ class PackedArrays:
             for name, v in views.items():
                 setattr(self, name + "_np", v.numpy())
 
+    def filled(self, table_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a step reads: all of the int64 buffer, the int32 one up to table row
+        `table_rows` (the rows past it belong to padding sequences, which have length 0
+        and read no table)."""
+        return self.int64, self.int32[:self.table_start + table_rows * self.max_blocks]
+
     def copy_to(self, dst: "PackedArrays", table_rows: int) -> None:
-        """Queue the two copies into dst (same layout): all of the int64 buffer, the int32
-        one up to table row `table_rows` (the rows past it belong to padding sequences,
-        which have length 0 and read no table)."""
-        dst.int64.copy_(self.int64, non_blocking=True)
-        m = self.table_start + table_rows * self.max_blocks
-        dst.int32[:m].copy_(self.int32[:m], non_blocking=True)
+        """Queue the two copies of what a step reads into dst (same layout)."""
+        for src, to in zip(self.filled(table_rows), dst.filled(table_rows)):
+            to.copy_(src, non_blocking=True)
 
 
 def decode_arrays(max_batch: int, max_blocks: int, **where) -> PackedArrays:
@@ -158,12 +162,46 @@ def make_prelude(model: torch.nn.Module, device: torch.device):
     return lambda: linear(x, weight)
 
 
+def capture_graphs(sizes: list[int], step, device: torch.device, tp=None,
+                   warm_each: bool = False) -> dict[int, torch.cuda.CUDAGraph]:
+    """One graph of step(size) per size, largest first, all in one memory pool (warm_each:
+    each step run once more, waited for, before its capture). Under tensor parallelism
+    (tp, the TPGroup) every rank captures the same graphs and the ranks agree on each: a
+    capture that fails on any rank leaves every rank without graphs (their steps then run
+    eagerly, the same collectives in the same order); on one GPU it raises."""
+    graphs, pool = {}, None
+    for size in sorted(sizes, reverse=True):
+        graph = torch.cuda.CUDAGraph()
+        try:
+            if warm_each:
+                step(size)
+                torch.cuda.synchronize(device)
+            with torch.cuda.graph(graph, pool=pool):
+                step(size)
+            ok = True
+        except Exception:
+            if tp is None:
+                raise
+            logger.exception("CUDA graph capture failed on rank %d (size %d).", tp.rank, size)
+            ok = False
+        if tp is not None and not tp.all_ok(ok):
+            logger.warning("A CUDA graph capture failed under tensor parallelism: every rank "
+                           "runs these steps without graphs.")
+            return {}
+        pool = pool or graph.pool()
+        graphs[size] = graph
+    return graphs
+
+
 class DecodeGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_layers, *, max_batch: int, max_blocks: int,
                  block_size: int, max_model_len: int, device: torch.device,
                  use_compile: bool, use_graphs: bool, logits_out: torch.Tensor | None = None,
-                 greedy_out: torch.Tensor | None = None) -> None:
+                 greedy_out: torch.Tensor | None = None, tp=None) -> None:
+        """tp: the TPGroup under tensor parallelism (each step starts by receiving rank
+        0's inputs; rank 0 announces each step's replay to the workers)."""
         self.model = model
+        self.tp = tp
         self.kv_layers = kv_layers
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -223,8 +261,10 @@ class DecodeGraphRunner:
     def _decode_step(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
                      block_tables: torch.Tensor) -> None:
         """One decode step; its logits and argmax land in logits_out / greedy_out."""
-        positions, slots = self._positions_and_slots(seq_lens, block_tables)
         batch = input_ids.shape[0]
+        if self.tp is not None:
+            self.tp.broadcast_arrays(self.inputs.buf, batch)
+        positions, slots = self._positions_and_slots(seq_lens, block_tables)
         meta = AttentionMetadata(
             slot_mapping=slots, query_start_loc=self.query_start_loc[:batch + 1],
             seq_lens=seq_lens, block_tables=block_tables,
@@ -257,16 +297,10 @@ class DecodeGraphRunner:
         self.timings = {"warm_up_s": warm}
         if not self.use_graphs:
             return warm
-        pool = None
-        for i, b in enumerate(reversed(self.buckets)):
-            graph = torch.cuda.CUDAGraph()
-            self.step_fn(inp.input_ids[:b], inp.seq_lens[:b], inp.block_tables[:b])
-            torch.cuda.synchronize(self.device)
-            with torch.cuda.graph(graph, pool=pool):
-                self.step_fn(inp.input_ids[:b], inp.seq_lens[:b], inp.block_tables[:b])
-            if pool is None:
-                pool = graph.pool()
-            self.graphs[b] = graph
+        self.graphs = capture_graphs(
+            self.buckets, lambda b: self.step_fn(inp.input_ids[:b], inp.seq_lens[:b],
+                                                 inp.block_tables[:b]),
+            self.device, self.tp, warm_each=True)
         torch.cuda.synchronize(self.device)
         total = time.perf_counter() - start
         self.timings["capture_s"] = total - warm
@@ -288,6 +322,14 @@ class DecodeGraphRunner:
         n = len(seq_lens)
         b = bucket_for(n, self.buckets)
         self.inputs.fill(token_ids, seq_lens, tables, b, device_tokens)
+        if self.tp is not None:
+            self.tp.send_replay(Replay.DECODE, b)
+        self.replay(b)
+        # Every bucket's step writes into these shared buffers (see __init__).
+        return self.logits_out[:n], self.greedy_out[:n]
+
+    def replay(self, b: int) -> None:
+        """Bucket b's step over the static buffers: its graph, or the step run eagerly."""
         if b in self.graphs:
             if self.prelude is not None:
                 self.prelude()
@@ -295,5 +337,3 @@ class DecodeGraphRunner:
         else:
             inp = self.inputs
             self.step_fn(inp.input_ids[:b], inp.seq_lens[:b], inp.block_tables[:b])
-        # Every bucket's step writes into these shared buffers (see __init__).
-        return self.logits_out[:n], self.greedy_out[:n]

@@ -29,8 +29,9 @@ import time
 import torch
 
 from ..model.attention import AttentionMetadata
-from .cuda_graph_runner import PackedArrays, bucket_for
+from .cuda_graph_runner import PackedArrays, bucket_for, capture_graphs
 from .sampler import argmax_rows
+from .tensor_parallel import Replay
 
 logger = logging.getLogger(__name__)
 
@@ -110,12 +111,13 @@ class MixedGraphRunner:
                  max_blocks: int, max_model_len: int, device: torch.device,
                  use_graphs: bool, max_rows: int | None = None,
                  max_eager_tokens: int | None = None, logits_out: torch.Tensor | None = None,
-                 greedy_out: torch.Tensor | None = None) -> None:
+                 greedy_out: torch.Tensor | None = None, tp=None) -> None:
         """max_tokens: the largest graph bucket; max_eager_tokens: the largest step, run
         eagerly past the buckets (default max_tokens: none). max_rows: the most sampled
         rows a step has (default max_seqs: one per sequence; a speculative step samples
-        1 + k per sequence)."""
+        1 + k per sequence). tp: as for DecodeGraphRunner."""
         self.model = model
+        self.tp = tp
         self.kv_layers = kv_layers
         self.max_model_len = max_model_len
         self.device = device
@@ -158,21 +160,24 @@ class MixedGraphRunner:
         """A bucket's step, as its graph captures it: every sequence slot, bounds for the
         query and context lengths."""
         b = self.graph_io.buf
+        if self.tp is not None:
+            self.tp.broadcast_arrays(b, self.max_seqs)
         meta = AttentionMetadata(
             slot_mapping=b.slots[:t], query_start_loc=b.qsl, seq_lens=b.lens,
             block_tables=b.tables, max_query_len=t, max_seq_len=self.max_model_len)
         self._forward(b, t, meta, self._rows(t))
 
-    def _eager_step(self, host) -> None:
-        """A step past the buckets, unpadded: its own tokens, sequences, sampled rows and
-        lengths (the attention picks its tiles by them, as for any eager step)."""
+    def eager_step(self, t: int, n: int, r: int, max_query_len: int,
+                   max_seq_len: int) -> None:
+        """A step past the buckets, unpadded: its own t tokens, n sequences, r sampled rows
+        and lengths (the attention picks its tiles by them, as for any eager step)."""
         b = self.eager_io.buf
-        t, n = len(host.input_ids), len(host.seq_lens)
+        if self.tp is not None:
+            self.tp.broadcast_arrays(b, n)
         meta = AttentionMetadata(
             slot_mapping=b.slots[:t], query_start_loc=b.qsl[:n + 1], seq_lens=b.lens[:n],
-            block_tables=b.tables[:n], max_query_len=host.max_query_len,
-            max_seq_len=max(host.seq_lens))
-        self._forward(b, t, meta, len(host.sample_indices))
+            block_tables=b.tables[:n], max_query_len=max_query_len, max_seq_len=max_seq_len)
+        self._forward(b, t, meta, r)
 
     def _forward(self, b, t: int, meta: AttentionMetadata, r: int) -> None:
         hidden = self.model(b.ids[:t], b.pos[:t], self.kv_layers, meta)
@@ -196,13 +201,7 @@ class MixedGraphRunner:
         # The warm-up's activations go back to the device: the graphs' pool, captured next,
         # needs as much again, and the KV cache was sized for one step's activations.
         torch.cuda.empty_cache()
-        pool = None
-        for t in reversed(self.buckets):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._step(t)
-            pool = pool or graph.pool()
-            self.graphs[t] = graph
+        self.graphs = capture_graphs(self.buckets, self._step, self.device, self.tp)
         torch.cuda.synchronize(self.device)
         launch_s = self._time_long_replays()
         secs = time.perf_counter() - start
@@ -231,7 +230,7 @@ class MixedGraphRunner:
         launch_s = min(seconds(lambda: self._step(self.buckets[0]), wait=False)
                        for _ in range(3))
         for t in self.buckets:
-            if t > DOUBLING_LIMIT:
+            if t > DOUBLING_LIMIT and t in self.graphs:
                 self.graphs[t].replay()  # the first replay also uploads the graph
                 if seconds(self.graphs[t].replay, wait=True) < launch_s:
                     self.replay_pays.add(t)
@@ -276,13 +275,24 @@ class MixedGraphRunner:
         if device_tokens is not None:
             b.ids.index_copy_(0, b.fix_pos[:k], prev.index_select(0, b.fix_rows[:k]))
         staging.copied()
-        if not graphed:
-            self._eager_step(host)
-        elif t in self.graphs:
+        if graphed:
+            if self.tp is not None:
+                self.tp.send_replay(Replay.MIXED, t)
+            self.replay(t)
+        else:
+            sizes = (t, n_seq, n_rows, host.max_query_len, max(host.seq_lens))
+            if self.tp is not None:
+                self.tp.send_replay(Replay.MIXED_EAGER, *sizes)
+            self.eager_step(*sizes)
+        return self.logits_out[:n_rows], self.greedy_out[:n_rows]
+
+    def replay(self, t: int) -> None:
+        """Token bucket t's step over the static buffers: its graph, or the step run
+        eagerly."""
+        if t in self.graphs:
             self.graphs[t].replay()
         else:
             self._step(t)
-        return self.logits_out[:n_rows], self.greedy_out[:n_rows]
 
     def replay_bucket(self, num_tokens: int) -> int | None:
         """The bucket whose graph a step of num_tokens replays, or None: it runs eagerly."""

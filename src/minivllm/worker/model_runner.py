@@ -26,8 +26,8 @@ from .cuda_graph_runner import DecodeGraphRunner
 from .kv_cache import KVCache, cpu_num_blocks, gpu_num_blocks
 from .mixed_graph_runner import MixedGraphRunner
 from .sampler import SampledRows, Sampler, SamplerGraphs, SamplerOutput, argmax_rows
-from .tensor_parallel import (BroadcastingModel, TensorParallel, check_tp, load_shard,
-                              local_config)
+from .tensor_parallel import (BroadcastingModel, ShardModel, TensorParallel, check_tp,
+                              load_shard, local_config)
 
 logger = logging.getLogger(__name__)
 
@@ -206,10 +206,9 @@ class ModelRunner:
         # (path, tokens, sequences) of the last step launched, for the engine's step trace.
         self.last_step: tuple[str, int, int] | None = None
         # The torch reference backend reads lengths on the host: it cannot be captured.
-        # Tensor parallelism runs its forwards eagerly (worker/tensor_parallel.py).
         if (device.type == "cuda" and not engine_cfg.enforce_eager
-                and attention_backend == "triton" and self.tp is None):
-            self._setup_graphs()
+                and attention_backend == "triton"):
+            self.setup_step_runners()
 
     def weight_bytes(self) -> int:
         """The model's weights in memory: its state (quantized projections as stored, tied
@@ -222,47 +221,25 @@ class ModelRunner:
         methods = {m.method for m in self.model.modules() if isinstance(m, QuantizedLinear)}
         return f" ({', '.join(sorted(methods))})" if methods else ""
 
-    def _setup_graphs(self) -> None:
-        """Capture the decode graphs (batch buckets) and the prefill/mixed-step graphs
-        (token buckets). Their memory comes on top of the KV cache sized before."""
-        cfg = self.cfg
-        use_compile = compile_enabled()
-        # Both runners write a step's logits and argmax to these (the sampler's graphs
-        # read them), outside the graphs' memory pools: per-graph outputs would stay
-        # allocated, one [rows, vocab] block per bucket.
-        vocab = self.model.config.vocab_size
-        rows = max(cfg.max_num_seqs, min(self.max_rows, cfg.max_num_batched_tokens))
-        logits_out = torch.empty(rows, vocab, dtype=self.model.lm_head.weight.dtype,
-                                 device=self.device)
-        greedy_out = torch.empty(rows, dtype=torch.long, device=self.device)
-        self.graph_runner = DecodeGraphRunner(
-            self.model, self.kv_cache.layers,
-            max_batch=min(cfg.max_num_seqs, cfg.max_cudagraph_batch_size or cfg.max_num_seqs),
-            max_blocks=cfg.max_blocks_per_seq(), block_size=self.block_size,
-            max_model_len=cfg.max_model_len, device=self.device,
-            use_compile=use_compile, use_graphs=cuda_graphs_enabled(),
-            logits_out=logits_out, greedy_out=greedy_out)
-        logger.info("Decode step: %s, %s...", "torch.compile" if use_compile else "eager",
-                    "capturing CUDA graphs" if cuda_graphs_enabled() else "no CUDA graphs")
-        self.graph_runner.capture()
-        for part, secs in self.graph_runner.timings.items():
-            self.startup[f"decode_{part}"] = secs
-        max_tokens = min(cfg.max_graph_tokens, cfg.max_num_batched_tokens)
-        if max_tokens > 0 and cuda_graphs_enabled():
-            logger.info("Mixed steps (up to %d tokens): capturing CUDA graphs...", max_tokens)
-            self.mixed_runner = MixedGraphRunner(
-                self.model, self.kv_cache.layers, max_tokens=max_tokens,
-                max_seqs=cfg.max_num_seqs, max_blocks=cfg.max_blocks_per_seq(),
-                max_model_len=cfg.max_model_len, device=self.device, use_graphs=True,
-                max_rows=cfg.max_num_seqs * (1 + cfg.num_speculative_tokens),
-                max_eager_tokens=cfg.max_num_batched_tokens,
-                logits_out=logits_out, greedy_out=greedy_out)
-            self.mixed_runner.capture()
-            for part, secs in self.mixed_runner.timings.items():
-                self.startup[f"mixed_{part}"] = secs
+    def setup_step_runners(self) -> None:
+        """The decode steps (batch buckets) and prefill/mixed steps (token buckets) over
+        static buffers, captured as CUDA graphs on a GPU (their memory comes on top of the
+        KV cache sized before); under tensor parallelism every rank builds the same. The
+        CPU runs them eagerly (tests)."""
+        group = None if self.tp is None else self.tp.group
+        model = self.model
+        if group is not None:
+            group.broadcast_object(("runners",))
+            model = ShardModel(self.model.inner, group)
+        self.graph_runner, self.mixed_runner = step_runners(
+            model, self.kv_cache.layers, self.cfg, self.device, group)
+        for name, runner in (("decode", self.graph_runner), ("mixed", self.mixed_runner)):
+            for part, secs in (runner.timings if runner else {}).items():
+                self.startup[f"{name}_{part}"] = secs
         if cuda_graphs_enabled() and self.sampler.kernels:
             t0 = time.perf_counter()
-            self.sampler.graphs = SamplerGraphs(self.sampler, logits_out, greedy_out)
+            self.sampler.graphs = SamplerGraphs(self.sampler, self.graph_runner.logits_out,
+                                                self.graph_runner.greedy_out)
             self.sampler.graphs.capture()
             self.startup["sampler_capture_s"] = time.perf_counter() - t0
 
@@ -550,6 +527,43 @@ class ModelRunner:
                        in zip(tok_lp[:, 0].tolist(), ranks, top_ids, top_vals)]
             chunks.append(PromptLogprobChunk(seq, first_pos, entries))
         return chunks
+
+
+def step_runners(model: torch.nn.Module, kv_layers, cfg: EngineConfig, device: torch.device,
+                 group=None) -> tuple[DecodeGraphRunner, MixedGraphRunner | None]:
+    """The decode and mixed-step runners of `model`, warmed up and (on a GPU) captured.
+    Both write a step's logits and argmax to the same buffers (the sampler's graphs read
+    them), outside the graphs' memory pools: per-graph outputs would stay allocated, one
+    [rows, vocab] block per bucket. group: the TPGroup under tensor parallelism, where
+    every rank calls this alike (no torch.compile there: its collectives are the
+    process group's calls)."""
+    use_compile = compile_enabled() and group is None
+    use_graphs = cuda_graphs_enabled()
+    max_rows = cfg.max_num_seqs * (1 + cfg.num_speculative_tokens)
+    rows = max(cfg.max_num_seqs, min(max_rows, cfg.max_num_batched_tokens))
+    logits_out = torch.empty(rows, model.config.vocab_size,
+                             dtype=model.lm_head.weight.dtype, device=device)
+    greedy_out = torch.empty(rows, dtype=torch.long, device=device)
+    decode = DecodeGraphRunner(
+        model, kv_layers,
+        max_batch=min(cfg.max_num_seqs, cfg.max_cudagraph_batch_size or cfg.max_num_seqs),
+        max_blocks=cfg.max_blocks_per_seq(), block_size=cfg.block_size,
+        max_model_len=cfg.max_model_len, device=device, use_compile=use_compile,
+        use_graphs=use_graphs, logits_out=logits_out, greedy_out=greedy_out, tp=group)
+    logger.info("Decode step: %s, %s...", "torch.compile" if use_compile else "eager",
+                "capturing CUDA graphs" if use_graphs else "no CUDA graphs")
+    decode.capture()
+    max_tokens = min(cfg.max_graph_tokens, cfg.max_num_batched_tokens)
+    if max_tokens <= 0 or not use_graphs:
+        return decode, None
+    logger.info("Mixed steps (up to %d tokens): capturing CUDA graphs...", max_tokens)
+    mixed = MixedGraphRunner(
+        model, kv_layers, max_tokens=max_tokens, max_seqs=cfg.max_num_seqs,
+        max_blocks=cfg.max_blocks_per_seq(), max_model_len=cfg.max_model_len, device=device,
+        use_graphs=True, max_rows=max_rows, max_eager_tokens=cfg.max_num_batched_tokens,
+        logits_out=logits_out, greedy_out=greedy_out, tp=group)
+    mixed.capture()
+    return decode, mixed
 
 
 def fused_ops_work(device: torch.device, dtype: torch.dtype) -> bool:

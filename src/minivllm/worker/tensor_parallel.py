@@ -15,13 +15,19 @@ the ranks) and computes its slice of the logits, which rank 0 gathers. Each engi
 process groups of its own, so several engines can live in one process: gloo over TCP
 carries the step inputs (and, on the CPU, the all-reduces); on GPUs each rank has a GPU of
 its own (the engine's, then the next ones on its node) and the all-reduces go through
-NCCL. On GPUs the forwards run eagerly for now (no CUDA graphs): the workers would have to
-replay graphs of their own, in step with rank 0's.
+NCCL.
+
+The graphed steps (worker/cuda_graph_runner.py, mixed_graph_runner.py) run on every rank:
+each rank captures the same graphs, whose first kernels broadcast rank 0's step inputs
+(NCCL, on the device) into every rank's static buffers, and whose all-reduces and logits
+gather are NCCL kernels inside them. Rank 0 then tells the workers which graph to replay
+with a header of a few ints (gloo); eager steps send their inputs as a pickled object.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import multiprocessing
 import pickle
@@ -36,6 +42,18 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 _TIMEOUT = timedelta(minutes=10)
+
+# Every message from rank 0 to the workers starts with a header of _HEADER ints: the size
+# of a pickled object that follows (>= 0), or -Replay and the replay's ints.
+_HEADER = 8
+
+
+class Replay(enum.IntEnum):
+    """A graphed step the workers run in step with rank 0 (its inputs come by NCCL)."""
+
+    DECODE = 1       # ints: the batch bucket
+    MIXED = 2        # the token bucket
+    MIXED_EAGER = 3  # tokens, sequences, sampled rows, longest query, longest sequence
 
 
 def free_port() -> int:
@@ -68,27 +86,54 @@ class TPGroup:
         (self.nccl if t.is_cuda else self.pg).broadcast([t], dist.BroadcastOptions()).wait()
         return t
 
-    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's `t` (same shape on each), in rank order."""
-        out = [torch.empty_like(t) for _ in range(self.world)]
-        (self.nccl if t.is_cuda else self.pg).allgather([out], [t]).wait()
-        return out
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's `t` (same shape on each), stacked in rank order: [world, *shape].
+        One output tensor, not a list: NCCL gathers straight into it, also in a graph."""
+        out = t.new_empty((self.world * t.shape[0], *t.shape[1:]))
+        (self.nccl if t.is_cuda else self.pg)._allgather_base(out, t.contiguous()).wait()
+        return out.view(self.world, *t.shape)
+
+    def all_ok(self, ok: bool) -> bool:
+        """Whether every rank's `ok` is true."""
+        flag = torch.tensor([int(ok)], dtype=torch.int32)
+        self.pg.allreduce([flag], dist.AllreduceOptions(reduceOp=dist.ReduceOp.MIN)).wait()
+        return bool(flag.item())
+
+    def broadcast_arrays(self, arrays, table_rows: int) -> None:
+        """Rank 0's step inputs (a cuda_graph_runner.PackedArrays, up to table row
+        `table_rows`) into every rank's: two broadcasts on the device, which the graphs
+        capture."""
+        for t in arrays.filled(table_rows):
+            self.broadcast_tensor(t)
+
+    def _header(self, values: tuple[int, ...] = ()) -> list[int]:
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[:len(values)] = torch.tensor(values, dtype=torch.int64)
+        self.pg.broadcast([header], dist.BroadcastOptions()).wait()
+        return header.tolist()
+
+    def send_replay(self, kind: Replay, *ints: int) -> None:
+        """Rank 0: tell the workers to run this graphed step."""
+        self._header((-kind, *ints))
 
     def broadcast_object(self, obj=None):
         """Rank 0's `obj` on every rank, its tensors on this rank's device (they travel
-        pickled, through the host)."""
-        if self.rank == 0:
-            obj = moved(obj, torch.device("cpu"))
-            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-            size = torch.tensor([data.numel()], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
-        self.pg.broadcast([size], dist.BroadcastOptions()).wait()
+        pickled, through the host). Workers wait for messages with `receive`."""
         if self.rank != 0:
-            data = torch.empty(int(size.item()), dtype=torch.uint8)
+            return self.receive()
+        obj = moved(obj, torch.device("cpu"))
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        self._header((data.numel(),))
         self.pg.broadcast([data], dist.BroadcastOptions()).wait()
-        if self.rank == 0:
-            return obj
+        return obj
+
+    def receive(self):
+        """A worker: rank 0's next message, an object or ("replay", Replay, ints)."""
+        header = self._header()
+        if header[0] < 0:
+            return ("replay", Replay(-header[0]), header[1:])
+        data = torch.empty(header[0], dtype=torch.uint8)
+        self.pg.broadcast([data], dist.BroadcastOptions()).wait()
         return moved(pickle.loads(data.numpy().tobytes()), self.device)
 
 
@@ -359,14 +404,15 @@ def local_config(cfg, rank: int, world: int):
 
 def gathered_logits(model: nn.Module, group: TPGroup, hidden: torch.Tensor) -> torch.Tensor:
     """Every rank's slice of the logits of `hidden`'s rows, side by side: [rows, vocab]."""
-    pieces = group.all_gather(model.compute_logits(hidden))
-    return torch.cat(pieces, dim=-1)[:, :model.config.vocab_size]
+    pieces = group.all_gather(model.compute_logits(hidden))  # [world, rows, slice]
+    rows = pieces.shape[1]
+    return pieces.transpose(0, 1).reshape(rows, -1)[:, :model.config.vocab_size]
 
 
-class BroadcastingModel(nn.Module):
-    """Rank 0's model: each forward first sends its inputs to the workers (which run the
-    same forward on their shards), each compute_logits the rows to project (the workers
-    add their slices of the vocabulary); everything else is the model's."""
+class ShardModel(nn.Module):
+    """This rank's shard as a whole model: its forward's all-reduces leave every rank with
+    the same hidden states, and compute_logits gathers the ranks' vocabulary slices. Every
+    rank makes the same calls: this is the model the graphed steps run."""
 
     def __init__(self, model: nn.Module, group: TPGroup) -> None:
         super().__init__()
@@ -374,14 +420,10 @@ class BroadcastingModel(nn.Module):
         self.group = group
 
     def forward(self, input_ids, positions, kv_caches, meta):
-        self.group.broadcast_object(("forward", input_ids, positions, meta))
         return self.inner(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor,
                        out: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = hidden.contiguous()
-        self.group.broadcast_object(("logits", tuple(hidden.shape), hidden.dtype))
-        self.group.broadcast_tensor(hidden)
         logits = gathered_logits(self.inner, self.group, hidden)
         return logits if out is None else out.copy_(logits)
 
@@ -390,6 +432,23 @@ class BroadcastingModel(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._modules["inner"], name)
+
+
+class BroadcastingModel(ShardModel):
+    """Rank 0's model for eager steps: each forward first sends its inputs to the workers
+    (which run the same forward on their shards), each compute_logits the rows to project
+    (the workers add their slices of the vocabulary)."""
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        self.group.broadcast_object(("forward", input_ids, positions, meta))
+        return super().forward(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = hidden.contiguous()
+        self.group.broadcast_object(("logits", tuple(hidden.shape), hidden.dtype))
+        self.group.broadcast_tensor(hidden)
+        return super().compute_logits(hidden, out)
 
 
 def start_workers(ranks: range, world: int, host: str, port: int, build_args: tuple,
@@ -441,30 +500,44 @@ def stop_workers(group: TPGroup, procs: list) -> None:
 
 def worker_main(rank: int, world: int, host: str, port: int, engine_cfg, model_cfg,
                 model_path, dtype: torch.dtype, backend: str) -> None:
-    """A worker: its shard of the model and of the KV cache, then every forward and
-    logits projection rank 0 broadcasts, until it sends None."""
+    """A worker: its shard of the model and of the KV cache, then every step rank 0 sends
+    (an eager forward, a logits projection, the graphed steps' runners and their
+    replays), until it sends None."""
     from ..config import fused_ops_enabled
     from .kv_cache import KVCache
+    from .model_runner import step_runners
     device = rank_device(engine_cfg, rank)
     if device.type == "cpu":
         torch.set_num_threads(1)
     group = TPGroup(rank, world, host, port, device)
     model = load_shard(model_cfg, model_path, engine_cfg, dtype, device, backend, group,
                        fused_ops_enabled(backend) and device.type == "cuda")
-    num_blocks = group.broadcast_object()
+    num_blocks = group.receive()
     kv = KVCache(local_config(model_cfg, rank, world), num_blocks, engine_cfg.block_size,
                  engine_cfg.kv_dtype(dtype), device)
+    decode = mixed = None
     with torch.inference_mode():
         while True:
-            step = group.broadcast_object()
+            step = group.receive()
             if step is None:
                 return
-            if step[0] == "forward":
+            if step[0] == "replay":
+                kind, ints = step[1], step[2]
+                if kind == Replay.DECODE:
+                    decode.replay(ints[0])
+                elif kind == Replay.MIXED:
+                    mixed.replay(ints[0])
+                else:
+                    mixed.eager_step(*ints[:5])
+            elif step[0] == "forward":
                 model(*step[1:3], kv.layers, step[3])
-            else:  # "logits": rank 0's rows to project, then this rank's slice of them
+            elif step[0] == "logits":  # rank 0's rows to project, then this rank's slice
                 hidden = group.broadcast_tensor(torch.empty(step[1], dtype=step[2],
                                                             device=device))
                 group.all_gather(model.compute_logits(hidden))
+            else:  # "runners": build and capture the graphed steps, as rank 0 does
+                decode, mixed = step_runners(ShardModel(model, group), kv.layers, engine_cfg,
+                                             device, group)
 
 
 class TensorParallel:
