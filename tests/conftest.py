@@ -34,6 +34,11 @@ SAME_WORKER_MODULES = {
     "tests/test_gguf_and_default_model.py",  # the real GGUF's reader, the HF tokenizer
     "tests/test_bench_report.py",            # the committed results' report (~10 s)
     "tests/test_readme.py",                  # the README's server, started as a user would
+    "tests/test_responses_api.py",           # a server
+    "tests/test_structured_server.py",       # a server with tools and a reasoning parser
+    "tests/test_data_parallel.py",           # a server of two engines
+    "tests/test_dashboard.py",               # a server
+    "tests/test_dashboard_browser.py",       # a server and a browser
 }
 
 
