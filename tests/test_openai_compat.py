@@ -353,8 +353,12 @@ def test_server_with_generation_config_vllm_ignores_the_file(gen_model_dir):
                       served_model_names=[MODEL]) as s, \
             httpx.Client(base_url=s.url, timeout=30) as h:
         assert s.app.state.serving.sampling_defaults == {}
-        # max_tokens: the rest of the context, not max_new_tokens 5.
+        # max_tokens: the endpoint's 16, or with null the rest of the context; not the
+        # file's max_new_tokens 5.
         r = h.post("/v1/completions", json={"prompt": "Hello there", "ignore_eos": True}).json()
+        assert r["usage"]["completion_tokens"] == 16
+        r = h.post("/v1/completions", json={"prompt": "Hello there", "ignore_eos": True,
+                                            "max_tokens": None}).json()
         assert r["usage"]["completion_tokens"] == 48 - r["usage"]["prompt_tokens"]
         # temperature 1.0: samples, not greedy.
         r = h.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 8, "n": 3,

@@ -105,6 +105,34 @@ def test_stop_token_ids_and_min_tokens(llm):
     assert banned not in out.token_ids[:5]
 
 
+def test_a_stop_tokens_text_is_left_out_unless_asked(text_llm):
+    """As vLLM's: the token that ends a sequence (a stop_token_ids hit; EOS, whose text
+    shows with skip_special_tokens=False) is in token_ids, its text in the output only
+    with include_stop_str_in_output."""
+    tok = text_llm.get_tokenizer()
+    prompt = "The capital of France is"
+    free = text_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12,
+                                                      ignore_eos=True), use_tqdm=False)
+    free = free[0].outputs[0]
+    stop_id = free.token_ids[4]
+    last = free.token_ids.index(stop_id)
+    eos = tok.eos_token_id
+    texts = {}
+    for keep in (False, True):
+        out = text_llm.generate([prompt], SamplingParams(
+            temperature=0.0, max_tokens=12, stop_token_ids=[stop_id],
+            include_stop_str_in_output=keep), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == free.token_ids[:last + 1] and out.stop_reason == stop_id
+        texts[keep] = out.text
+        forced = text_llm.generate([prompt], SamplingParams(
+            temperature=0.0, max_tokens=12, logit_bias={eos: 100.0}, skip_special_tokens=False,
+            include_stop_str_in_output=keep), use_tqdm=False)[0].outputs[0]
+        assert forced.token_ids == [eos] and forced.finish_reason == "stop"
+        assert forced.text == (tok.decode([eos], skip_special_tokens=False) if keep else "")
+    assert texts[True] == texts[False] + tok.decode([stop_id])
+    assert free.text.startswith(texts[True])
+
+
 def test_eos_stops_unless_ignored(llm):
     prompt = [7, 8, 9, 10]
     free = _ids(llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20,

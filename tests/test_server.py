@@ -96,6 +96,20 @@ def test_completion_non_streaming(client, http):
     assert r.usage.total_tokens == r.usage.prompt_tokens + 8
 
 
+def test_a_completion_without_max_tokens_stops_at_16(client, http):
+    """OpenAI's and vLLM's default for /v1/completions; "max_tokens": null runs on, to
+    the room the prompt leaves."""
+    r = client.completions.create(prompt="Once upon a time", extra_body={"ignore_eos": True},
+                                  **greedy())
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+    prompt = "word " * (MAX_MODEL_LEN - 40)
+    r = http.post("/v1/completions", json=greedy(prompt=prompt, max_tokens=None,
+                                                 ignore_eos=True))
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["completion_tokens"] > 16 and usage["total_tokens"] == MAX_MODEL_LEN
+
+
 def test_completion_streaming_equals_non_streaming(client):
     kw = greedy(prompt="Once upon a time", max_tokens=12)
     full = client.completions.create(**kw)
@@ -292,10 +306,11 @@ def test_chat_non_streaming_and_streaming(client, http):
 
 
 def test_chat_list_of_parts_and_max_completion_tokens(client):
+    """Text parts are joined one per line, as vLLM joins them."""
     as_text = client.chat.completions.create(
-        messages=[{"role": "user", "content": "Hello world"}], max_tokens=6, **greedy())
+        messages=[{"role": "user", "content": "Hello\nworld"}], max_tokens=6, **greedy())
     as_parts = client.chat.completions.create(
-        messages=[{"role": "user", "content": [{"type": "text", "text": "Hello "},
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hello"},
                                                 {"type": "text", "text": "world"}]}],
         max_completion_tokens=6, **greedy())
     assert as_parts.choices[0].message.content == as_text.choices[0].message.content

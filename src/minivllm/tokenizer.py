@@ -19,7 +19,9 @@ def load_tokenizer(source: str | os.PathLike):
 
 
 def normalize_messages(messages: list[dict]) -> list[dict]:
-    """Flatten OpenAI list-of-parts content ([{"type": "text", "text": ...}]) to strings."""
+    """Flatten OpenAI list-of-parts content ([{"type": "text", "text": ...}]) to strings,
+    the parts' texts one per line (as vLLM joins them: parts are often separate
+    sentences or instructions)."""
     out = []
     for m in messages:
         m = dict(m)
@@ -33,7 +35,7 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
                     parts.append(part)
                 else:
                     raise ValueError("Only text content parts are supported.")
-            m["content"] = "".join(parts)
+            m["content"] = "\n".join(parts)
         elif content is None:
             m["content"] = ""
         out.append(m)

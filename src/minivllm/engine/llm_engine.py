@@ -765,15 +765,19 @@ class LLMEngine:
         """Finish the sequence if this token ends it; returns whether it did."""
         p = seq.params
         reason = stop_reason = None
-        new_len = len(self.detokenizer.append_text(seq)) if self.detokenizer else 0
         n_out = len(seq.token_ids) - seq.num_prompt_tokens
         if n_out >= p.min_tokens:
             if token in self.eos_token_ids and not p.ignore_eos:
                 reason = "stop"
             elif p.stop_token_ids and token in p.stop_token_ids:
                 reason, stop_reason = "stop", token
-            elif p.stop and (hit := find_stop_string(seq, new_len)) is not None:
-                reason, stop_reason = "stop", hit
+        # A stop token's text stays out of the output unless asked for (as vLLM's).
+        new_len = 0
+        if self.detokenizer and (reason is None or p.include_stop_str_in_output):
+            new_len = len(self.detokenizer.append_text(seq))
+        if reason is None and n_out >= p.min_tokens and p.stop and (
+                hit := find_stop_string(seq, new_len)) is not None:
+            reason, stop_reason = "stop", hit
         if reason is None and seq.grammar is not None:
             seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens, len(seq.token_ids))
             if seq.grammar.matcher.is_terminated():

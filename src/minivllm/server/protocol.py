@@ -252,6 +252,11 @@ class _SamplingFields(OpenAIBaseModel):
 
 # ---- completions -------------------------------------------------------------------------
 
+# A completion without max_tokens stops after this many tokens, as OpenAI's legacy endpoint
+# and vLLM's do (cut to the room the prompt leaves); "max_tokens": null runs to the context.
+COMPLETION_MAX_TOKENS = 16
+
+
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions. `prompt` may be a string, a list of strings, a list of token
     ids, or a list of token-id lists."""
@@ -274,6 +279,9 @@ class CompletionRequest(_SamplingFields):
         if self.echo and self.logprobs is not None:
             prompt_lp = max(prompt_lp or 0, self.logprobs)
         max_tokens = self.max_tokens
+        if "max_tokens" not in self.model_fields_set:  # capped by the server's default
+            max_tokens = min(COMPLETION_MAX_TOKENS,
+                             (defaults or {}).get("max_tokens") or COMPLETION_MAX_TOKENS)
         if self.echo_only:
             if self.stream:
                 raise RequestError("max_tokens=0 (score the prompt only) needs stream=false.",

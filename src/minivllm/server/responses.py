@@ -89,7 +89,8 @@ class ResponsesRequest(OpenAIBaseModel):
 
 
 def _text_of(content, param: str) -> str:
-    """A message's text: a string, or its text parts joined (other parts refused)."""
+    """A message's text: a string, or its text parts one per line, as the chat endpoint
+    joins them (other parts refused)."""
     if isinstance(content, str):
         return content
     if content is not None and not isinstance(content, list):
@@ -103,7 +104,7 @@ def _text_of(content, param: str) -> str:
         else:
             raise RequestError(f"{param}: content part {kind!r} is not supported; this server "
                                f"takes text only.", param=param)
-    return "".join(texts)
+    return "\n".join(texts)
 
 
 def _add_input_item(messages: list[dict], item: dict) -> None:

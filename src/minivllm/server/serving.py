@@ -29,7 +29,7 @@ from ..engine.async_llm_engine import (AsyncLLMEngine, EngineDeadError, EngineSh
 from ..engine.output_codec import DecodedOutput, materialize, sample_outputs
 from ..outputs import Logprob, RequestOutput
 from ..sampling_params import SamplingParams, fit_default_max_tokens
-from ..tokenizer import render_chat
+from ..tokenizer import normalize_messages, render_chat
 from .chat_outputs import ChatOutputPlan, delta_of
 from .protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from .reasoning import PARSERS as REASONING_PARSERS
@@ -567,9 +567,7 @@ class OpenAIServing:
                    and req.max_completion_tokens is None)
         echo_text = ""
         if req.echo and req.messages and req.messages[-1].role == "assistant":
-            content = req.messages[-1].content
-            echo_text = content if isinstance(content, str) else "".join(
-                p.get("text", "") for p in (content or []) if isinstance(p, dict))
+            echo_text = normalize_messages([req.messages[-1].model_dump()])[0]["content"]
         return _Chat(req, job, prompt, plan, await self.start(job, raw_request), echo_text)
 
     async def chat_body(self, chat: "_Chat") -> dict:
