@@ -93,7 +93,8 @@ def test_a_short_budget_is_incomplete(client):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_function_calls_fit_their_schema_and_come_back(client, stream):
-    kw = dict(input=ASK, tools=TOOLS, tool_choice="required", temperature=0)
+    kw = dict(input=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+              temperature=0)
     if stream:
         events, r = _stream(client, **kw)
         added = [e.item for e in events if e.type == "response.output_item.added"
@@ -161,7 +162,8 @@ def test_langchain_over_the_responses_api(client):
         """The weather in a city."""
         return "sunny"
 
-    [call] = llm.bind_tools([get_weather], tool_choice="required").invoke(ASK).tool_calls
+    [call] = llm.bind_tools([get_weather], tool_choice="required",
+                            parallel_tool_calls=False).invoke(ASK).tool_calls
     assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
 
     class Person(BaseModel):

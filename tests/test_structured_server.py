@@ -126,6 +126,8 @@ def test_tool_calls_validate(client, tool_choice, stream):
             assert finish in ("stop", "length") and content  # a text answer
             continue
         assert calls and finish == ("stop" if tool_choice == "named" else "tool_calls")
+        if tool_choice != "auto":
+            assert not content  # the grammar allows calls only, then the end
         for call in calls:
             assert call["id"] and call["type"] == "function"
             name = call["function"]["name"]

@@ -92,8 +92,8 @@ def _accepts(compiler, fmt_dict: dict, text: str) -> bool:
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_grammars_take_what_the_parser_reads(compiler, name):
     """Every tool_choice's grammar accepts the calls the format writes (one call when
-    parallel calls are off or a tool is named); 'required' and named refuse a text
-    answer; auto takes one."""
+    parallel calls are off or a tool is named); 'required' and named refuse any text
+    around the calls; auto takes text."""
     fmt = FORMATS[name]
     one, both = render_tool_calls(CALLS[:1], fmt), render_tool_calls(CALLS, fmt)
     sep = "" if fmt.listed else "\n"
@@ -103,6 +103,8 @@ def test_grammars_take_what_the_parser_reads(compiler, name):
     required = tools_grammar(fmt, TOOLS, "required", None, True)
     assert _accepts(compiler, required, both)
     assert not _accepts(compiler, required, "Just text.")
+    assert not _accepts(compiler, required, "Sure. " + both)  # calls only
+    assert not _accepts(compiler, required, both + sep + "Done.")
     named = tools_grammar(fmt, TOOLS, {"type": "function"}, "get_weather", True)
     assert _accepts(compiler, named, one)
     assert not _accepts(compiler, named, render_tool_calls(CALLS[1:], fmt))

@@ -8,9 +8,9 @@ Formats (`--tool-call-parser`, else chosen from the chat template):
     mistral      Mistral:                   [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]
 
 The grammar is an xgrammar structural tag: under tool_choice "auto" the text is free until
-the format's trigger, then the call is held to the tool's schema; "required" asks for at
-least one call, a named tool for exactly that one; parallel_tool_calls false stops after
-the first. Because every call the model makes is generated under that grammar, the
+the format's trigger, then the call is held to the tool's schema; "required" allows
+calls only (at least one, then the end), a named tool exactly that one; parallel_tool_calls
+false stops after the first. Because every call the model makes is generated under that grammar, the
 parser can rely on the format's exact text around the arguments.
 """
 
@@ -148,11 +148,12 @@ def tools_grammar(fmt: ToolCallFormat, tools: list[ToolSpec], tool_choice, force
                 "stop_after_first": True}
     if forced is not None:
         return call_tag(chosen[0])
-    required = tool_choice == "required"
+    if tool_choice == "required":  # calls and nothing else, one a line, then the end
+        return {"type": "tags_with_separator", "tags": [call_tag(t) for t in chosen],
+                "separator": "\n", "at_least_one": True, "stop_after_first": not parallel}
     triggered = {"type": "triggered_tags", "triggers": [fmt.trigger],
-                 "tags": [call_tag(t) for t in chosen], "at_least_one": required,
-                 "stop_after_first": not parallel}
-    if answer_schema is None or required:
+                 "tags": [call_tag(t) for t in chosen], "stop_after_first": not parallel}
+    if answer_schema is None:
         return triggered
     calls = dict(triggered, at_least_one=True)
     return {"type": "or", "elements": [calls, {"type": "json_schema",
