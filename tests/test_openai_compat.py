@@ -255,6 +255,21 @@ def test_tokenizer_info_without_tokenizer_and_with_api_key(tiny_chat_dir):
         assert h.get("/tokenizer_info", headers={"Authorization": "Bearer no"}).status_code == 401
         r = h.get("/tokenizer_info", headers={"Authorization": f"Bearer {key}"})
         assert r.status_code == 200 and r.json()["eos_token"] == "<|im_end|>"
+        # A browser page on another origin: its preflight needs no key; the answers
+        # allow the origin.
+        origin = {"Origin": "http://localhost:3000"}
+        r = h.options("/v1/chat/completions", headers={
+            **origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        r = h.get("/v1/models", headers={**origin, "Authorization": f"Bearer {key}"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    with ServerThread(_engine(tiny_chat_dir), served_model_names=[MODEL],
+                      cors=dict(allow_origins=["https://app.example"])) as s, \
+            httpx.Client(base_url=s.url, timeout=30) as h:
+        r = h.options("/v1/models", headers={"Origin": "https://evil.example",
+                                             "Access-Control-Request-Method": "GET"})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
 
 
 # ---- generation_config.json defaults -------------------------------------------------------

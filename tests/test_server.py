@@ -67,6 +67,9 @@ def test_models_health_version(client, http, server, tiny_chat_dir):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL, "alias"]
     assert models.data[0].max_model_len == MAX_MODEL_LEN
+    assert client.models.retrieve("alias").id == "alias"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
     assert http.get("/health").status_code == 200
     assert http.get("/version").json()["version"]
     schema = http.get("/openapi.json").json()

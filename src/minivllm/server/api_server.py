@@ -21,6 +21,7 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
@@ -33,7 +34,7 @@ from .dashboard import add_dashboard
 from .metrics import CONTENT_TYPE, EngineMetrics
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                        CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
-                       ModelList, RequestError, TokenizeRequest, TokenizeResponse,
+                       ModelCard, ModelList, RequestError, TokenizeRequest, TokenizeResponse,
                        TokenizerInfoResponse, VersionResponse)
 from .responses import ResponsesRequest, create_response
 from .serving import RECEIVED_AT, OpenAIServing, OrjsonResponse, error_response
@@ -52,6 +53,11 @@ _ERRORS = {
 _SSE = {"text/event-stream": {"schema": {"type": "string"},
                               "description": "With stream=true: Server-Sent Events, one chunk "
                                              "object per `data:` line, then `data: [DONE]`."}}
+
+# Cross-origin requests: any origin, method and header unless the server is told otherwise
+# (--allowed-origins and the like, as vLLM's).
+CORS_DEFAULTS = dict(allow_origins=["*"], allow_methods=["*"], allow_headers=["*"],
+                     allow_credentials=False)
 
 # Paths that work without the API key.
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/docs", "/redoc",
@@ -125,7 +131,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
               drain_timeout: float = 5.0, metrics: EngineMetrics | None = None,
               metrics_store=None, metrics_row: int = 0,
               generation_config: str | None = None, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, cors: dict | None = None) -> FastAPI:
     """The app around a started AsyncLLMEngine. The app's lifespan shuts the engine down
     (drain_timeout seconds for in-flight requests, then abort). generation_config: "auto",
     "vllm" or a folder (see sampling_params.generation_config_defaults); default: the
@@ -133,7 +139,10 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     metrics_store / metrics_row: the request metrics' row in a store shared by several API
     server processes (metrics.shared_metrics_store). tool_call_parser: the tool-call
     format (hermes, llama3_json, mistral; default: the chat template's);
-    reasoning_parser: deepseek_r1 or qwen3 (<think> blocks), default none."""
+    reasoning_parser: deepseek_r1 or qwen3 (<think> blocks), default none. cors:
+    CORSMiddleware's allow_origins, allow_methods, allow_headers, allow_credentials
+    (default: any origin, method and header, as vLLM's server allows: a browser page may
+    call the API)."""
     if not served_model_names:
         served_model_names = [default_model_name(engine)]
     if max_num_seqs is None:
@@ -169,6 +178,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     app.state.metrics = metrics
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    # Outside the key check: a browser's preflight (OPTIONS) carries no key.
+    app.add_middleware(CORSMiddleware, **{**CORS_DEFAULTS, **(cors or {})})
     app.add_middleware(ReceivedAtMiddleware)  # added last: the outermost, runs first
     # Outside even Starlette's error middleware: the server's own `send`, for SSE bodies.
     build_stack = app.build_middleware_stack
@@ -217,13 +228,25 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     async def version():
         return OrjsonResponse({"version": __version__})
 
-    @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
-    async def models():
+    def model_cards() -> list[dict]:
         root = str(engine.model_path) if engine.model_path is not None else None
-        data = [{"id": name, "object": "model", "created": started, "owned_by": "minivllm",
+        return [{"id": name, "object": "model", "created": started, "owned_by": "minivllm",
                  "root": root, "parent": None, "max_model_len": engine.max_model_len,
                  "permission": []} for name in served_model_names]
-        return OrjsonResponse({"object": "list", "data": data})
+
+    @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
+    async def models():
+        return OrjsonResponse({"object": "list", "data": model_cards()})
+
+    @app.get("/v1/models/{name:path}", response_model=ModelCard,
+             responses={401: _ERRORS[401], 404: _ERRORS[404]})
+    async def model(name: str):
+        """One served model's card (the openai SDK's models.retrieve)."""
+        for card in model_cards():
+            if card["id"] == name:
+                return OrjsonResponse(card)
+        return error_response(404, f"The model {name!r} does not exist.", param="model",
+                              code="model_not_found")
 
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {"text/plain": {}},

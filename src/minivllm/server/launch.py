@@ -115,6 +115,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--api-key", default=None,
                         help="Require 'Authorization: Bearer KEY' (except on /health, /ping, "
                              "/version, /metrics and the docs).")
+    for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
+                       ("--allowed-headers", "headers")):
+        parser.add_argument(flag, type=json.loads, default=["*"], metavar="JSON",
+                            help=f"The {what} a browser page may call the API with, a JSON "
+                                 f"list (default [\"*\"]: any).")
+    parser.add_argument("--allow-credentials", action="store_true",
+                        help="Let cross-origin requests carry credentials (cookies, auth).")
     parser.add_argument("--tool-call-parser", default="auto",
                         choices=["auto", "hermes", "llama3_json", "mistral"],
                         help="The format of the model's tool calls: auto (default) reads it "
@@ -271,7 +278,11 @@ def build_server(args: argparse.Namespace, engine=None, metrics_store=None,
                         metrics_store=metrics_store, metrics_row=metrics_row,
                         generation_config=args.generation_config,
                         tool_call_parser=args.tool_call_parser,
-                        reasoning_parser=args.reasoning_parser)
+                        reasoning_parser=args.reasoning_parser,
+                        cors=dict(allow_origins=args.allowed_origins,
+                                  allow_methods=args.allowed_methods,
+                                  allow_headers=args.allowed_headers,
+                                  allow_credentials=args.allow_credentials))
     except BaseException:  # e.g. a malformed generation_config.json: don't leave it running
         engine.stop()
         raise
