@@ -416,6 +416,13 @@ def test_completion_errors(http, body, status, needle):
     assert needle in err["message"] or needle == err["param"], err
 
 
+def test_a_sampling_error_names_its_field(http):
+    for field, value in (("temperature", -1), ("top_p", 0), ("n", 0), ("top_k", -3),
+                         ("presence_penalty", 3), ("min_tokens", 10)):
+        r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 5, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
 _TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}
 

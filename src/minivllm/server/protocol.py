@@ -238,7 +238,13 @@ class _SamplingFields(OpenAIBaseModel):
         except RequestError:
             raise
         except ValueError as e:
-            raise RequestError(str(e)) from e
+            raise RequestError(str(e), param=self._field_named(str(e))) from e
+
+    def _field_named(self, message: str) -> str | None:
+        """The request field a SamplingParams error is about: its messages start with the
+        field's name ("temperature must be ...")."""
+        word = message.split(" ", 1)[0].rstrip(".,:")
+        return word if word in type(self).model_fields else None
 
     @property
     def include_usage(self) -> bool:
