@@ -64,6 +64,34 @@ def test_text_as_the_chat_endpoint_gives_it(client):
     assert done.text == text
 
 
+def test_logprobs_as_the_chat_endpoint_gives_them(client):
+    """include message.output_text.logprobs with top_logprobs: each answer token's logprob
+    and alternatives, the chat endpoint's; streamed, on the deltas and again at the end."""
+    ask = "Name a color."
+    kw = dict(input=ask, temperature=0, max_output_tokens=8, top_logprobs=2,
+              include=["message.output_text.logprobs"])
+    r = client.responses.create(model=MODEL, **kw)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user",
+                                                                  "content": ask}],
+                                          max_tokens=8, temperature=0, logprobs=True,
+                                          top_logprobs=2)
+    want = chat.choices[0].logprobs.content
+    [part] = r.output[0].content
+    assert len(part.logprobs) == len(want) == r.usage.output_tokens
+    for g, w in zip(part.logprobs, want):
+        assert g.token == w.token and abs(g.logprob - w.logprob) < 1e-3
+        assert [a.token for a in g.top_logprobs] == [a.token for a in w.top_logprobs]
+    events, final = _stream(client, **kw)
+    streamed = [t.token for e in events if e.type == "response.output_text.delta"
+                for t in e.logprobs]
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    assert streamed == [t.token for t in done.logprobs] == [w.token for w in want]
+    plain = client.responses.create(model=MODEL, input=ask, temperature=0, max_output_tokens=8)
+    assert plain.output[0].content[0].logprobs == []
+    with pytest.raises(openai.BadRequestError, match="include"):
+        client.responses.create(model=MODEL, input=ask, include=["bogus.thing"])
+
+
 def test_cached_prompt_tokens_are_counted(client):
     """The prefix cache's share of the prompt: in a chat's usage (prompt_tokens_details,
     streamed and not, as OpenAI's) and a response's (input_tokens_details)."""

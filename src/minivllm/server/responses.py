@@ -28,6 +28,16 @@ from .serving import OpenAIServing, OrjsonResponse, _engine_error_message
 from .sse import SSEResponse
 
 
+# OpenAI's `include` values. Logprobs are the one a text server produces; the others ask
+# for parts of items it never outputs (images, tool results, encrypted reasoning), so they
+# change nothing.
+LOGPROBS = "message.output_text.logprobs"
+INCLUDABLE = (LOGPROBS, "reasoning.encrypted_content", "message.input_image.image_url",
+              "computer_call_output.output.image_url", "file_search_call.results",
+              "web_search_call.results", "web_search_call.action.sources",
+              "code_interpreter_call.outputs")
+
+
 class ResponsesRequest(OpenAIBaseModel):
     """POST /v1/responses (the fields a text model can honour; unknown ones are ignored)."""
 
@@ -53,8 +63,18 @@ class ResponsesRequest(OpenAIBaseModel):
     request_id: str | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS in (self.include or []) or self.top_logprobs is not None
 
     def to_chat(self) -> ChatCompletionRequest:
+        unknown = sorted(set(self.include or []) - set(INCLUDABLE))
+        if unknown:
+            raise RequestError(f"include: unknown value(s) {unknown}; known: "
+                               f"{list(INCLUDABLE)}.", param="include")
         if self.previous_response_id is not None:
             raise RequestError("previous_response_id is not supported: this server stores "
                                "no responses; send the whole conversation in `input`.",
@@ -77,6 +97,8 @@ class ResponsesRequest(OpenAIBaseModel):
                 "chat_template_kwargs": self.chat_template_kwargs}
         if self.stream:
             chat["stream_options"] = {"include_usage": True}
+        if self.wants_logprobs:
+            chat.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         if self.tools:
             chat["tools"] = [_chat_tool(t) for t in self.tools]
         if self.tool_choice is not None:
@@ -208,13 +230,20 @@ def _reasoning_item(text: str, status: str = "completed") -> dict:
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def _message_item(text: str, status: str = "completed") -> dict:
+def _message_item(text: str, status: str = "completed", logprobs: list | None = None) -> dict:
     return {"type": "message", "id": _id("msg"), "role": "assistant", "status": status,
-            "content": [_text_part(text)]}
+            "content": [_text_part(text, logprobs)]}
 
 
-def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [],
+            "logprobs": logprobs or []}
+
+
+def _logprobs(choice: dict) -> list:
+    """A chat choice's (or chunk's) token logprobs, in the Responses shape (the same
+    entries: token, logprob, bytes, top_logprobs)."""
+    return list((choice.get("logprobs") or {}).get("content") or [])
 
 
 def _call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
@@ -222,14 +251,16 @@ def _call_item(call_id: str, name: str, arguments: str, status: str = "completed
             "arguments": arguments, "status": status}
 
 
-def output_items(message: dict, finish_reason: str | None) -> list[dict]:
-    """A chat message as the Responses output: reasoning, text, then each tool call; the
-    last item is incomplete where max_output_tokens cut it."""
+def output_items(message: dict, finish_reason: str | None,
+                 logprobs: list | None = None) -> list[dict]:
+    """A chat message as the Responses output: reasoning, text (with the answer's token
+    logprobs, if asked), then each tool call; the last item is incomplete where
+    max_output_tokens cut it."""
     out = []
     if message.get("reasoning_content"):
         out.append(_reasoning_item(message["reasoning_content"]))
     if message.get("content"):
-        out.append(_message_item(message["content"]))
+        out.append(_message_item(message["content"], logprobs=logprobs))
     for call in message.get("tool_calls") or []:
         out.append(_call_item(call["id"], call["function"]["name"],
                               call["function"]["arguments"]))
@@ -247,7 +278,8 @@ async def create_response(serving: OpenAIServing, req: ResponsesRequest,
     body = await serving.chat_body(chat)
     [choice] = body["choices"]
     return OrjsonResponse(build.response(
-        "completed", output_items(choice["message"], choice["finish_reason"]),
+        "completed", output_items(choice["message"], choice["finish_reason"],
+                                  _logprobs(choice)),
         body["usage"], choice["finish_reason"]))
 
 
@@ -278,8 +310,9 @@ class _Stream:
                                      part=_text_part("")))
         return events
 
-    def delta(self, kind: str, text: str) -> list[bytes]:
-        """Text for the open item of this kind (opened first if need be)."""
+    def delta(self, kind: str, text: str, logprobs: list | None = None) -> list[bytes]:
+        """Text (and a message's token logprobs) for the open item of this kind (opened
+        first if need be)."""
         events = []
         if self.open is None or self.open["type"] != kind:
             item = _message_item("", "in_progress") if kind == "message" else \
@@ -289,7 +322,10 @@ class _Stream:
         item["content"][0]["text"] += text
         name = "response.output_text.delta" if kind == "message" else \
             "response.reasoning_text.delta"
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra = {}
+        if kind == "message":
+            extra["logprobs"] = logprobs or []
+            item["content"][0]["logprobs"] += extra["logprobs"]
         events.append(self.event(name, output_index=index, item_id=item["id"],
                                  content_index=0, delta=text, **extra))
         return events
@@ -321,7 +357,7 @@ class _Stream:
             text = item["content"][0]["text"]
             events.append(self.event("response.output_text.done", output_index=index,
                                      item_id=item["id"], content_index=0, text=text,
-                                     logprobs=[]))
+                                     logprobs=item["content"][0]["logprobs"]))
             events.append(self.event("response.content_part.done", output_index=index,
                                      item_id=item["id"], content_index=0,
                                      part=item["content"][0]))
@@ -358,7 +394,7 @@ async def _events(serving: OpenAIServing, chat, build: _Builder) -> AsyncIterato
                 if delta.get("reasoning_content"):
                     events += s.delta("reasoning", delta["reasoning_content"])
                 if delta.get("content"):
-                    events += s.delta("message", delta["content"])
+                    events += s.delta("message", delta["content"], _logprobs(choice))
                 for call in delta.get("tool_calls") or []:
                     events += s.call(call)
                 for e in events:
