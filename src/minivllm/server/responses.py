@@ -214,7 +214,7 @@ class _Builder:
             "previous_response_id": None, "reasoning": None, "store": False,
             "temperature": req.temperature, "top_p": req.top_p,
             "text": req.text or {"format": {"type": "text"}},
-            "tool_choice": req.tool_choice or ("auto" if req.tools else "none"),
+            "tool_choice": req.tool_choice or "auto",  # OpenAI's default, tools or not
             "tools": req.tools or [], "truncation": "disabled", "user": req.user,
             "usage": None if usage is None else {
                 "input_tokens": usage["prompt_tokens"],
