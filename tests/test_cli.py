@@ -93,6 +93,33 @@ def test_bad_arguments_exit_with_a_message(tiny_text_model_dir):
     assert "Traceback" not in proc.stderr
 
 
+def test_serve_takes_vllms_command_lines(tmp_path):
+    """Flags of a copied `vllm serve` line parse (the no-op ones documented as such);
+    --chat-template takes a file or the template itself; values minivllm cannot honour
+    are refused by argparse."""
+    import argparse
+
+    import pytest
+
+    from minivllm.server.launch import add_serve_arguments
+
+    parser = add_serve_arguments(argparse.ArgumentParser())
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    args = parser.parse_args([
+        "M", "--trust-remote-code", "--disable-log-stats", "--enable-chunked-prefill",
+        "--swap-space", "4", "--max-seq-len-to-capture", "8192", "--tokenizer-mode", "auto",
+        "--pipeline-parallel-size", "1", "--distributed-executor-backend", "mp",
+        "--disable-custom-all-reduce", "--uvicorn-log-level", "warning", "--root-path", "/v",
+        "--chat-template", str(template), "--chat-template-content-format", "string"])
+    assert args.chat_template == template.read_text() and args.root_path == "/v"
+    inline = parser.parse_args(["--chat-template", "{{ messages[0].content }}"])
+    assert inline.chat_template == "{{ messages[0].content }}"
+    for bad in (["--pipeline-parallel-size", "2"], ["--chat-template", "no-such-file"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+
+
 def test_bench_lists_the_harness_commands():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "minivllm.cli", "bench"], capture_output=True,

@@ -272,6 +272,25 @@ def test_tokenizer_info_without_tokenizer_and_with_api_key(tiny_chat_dir):
         assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
 
 
+def test_a_chat_template_of_the_servers_own(tiny_chat_dir):
+    """--chat-template: every chat path renders with it (the chat endpoint, /tokenize's
+    messages, /tokenizer_info), not the tokenizer's; a request's own chat_template wins."""
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
+    with ServerThread(_engine(tiny_chat_dir), served_model_names=[MODEL],
+                      chat_template=template) as s, \
+            httpx.Client(base_url=s.url, timeout=30) as h:
+        msgs = [{"role": "user", "content": "Hi"}]
+        ids = h.post("/tokenize", json={"messages": msgs}).json()["tokens"]
+        text = h.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+        assert text == "[user] Hi\n[assistant]"
+        assert h.get("/tokenizer_info").json()["chat_template"] == template
+        r = h.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids)
+        r = h.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2,
+                                                 "chat_template": "{{ 'x' }}"})
+        assert r.json()["usage"]["prompt_tokens"] == 1
+
+
 # ---- generation_config.json defaults -------------------------------------------------------
 
 def test_generation_config_defaults_reader(gen_model_dir, tiny_chat_dir, tmp_path, caplog):

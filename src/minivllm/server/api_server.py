@@ -131,7 +131,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
               drain_timeout: float = 5.0, metrics: EngineMetrics | None = None,
               metrics_store=None, metrics_row: int = 0,
               generation_config: str | None = None, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None, cors: dict | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, cors: dict | None = None,
+              chat_template: str | None = None, root_path: str = "") -> FastAPI:
     """The app around a started AsyncLLMEngine. The app's lifespan shuts the engine down
     (drain_timeout seconds for in-flight requests, then abort). generation_config: "auto",
     "vllm" or a folder (see sampling_params.generation_config_defaults); default: the
@@ -142,7 +143,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     reasoning_parser: deepseek_r1 or qwen3 (<think> blocks), default none. cors:
     CORSMiddleware's allow_origins, allow_methods, allow_headers, allow_credentials
     (default: any origin, method and header, as vLLM's server allows: a browser page may
-    call the API)."""
+    call the API). chat_template: the Jinja template chats render with instead of the
+    tokenizer's. root_path: the prefix a proxy serves the API under."""
     if not served_model_names:
         served_model_names = [default_model_name(engine)]
     if max_num_seqs is None:
@@ -157,7 +159,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
                             on_intake=metrics.observe_intake,
                             sampling_defaults=sampling_defaults,
                             tool_call_parser=tool_call_parser,
-                            reasoning_parser=reasoning_parser)
+                            reasoning_parser=reasoning_parser, chat_template=chat_template)
     engine.stat_loggers.append(metrics)
     started = int(time.time())
 
@@ -167,7 +169,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         await engine.shutdown(drain_timeout)
 
     app_kwargs = dict(title="minivllm OpenAI-compatible server", version=__version__,
-                      lifespan=lifespan)
+                      lifespan=lifespan, root_path=root_path)
     try:  # FastAPI >= 0.120: JSON bodies without a Content-Type are still parsed
         app = FastAPI(**app_kwargs, strict_content_type=False)
     except TypeError:

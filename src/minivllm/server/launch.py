@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -68,8 +69,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                              "folder's generation_config.json, 'vllm' ignores it (OpenAI's "
                              "defaults), a FOLDER reads its generation_config.json.")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                        help="Split the model over this many processes (tensor parallelism; "
-                             "on the CPU, over gloo, so far).")
+                        help="Split the model over this many processes (tensor parallelism: "
+                             "one per GPU over NCCL, or over gloo on the CPU).")
     parser.add_argument("--nnodes", type=int, default=1,
                         help="Hosts the tensor-parallel ranks are split over (evenly).")
     parser.add_argument("--node-rank", type=int, default=0,
@@ -91,6 +92,29 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="The KV cache's element type: auto (the model's dtype) or fp8 "
                              "(e4m3 with a scale of 1, half the bytes of bf16: twice the "
                              "tokens).")
+    compat = parser.add_argument_group(
+        "vLLM flags accepted so that its command lines run (no effect here)")
+    compat.add_argument("--trust-remote-code", action="store_true",
+                        help="minivllm runs its own model classes, never code from the "
+                             "model folder.")
+    compat.add_argument("--disable-log-stats", action="store_true",
+                        help="minivllm logs no periodic stats (see /metrics).")
+    compat.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                        default=None, help="Prefills are always chunked.")
+    compat.add_argument("--swap-space", type=float, default=None,
+                        help="Preempted sequences are recomputed, not swapped.")
+    compat.add_argument("--max-seq-len-to-capture", type=int, default=None,
+                        help="The graphs cover every length.")
+    compat.add_argument("--tokenizer-mode", default="auto", choices=["auto", "hf"],
+                        help="The folder's Hugging Face tokenizer.")
+    compat.add_argument("--revision", default=None, help="Models are local folders.")
+    compat.add_argument("--download-dir", default=None, help="Models are local folders.")
+    compat.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, choices=[1],
+                        help="No pipeline parallelism: 1 only.")
+    compat.add_argument("--distributed-executor-backend", default=None,
+                        help="Ranks are processes started by the engine.")
+    compat.add_argument("--disable-custom-all-reduce", action="store_true",
+                        help="The all-reduces are NCCL's.")
     parser.add_argument("--speculative-config", type=_json_object, default=None,
                         metavar="JSON",
                         help='Speculative decoding, as vLLM\'s: e.g. \'{"method": "ngram", '
@@ -122,6 +146,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                                  f"list (default [\"*\"]: any).")
     parser.add_argument("--allow-credentials", action="store_true",
                         help="Let cross-origin requests carry credentials (cookies, auth).")
+    parser.add_argument("--chat-template", type=chat_template_arg, default=None,
+                        metavar="FILE|TEMPLATE",
+                        help="The Jinja chat template to render chats with, a file or the "
+                             "template itself (default: the tokenizer's).")
+    parser.add_argument("--chat-template-content-format", default="auto",
+                        choices=["auto", "string"],
+                        help="Messages reach the template with their content as a string "
+                             "(text parts one per line).")
+    parser.add_argument("--root-path", default="",
+                        help="The path prefix a proxy serves the API under.")
+    parser.add_argument("--ssl-keyfile", default=None, help="Serve HTTPS with this key...")
+    parser.add_argument("--ssl-certfile", default=None, help="...and this certificate.")
+    parser.add_argument("--uvicorn-log-level", default=None,
+                        choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        help="uvicorn's log level (default: --log-level).")
     parser.add_argument("--tool-call-parser", default="auto",
                         choices=["auto", "hermes", "llama3_json", "mistral"],
                         help="The format of the model's tool calls: auto (default) reads it "
@@ -192,6 +231,16 @@ def usable_cpus(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
     except (OSError, ValueError):
         pass  # no cgroup v2 CPU controller here: no quota
     return cpus
+
+
+def chat_template_arg(value: str) -> str:
+    """--chat-template: a file's text, or the template given inline (as vLLM takes it)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is neither a file nor a Jinja template.")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -279,6 +328,7 @@ def build_server(args: argparse.Namespace, engine=None, metrics_store=None,
                         generation_config=args.generation_config,
                         tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser,
+                        chat_template=args.chat_template, root_path=args.root_path,
                         cors=dict(allow_origins=args.allowed_origins,
                                   allow_methods=args.allowed_methods,
                                   allow_headers=args.allowed_headers,
@@ -286,8 +336,10 @@ def build_server(args: argparse.Namespace, engine=None, metrics_store=None,
     except BaseException:  # e.g. a malformed generation_config.json: don't leave it running
         engine.stop()
         raise
-    server = make_server(app, host=args.host, port=args.port, log_level=args.log_level,
-                         access_log=not args.disable_log_requests, timeout_keep_alive=30)
+    server = make_server(app, host=args.host, port=args.port,
+                         log_level=args.uvicorn_log_level or args.log_level,
+                         access_log=not args.disable_log_requests, timeout_keep_alive=30,
+                         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     return server, engine
 
 

@@ -169,7 +169,7 @@ class OpenAIServing:
                  max_num_seqs: int,
                  on_intake: Callable[[float], None] | None = None,
                  sampling_defaults: dict | None = None, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, chat_template: str | None = None) -> None:
         self.engine = engine
         # SamplingParams defaults for the fields a request leaves unset (generation config).
         self.sampling_defaults = dict(sampling_defaults or {})
@@ -177,6 +177,10 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
         self.tokenizer = engine.tokenizer  # the frontend's own copy (see AsyncLLMEngine)
+        if chat_template is not None:  # --chat-template: every chat path renders with it
+            if self.tokenizer is None:
+                raise ValueError("--chat-template needs a tokenizer (not skip_tokenizer_init).")
+            self.tokenizer.chat_template = chat_template
         # Without a tokenizer there is no text: stream a chunk per step of new tokens anyway.
         self.has_text = self.tokenizer is not None
         self._tokenizer_info: dict | None = None
