@@ -48,7 +48,7 @@ def llm(tiny_model_dirs):
     ([1, 2, 256], "out of vocabulary"),
     ([1, -3], "out of vocabulary"),
     ([1, 2.5], "out of vocabulary"),
-    (list(range(3, 67)), "maximum context length"),
+    (list(range(3, 68)), "longer than this model's maximum context length of 64"),
 ])
 def test_bad_prompts(llm, prompt, fragment):
     with pytest.raises(ValueError, match=fragment):
@@ -56,9 +56,29 @@ def test_bad_prompts(llm, prompt, fragment):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_prompt_plus_max_tokens_over_context(llm):
+def test_offline_output_runs_until_the_context_is_full(llm):
+    """vLLM's offline rule: a prompt plus max_tokens over the context is not refused (the
+    server's 400); the output stops with "length" once the context is full, and a prompt
+    that fills the context exactly gets one token. Neither fails the rest of the batch."""
+    short, fits, full = list(range(3, 43)), [5, 6, 7], list(range(3, 67))
+    outs = llm.generate([short, fits, full], SamplingParams(max_tokens=30, ignore_eos=True),
+                        use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [24, 30, 1]
+    assert [o.outputs[0].finish_reason for o in outs] == ["length"] * 3
+    unset = llm.generate([short], SamplingParams(max_tokens=None, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    assert len(unset.token_ids) == 24 and unset.finish_reason == "length"
+    assert llm.engine.scheduler.pool.all_free()
+
+
+def test_the_engine_keeps_the_servers_rule(llm):
+    """The engine's own add_request (the server's path) still refuses a prompt plus
+    max_tokens over the context, and a prompt that leaves no room."""
     with pytest.raises(ValueError, match="maximum context length is 64"):
-        llm.generate([list(range(3, 43))], SamplingParams(max_tokens=30), use_tqdm=False)
+        llm.engine.add_request(list(range(3, 43)), SamplingParams(max_tokens=30))
+    with pytest.raises(ValueError, match="at least one must be left"):
+        llm.engine.add_request(list(range(3, 67)), SamplingParams(max_tokens=1))
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_bad_prompt_in_batch_loses_nothing(llm):
@@ -143,3 +163,20 @@ def test_generate_input_forms(llm):
     assert c[1].prompt_token_ids == [8, 9]
     with pytest.raises(ValueError, match="SamplingParams"):
         llm.generate([[5], [6]], [params], use_tqdm=False)
+
+
+def test_numpy_token_ids(llm):
+    """Token ids as numpy integers, or a numpy array, are token ids (not "out of
+    vocabulary"); numpy floats are still refused."""
+    import numpy as np
+
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    want = llm.generate([5, 6, 7], params, use_tqdm=False)[0].outputs[0].token_ids
+    for prompt in ({"prompt_token_ids": np.array([5, 6, 7])},
+                   {"prompt_token_ids": [np.int32(5), np.int64(6), 7]},
+                   [np.int64(5), np.int64(6), np.int64(7)], np.array([5, 6, 7])):
+        out = llm.generate(prompt, params, use_tqdm=False)
+        assert len(out) == 1 and out[0].outputs[0].token_ids == want
+        assert all(type(t) is int for t in out[0].prompt_token_ids)
+    with pytest.raises(ValueError, match="out of vocabulary"):
+        llm.generate({"prompt_token_ids": np.array([5.0, 6.0])}, params, use_tqdm=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import numbers
 from collections.abc import Sequence as SequenceABC
 
 from .config import EngineConfig, resolve_model_path
@@ -83,7 +84,8 @@ class LLM:
         try:
             for prompt, params in zip(prompt_list, params_list):
                 request_ids.append(self.engine.add_request(
-                    prompt, params, stream=False, default_max_tokens=default_max_tokens))
+                    prompt, params, stream=False, default_max_tokens=default_max_tokens,
+                    fill_context=True))
         except Exception:
             for rid in request_ids:
                 self.engine.abort_request(rid)
@@ -133,8 +135,8 @@ def _as_prompt_list(prompts) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt given as token ids
+    if prompts and all(isinstance(t, numbers.Integral) for t in prompts):
+        return [prompts]  # one prompt given as token ids (numpy's integers too)
     if not prompts:
         raise ValueError("No prompts given.")
     return prompts

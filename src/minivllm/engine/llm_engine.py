@@ -12,6 +12,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import numbers
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
@@ -45,6 +46,16 @@ def recent_steps(engine: "LLMEngine") -> list[tuple]:
     """The engine's last steps (an AsyncLLMEngine.call function: module-level, so it
     crosses to an engine process)."""
     return list(engine.step_history)
+
+
+def as_token_ids(ids) -> list[int]:
+    """A prompt's token ids as a list of Python ints: numpy integers (an array's items)
+    become ints; anything else is left for validate_prompt to name."""
+    out = list(ids)
+    for i, t in enumerate(out):
+        if not isinstance(t, (int, bool)) and isinstance(t, numbers.Integral):
+            out[i] = int(t)
+    return out
 
 
 def read_model_config(model) -> tuple:
@@ -189,7 +200,12 @@ class LLMEngine:
                              "pass prompt token ids instead of text.")
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
-    def validate_prompt(self, token_ids: SequenceABC[int], params: SamplingParams) -> None:
+    def validate_prompt(self, token_ids: SequenceABC[int], params: SamplingParams,
+                        fill_context: bool = False) -> None:
+        """ValueError for a prompt or params this engine cannot run. The server's rule
+        (fill_context False): the prompt and max_tokens must fit the context together.
+        vLLM's offline rule (fill_context True): only a prompt longer than the context is
+        refused; the output stops with "length" once the context is full."""
         if len(token_ids) == 0:
             raise ValueError("The prompt is empty: give at least one token.")
         vocab = self.vocab_size
@@ -197,11 +213,18 @@ class LLMEngine:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise ValueError(f"Token id {t!r} is out of vocabulary (valid: 0..{vocab - 1}).")
         limit = self.max_model_len
-        if len(token_ids) >= limit:
+        if fill_context:
+            # vLLM's check is len > max_model_len: a prompt that fills the context exactly
+            # still samples one token (from its last position's logits), then "length".
+            if len(token_ids) > limit:
+                raise ValueError(
+                    f"The prompt has {len(token_ids)} tokens, longer than this model's "
+                    f"maximum context length of {limit} tokens (max_model_len).")
+        elif len(token_ids) >= limit:
             raise ValueError(
                 f"The prompt has {len(token_ids)} tokens, but this model's maximum context "
                 f"length is {limit} tokens and at least one must be left for the output.")
-        if params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
+        elif params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
             raise ValueError(
                 f"This model's maximum context length is {limit} tokens. However, you "
                 f"requested {len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in "
@@ -220,12 +243,13 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int] | dict | None, params: SamplingParams,
                     request_id: str | None = None, prompt_token_ids: list[int] | None = None,
                     arrival_time: float | None = None, stream: bool = True,
-                    default_max_tokens: bool = False) -> str:
+                    default_max_tokens: bool = False, fill_context: bool = False) -> str:
         """Queue a request. stream=False reports it only once it has finished, which
         saves building an output per step for offline batches. default_max_tokens: the
         params' max_tokens is a default (generation_config.json's max_new_tokens, the CLI's
         256), not the caller's: fit_default_max_tokens cuts it to the room the prompt
-        leaves, as the server does, rather than refusing it."""
+        leaves, as the server does, rather than refusing it. fill_context: vLLM's offline
+        rule (see validate_prompt), for LLM.generate."""
         if isinstance(prompt, dict):
             prompt_token_ids = prompt.get("prompt_token_ids")
             prompt = prompt.get("prompt")
@@ -236,14 +260,15 @@ class LLMEngine:
                 raise ValueError("A prompt must be a string, a list of token ids, or a dict "
                                  "with 'prompt_token_ids'.")
             prompt_token_ids = self.tokenize(prompt)
-        prompt_token_ids = list(prompt_token_ids)
+        prompt_token_ids = as_token_ids(prompt_token_ids)
         if default_max_tokens:
             params = fit_default_max_tokens(params, self.max_model_len - len(prompt_token_ids))
         params = params.clone()
         params._eos_token_ids = self.eos_token_ids
-        self.validate_prompt(prompt_token_ids, params)
+        self.validate_prompt(prompt_token_ids, params, fill_context)
         if params.max_tokens is None:
-            params.max_tokens = self.max_model_len - len(prompt_token_ids)
+            # At least one: a prompt that fills the context samples one token (vLLM's).
+            params.max_tokens = max(1, self.max_model_len - len(prompt_token_ids))
         request_id = request_id if request_id is not None else self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
