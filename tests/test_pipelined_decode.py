@@ -317,3 +317,28 @@ def test_outputs_that_fill_the_context_pipelined(tiny_model_dirs, monkeypatch):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
     assert sum(launches) > 5
     assert piped.engine.scheduler.pool.all_free()
+
+
+def test_bad_words_and_allowed_tokens_pipelined(tiny_text_model_dir, monkeypatch):
+    """bad_words' per-step bans read the pending step's token (a placeholder on the host)
+    and allowed_token_ids ride on the slot's bias: pipelined output equals step-by-step
+    output, and differs from the unconstrained one where a word was banned."""
+    kw = dict(skip_tokenizer_init=False, max_model_len=128)
+    plain = _llm(tiny_text_model_dir, monkeypatch, False, **kw)[0]
+    prompts = ["The quick brown fox", "Once upon a time"]
+    greedy = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
+    tok = plain.get_tokenizer()
+    free = [o.outputs[0].token_ids for o in plain.generate(
+        prompts, SamplingParams(**greedy), use_tqdm=False)]
+    words = [tok.decode(f[5:7]) for f in free]
+    params = [SamplingParams(bad_words=[words[0]], **greedy),
+              SamplingParams(bad_words=[words[1], "zebra crossing"], **greedy),
+              SamplingParams(allowed_token_ids=sorted(set(free[0]))[:4], **greedy)]
+    prompts.append(prompts[0])
+    want = plain.generate(prompts, params, use_tqdm=False)
+    piped, launches = _llm(tiny_text_model_dir, monkeypatch, True, **kw)
+    got = piped.generate(prompts, params, use_tqdm=False)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    assert sum(launches) > 5
+    assert got[0].outputs[0].token_ids != free[0] or got[1].outputs[0].token_ids != free[1]
+    assert set(got[2].outputs[0].token_ids) <= set(sorted(set(free[0]))[:4])

@@ -13,12 +13,14 @@ from minivllm import LLM, SamplingParams
     (dict(min_p=1.5), "min_p"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(n=0), "n must"),
-    (dict(logprobs=21), "logprobs"),
-    (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    (dict(logprobs=-2), "logprobs"),
+    (dict(prompt_logprobs=-2), "prompt_logprobs"),
+    (dict(logprobs=2.0), "logprobs"),
     (dict(presence_penalty=2.5), "presence_penalty"),
     (dict(frequency_penalty=-3.0), "frequency_penalty"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(repetition_penalty=3.0), "repetition_penalty"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(repetition_penalty=float("nan")), "repetition_penalty"),
     (dict(stop=""), "stop"),
     (dict(stop=["ok", ""]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
@@ -27,6 +29,22 @@ from minivllm import LLM, SamplingParams
     (dict(seed="abc"), "seed"),
     (dict(logit_bias={5: 101.0}), "logit_bias"),
     (dict(logit_bias={"x": 1.0}), "logit_bias"),
+    (dict(seed=True), "seed"),
+    (dict(stop="x", detokenize=False), "detokenize=False"),
+    (dict(detokenize="no"), "detokenize"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids is empty"),
+    (dict(allowed_token_ids=[3, -1]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[3, 1.5]), "allowed_token_ids"),
+    (dict(bad_words=["ok", " "]), "bad_words"),
+    (dict(bad_words=[7]), "bad_words"),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+    (dict(output_kind=5), "output_kind"),
+    (dict(output_kind="delta"), "output_kind"),
+    (dict(extra_args=[1]), "extra_args"),
+    (dict(n=2, best_of=3), "best_of"),
+    (dict(logits_processors=[lambda ids, x: x]), "structured_outputs"),
+    (dict(guided_decoding={"json": {}}), "structured_outputs"),
 ])
 def test_bad_sampling_params(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
@@ -36,6 +54,33 @@ def test_bad_sampling_params(kwargs, fragment):
 def test_good_sampling_params_normalize():
     p = SamplingParams(top_k=-1, stop="x")
     assert p.top_k == 0 and p.stop == ["x"]
+
+
+def test_vllm_fields_are_accepted():
+    """vLLM's SamplingParams fields construct (no TypeError), normalized as vLLM does."""
+    from minivllm.sampling_params import RequestOutputKind
+
+    assert SamplingParams(seed=-1).seed is None  # vLLM's "no seed"
+    assert SamplingParams(repetition_penalty=3.5).repetition_penalty == 3.5
+    p = SamplingParams(n=2, best_of=2, detokenize=False, allowed_token_ids=(5, 7),
+                       bad_words=("a b",), truncate_prompt_tokens=-1, output_kind=1,
+                       extra_args={"k": 1}, logits_processors=None, guided_decoding=None,
+                       logprobs=-1, prompt_logprobs=50)
+    assert p.allowed_token_ids == [5, 7] and p.bad_words == ["a b"]
+    assert p.output_kind is RequestOutputKind.DELTA and p.extra_args == {"k": 1}
+    assert SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY).output_kind == 2
+    assert SamplingParams(logits_processors=[]).logits_processors == []
+
+
+def test_structured_outputs_params_vllm_fields():
+    from minivllm import StructuredOutputsParams
+
+    so = StructuredOutputsParams(choice=("yes", "no"), disable_additional_properties=True)
+    assert so.choice == ["yes", "no"]
+    assert StructuredOutputsParams(json={"type": "object"}, disable_additional_properties=True)
+    with pytest.raises(ValueError, match="whitespace_pattern"):
+        StructuredOutputsParams(json={"type": "object"}, whitespace_pattern=r"[ ]?")
+    assert StructuredOutputsParams(regex="a+", whitespace_pattern=None).regex == "a+"
 
 
 @pytest.fixture(scope="module")

@@ -293,6 +293,9 @@ class EngineConfig:
     master_port: int | None = None
     # The KV cache's element type (vLLM's name): "auto" (the model's dtype) or "fp8" (e4m3).
     kv_cache_dtype: str = "auto"
+    # The most logprobs (and prompt_logprobs) a request may ask for; -1: the whole
+    # vocabulary (vLLM's). Past 20 a step's top tokens are found by a sort in PyTorch.
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if self.block_size is not None and (self.block_size < 1
@@ -309,6 +312,10 @@ class EngineConfig:
         from .model.quantization import check_method
         SpeculativeConfig.from_dict(self.speculative_config)  # a bad one fails here
         check_method(self.quantization)
+        if (not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool)
+                or self.max_logprobs < -1):
+            raise ValueError("max_logprobs must be an integer >= 0, or -1 for the whole "
+                             f"vocabulary, got {self.max_logprobs!r}.")
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ValueError("kv_cache_dtype must be 'auto' or 'fp8' (e4m3), got "
                              f"{self.kv_cache_dtype!r}.")
