@@ -198,6 +198,32 @@ def test_graph_tokens_default_to_the_step_budget():
         EngineConfig(max_graph_tokens=-1).finalize(mc, torch.device("cuda"))
 
 
+def test_max_model_len_within_the_models_context():
+    """As vLLM: max_model_len past max_position_embeddings is refused, unless a linear rope
+    scaling stretches it (llama3 and longrope scaling already count in it)."""
+    import torch
+
+    from minivllm.config import EngineConfig, ModelConfig
+
+    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
+            "max_position_embeddings": 128}
+    cpu = torch.device("cpu")
+    EngineConfig(max_model_len=128).finalize(ModelConfig.from_dict(base), cpu)
+    with pytest.raises(ValueError, match="max_model_len=129 is longer than this model's "
+                                         "maximum context of 128"):
+        EngineConfig(max_model_len=129).finalize(ModelConfig.from_dict(base), cpu)
+    linear = {**base, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    EngineConfig(max_model_len=512).finalize(ModelConfig.from_dict(linear), cpu)
+    with pytest.raises(ValueError, match="rope scaling"):
+        EngineConfig(max_model_len=513).finalize(ModelConfig.from_dict(linear), cpu)
+    llama3 = {**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 16}}
+    with pytest.raises(ValueError, match="max_model_len"):
+        EngineConfig(max_model_len=256).finalize(ModelConfig.from_dict(llama3), cpu)
+
+
 def test_generate_input_forms(llm):
     params = SamplingParams(temperature=0.0, max_tokens=3)
     a = llm.generate([5, 6, 7], params, use_tqdm=False)

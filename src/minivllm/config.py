@@ -192,6 +192,16 @@ class ModelConfig:
         )
 
     @property
+    def max_context_len(self) -> int:
+        """The longest context the model was made for (vLLM's derived max_model_len):
+        max_position_embeddings, times the factor of a linear rope scaling (llama3 and
+        longrope scaling already count in max_position_embeddings)."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") == "linear":
+            return int(self.max_position_embeddings * scaling.get("factor", 1.0))
+        return self.max_position_embeddings
+
+    @property
     def kv_window(self) -> int | None:
         """The window every layer attends within (None if a layer sees everything): KV
         blocks wholly before it are never read again."""
@@ -337,6 +347,16 @@ class EngineConfig:
             self.max_model_len = model_config.max_position_embeddings
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}.")
+        limit = model_config.max_context_len
+        if self.max_model_len > limit:
+            # vLLM's rule: positions past it were never trained (GPT-2 has no embedding
+            # for them at all).
+            scaled = (" x its linear rope scaling"
+                      if limit != model_config.max_position_embeddings else "")
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is longer than this model's maximum "
+                f"context of {limit} tokens (max_position_embeddings{scaled} in its "
+                "config): lower max_model_len.")
         if self.max_num_batched_tokens is None:
             # Big enough that ordinary prompts prefill in one step; long ones are chunked.
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
