@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -270,7 +271,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides memory-based sizing (tests, benchmarks)
     enforce_eager: bool = False
     load_format: str = "auto"  # "auto" | "safetensors" | "gguf" | "dummy"
-    seed: int = 0
+    seed: int | None = 0  # None: a random one (vLLM's)
     device: str | torch.device = "auto"
     skip_tokenizer_init: bool = False
     enable_chunked_prefill: bool = True
@@ -308,6 +309,10 @@ class EngineConfig:
     max_logprobs: int = 20
 
     def __post_init__(self) -> None:
+        if self.seed is None:
+            self.seed = secrets.randbits(32)
+        elif not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer or None (random), got {self.seed!r}.")
         if self.block_size is not None and (self.block_size < 1
                                             or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
@@ -374,6 +379,73 @@ class EngineConfig:
 
     def max_blocks_per_seq(self) -> int:
         return math.ceil(self.max_model_len / self.block_size)
+
+
+# ---- vLLM's LLM(...) arguments that change nothing here ----------------------------
+
+ANY = "any value"
+# name -> (the values accepted, why they change nothing). Other values are refused: they
+# ask for something minivllm does not do.
+VLLM_ONLY_ARGUMENTS: dict[str, tuple] = {
+    "swap_space": (ANY, "preempted sequences are recomputed, never swapped to the CPU"),
+    "disable_log_stats": (ANY, "minivllm logs no periodic stats offline"),
+    "disable_log_requests": (ANY, "minivllm logs no requests offline"),
+    "enable_log_requests": (ANY, "minivllm logs no requests offline"),
+    "max_seq_len_to_capture": (ANY, "decode graphs cover every context length"),
+    "disable_async_output_proc": (ANY, "outputs are always processed behind the device"),
+    "async_scheduling": (ANY, "steps are always launched ahead (pipelined decoding)"),
+    "compilation_config": (ANY, "MINIVLLM_COMPILE chooses torch.compile"),
+    "download_dir": (ANY, "nothing is downloaded"),
+    "hf_token": (ANY, "nothing is downloaded"),
+    "served_model_name": (ANY, "offline, no name is served"),
+    "limit_mm_per_prompt": (ANY, "text-only models take no multimodal items"),
+    "disable_custom_all_reduce": (ANY, "tensor parallelism uses NCCL's all-reduce"),
+    "distributed_executor_backend": ((None, "mp", "uni"),
+                                     "ranks run in minivllm's own processes"),
+    "enable_lora": ((None, False), "LoRA is not supported"),
+    "enable_sleep_mode": ((None, False), "sleep mode is not supported"),
+    "tokenizer_mode": (("auto", "hf"), "the Hugging Face fast tokenizer is used"),
+    "revision": ((None,), "a local model has no revisions"),
+    "tokenizer_revision": ((None,), "a local tokenizer has no revisions"),
+    "code_revision": ((None,), "no remote code runs"),
+    "task": (("auto", "generate"), "minivllm runs generative models only"),
+    "runner": (("auto", "generate"), "minivllm runs generative models only"),
+    "convert": (("auto", "none"), "minivllm runs generative models only"),
+    "hf_overrides": ((None, {}), "config.json is read as it is"),
+    "mm_processor_kwargs": ((None, {}), "text-only models have no multimodal processor"),
+    "cpu_offload_gb": ((0,), "weights are not offloaded to the CPU"),
+    "pipeline_parallel_size": ((1,), "no pipeline parallelism (tensor_parallel_size "
+                                     "splits the model)"),
+    "enable_expert_parallel": ((False,), "experts are split by tensor parallelism"),
+    "calculate_kv_scales": ((False,), "the FP8 KV cache has a scale of 1"),
+    "config_format": (("auto", "hf"), "config.json (or the GGUF's metadata) is read"),
+    "disable_sliding_window": ((False,), "sliding windows are always honoured"),
+    "model_impl": (("auto", "vllm"), "minivllm's own model code runs"),
+}
+
+
+def engine_kwargs(kwargs: dict) -> dict:
+    """LLM(**kwargs)'s EngineConfig arguments: vLLM's that change nothing here
+    (VLLM_ONLY_ARGUMENTS, at their neutral values) dropped; ValueError naming any other
+    argument, or a value that asks for something minivllm does not do."""
+    from dataclasses import fields
+    names = {f.name for f in fields(EngineConfig)}
+    out = {}
+    for name, value in kwargs.items():
+        if name in names:
+            out[name] = value
+            continue
+        if name not in VLLM_ONLY_ARGUMENTS:
+            raise ValueError(f"LLM got the argument {name!r}, which minivllm does not "
+                             "support (neither one of its engine arguments nor one of "
+                             "vLLM's it accepts).")
+        accepted, why = VLLM_ONLY_ARGUMENTS[name]
+        if accepted is not ANY and not any(
+                value == v and isinstance(value, bool) == isinstance(v, bool)
+                for v in accepted):
+            raise ValueError(f"minivllm does not support {name}={value!r} ({why}); it "
+                             f"accepts only {' or '.join(repr(v) for v in accepted)}.")
+    return out
 
 
 def load_config_json(path: Path) -> dict:

@@ -472,6 +472,11 @@ class LLMEngine:
             self._num_constrained -= 1
         return req
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache's blocks (LLM.reset_prefix_cache); True once done."""
+        self.scheduler.pool.reset_prefix_cache()
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
