@@ -174,3 +174,14 @@ def test_stats_reads_a_running_server(tiny_text_model_dir):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 2 and "generated 5" in lines[0] and "tok/s" in lines[1]
+
+
+def test_max_logprobs_flag_reaches_the_engine_config():
+    import argparse
+
+    from minivllm.server.launch import add_engine_arguments, engine_config_from_args
+
+    parser = add_engine_arguments(argparse.ArgumentParser())
+    assert engine_config_from_args(parser.parse_args([])).max_logprobs == 20
+    args = parser.parse_args(["--max-logprobs", "-1"])
+    assert engine_config_from_args(args).max_logprobs == -1
