@@ -26,12 +26,15 @@ def test_vllm_arguments_at_neutral_values_are_accepted(tiny_model_dirs):
                    enable_sleep_mode=False, disable_custom_all_reduce=True, cpu_offload_gb=0,
                    pipeline_parallel_size=1, enable_expert_parallel=False,
                    calculate_kv_scales=False, config_format="auto",
-                   disable_sliding_window=False)
+                   disable_sliding_window=False, scheduling_policy="fcfs",
+                   logprobs_mode="raw_logprobs", allowed_local_media_path="")
     assert engine_kwargs({**neutral, "num_kv_blocks": 64}) == {"num_kv_blocks": 64}
     for name, value in (("enable_lora", True), ("pipeline_parallel_size", 2),
                         ("cpu_offload_gb", 4), ("task", "embed"), ("revision", "main"),
                         ("enable_sleep_mode", True), ("distributed_executor_backend", "ray"),
-                        ("hf_overrides", {"rope_theta": 1.0}), ("tokenizer_mode", "slow")):
+                        ("hf_overrides", {"rope_theta": 1.0}), ("tokenizer_mode", "slow"),
+                        ("scheduling_policy", "priority"),
+                        ("logprobs_mode", "processed_logprobs")):
         with pytest.raises(ValueError, match=f"does not support {name}="):
             engine_kwargs({name: value})
     with pytest.raises(ValueError, match="'max_lorras'"):

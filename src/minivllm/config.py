@@ -421,6 +421,9 @@ VLLM_ONLY_ARGUMENTS: dict[str, tuple] = {
     "config_format": (("auto", "hf"), "config.json (or the GGUF's metadata) is read"),
     "disable_sliding_window": ((False,), "sliding windows are always honoured"),
     "model_impl": (("auto", "vllm"), "minivllm's own model code runs"),
+    "allowed_local_media_path": (("",), "text-only models read no media"),
+    "scheduling_policy": (("fcfs",), "requests run first come, first served"),
+    "logprobs_mode": (("raw_logprobs",), "logprobs are the raw logits' log-softmax"),
 }
 
 
