@@ -61,6 +61,15 @@ def test_offline_replicas_split_the_prompts(tiny_model_dirs):
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert [o.prompt_token_ids for o in got] == prompts
+    # reset_prefix_cache() reaches the replica too: a repeated prompt's full block was
+    # cached in whichever engine ran it, and is not after the reset.
+    full = [i for i, p in enumerate(prompts) if len(p) > 16]
+    assert any(i >= 3 for i in full)  # the replica's share (prompts 3-6) holds one
+    again = llm.generate(prompts, params, use_tqdm=False)
+    assert all(again[i].num_cached_tokens == 16 for i in full)
+    assert llm.reset_prefix_cache() is True
+    after = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in after] == [0] * 7
 
 
 def test_a_shared_prefix_goes_to_the_engine_that_has_it(server):

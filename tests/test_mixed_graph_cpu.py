@@ -76,14 +76,21 @@ def test_small_buckets_project_only_their_rows(tiny_model_dirs):
         assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
 
 
-def test_long_steps_replay_only_when_padded_little(tiny_model_dirs):
+def test_long_steps_replay_only_when_padded_little(tiny_model_dirs, tmp_path):
     """Past 1,024 tokens a step replays its bucket's graph if the padding is at most a
     sixteenth of its tokens (or if start-up measured that bucket's replay to beat an eager
     step's launches: never on a CPU); otherwise it runs eagerly, unpadded. Both give the
     outputs of the engine without the runner."""
+    import json
+    import shutil
+
+    # The tiny Qwen3 with a context of 2,048 (max_model_len may not exceed it).
+    model = shutil.copytree(tiny_model_dirs["qwen3"], tmp_path / "qwen3-2k")
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 2048}))
     kw = dict(skip_tokenizer_init=True, max_model_len=2048, max_num_batched_tokens=2048,
               max_num_seqs=4)
-    llm = LLM(str(tiny_model_dirs["qwen3"]), **kw)
+    llm = LLM(str(model), **kw)
     calls = _attach(llm, 2048)
     runner = llm.engine.runner.mixed_runner
     graphed = lambda n: runner.replay_bucket(n) is not None  # noqa: E731
@@ -93,7 +100,7 @@ def test_long_steps_replay_only_when_padded_little(tiny_model_dirs):
     runner.replay_pays.add(1536)
     assert graphed(1025) and not graphed(1900)
     runner.replay_pays.clear()
-    plain = LLM(str(tiny_model_dirs["qwen3"]), **kw)
+    plain = LLM(str(model), **kw)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     for length in (1500, 1100):  # one replayed (bucket 1536), one eager (it would pad 436)
         prompt = random_prompts(1, 256, length, length, seed=length)

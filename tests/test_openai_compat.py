@@ -526,3 +526,20 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(http, path, 
     assert all(c["usage"]["prompt_tokens"] == final["usage"]["prompt_tokens"] for c in chunks)
     body["stream_options"] = {"include_usage": True}
     assert all(c["usage"] is None for c in sse_events(http.post(path, json=body))[:-2])
+
+
+def test_repetition_penalty_and_logprobs_limits_are_the_offline_ones(http):
+    """The server's requests pass through SamplingParams' rules: repetition_penalty any
+    finite value > 0 (vLLM's, not at most 2); logprobs up to the engine's max_logprobs
+    (20 here); structured_outputs' whitespace_pattern refused (xgrammar has none)."""
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    assert http.post("/v1/completions", json={**body, "repetition_penalty": 3.5}
+                     ).status_code == 200
+    r = http.post("/v1/completions", json={**body, "repetition_penalty": 0})
+    assert r.status_code == 400 and "repetition_penalty" in r.text
+    assert http.post("/v1/completions", json={**body, "logprobs": 20}).status_code == 200
+    r = http.post("/v1/completions", json={**body, "logprobs": 21})
+    assert r.status_code == 400 and "max_logprobs" in r.text
+    r = http.post("/v1/completions", json={**body, "structured_outputs": {
+        "json": {"type": "object"}, "whitespace_pattern": "[ ]?"}})
+    assert r.status_code == 400 and "whitespace_pattern" in r.text

@@ -287,3 +287,58 @@ def test_sampled_penalized_and_logprob_rows_pipeline(tiny_model_dirs, monkeypatc
         assert llm.engine.scheduler.pool.all_free()
     assert runs[0] == runs[1]
     assert sum(launches) > 10
+
+
+def test_outputs_that_fill_the_context_pipelined(tiny_model_dirs, monkeypatch):
+    """Offline, an output runs until the context is full ("length"), and a prompt that
+    fills it exactly gets one token (vLLM's offline rule). Prompts join running decodes in
+    mixed steps launched ahead, so a step is launched behind the one that samples a full
+    prompt's token: it must not compute a position past the context."""
+    from minivllm.worker.mixed_graph_runner import MixedGraphRunner
+
+    limit = 32
+    prompts = [list(range(3, 3 + limit)), list(range(5, 5 + limit - 1))] * 2
+    prompts += random_prompts(2, 256, 10, 20, seed=23)
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    kw = dict(max_model_len=limit, max_num_batched_tokens=24)
+    want = _llm(tiny_model_dirs["llama"], monkeypatch, False, **kw)[0].generate(
+        prompts, params, use_tqdm=False)
+    piped, launches = _llm(tiny_model_dirs["llama"], monkeypatch, True, **kw)
+    runner, cfg = piped.engine.runner, piped.engine.config
+    runner.mixed_runner = MixedGraphRunner(
+        runner.model, runner.kv_cache.layers, max_tokens=24, max_seqs=cfg.max_num_seqs,
+        max_blocks=cfg.max_blocks_per_seq(), max_model_len=limit,
+        device=torch.device("cpu"), use_graphs=False)
+    runner.mixed_runner.capture()
+    got = piped.generate(prompts, params, use_tqdm=False)
+    for p, w, g in zip(prompts, want, got):
+        assert len(g.outputs[0].token_ids) == max(1, limit - len(p))
+        assert g.outputs[0].finish_reason == "length"
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+    assert sum(launches) > 5
+    assert piped.engine.scheduler.pool.all_free()
+
+
+def test_bad_words_and_allowed_tokens_pipelined(tiny_text_model_dir, monkeypatch):
+    """bad_words' per-step bans read the pending step's token (a placeholder on the host)
+    and allowed_token_ids ride on the slot's bias: pipelined output equals step-by-step
+    output, and differs from the unconstrained one where a word was banned."""
+    kw = dict(skip_tokenizer_init=False, max_model_len=128)
+    plain = _llm(tiny_text_model_dir, monkeypatch, False, **kw)[0]
+    prompts = ["The quick brown fox", "Once upon a time"]
+    greedy = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
+    tok = plain.get_tokenizer()
+    free = [o.outputs[0].token_ids for o in plain.generate(
+        prompts, SamplingParams(**greedy), use_tqdm=False)]
+    words = [tok.decode(f[5:7]) for f in free]
+    params = [SamplingParams(bad_words=[words[0]], **greedy),
+              SamplingParams(bad_words=[words[1], "zebra crossing"], **greedy),
+              SamplingParams(allowed_token_ids=sorted(set(free[0]))[:4], **greedy)]
+    prompts.append(prompts[0])
+    want = plain.generate(prompts, params, use_tqdm=False)
+    piped, launches = _llm(tiny_text_model_dir, monkeypatch, True, **kw)
+    got = piped.generate(prompts, params, use_tqdm=False)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    assert sum(launches) > 5
+    assert got[0].outputs[0].token_ids != free[0] or got[1].outputs[0].token_ids != free[1]
+    assert set(got[2].outputs[0].token_ids) <= set(sorted(set(free[0]))[:4])

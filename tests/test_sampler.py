@@ -187,6 +187,37 @@ def test_grammar_masks_in_kernels_and_reference():
     assert want[4:].tolist() == free[4:].tolist()
 
 
+def test_allowed_tokens_and_word_bans_in_kernels_and_reference():
+    """allowed_token_ids (the slot's bias row at -inf but for them, logit_bias on top) and
+    one-token bad words (-inf in the bias row): rows greedy, random, truncated, penalized
+    draw only allowed, unbanned tokens, the kernels as the reference."""
+    vocab = 400
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(5, vocab, generator=g) * 3
+    allowed = [5, 17, 33, 64, 399]
+    settings = [dict(temperature=0.0, allowed_token_ids=allowed),
+                dict(temperature=0.9, seed=1, allowed_token_ids=allowed),
+                dict(temperature=0.8, top_k=3, top_p=0.9, seed=2, allowed_token_ids=allowed,
+                     logit_bias={33: 4.0, 100: 50.0}),
+                dict(temperature=0.0, repetition_penalty=1.3, allowed_token_ids=[7, 8, 9]),
+                dict(temperature=0.0)]
+    seqs = [row(i, **p) for i, p in enumerate(settings)]
+    free, _ = S.sample_reference(logits, *staged(seqs, vocab), False)
+    seqs[4].params._bad_words_token_ids = [[free[4].item()], [3, 4]]  # the one-token word
+    want_state, rows = staged(seqs, vocab)
+    want, _ = S.sample_reference(logits, want_state, rows, False)
+    got_state, rows = staged(seqs, vocab)
+    assert torch.isinf(got_state.bias[0]).sum().item() == vocab - len(allowed)
+    got = run_kernels(logits, got_state, rows, False).token
+    assert got.tolist() == want.tolist()
+    for r in range(3):
+        assert want[r].item() in allowed
+    assert want[0].item() == max(allowed, key=lambda t: logits[0, t].item())
+    assert want[3].item() in (7, 8, 9)
+    assert want[4].item() != free[4].item()
+    assert want[4].item() == logits[4].topk(2).indices[1].item()
+
+
 @triton.jit
 def _uniforms_kernel(seed_ptr, pos_ptr, out_ptr, block_out_ptr, V: tl.constexpr):
     r = tl.program_id(0)

@@ -482,3 +482,132 @@ def test_seeded_request_draws_the_same_alone_in_a_batch_and_after_preemption(tin
     other = llm.generate([prompt], dataclasses.replace(SEEDED, seed=7),
                          use_tqdm=False)[0].outputs[0]
     assert other.token_ids != alone.token_ids
+
+
+def test_allowed_token_ids(llm):
+    """Only the allowed tokens are drawn, greedy (the best of them) or sampled, logit_bias
+    applying among them; an id outside the vocabulary is refused."""
+    prompt = [7, 8, 9]
+    free = _ids(llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6,
+                             ignore_eos=True), use_tqdm=False))[0]
+    allowed = [t for t in (40, 41, 42, 43) if t not in free][:3]
+    outs = llm.generate([prompt] * 3, [
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                       allowed_token_ids=allowed),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=20, ignore_eos=True,
+                       allowed_token_ids=allowed),
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                       allowed_token_ids=allowed, logit_bias={allowed[1]: 100.0})],
+        use_tqdm=False)
+    greedy, sampled, biased = (o.outputs[0].token_ids for o in outs)
+    assert set(greedy) <= set(allowed) and set(sampled) <= set(allowed)
+    assert len(set(sampled)) > 1
+    assert biased == [allowed[1]] * 6
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.generate([prompt], SamplingParams(allowed_token_ids=[3, 256]), use_tqdm=False)
+
+
+def test_bad_words(text_llm):
+    """A word of several tokens: its last token is banned where the output ends with the
+    others, so greedy output turns aside exactly there; a one-token word never appears."""
+    from minivllm.engine.bad_words import bad_words_token_ids
+
+    tok = text_llm.get_tokenizer()
+    prompt = "The quick brown fox"
+    greedy = dict(temperature=0.0, max_tokens=30, ignore_eos=True)
+    free = _ids(text_llm.generate(prompt, SamplingParams(**greedy), use_tqdm=False))[0]
+    # The first output bigram whose word tokenizes back to it (with or without a space).
+    for j in range(len(free) - 1):
+        word = tok.decode(free[j:j + 2])
+        if word.strip() and free[j:j + 2] in bad_words_token_ids(tok, [word], 49152):
+            break
+    else:
+        pytest.fail("no output bigram round-trips through the tokenizer")
+    out = text_llm.generate(prompt, SamplingParams(bad_words=[word], **greedy),
+                            use_tqdm=False)[0].outputs[0].token_ids
+    assert out[:j + 1] == free[:j + 1] and out[j + 1] != free[j + 1]
+    assert all(out[i:i + 2] != free[j:j + 2] for i in range(len(out) - 1))
+    single = next(t for t in free if len(bad_words_token_ids(tok, [tok.decode([t])],
+                                                             49152)[0]) == 1)
+    out = text_llm.generate(prompt, SamplingParams(bad_words=[tok.decode([single])],
+                            **greedy), use_tqdm=False)[0].outputs[0].token_ids
+    assert single not in out and out[:free.index(single)] == free[:free.index(single)]
+
+
+def test_bad_words_need_the_tokenizer(llm):
+    with pytest.raises(ValueError, match="bad_words need the tokenizer"):
+        llm.generate([[5, 6]], SamplingParams(bad_words=["x"]), use_tqdm=False)
+
+
+def test_detokenize_false_gives_token_ids_only(text_llm):
+    params = dict(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    text = text_llm.generate("Once upon a time", SamplingParams(**params),
+                             use_tqdm=False)[0].outputs[0]
+    ids = text_llm.generate("Once upon a time", SamplingParams(detokenize=False, **params),
+                            use_tqdm=False)[0].outputs[0]
+    assert text.text and ids.text == ""
+    assert ids.token_ids == text.token_ids
+    assert all(lp.decoded_token is None for pos in ids.logprobs for lp in pos.values())
+
+
+def test_truncate_prompt_tokens(llm):
+    """The prompt's last k tokens are kept (-1: max_model_len, so a prompt longer than
+    the context is cut to fill it); k past max_model_len is refused."""
+    prompt = random_prompts(1, 256, 20, 20, seed=3)[0]
+    params = dict(temperature=0.0, max_tokens=5, ignore_eos=True)
+    cut = llm.generate([prompt], SamplingParams(truncate_prompt_tokens=6, **params),
+                       use_tqdm=False)[0]
+    tail = llm.generate([prompt[-6:]], SamplingParams(**params), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == prompt[-6:]
+    assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    long = random_prompts(1, 256, 300, 300, seed=4)[0]
+    full = llm.generate([long], SamplingParams(truncate_prompt_tokens=-1, **params),
+                        use_tqdm=False)[0]
+    assert full.prompt_token_ids == long[-256:] and len(full.outputs[0].token_ids) == 1
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        llm.generate([prompt], SamplingParams(truncate_prompt_tokens=257), use_tqdm=False)
+
+
+def test_max_logprobs(tiny_model_dirs, llm):
+    """max_logprobs (20 by default, as vLLM) caps logprobs and prompt_logprobs; raised,
+    a step returns more than the kernels' 20, the model's own top tokens; -1 allows the
+    whole vocabulary (logprobs=-1)."""
+    prompt = random_prompts(1, 256, 8, 8, seed=8)[0]
+    with pytest.raises(ValueError, match="max_logprobs"):
+        llm.generate([prompt], SamplingParams(logprobs=21), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_logprobs"):
+        llm.generate([prompt], SamplingParams(prompt_logprobs=-1), use_tqdm=False)
+    wide = LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, max_model_len=256,
+               block_size=4, max_logprobs=-1)
+    params = dict(temperature=0.8, seed=3, max_tokens=3, ignore_eos=True)
+    out = wide.generate([prompt, prompt], [SamplingParams(logprobs=30, **params),
+                        SamplingParams(logprobs=-1, prompt_logprobs=-1, **params)],
+                        use_tqdm=False)
+    narrow = llm.generate([prompt], SamplingParams(logprobs=20, **params),
+                          use_tqdm=False)[0].outputs[0]
+    thirty, every = out[0].outputs[0], out[1].outputs[0]
+    assert thirty.token_ids == every.token_ids == narrow.token_ids
+    for pos, top20, whole in zip(thirty.logprobs, narrow.logprobs, every.logprobs):
+        assert len(pos) in (30, 31) and len(whole) == 256
+        assert set(top20) <= set(pos)  # the kernels' top 20 are the first of the 30
+        for t, lp in top20.items():
+            assert abs(pos[t].logprob - lp.logprob) < 1e-5
+            assert abs(whole[t].logprob - lp.logprob) < 1e-5
+    assert all(len(p) == 256 for p in out[1].prompt_logprobs[1:])
+    with pytest.raises(ValueError, match="max_logprobs"):
+        LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, max_logprobs=-2)
+
+
+def test_repetition_penalty_past_two_and_vllm_fields(llm):
+    """repetition_penalty is any finite value > 0 (vLLM's rule), and output_kind,
+    extra_args and best_of == n run as the defaults."""
+    prompt = [5, 6, 7, 8, 9]
+    params = dict(temperature=0.0, max_tokens=20, ignore_eos=True)
+    base, strong = (_ids(llm.generate([prompt], SamplingParams(
+        repetition_penalty=r, **params), use_tqdm=False))[0] for r in (1.0, 6.0))
+    assert base.count(base[0]) > 10 and strong.count(strong[0]) == 1
+    from minivllm.sampling_params import RequestOutputKind
+    same = llm.generate([prompt], SamplingParams(
+        output_kind=RequestOutputKind.DELTA, extra_args={"x": 1}, best_of=1, seed=-1,
+        **params), use_tqdm=False)[0].outputs[0]
+    assert same.token_ids == base and same.finish_reason == "length"

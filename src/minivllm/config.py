@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -192,6 +193,16 @@ class ModelConfig:
         )
 
     @property
+    def max_context_len(self) -> int:
+        """The longest context the model was made for (vLLM's derived max_model_len):
+        max_position_embeddings, times the factor of a linear rope scaling (llama3 and
+        longrope scaling already count in max_position_embeddings)."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") == "linear":
+            return int(self.max_position_embeddings * scaling.get("factor", 1.0))
+        return self.max_position_embeddings
+
+    @property
     def kv_window(self) -> int | None:
         """The window every layer attends within (None if a layer sees everything): KV
         blocks wholly before it are never read again."""
@@ -260,7 +271,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides memory-based sizing (tests, benchmarks)
     enforce_eager: bool = False
     load_format: str = "auto"  # "auto" | "safetensors" | "gguf" | "dummy"
-    seed: int = 0
+    seed: int | None = 0  # None: a random one (vLLM's)
     device: str | torch.device = "auto"
     skip_tokenizer_init: bool = False
     enable_chunked_prefill: bool = True
@@ -293,8 +304,15 @@ class EngineConfig:
     master_port: int | None = None
     # The KV cache's element type (vLLM's name): "auto" (the model's dtype) or "fp8" (e4m3).
     kv_cache_dtype: str = "auto"
+    # The most logprobs (and prompt_logprobs) a request may ask for; -1: the whole
+    # vocabulary (vLLM's). Past 20 a step's top tokens are found by a sort in PyTorch.
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
+        if self.seed is None:
+            self.seed = secrets.randbits(32)
+        elif not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer or None (random), got {self.seed!r}.")
         if self.block_size is not None and (self.block_size < 1
                                             or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
@@ -309,6 +327,10 @@ class EngineConfig:
         from .model.quantization import check_method
         SpeculativeConfig.from_dict(self.speculative_config)  # a bad one fails here
         check_method(self.quantization)
+        if (not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool)
+                or self.max_logprobs < -1):
+            raise ValueError("max_logprobs must be an integer >= 0, or -1 for the whole "
+                             f"vocabulary, got {self.max_logprobs!r}.")
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ValueError("kv_cache_dtype must be 'auto' or 'fp8' (e4m3), got "
                              f"{self.kv_cache_dtype!r}.")
@@ -330,6 +352,16 @@ class EngineConfig:
             self.max_model_len = model_config.max_position_embeddings
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}.")
+        limit = model_config.max_context_len
+        if self.max_model_len > limit:
+            # vLLM's rule: positions past it were never trained (GPT-2 has no embedding
+            # for them at all).
+            scaled = (" x its linear rope scaling"
+                      if limit != model_config.max_position_embeddings else "")
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is longer than this model's maximum "
+                f"context of {limit} tokens (max_position_embeddings{scaled} in its "
+                "config): lower max_model_len.")
         if self.max_num_batched_tokens is None:
             # Big enough that ordinary prompts prefill in one step; long ones are chunked.
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
@@ -347,6 +379,76 @@ class EngineConfig:
 
     def max_blocks_per_seq(self) -> int:
         return math.ceil(self.max_model_len / self.block_size)
+
+
+# ---- vLLM's LLM(...) arguments that change nothing here ----------------------------
+
+ANY = "any value"
+# name -> (the values accepted, why they change nothing). Other values are refused: they
+# ask for something minivllm does not do.
+VLLM_ONLY_ARGUMENTS: dict[str, tuple] = {
+    "swap_space": (ANY, "preempted sequences are recomputed, never swapped to the CPU"),
+    "disable_log_stats": (ANY, "minivllm logs no periodic stats offline"),
+    "disable_log_requests": (ANY, "minivllm logs no requests offline"),
+    "enable_log_requests": (ANY, "minivllm logs no requests offline"),
+    "max_seq_len_to_capture": (ANY, "decode graphs cover every context length"),
+    "disable_async_output_proc": (ANY, "outputs are always processed behind the device"),
+    "async_scheduling": (ANY, "steps are always launched ahead (pipelined decoding)"),
+    "compilation_config": (ANY, "MINIVLLM_COMPILE chooses torch.compile"),
+    "download_dir": (ANY, "nothing is downloaded"),
+    "hf_token": (ANY, "nothing is downloaded"),
+    "served_model_name": (ANY, "offline, no name is served"),
+    "limit_mm_per_prompt": (ANY, "text-only models take no multimodal items"),
+    "disable_custom_all_reduce": (ANY, "tensor parallelism uses NCCL's all-reduce"),
+    "distributed_executor_backend": ((None, "mp", "uni"),
+                                     "ranks run in minivllm's own processes"),
+    "enable_lora": ((None, False), "LoRA is not supported"),
+    "enable_sleep_mode": ((None, False), "sleep mode is not supported"),
+    "tokenizer_mode": (("auto", "hf"), "the Hugging Face fast tokenizer is used"),
+    "revision": ((None,), "a local model has no revisions"),
+    "tokenizer_revision": ((None,), "a local tokenizer has no revisions"),
+    "code_revision": ((None,), "no remote code runs"),
+    "task": (("auto", "generate"), "minivllm runs generative models only"),
+    "runner": (("auto", "generate"), "minivllm runs generative models only"),
+    "convert": (("auto", "none"), "minivllm runs generative models only"),
+    "hf_overrides": ((None, {}), "config.json is read as it is"),
+    "mm_processor_kwargs": ((None, {}), "text-only models have no multimodal processor"),
+    "cpu_offload_gb": ((0,), "weights are not offloaded to the CPU"),
+    "pipeline_parallel_size": ((1,), "no pipeline parallelism (tensor_parallel_size "
+                                     "splits the model)"),
+    "enable_expert_parallel": ((False,), "experts are split by tensor parallelism"),
+    "calculate_kv_scales": ((False,), "the FP8 KV cache has a scale of 1"),
+    "config_format": (("auto", "hf"), "config.json (or the GGUF's metadata) is read"),
+    "disable_sliding_window": ((False,), "sliding windows are always honoured"),
+    "model_impl": (("auto", "vllm"), "minivllm's own model code runs"),
+    "allowed_local_media_path": (("",), "text-only models read no media"),
+    "scheduling_policy": (("fcfs",), "requests run first come, first served"),
+    "logprobs_mode": (("raw_logprobs",), "logprobs are the raw logits' log-softmax"),
+}
+
+
+def engine_kwargs(kwargs: dict) -> dict:
+    """LLM(**kwargs)'s EngineConfig arguments: vLLM's that change nothing here
+    (VLLM_ONLY_ARGUMENTS, at their neutral values) dropped; ValueError naming any other
+    argument, or a value that asks for something minivllm does not do."""
+    from dataclasses import fields
+    names = {f.name for f in fields(EngineConfig)}
+    out = {}
+    for name, value in kwargs.items():
+        if name in names:
+            out[name] = value
+            continue
+        if name not in VLLM_ONLY_ARGUMENTS:
+            raise ValueError(f"LLM got the argument {name!r}, which minivllm does not "
+                             "support (neither one of its engine arguments nor one of "
+                             "vLLM's it accepts).")
+        accepted, why = VLLM_ONLY_ARGUMENTS[name]
+        if accepted is not ANY and not any(
+                value == v and isinstance(value, bool) == isinstance(v, bool)
+                for v in accepted):
+            raise ValueError(f"minivllm does not support {name}={value!r} ({why}); it "
+                             f"accepts only {' or '.join(repr(v) for v in accepted)}.")
+    return out
 
 
 def load_config_json(path: Path) -> dict:

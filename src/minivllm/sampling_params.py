@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import copy
+import enum
 import json
 import logging
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
-_MAX_LOGPROBS = 20
+
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's: what a request's outputs hold as it runs (cumulative text, the newest piece,
+    or the final output only). Offline generate() returns final outputs whatever the
+    kind; accepted so vLLM code runs."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -22,7 +32,11 @@ class StructuredOutputsParams:
     of some strings (`choice`), an EBNF (or Lark) grammar (`grammar`) or an xgrammar
     structural tag (`structural_tag`, its JSON). Enforced on the device by the sampler,
     through a token mask from xgrammar (engine/grammar.py). disable_any_whitespace: JSON
-    without whitespace between its tokens (small models otherwise may loop on it)."""
+    without whitespace between its tokens (small models otherwise may loop on it).
+    disable_additional_properties: accepted either way, since xgrammar compiles schemas in
+    strict mode, which already refuses properties a schema does not name (as vLLM with
+    xgrammar). whitespace_pattern: xgrammar has none (vLLM's xgrammar backend refuses it
+    too), so only None."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -31,10 +45,18 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     structural_tag: str | dict | None = None
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
     def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        if self.whitespace_pattern is not None:
+            raise ValueError("structured_outputs.whitespace_pattern is not supported (xgrammar "
+                             "has no whitespace pattern); use disable_any_whitespace=True for "
+                             "JSON without whitespace.")
         given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError("structured_outputs takes exactly one of json, regex, choice, "
@@ -87,10 +109,27 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     structured_outputs: StructuredOutputsParams | None = None
+    # False: no text, only token ids (stop strings then cannot match: refused).
+    detokenize: bool = True
+    allowed_token_ids: list[int] | None = None  # only these may be drawn
+    # Words the output must not contain (vLLM's rule: engine/bad_words.py).
+    bad_words: list[str] | None = None
+    # Keep only the prompt's last k tokens (-1: max_model_len), before validation.
+    truncate_prompt_tokens: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    extra_args: dict[str, Any] | None = None  # kept for the caller; read by nothing here
+    # vLLM's older fields, accepted at the values that ask for nothing.
+    best_of: int | None = None
+    logits_processors: Any = None
+    guided_decoding: Any = None
     # Filled in by the engine from the tokenizer / generation config.
     _eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
+    # bad_words as token sequences, both spellings (bad_words.bad_words_token_ids).
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
+        if self.seed == -1 and not isinstance(self.seed, bool):
+            self.seed = None  # vLLM's "no seed"
         if self.logit_bias:
             try:
                 self.logit_bias = {int(t): b for t, b in self.logit_bias.items()}
@@ -107,6 +146,15 @@ class SamplingParams:
             self.top_k = 0
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        elif self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
+        if isinstance(self.output_kind, int) and not isinstance(self.output_kind, bool) \
+                and self.output_kind in set(RequestOutputKind):
+            self.output_kind = RequestOutputKind(self.output_kind)
         self._validate()
 
     def _validate(self) -> None:
@@ -127,10 +175,13 @@ class SamplingParams:
             bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            bad(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad(f"seed must be an integer, got {self.seed!r}.")
+        if (not isinstance(self.repetition_penalty, (int, float))
+                or not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0):
+            bad(f"repetition_penalty must be a finite number > 0, got "
+                f"{self.repetition_penalty!r}.")
+        if self.seed is not None and (not isinstance(self.seed, int)
+                                      or isinstance(self.seed, bool)):
+            bad(f"seed must be an integer (-1 or None: no seed), got {self.seed!r}.")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             bad(f"max_tokens must be at least 1, got {self.max_tokens}.")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
@@ -138,12 +189,50 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens}).")
         for name in ("logprobs", "prompt_logprobs"):
+            # The most allowed is the engine's max_logprobs (LLMEngine.validate_prompt).
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value <= _MAX_LOGPROBS):
-                bad(f"{name} must be between 0 and {_MAX_LOGPROBS}, got {value}.")
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < -1):
+                bad(f"{name} must be an integer >= 0, or -1 for the whole vocabulary, "
+                    f"got {value!r}.")
         for s in self.stop:
             if not isinstance(s, str) or s == "":
                 bad("stop strings must be non-empty strings.")
+        if not isinstance(self.detokenize, bool):
+            bad(f"detokenize must be True or False, got {self.detokenize!r}.")
+        if self.stop and not self.detokenize:
+            bad("stop strings need the text: they are not supported with detokenize=False "
+                "(use stop_token_ids).")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                bad("allowed_token_ids is empty: give at least one token id, or None.")
+            for t in self.allowed_token_ids:
+                if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                    bad(f"allowed_token_ids must be token ids (integers >= 0), got {t!r}.")
+        for w in self.bad_words or []:
+            if not isinstance(w, str) or not w.strip():
+                bad(f"bad_words must be non-empty strings, got {w!r}.")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k == 0
+                              or k < -1):
+            bad(f"truncate_prompt_tokens must be an integer >= 1, or -1 (max_model_len), "
+                f"got {k!r}.")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            bad("output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), "
+                f"got {self.output_kind!r}.")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            bad(f"extra_args must be a dict, got {type(self.extra_args).__name__}.")
+        if self.best_of is not None and self.best_of != self.n:
+            bad(f"best_of is not supported (other than best_of == n), got best_of="
+                f"{self.best_of!r} with n={self.n}.")
+        if self.logits_processors:
+            bad("logits_processors are not supported: constrain the output with "
+                "structured_outputs=StructuredOutputsParams(...), or steer tokens with "
+                "logit_bias, allowed_token_ids or bad_words.")
+        if self.guided_decoding is not None:
+            bad("guided_decoding is not supported: pass the same constraint as "
+                "structured_outputs=StructuredOutputsParams(json=..., regex=..., choice=..., "
+                "grammar=...).")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 bad(f"stop_token_ids must be non-negative integers, got {t!r}.")
@@ -156,6 +245,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Whether a token is just the argmax of the logits: nothing of the sampler."""
+        return (self.greedy and self.logprobs is None and not self.logit_bias
+                and not self.has_penalties and self.min_tokens == 0
+                and self.structured_outputs is None and self.allowed_token_ids is None
+                and not self.bad_words)
 
     @property
     def has_penalties(self) -> bool:

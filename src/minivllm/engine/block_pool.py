@@ -85,6 +85,12 @@ class BlockPool:
             self._hash_of[block] = h
             self._cached[h] = block
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block: later lookups find none until blocks are registered
+        again. Blocks in use stay with their holders (nothing is freed or moved)."""
+        self._cached.clear()
+        self._hash_of = [None] * self.num_blocks
+
     def lookup(self, hashes: Sequence[int]) -> list[int]:
         """The cached blocks for the longest prefix of `hashes` (no references taken)."""
         found = []

@@ -178,6 +178,9 @@ def _replica_main(config: EngineConfig, conn) -> None:
         job = conn.recv()
         if job is None:
             return
+        if job == "reset_prefix_cache":
+            conn.send(llm.reset_prefix_cache())
+            continue
         try:
             prompts, params, default_max_tokens = job
             conn.send(llm._generate_here(prompts, params, False, default_max_tokens))
@@ -225,6 +228,13 @@ class OfflineReplicas:
                 raise part
             outputs += part
         return outputs
+
+
+    def reset_prefix_cache(self) -> bool:
+        """Every replica's LLM.reset_prefix_cache()."""
+        for conn in self.conns:
+            conn.send("reset_prefix_cache")
+        return all([conn.recv() for conn in self.conns])
 
 
 def _stop_replicas(conns: list, procs: list) -> None:

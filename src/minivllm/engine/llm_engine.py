@@ -12,6 +12,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import numbers
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
@@ -27,6 +28,7 @@ from ..worker.draft_model import DraftModel
 from ..worker.kv_cache import block_bytes
 from ..worker.model_runner import ModelRunner, PendingDecode, StepResult
 from ..worker.sampler import SamplerOutput
+from .bad_words import ban_in_mask, banned_next, bad_words_token_ids, has_sequences
 from .detokenizer import Detokenizer, find_stop_string, visible_text
 from .grammar import GrammarCompiler, GrammarState, fill_masks
 from .scheduler import ScheduledBatch, Scheduler
@@ -45,6 +47,22 @@ def recent_steps(engine: "LLMEngine") -> list[tuple]:
     """The engine's last steps (an AsyncLLMEngine.call function: module-level, so it
     crosses to an engine process)."""
     return list(engine.step_history)
+
+
+def needs_masks(params: SamplingParams) -> bool:
+    """Whether a request's rows may carry a token bitmask: a grammar, or bad_words of more
+    than one token (their bans depend on the output so far)."""
+    return params.structured_outputs is not None or has_sequences(params._bad_words_token_ids)
+
+
+def as_token_ids(ids) -> list[int]:
+    """A prompt's token ids as a list of Python ints: numpy integers (an array's items)
+    become ints; anything else is left for validate_prompt to name."""
+    out = list(ids)
+    for i, t in enumerate(out):
+        if not isinstance(t, (int, bool)) and isinstance(t, numbers.Integral):
+            out[i] = int(t)
+    return out
 
 
 def read_model_config(model) -> tuple:
@@ -141,7 +159,9 @@ class LLMEngine:
         # Structured outputs: requests wait here (not in the scheduler) for their grammar.
         self.grammars: GrammarCompiler | None = None
         self._awaiting_grammar: list[Request] = []
-        self._num_constrained = 0  # requests with a grammar: the hooks below return at once
+        # Requests with a grammar or multi-token bad_words: the hooks below return at once
+        # without any.
+        self._num_constrained = 0
         self.runner.sampler.before_sample = self._grammar_masks
         if self.drafter is not None:
             self.drafter.runner.sampler.before_sample = self._grammar_masks
@@ -189,7 +209,12 @@ class LLMEngine:
                              "pass prompt token ids instead of text.")
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
-    def validate_prompt(self, token_ids: SequenceABC[int], params: SamplingParams) -> None:
+    def validate_prompt(self, token_ids: SequenceABC[int], params: SamplingParams,
+                        fill_context: bool = False) -> None:
+        """ValueError for a prompt or params this engine cannot run. The server's rule
+        (fill_context False): the prompt and max_tokens must fit the context together.
+        vLLM's offline rule (fill_context True): only a prompt longer than the context is
+        refused; the output stops with "length" once the context is full."""
         if len(token_ids) == 0:
             raise ValueError("The prompt is empty: give at least one token.")
         vocab = self.vocab_size
@@ -197,11 +222,18 @@ class LLMEngine:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise ValueError(f"Token id {t!r} is out of vocabulary (valid: 0..{vocab - 1}).")
         limit = self.max_model_len
-        if len(token_ids) >= limit:
+        if fill_context:
+            # vLLM's check is len > max_model_len: a prompt that fills the context exactly
+            # still samples one token (from its last position's logits), then "length".
+            if len(token_ids) > limit:
+                raise ValueError(
+                    f"The prompt has {len(token_ids)} tokens, longer than this model's "
+                    f"maximum context length of {limit} tokens (max_model_len).")
+        elif len(token_ids) >= limit:
             raise ValueError(
                 f"The prompt has {len(token_ids)} tokens, but this model's maximum context "
                 f"length is {limit} tokens and at least one must be left for the output.")
-        if params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
+        elif params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
             raise ValueError(
                 f"This model's maximum context length is {limit} tokens. However, you "
                 f"requested {len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in "
@@ -213,6 +245,21 @@ class LLMEngine:
         for t in params.logit_bias or {}:
             if t >= vocab:
                 raise ValueError(f"logit_bias has token {t}, outside the vocabulary (< {vocab}).")
+        for t in params.allowed_token_ids or []:
+            if t >= vocab:
+                raise ValueError(f"allowed_token_ids has token {t}, outside the vocabulary "
+                                 f"(< {vocab}).")
+        cap = self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and (vocab if value == -1 else value) > (
+                    vocab if cap == -1 else cap):
+                raise ValueError(
+                    f"{name}={value} asks for more logprobs than this engine's max_logprobs "
+                    f"({cap}) allows; raise max_logprobs (-1: the whole vocabulary).")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need the tokenizer (this engine has "
+                             "skip_tokenizer_init=True).")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} is more samples than this engine runs at once "
                              f"(max_num_seqs={self.config.max_num_seqs}).")
@@ -220,12 +267,13 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int] | dict | None, params: SamplingParams,
                     request_id: str | None = None, prompt_token_ids: list[int] | None = None,
                     arrival_time: float | None = None, stream: bool = True,
-                    default_max_tokens: bool = False) -> str:
+                    default_max_tokens: bool = False, fill_context: bool = False) -> str:
         """Queue a request. stream=False reports it only once it has finished, which
         saves building an output per step for offline batches. default_max_tokens: the
         params' max_tokens is a default (generation_config.json's max_new_tokens, the CLI's
         256), not the caller's: fit_default_max_tokens cuts it to the room the prompt
-        leaves, as the server does, rather than refusing it."""
+        leaves, as the server does, rather than refusing it. fill_context: vLLM's offline
+        rule (see validate_prompt), for LLM.generate."""
         if isinstance(prompt, dict):
             prompt_token_ids = prompt.get("prompt_token_ids")
             prompt = prompt.get("prompt")
@@ -236,14 +284,25 @@ class LLMEngine:
                 raise ValueError("A prompt must be a string, a list of token ids, or a dict "
                                  "with 'prompt_token_ids'.")
             prompt_token_ids = self.tokenize(prompt)
-        prompt_token_ids = list(prompt_token_ids)
+        prompt_token_ids = as_token_ids(prompt_token_ids)
+        if params.truncate_prompt_tokens is not None:
+            prompt_token_ids = self._truncate(prompt_token_ids, params.truncate_prompt_tokens)
         if default_max_tokens:
             params = fit_default_max_tokens(params, self.max_model_len - len(prompt_token_ids))
         params = params.clone()
         params._eos_token_ids = self.eos_token_ids
-        self.validate_prompt(prompt_token_ids, params)
+        self.validate_prompt(prompt_token_ids, params, fill_context)
         if params.max_tokens is None:
-            params.max_tokens = self.max_model_len - len(prompt_token_ids)
+            # At least one: a prompt that fills the context samples one token (vLLM's).
+            params.max_tokens = max(1, self.max_model_len - len(prompt_token_ids))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None:  # -1: the whole vocabulary
+                setattr(params, name, self.vocab_size if value == -1
+                        else min(value, self.vocab_size))
+        if params.bad_words:
+            params._bad_words_token_ids = bad_words_token_ids(
+                self.tokenizer, params.bad_words, self.vocab_size)
         request_id = request_id if request_id is not None else self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
@@ -257,15 +316,25 @@ class LLMEngine:
             if params.n > 1 and params.seed is not None:
                 child.seed = params.seed + i  # distinct but reproducible samples
             req.seqs.append(Sequence(next(self._seq_ids), req, i, child))
+        if needs_masks(params):
+            self._num_constrained += 1
         if params.structured_outputs is not None:
             req.grammar_future = self._grammar_compiler().submit(params.structured_outputs)
             self._awaiting_grammar.append(req)
-            self._num_constrained += 1
         else:
             self.scheduler.add(req.seqs[0])
         self.requests[request_id] = req
         self.stats["prompt_tokens"] += len(prompt_token_ids)
         return request_id
+
+    def _truncate(self, token_ids: list[int], keep: int) -> list[int]:
+        """The prompt's last `keep` tokens (truncate_prompt_tokens; -1: max_model_len)."""
+        limit = self.max_model_len
+        if keep > limit:
+            raise ValueError(f"truncate_prompt_tokens ({keep}) is more than max_model_len "
+                             f"({limit}): choose a smaller one, or -1 for max_model_len.")
+        keep = limit if keep == -1 else keep
+        return token_ids[-keep:] if len(token_ids) > keep else token_ids
 
     # ---- structured outputs (engine/grammar.py) ----------------------------------------
 
@@ -312,25 +381,34 @@ class LLMEngine:
         its model graph is launched, so this overlaps it): each constrained row's matcher
         takes the tokens read since (the pending step's, read here), and the rows it
         still constrains get their bitmask. A row after drafts (speculative decoding, or
-        the draft model's own steps) is masked as if they were accepted. Returns row ->
-        mask row."""
+        the draft model's own steps) is masked as if they were accepted. A row whose
+        output ends with all but the last token of a bad word has that token cleared from
+        its mask (a mask of every token if it has no grammar). Returns row -> mask row."""
         if not self._num_constrained:
             return None
-        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        rows = [i for i, s in enumerate(seqs)
+                if s.grammar is not None or s.params._bad_words_token_ids]
         if not rows:
             return None
         pending = None
-        plain, after_drafts = [], []
+        plain, after_drafts, bans = [], [], []
         for i in rows:
             seq = seqs[i]
-            g = seq.grammar
             start, end = seq.num_prompt_tokens, positions[i]
-            committed = len(seq.token_ids) - seq.num_drafts
             last = None
             if end == len(seq.token_ids) and seq.token_ids[-1] == PLACEHOLDER_TOKEN:
                 if pending is None:
                     pending = self._pending.tokens_by_seq()
                 last = pending[seq.seq_id]
+            words = seq.params._bad_words_token_ids
+            if words:
+                banned = banned_next(words, seq.token_ids, start, end, last)
+                if banned:
+                    bans.append((i, banned))
+            g = seq.grammar
+            if g is None:
+                continue
+            committed = len(seq.token_ids) - seq.num_drafts
             g.advance(seq.token_ids, start, min(end, committed), last)
             if end > committed:
                 after_drafts.append((i, seq.token_ids[committed:end]))
@@ -343,6 +421,11 @@ class LLMEngine:
         for i, drafts in after_drafts:
             if seqs[i].grammar.fill_after(drafts, buffer, len(masks)):
                 masks[i] = len(masks)
+        for i, banned in bans:
+            if i not in masks:
+                masks[i] = len(masks)
+                buffer[masks[i]].fill_(-1)  # every token, then the bans
+            ban_in_mask(buffer[masks[i]].numpy(), banned)
         return masks
 
     def _clip_drafts(self, batch: ScheduledBatch) -> None:
@@ -385,9 +468,14 @@ class LLMEngine:
     def _forget(self, request_id: str) -> Request | None:
         """Take a request out of the live ones (finished, aborted, failed)."""
         req = self.requests.pop(request_id, None)
-        if req is not None and req.params.structured_outputs is not None:
+        if req is not None and needs_masks(req.params):
             self._num_constrained -= 1
         return req
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache's blocks (LLM.reset_prefix_cache); True once done."""
+        self.scheduler.pool.reset_prefix_cache()
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -721,8 +809,8 @@ class LLMEngine:
                 pos = chunk.first_position + offset
                 if pos != len(req.prompt_logprobs):
                     continue
-                req.prompt_logprobs.append(
-                    self._position_logprobs(req.prompt_token_ids[pos], lp, rank, ids, vals))
+                req.prompt_logprobs.append(self._position_logprobs(
+                    req.prompt_token_ids[pos], lp, rank, ids, vals, req.params.detokenize))
         now = time.monotonic()
         live = [(row, seq) for row, seq in enumerate(result.row_seqs)
                 if seq.request.request_id in self.requests]  # not aborted meanwhile
@@ -746,7 +834,7 @@ class LLMEngine:
             lp = logprobs[row] if logprobs else None
             if lp is not None:
                 seq.cumulative_logprob += lp[0]
-                seq.logprobs.append(self._position_logprobs(token, *lp))
+                seq.logprobs.append(self._position_logprobs(token, *lp, seq.params.detokenize))
             appended += 1
             if self._check_stop(seq, token):
                 ended.append(req)
@@ -773,7 +861,8 @@ class LLMEngine:
                 reason, stop_reason = "stop", token
         # A stop token's text stays out of the output unless asked for (as vLLM's).
         new_len = 0
-        if self.detokenizer and (reason is None or p.include_stop_str_in_output):
+        if self.detokenizer and p.detokenize and (
+                reason is None or p.include_stop_str_in_output):
             new_len = len(self.detokenizer.append_text(seq))
         if reason is None and n_out >= p.min_tokens and p.stop and (
                 hit := find_stop_string(seq, new_len)) is not None:
@@ -793,8 +882,9 @@ class LLMEngine:
         return True
 
     def _position_logprobs(self, token: int, lp: float, rank: int, ids: list[int],
-                           vals: list[float]) -> dict[int, Logprob]:
-        text = self.detokenizer.token_text if self.detokenizer else (lambda t: None)
+                           vals: list[float], detokenize: bool = True) -> dict[int, Logprob]:
+        text = (self.detokenizer.token_text if self.detokenizer and detokenize
+                else (lambda t: None))
         out = {token: Logprob(lp, rank, text(token))}
         for r, (tid, val) in enumerate(zip(ids, vals), start=1):
             if tid not in out:

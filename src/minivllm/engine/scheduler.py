@@ -127,6 +127,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_computed_tokens >= self.max_model_len:
+                # A prompt that filled the context (offline): its one token, drawn from
+                # the last position, has no position left; it ends on "length" once read.
+                i += 1
+                continue
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             while not self._reserve(seq, n):
                 victim = self.running.pop()

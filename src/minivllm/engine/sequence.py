@@ -67,9 +67,7 @@ class Sequence:
         self.forks_pending = index == 0 and params.n > 1  # sample 0 spawns the others
         # Its next token is just the argmax of its logits (the decode graph computes that):
         # it needs nothing of the sampler (worker/sampler.py).
-        self.plain_greedy = (params.greedy and params.logprobs is None and not params.logit_bias
-                             and not params.has_penalties and params.min_tokens == 0
-                             and params.structured_outputs is None)
+        self.plain_greedy = params.plain_greedy
         # Structured outputs: its matcher (engine/grammar.py), set once its grammar is
         # compiled.
         self.grammar = None

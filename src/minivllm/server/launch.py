@@ -115,6 +115,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="Ranks are processes started by the engine.")
     compat.add_argument("--disable-custom-all-reduce", action="store_true",
                         help="The all-reduces are NCCL's.")
+    parser.add_argument("--max-logprobs", type=int, default=20,
+                        help="The most logprobs a request may ask for (default 20; -1: the "
+                             "whole vocabulary). Chat's top_logprobs stays at most 20, as "
+                             "OpenAI's.")
     parser.add_argument("--speculative-config", type=_json_object, default=None,
                         metavar="JSON",
                         help='Speculative decoding, as vLLM\'s: e.g. \'{"method": "ngram", '
@@ -260,7 +264,7 @@ def engine_config_from_args(args: argparse.Namespace):
         speculative_config=args.speculative_config, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
         nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-        master_port=args.master_port)
+        master_port=args.master_port, max_logprobs=args.max_logprobs)
 
 
 # The cyclic GC's thresholds in an HTTP frontend process (Python's: 700, 10, 10). With 256

@@ -99,7 +99,8 @@ class ResponseFormat(OpenAIBaseModel):
 
 # vLLM's structured_outputs fields, and the guided_* names older clients send.
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag",
-                    "disable_any_whitespace")
+                    "disable_any_whitespace", "disable_additional_properties",
+                    "whitespace_pattern")
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
 

@@ -11,7 +11,6 @@ tail that could start one).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -31,11 +30,11 @@ from ..outputs import Logprob, RequestOutput
 from ..sampling_params import SamplingParams, fit_default_max_tokens
 from ..tokenizer import normalize_messages, render_chat
 from .chat_outputs import ChatOutputPlan, delta_of
+from .chat_rendering import ChatRenderer, chat_template_of
 from .protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from .reasoning import PARSERS as REASONING_PARSERS
 from .reasoning import reasoning_state
 from .sse import SSEResponse
-from .tool_calls import format_for_template, render_tool_calls, tools_system_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -193,10 +192,8 @@ class OpenAIServing:
                              f"{', '.join(REASONING_PARSERS)}.")
         self.reasoning_parser = reasoning_parser
         # The tool-call format: the parser named, else the chat template's.
-        template = _chat_template(self.tokenizer) if self.tokenizer is not None else None
-        self.tool_format = format_for_template(template, tool_call_parser)
-        self.template_renders_tools = bool(template) and "tools" in template
-        self.template_renders_calls = bool(template) and "tool_calls" in template
+        self.chat_renderer = ChatRenderer(self.tokenizer, tool_call_parser)
+        self.tool_format = self.chat_renderer.tool_format
         vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
         self.tool_trigger_is_token = self.tool_format.trigger in vocab
 
@@ -228,19 +225,13 @@ class OpenAIServing:
     def render_chat(self, req) -> str:
         if self.tokenizer is None:
             raise RequestError("This server has no tokenizer, so no chat template.")
-        messages = [self._template_message(m.model_dump(exclude_none=True))
-                    for m in req.messages]
-        kwargs = dict(req.chat_template_kwargs or {})
-        tools = getattr(req, "tools", None)
-        if tools and (req.chat_template or self.template_renders_tools):
-            kwargs.setdefault("tools", tools)
-        elif tools and req.tool_choice != "none":
-            # The template shows no tools: tell the model about them in a system message.
-            note = tools_system_prompt(tools, self.tool_format)
-            if messages and messages[0]["role"] == "system":
-                messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + note}
-            else:
-                messages.insert(0, {"role": "system", "content": note})
+        try:
+            messages, kwargs = self.chat_renderer.prepare(
+                [m.model_dump(exclude_none=True) for m in req.messages],
+                getattr(req, "tools", None), getattr(req, "tool_choice", None),
+                req.chat_template, req.chat_template_kwargs)
+        except ValueError as e:
+            raise RequestError(str(e), param="messages") from None
         try:
             return render_chat(self.tokenizer, messages,
                                add_generation_prompt=req.add_generation_prompt,
@@ -255,32 +246,6 @@ class OpenAIServing:
         except Exception as e:  # jinja2 TemplateError and friends
             raise RequestError(f"Could not apply the chat template: {e}",
                                param="messages") from e
-
-    def _template_message(self, m: dict) -> dict:
-        """A message as chat templates read it: content never missing; an assistant's
-        tool_calls with their arguments as objects (templates write them with tojson), or
-        written into its content for a template that does not render tool_calls."""
-        m.setdefault("content", "")
-        calls = m.get("tool_calls")
-        if not calls:
-            return m
-        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
-            raise RequestError("tool_calls must be a list of objects.", param="messages")
-        if not self.template_renders_calls:
-            text = render_tool_calls(calls, self.tool_format)
-            content = m["content"] if isinstance(m["content"], str) else ""
-            return {k: v for k, v in m.items() if k != "tool_calls"} | {
-                "content": (content + "\n" if content else "") + text}
-        fixed = []
-        for c in calls:
-            fn = dict(c.get("function") or {})
-            if isinstance(fn.get("arguments"), str):
-                try:
-                    fn["arguments"] = json.loads(fn["arguments"])
-                except ValueError:
-                    pass
-            fixed.append({**c, "function": fn})
-        return {**m, "tool_calls": fixed}
 
     def chat_plan(self, req: ChatCompletionRequest, prompt_text: str,
                   params: SamplingParams) -> ChatOutputPlan:
@@ -355,7 +320,7 @@ class OpenAIServing:
                 info[name] = str(value)
             else:
                 info.pop(name, None)
-        info["chat_template"] = _chat_template(tok)
+        info["chat_template"] = chat_template_of(tok)
         self._tokenizer_info = info  # the tokenizer does not change
         return info
 
@@ -810,15 +775,6 @@ def _added_token_dict(token) -> dict:
     """An AddedToken as tokenizer_config.json writes it in added_tokens_decoder."""
     fields = ("content", "lstrip", "normalized", "rstrip", "single_word", "special")
     return {f: getattr(token, f) for f in fields if hasattr(token, f)}
-
-
-def _chat_template(tokenizer) -> str | None:
-    """The template apply_chat_template(chat_template=None) renders with, or None."""
-    try:
-        return tokenizer.get_chat_template()
-    except (ValueError, AttributeError, TypeError):
-        template = getattr(tokenizer, "chat_template", None)
-        return template if isinstance(template, str) else None
 
 
 def _text_delta(text: str, st: _ChoiceState) -> str:

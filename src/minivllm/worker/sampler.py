@@ -35,6 +35,8 @@ from csrc_triton.sampling import (BAN_BIT, COUNT_SHIFT, FLAG_BANS, FLAG_BIAS, FL
                                   FLAG_TOP_K, FLAG_TOP_P, MAX_LOGPROBS, PROMPT_BIT,
                                   ROW_MASK_SHIFT, ROW_UPDATE_COUNTS)
 
+from ..engine.bad_words import has_sequences, single_token_bans
+
 # Slot parameter columns (csrc_triton/sampling.py reads them by these positions).
 _I_FLAGS, _I_TOP_K, _I_SEED, _I_PROMPT_LEN, _I_MIN_TOKENS, _I_LOGPROBS = range(6)
 _F_TEMPERATURE, _F_TOP_P, _F_MIN_P, _F_REP, _F_FREQ, _F_PRES = range(6)
@@ -138,7 +140,8 @@ def slot_flags(p) -> int:
             flags |= FLAG_TOP_P
         if p.min_p > 0.0:
             flags |= FLAG_MIN_P
-    if p.logit_bias:
+    if p.logit_bias or p.allowed_token_ids is not None or single_token_bans(
+            p._bad_words_token_ids):
         flags |= FLAG_BIAS
     if p.has_penalties:
         flags |= FLAG_PENALTY
@@ -146,8 +149,8 @@ def slot_flags(p) -> int:
         flags |= FLAG_BANS
     if p.logprobs is not None:
         flags |= FLAG_LOGPROBS
-    if p.structured_outputs is not None:
-        flags |= FLAG_GRAMMAR
+    if p.structured_outputs is not None or has_sequences(p._bad_words_token_ids):
+        flags |= FLAG_GRAMMAR  # its rows may carry a bitmask
     return flags
 
 
@@ -244,7 +247,7 @@ class SamplingState:
         vocab = self.vocab
         slots = torch.tensor([slot for slot, _, _ in entries], dtype=torch.long)
         self.counts.index_fill_(0, slots.to(self.device), 0)
-        prompt, banned, output, bias_at, bias_val = [], [], [], [], []
+        prompt, banned, output, bias_at, bias_val, allowed = [], [], [], [], [], []
         for slot, seq, flags in entries:
             base = slot * vocab
             if flags & FLAG_PENALTY:
@@ -257,10 +260,19 @@ class SamplingState:
                 ids = {t for t in set(p.stop_token_ids) | set(p._eos_token_ids) if t < vocab}
                 banned.append(base + np.asarray(sorted(ids), dtype=np.int64))
             if flags & FLAG_BIAS:
-                self.bias[slot].zero_()
-                bias_at.append(base + np.asarray(list(seq.params.logit_bias), dtype=np.int64))
-                bias_val.append(np.asarray(list(seq.params.logit_bias.values()),
+                p = seq.params
+                if p.allowed_token_ids is None:
+                    self.bias[slot].zero_()
+                else:  # -inf but for the allowed tokens: filled here, on the device
+                    self.bias[slot].fill_(float("-inf"))
+                    allowed.append(base + np.unique(np.asarray(p.allowed_token_ids,
+                                                               dtype=np.int64)))
+                bias_at.append(base + np.asarray(list(p.logit_bias or {}), dtype=np.int64))
+                bias_val.append(np.asarray(list((p.logit_bias or {}).values()),
                                            dtype=np.float32))
+                for t in single_token_bans(p._bad_words_token_ids):
+                    bias_at.append(np.asarray([base + t], dtype=np.int64))
+                    bias_val.append(np.asarray([float("-inf")], dtype=np.float32))
         flat = self.counts.view(-1)
         for parts, value in ((prompt, PROMPT_BIT), (banned, BAN_BIT),
                              (output, 1 << COUNT_SHIFT)):
@@ -268,6 +280,9 @@ class SamplingState:
                 at = torch.from_numpy(np.concatenate(parts)).to(self.device)
                 flat.index_put_((at,), torch.tensor(value, dtype=torch.int32,
                                                     device=self.device), accumulate=True)
+        if allowed:
+            at = torch.from_numpy(np.concatenate(allowed)).to(self.device)
+            self.bias.view(-1).index_fill_(0, at, 0.0)
         if bias_at:
             at = torch.from_numpy(np.concatenate(bias_at)).to(self.device)
             val = torch.from_numpy(np.concatenate(bias_val)).to(self.device)
@@ -318,11 +333,12 @@ class SampledRows:
     `read()` waits for them. n rows; `logprob_rows`: the rows that want logprobs."""
 
     def __init__(self, tokens: torch.Tensor, logprobs: tuple | None,
-                 logprob_rows: list[int], host) -> None:
+                 logprob_rows: list[int], host, wide: tuple | None = None) -> None:
         self.tokens = tokens  # the next pipelined step gathers its inputs from these
         n = tokens.shape[0]
         self.n = n
         self.logprob_rows = logprob_rows
+        self._wide = wide  # wide_logprobs' (values, ids) for rows past MAX_LOGPROBS
         self.event = None
         self._host = host
         if host is None:  # on the CPU: nothing to overlap; the buffer is reused next step
@@ -349,11 +365,31 @@ class SampledRows:
         logprobs: list = []
         if self.logprob_rows:
             token_lp, rank, top_val, top_idx = (t.tolist() for t in self._lp)
+            if self._wide is not None:
+                wide_val, wide_idx = (t.tolist() for t in self._wide)
+                wide_of = dict(zip(self.logprob_rows, range(len(self.logprob_rows))))
             logprobs = [None] * self.n
             for i in self.logprob_rows:
                 k = want[i] or 0
-                logprobs[i] = (token_lp[i], rank[i], top_idx[i][:k], top_val[i][:k])
+                if k > MAX_LOGPROBS:
+                    j = wide_of[i]
+                    logprobs[i] = (token_lp[i], rank[i], wide_idx[j][:k], wide_val[j][:k])
+                else:
+                    logprobs[i] = (token_lp[i], rank[i], top_idx[i][:k], top_val[i][:k])
         return SamplerOutput(tokens, logprobs)
+
+
+def wide_logprobs(logits: torch.Tensor, rows: list[int],
+                  wanted: list[int | None]) -> tuple | None:
+    """(values, ids) [len(rows), max N] of the most likely tokens under the raw logits'
+    log-softmax of the logprob rows `rows`, when one asks for more than the kernels'
+    MAX_LOGPROBS (max_logprobs raised); None otherwise. wanted: those rows' N. A PyTorch
+    top-k (a sort, for the whole vocabulary) queued behind the step, read with it."""
+    k = max((w or 0 for w in wanted), default=0)
+    if k <= MAX_LOGPROBS:
+        return None
+    picked = logits[torch.tensor(rows, device=logits.device)].float()
+    return torch.log_softmax(picked, dim=-1).topk(k, dim=-1)
 
 
 class _HostCopies:
@@ -474,17 +510,18 @@ class Sampler:
         graphs = self.graphs
         bucket = graphs.bucket(n) if graphs is not None and graphs.takes(logits) else None
         lp_rows = self.stage(seqs, positions, extras, counted, padded=bucket, masks=masks)
+        wide = wide_logprobs(logits, lp_rows, [seqs[i].params.logprobs for i in lp_rows])
         if not self.kernels:
             tokens, lp = sample_reference(logits, self.state, self.rows.narrow(n),
                                           bool(lp_rows))
-            return SampledRows(tokens, lp, lp_rows, None)
+            return SampledRows(tokens, lp, lp_rows, None, wide)
         if bucket is not None:
             graphs.replay(bucket, bool(lp_rows))
         else:
             if greedy is None:
                 greedy = argmax_rows(logits)
             self.launch(logits, greedy, n, bool(lp_rows))
-        return self._result(n, lp_rows)
+        return self._result(n, lp_rows, wide)
 
     def check_kernels(self) -> bool:
         """Run the kernels once on a small mixed batch at this vocabulary against the
@@ -532,10 +569,10 @@ class Sampler:
         sample_rows(logits, greedy, self.rows.narrow(n), self.state, self.scratch, self.out,
                     want_logprobs)
 
-    def _result(self, n: int, lp_rows: list[int]) -> SampledRows:
+    def _result(self, n: int, lp_rows: list[int], wide=None) -> SampledRows:
         o = self.out
         lp = (o.token_lp[:n], o.rank[:n], o.top_val[:n], o.top_idx[:n]) if lp_rows else None
-        return SampledRows(o.token[:n], lp, lp_rows, self._next_host())
+        return SampledRows(o.token[:n], lp, lp_rows, self._next_host(), wide)
 
     def wrap(self, greedy: torch.Tensor) -> SampledRows:
         """A step's argmax as its tokens (rows that need nothing else), copied back behind
