@@ -57,6 +57,14 @@ from bench.workloads import decode_sweep, workloads
 
 MAX_MODEL_LEN = 8704
 
+
+def max_model_len(folder: Path) -> int:
+    """MAX_MODEL_LEN, or the model's own context where shorter (GPT-2's 1,024 positions:
+    both engines refuse a longer max_model_len)."""
+    cfg = json.loads((folder / "config.json").read_text())
+    own = cfg.get("max_position_embeddings") or cfg.get("n_positions") or MAX_MODEL_LEN
+    return min(MAX_MODEL_LEN, own)
+
 # The sampling settings (--sampling): name -> SamplingParams fields (both engines take the
 # same names). PER_REQUEST: the request's index in the workload's list.
 PER_REQUEST = "per-request"
@@ -97,7 +105,7 @@ class MinivllmEngine:
         from minivllm import LLM
 
         kw = dict(device="cpu", dtype="float32", max_model_len=1024) if smoke else dict(
-            dtype="bfloat16", max_model_len=MAX_MODEL_LEN)
+            dtype="bfloat16", max_model_len=max_model_len(folder))
         self.settings = {"load_format": "dummy", "skip_tokenizer_init": True, "seed": 0, **kw}
         if quantization:
             self.settings["quantization"] = quantization
@@ -140,7 +148,7 @@ class VllmEngine:
         from vllm import LLM
 
         self.settings = {"load_format": "dummy", "dtype": "bfloat16",
-                         "max_model_len": MAX_MODEL_LEN, "skip_tokenizer_init": True,
+                         "max_model_len": max_model_len(folder), "skip_tokenizer_init": True,
                          "seed": 0, "generation_config": "vllm"}
         if quantization:
             self.settings["quantization"] = quantization
