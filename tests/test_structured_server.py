@@ -228,9 +228,18 @@ def test_reasoning_parser(default_model_dir):
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=300)
         kw = dict(model="SmolLM2-135M-Instruct", messages=ASK, max_tokens=12, temperature=0,
                   extra_body={"chat_template": THINKING_TEMPLATE})
-        full = c.chat.completions.create(**kw).choices[0].message
+        r = c.chat.completions.create(**kw)
+        full = r.choices[0].message
         thought = full.model_extra["reasoning_content"]
         assert thought and not full.content
+        # All 12 tokens are reasoning (it never closed); a plain chat has none.
+        assert r.usage.completion_tokens_details.reasoning_tokens == 12
+        plain = c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ASK,
+                                          max_tokens=4, temperature=0)
+        assert plain.usage.completion_tokens_details.reasoning_tokens == 0
+        *_, last = c.chat.completions.create(stream=True, stream_options={
+            "include_usage": True}, **kw)
+        assert last.usage.completion_tokens_details.reasoning_tokens == 12
         streamed = "".join(ch.choices[0].delta.model_extra.get("reasoning_content") or ""
                            for ch in c.chat.completions.create(stream=True, **kw)
                            if ch.choices)
@@ -238,8 +247,10 @@ def test_reasoning_parser(default_model_dir):
         # The Responses API: the thoughts are a reasoning item, streamed and not.
         rkw = dict(model="SmolLM2-135M-Instruct", input=ASK, max_output_tokens=12,
                    temperature=0, extra_body={"chat_template": THINKING_TEMPLATE})
-        [item] = c.responses.create(**rkw).output
+        answer = c.responses.create(**rkw)
+        [item] = answer.output
         assert item.type == "reasoning" and item.content[0].text == thought
+        assert answer.usage.output_tokens_details.reasoning_tokens == 12
         events = list(c.responses.create(stream=True, **rkw))
         assert "".join(e.delta for e in events
                        if e.type == "response.reasoning_text.delta") == thought

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from minivllm.server.chat_outputs import ChatOutputPlan
-from minivllm.server.reasoning import ReasoningParser, reasoning_state
+from minivllm.server.reasoning import ReasoningParser, reasoning_state, reasoning_tokens
 from minivllm.server.tool_calls import (FORMATS, ToolCallParser, ToolSpec, check_tools,
                                         format_for_template, render_tool_calls, tools_grammar)
 
@@ -165,3 +165,16 @@ def test_reasoning_comes_before_the_constraint(compiler):
     assert _accepts(compiler, fmt, "no")
     assert not _accepts(compiler, fmt, "<think>x</think>maybe")
     assert ChatOutputPlan().constraint([], None, True, asked) is asked
+
+
+def test_reasoning_tokens_are_counted_to_the_closing_tag():
+    """Up to and with the closing tag's token where the output has it (Qwen3's and
+    DeepSeek-R1's vocabularies hold </think> as one token); else the reasoning's text
+    encoded again, never more than the output."""
+    end = 99
+    def encode(text):
+        return text.split()
+    assert reasoning_tokens([5, 6, 7, end, 8, 9], "a b c", end, encode) == 4
+    assert reasoning_tokens([5, 6, 7, 8], "a b c", end, encode) == 3  # tag spelled in pieces
+    assert reasoning_tokens([5, 6], "a b c d", None, encode) == 2
+    assert reasoning_tokens([5, end, 6], "", end, encode) == 0  # no reasoning

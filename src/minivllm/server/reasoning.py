@@ -26,6 +26,19 @@ def reasoning_state(prompt: str) -> str:
     return "maybe"
 
 
+def reasoning_tokens(token_ids, reasoning: str | None, end_id: int | None, encode) -> int:
+    """How many of an output's tokens are its reasoning: those up to the closing tag's
+    token (end_id, where the vocabulary has the tag as one token and the output holds it);
+    else the reasoning's text encoded again (the same count but where a re-tokenization
+    splits the text differently)."""
+    if not reasoning:
+        return 0
+    ids = list(token_ids)
+    if end_id is not None and end_id in ids:
+        return ids.index(end_id) + 1
+    return min(len(ids), len(encode(reasoning)))
+
+
 def reasoning_prefix(state: str) -> dict | None:
     """The structural-tag format of the reasoning a grammar lets through first."""
     if state == "done":

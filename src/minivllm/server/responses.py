@@ -221,7 +221,8 @@ class _Builder:
                 "input_tokens_details": {"cached_tokens": (usage.get("prompt_tokens_details")
                                                             or {}).get("cached_tokens", 0)},
                 "output_tokens": usage["completion_tokens"],
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": (
+                    usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)},
                 "total_tokens": usage["total_tokens"]}}
 
 

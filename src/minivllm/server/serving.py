@@ -33,7 +33,8 @@ from .chat_outputs import ChatOutputPlan, delta_of
 from .chat_rendering import ChatRenderer, chat_template_of
 from .protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from .reasoning import PARSERS as REASONING_PARSERS
-from .reasoning import reasoning_state
+from .reasoning import CLOSE as REASONING_END
+from .reasoning import reasoning_state, reasoning_tokens
 from .sse import SSEResponse
 
 logger = logging.getLogger(__name__)
@@ -196,8 +197,16 @@ class OpenAIServing:
         self.tool_format = self.chat_renderer.tool_format
         vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
         self.tool_trigger_is_token = self.tool_format.trigger in vocab
+        # The token that closes a reasoning block, where the vocabulary has it as one
+        # (Qwen3's, DeepSeek-R1's): reasoning tokens are counted up to it.
+        self.reasoning_end_id = vocab.get(REASONING_END)
 
     # ---- shared steps -------------------------------------------------------------------
+
+    def reasoning_token_count(self, token_ids, reasoning: str | None) -> int:
+        return reasoning_tokens(token_ids, reasoning, self.reasoning_end_id,
+                                lambda text: self.tokenizer.encode(text,
+                                                                   add_special_tokens=False))
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.accepted_model_names:
@@ -549,7 +558,7 @@ class OpenAIServing:
             self.engine.abort([rid for rid, s in zip(job.engine_ids, job.streams)
                                if not s.finished])
         choices = []
-        completion_tokens = 0
+        completion_tokens = reasoning_tokens = 0
         top_n = req.top_logprobs or 0
         for o in final.outputs:
             completion_tokens += len(o.token_ids)
@@ -564,6 +573,8 @@ class OpenAIServing:
                 parser.finish()
                 message = parser.message(echo_text)
                 finish_reason = parser.finish_reason(o.finish_reason)
+                reasoning_tokens += self.reasoning_token_count(
+                    o.token_ids, message.get("reasoning_content"))
             choice = {"index": o.index, "message": message,
                       "logprobs": logprobs, "finish_reason": finish_reason,
                       "stop_reason": o.stop_reason}
@@ -573,7 +584,8 @@ class OpenAIServing:
         body = {"id": job.request_id, "object": "chat.completion", "created": job.created,
                 "model": job.model, "choices": choices,
                 "usage": _usage(len(prompt.token_ids), completion_tokens,
-                                final.num_cached_tokens)}
+                                final.num_cached_tokens,
+                                reasoning_tokens if self.reasoning_parser else None)}
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = self._prompt_logprobs_json(
                 final.prompt_logprobs, prompt.token_ids, req.prompt_logprobs)
@@ -612,7 +624,7 @@ class OpenAIServing:
         last = None
         usage_chunks = req.include_usage
         top_n = req.top_logprobs or 0
-        completion_tokens = 0
+        completion_tokens = reasoning_tokens = 0
 
         prompt_tokens = len(job.prompts[0].token_ids)
 
@@ -652,11 +664,16 @@ class OpenAIServing:
                         st.done = True
                         completion_tokens += len(o.token_ids)
                     if parsers is not None:
-                        for c in self._parsed_chunks(parsers[o.index], o.index, delta, finish,
+                        parser = parsers[o.index]
+                        for c in self._parsed_chunks(parser, o.index, delta, finish,
                                                      o.stop_reason, logprobs,
                                                      new_tokens if req.return_token_ids
                                                      else None):
                             yield chunk(c)
+                        if finish is not None and parser.reasoning is not None:
+                            # Counted once the parser has released the text it held.
+                            reasoning_tokens += self.reasoning_token_count(
+                                o.token_ids, parser.reasoning.reasoning)
                         continue
                     choice = {"index": o.index, "delta": {"content": delta} if delta else {},
                               "logprobs": logprobs, "finish_reason": finish,
@@ -668,7 +685,8 @@ class OpenAIServing:
                 final = {"id": job.request_id, "object": "chat.completion.chunk",
                          "created": job.created, "model": job.model, "choices": [],
                          "usage": _usage(prompt_tokens, completion_tokens,
-                                         getattr(last, "num_cached_tokens", 0))}
+                                         getattr(last, "num_cached_tokens", 0),
+                                         reasoning_tokens if self.reasoning_parser else None)}
                 if req.return_metrics:
                     final["metrics"] = _timings(last)
                 yield final
@@ -807,13 +825,17 @@ def _timings(out) -> dict | None:
     return {"queue_s": since(m.first_scheduled_time), "ttft_s": since(m.first_token_time)}
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None,
+           reasoning: int | None = None) -> dict:
     """OpenAI's usage; `cached`: the prompt tokens the prefix cache held (a chat's final
-    usage carries them, as OpenAI's prompt_tokens_details)."""
+    usage carries them, as OpenAI's prompt_tokens_details); `reasoning`: the completion's
+    reasoning tokens (with a reasoning parser; completion_tokens_details)."""
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
              "total_tokens": prompt_tokens + completion_tokens}
     if cached is not None:
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    if reasoning is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
     return usage
 
 
