@@ -76,6 +76,13 @@ def test_models_health_version(client, http, server, tiny_chat_dir):
     responses = schema["paths"]["/v1/completions"]["post"]["responses"]
     assert {"400", "404", "503"} <= set(responses)
     assert "ErrorResponse" in json.dumps(responses["400"])
+    # Bad input is documented as the 400 it gets, never FastAPI's 422; operation ids are
+    # unique (client generators need them so).
+    operations = [op for path in schema["paths"].values() for op in path.values()]
+    assert not any("422" in op["responses"] for op in operations)
+    ids = [op["operationId"] for op in operations]
+    assert len(ids) == len(set(ids))
+    assert {"get", "delete"} <= set(schema["paths"]["/v1/responses/{response_id}"])
 
 
 def test_default_served_name_is_the_folder_name(tiny_chat_dir):
@@ -306,6 +313,15 @@ def test_chat_non_streaming_and_streaming(client, http):
     assert "".join(c.choices[0].delta.content or "" for c in body) == ch.message.content
     assert [c.choices[0].finish_reason for c in body if c.choices[0].finish_reason] == ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == n_prompt + 10
+
+
+def test_chat_template_kwargs_may_set_the_generation_prompt(http):
+    """vLLM lets chat_template_kwargs carry add_generation_prompt; it wins over the field."""
+    msgs = [{"role": "user", "content": "Hi"}]
+    usage = [http.post("/v1/chat/completions", json=greedy(
+        messages=msgs, max_tokens=1, **kw)).json()["usage"]["prompt_tokens"]
+        for kw in ({}, {"chat_template_kwargs": {"add_generation_prompt": False}})]
+    assert usage[1] < usage[0]
 
 
 def test_chat_list_of_parts_and_max_completion_tokens(client):

@@ -50,8 +50,25 @@ def test_parser_streams_calls_at_any_cut(name):
             if e[0] == "args":
                 args[e[1]] = args.get(e[1], "") + e[2]
         assert [args[i] for i in range(2)] == [c.arguments for c in parser.calls]
-        assert parser.content.strip() == "Let me check {this}."
+        # The text before the calls; nothing of the separators or the newline after them.
+        assert parser.content == "Let me check {this}. "
         assert "".join(e[1] for e in events if e[0] == "content") == parser.content
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_after_calls_only_real_text_is_content(name):
+    """Separators after a call are never content, however the stream cuts them; the
+    start of one more call cut off by the end is dropped; text after the calls is content
+    without its separators."""
+    fmt = FORMATS[name]
+    calls = render_tool_calls(CALLS, fmt)
+    rng = random.Random(3)
+    for tail, content in (("\n" + fmt.trigger[:3], ""), ("\n\n", ""),
+                          ("\nDone, both asked.", "Done, both asked.")):
+        for _ in range(10):
+            parser = ToolCallParser(fmt)
+            events = feed_in_pieces(parser, calls + tail, rng)
+            assert len(parser.calls) == 2 and parser.content == content, (tail, events)
 
 
 def test_parser_leaves_plain_text_alone():

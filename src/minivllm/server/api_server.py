@@ -187,6 +187,19 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     build_stack = app.build_middleware_stack
     app.build_middleware_stack = lambda: RawSendMiddleware(build_stack())
 
+    # The schema says what bad input gets: a 400 in OpenAI's shape (documented per route),
+    # never FastAPI's 422.
+    schema_of = app.openapi
+
+    def openapi() -> dict:
+        schema = schema_of()
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        return schema
+
+    app.openapi = openapi
+
     # ---- errors -------------------------------------------------------------------------
 
     @app.exception_handler(RequestError)
@@ -215,7 +228,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
 
     # ---- plain endpoints ----------------------------------------------------------------
 
-    @app.get("/health", responses={503: _ERRORS[503]})
+    @app.get("/health", response_class=Response, responses={503: _ERRORS[503]})
     async def health() -> Response:
         """200 while the engine runs; 503 once it has stopped or died."""
         if not engine.is_running:
@@ -279,12 +292,15 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         stored."""
         return await create_response(serving, request, raw_request)
 
-    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"],
-                   responses={404: _ERRORS[404]})
     async def stored_response(response_id: str):
         """A stored response: none ever is."""
         raise RequestError(f"Response {response_id!r} not found: this server does not store "
                            f"responses.", 404, param="response_id")
+
+    for method in ("GET", "DELETE"):  # a route each: each has its own operation id
+        app.add_api_route("/v1/responses/{response_id}", stored_response, methods=[method],
+                          name=f"{method.lower()}_response", response_class=Response,
+                          responses={401: _ERRORS[401], 404: _ERRORS[404]})
 
     # ---- tokenizer ----------------------------------------------------------------------
 

@@ -43,9 +43,10 @@ class ChatRenderer:
         rendered."""
         messages, kwargs = self.prepare(messages, tools, tool_choice, chat_template,
                                         chat_template_kwargs)
-        return render_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
-                           chat_template=chat_template,
-                           continue_final_message=continue_final_message, **kwargs)
+        # chat_template_kwargs may set these two as well, and win (as vLLM's).
+        kwargs = {"add_generation_prompt": add_generation_prompt,
+                  "continue_final_message": continue_final_message, **kwargs}
+        return render_chat(self.tokenizer, messages, chat_template=chat_template, **kwargs)
 
     def prepare(self, messages: list[dict], tools: list[dict] | None, tool_choice,
                 chat_template: str | None, chat_template_kwargs: dict | None

@@ -242,10 +242,10 @@ class OpenAIServing:
         except ValueError as e:
             raise RequestError(str(e), param="messages") from None
         try:
-            return render_chat(self.tokenizer, messages,
-                               add_generation_prompt=req.add_generation_prompt,
-                               chat_template=req.chat_template,
-                               continue_final_message=req.continue_final_message,
+            # chat_template_kwargs may set these two as well, and win (as vLLM's).
+            kwargs = {"add_generation_prompt": req.add_generation_prompt,
+                      "continue_final_message": req.continue_final_message, **kwargs}
+            return render_chat(self.tokenizer, messages, chat_template=req.chat_template,
                                **kwargs)
         except RequestError:
             raise

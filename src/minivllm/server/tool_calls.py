@@ -228,6 +228,7 @@ class ToolCallParser:
     _call: int | None = None  # the index of the call being read, once named
     _name_end: int = 0
     _args_at: int = -1     # where the arguments value starts in _obj
+    _between: bool = False  # after a call: separators before more text are not content
 
     def feed(self, text: str) -> list[tuple]:
         events: list[tuple] = []
@@ -240,9 +241,10 @@ class ToolCallParser:
         return events
 
     def finish(self) -> list[tuple]:
-        """The end of the output: held text that never became a call is content."""
+        """The end of the output: held text that never became a call is content, unless
+        calls came before it (then it is the start of one more call, cut off)."""
         events = []
-        if self._state == "text" and self._held:
+        if self._state == "text" and self._held and not self.calls:
             self._emit_content(self._held, events)
         self._held = ""
         return events
@@ -253,6 +255,11 @@ class ToolCallParser:
             events.append(("content", text))
 
     def _text(self, events: list) -> None:
+        if self._between:  # the separator after a call, however the text was split
+            self._held = self._held.lstrip(" \n;")
+            if not self._held:
+                return
+            self._between = False
         trigger = self.fmt.trigger
         at = self._held.find(trigger)
         if at >= 0:
@@ -275,7 +282,7 @@ class ToolCallParser:
         while i < len(self._held) and self._held[i] != "{":
             if self._held[i] == "]" and self.fmt.listed:
                 self._held = self._held[i + 1:]
-                self._state = "text"
+                self._state, self._between = "text", bool(self.calls)
                 return
             i += 1
         if i == len(self._held):
@@ -361,7 +368,7 @@ class ToolCallParser:
                 self._state = "seek"
             elif stripped[0] == "]":
                 self._held = stripped[1:]
-                self._state = "text"
+                self._state, self._between = "text", True
             else:
                 self._state = "text"
                 self._held = stripped
@@ -372,5 +379,5 @@ class ToolCallParser:
             if at < 0:
                 return  # wait for it
             self._held = self._held[at + len(close.strip()):]
-        self._held = self._held.lstrip(" \n;")
+        self._between = True
         self._state = "text"
