@@ -444,6 +444,7 @@ _TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
 
 BAD_CHATS = [
     ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "needs a string"),
     ({"messages": "hello"}, 400, "messages"),
     ({"messages": [{"content": "no role"}]}, 400, "role"),
     ({"messages": [5]}, 400, "messages"),

@@ -30,7 +30,10 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
             parts = []
             for part in content:
                 if isinstance(part, dict) and part.get("type") == "text":
-                    parts.append(part.get("text", ""))
+                    if not isinstance(part.get("text"), str):
+                        raise ValueError("A content part of type 'text' needs a string "
+                                         "'text'.")
+                    parts.append(part["text"])
                 elif isinstance(part, str):
                     parts.append(part)
                 else:
