@@ -41,20 +41,22 @@ class ChatRenderer:
                chat_template_kwargs: dict | None = None) -> str:
         """The prompt text; ValueError (or the template's own error) when it cannot be
         rendered."""
-        messages, kwargs = self.prepare(messages, tools, tool_choice, chat_template,
+        messages, kwargs = self.prepare(messages, tools, tool_choice, add_generation_prompt,
+                                        continue_final_message, chat_template,
                                         chat_template_kwargs)
-        # chat_template_kwargs may set these two as well, and win (as vLLM's).
-        kwargs = {"add_generation_prompt": add_generation_prompt,
-                  "continue_final_message": continue_final_message, **kwargs}
         return render_chat(self.tokenizer, messages, chat_template=chat_template, **kwargs)
 
     def prepare(self, messages: list[dict], tools: list[dict] | None, tool_choice,
+                add_generation_prompt: bool, continue_final_message: bool,
                 chat_template: str | None, chat_template_kwargs: dict | None
                 ) -> tuple[list[dict], dict]:
         """(the messages, the template's keyword arguments) for render_chat; ValueError
-        for malformed tool_calls."""
+        for malformed tool_calls. chat_template_kwargs may set add_generation_prompt and
+        continue_final_message too, and win (as vLLM's)."""
         messages = [self.template_message(dict(m)) for m in messages]
-        kwargs = dict(chat_template_kwargs or {})
+        kwargs = {"add_generation_prompt": add_generation_prompt,
+                  "continue_final_message": continue_final_message,
+                  **(chat_template_kwargs or {})}
         if tools and (chat_template or self.template_renders_tools):
             kwargs.setdefault("tools", tools)
         elif tools and tool_choice != "none":

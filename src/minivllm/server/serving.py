@@ -238,13 +238,11 @@ class OpenAIServing:
             messages, kwargs = self.chat_renderer.prepare(
                 [m.model_dump(exclude_none=True) for m in req.messages],
                 getattr(req, "tools", None), getattr(req, "tool_choice", None),
-                req.chat_template, req.chat_template_kwargs)
+                req.add_generation_prompt, req.continue_final_message, req.chat_template,
+                req.chat_template_kwargs)
         except ValueError as e:
             raise RequestError(str(e), param="messages") from None
         try:
-            # chat_template_kwargs may set these two as well, and win (as vLLM's).
-            kwargs = {"add_generation_prompt": req.add_generation_prompt,
-                      "continue_final_message": req.continue_final_message, **kwargs}
             return render_chat(self.tokenizer, messages, chat_template=req.chat_template,
                                **kwargs)
         except RequestError:
