@@ -216,3 +216,38 @@ def test_each_rank_gets_a_gpu_of_its_node():
     cfg = EngineConfig(device="cuda:2", tensor_parallel_size=2)
     assert [rank_device(cfg, r).index for r in range(2)] == [2, 3]
     assert rank_device(EngineConfig(device="cpu", tensor_parallel_size=2), 1).type == "cpu"
+
+
+@pytest.mark.parametrize("family,load_format", [("llama", "auto"), ("qwen2", "dummy")])
+def test_layers_load_one_at_a_time(tiny_model_dirs, monkeypatch, family, load_format):
+    """A rank never holds the whole model: each decoder layer is allocated when its first
+    weight arrives and handed over (to be cut to the shard) before the next is allocated;
+    the loaded weights are those of the plain load."""
+    import torch
+    from minivllm.config import ModelConfig, load_config_json
+    from minivllm.model import loader
+
+    model_dir = tiny_model_dirs[family]
+    cfg = ModelConfig.from_dict(load_config_json(model_dir / "config.json"))
+    events = []
+    materialize = loader._materialize
+
+    def recording(module, *args, **kw):
+        if "skip" not in kw:
+            events.append(("allocated", module))
+        materialize(module, *args, **kw)
+
+    monkeypatch.setattr(loader, "_materialize", recording)
+    kw = dict(load_format=load_format, dtype=torch.float32, device=torch.device("cpu"),
+              max_positions=128, attention_backend="torch")
+    model = loader.load_model(cfg, model_dir, **kw,
+                              layer_loaded=lambda layer: events.append(("loaded", layer)))
+    layers = list(model.model.layers)
+    assert events == [(step, layer) for layer in layers for step in ("allocated", "loaded")]
+    plain = loader.load_model(cfg, model_dir, **kw).state_dict()
+    got = model.state_dict()
+    assert got.keys() == plain.keys()
+    for name, value in plain.items():
+        assert torch.equal(got[name], value), name
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    assert tied == cfg.tie_word_embeddings

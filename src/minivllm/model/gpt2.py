@@ -12,7 +12,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .attention import AttentionMetadata, PagedAttention
-from .layers import Linear, activation
+from .layers import Linear, NamedTensors, activation
 from .llama import KVCache
 
 _CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
@@ -113,7 +113,7 @@ class GPT2LMHeadModel(nn.Module):
                      packed=None) -> set[str]:
         if packed is not None:
             raise ValueError("Quantized GPT-2 checkpoints are not supported.")
-        params = dict(self.named_parameters(remove_duplicate=False))
+        params = NamedTensors(self)
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.endswith(_NOT_WEIGHTS) or name == "lm_head.weight":

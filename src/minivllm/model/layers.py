@@ -16,6 +16,34 @@ from torch import nn
 import csrc_triton
 
 
+class NamedTensors:
+    """A model's parameters and buffers by their names, looked up at each use (a loader
+    may allocate a layer's tensors while the checkpoint streams in)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        path, _, attr = name.rpartition(".")
+        try:
+            module = self.model.get_submodule(path)
+        except AttributeError:
+            raise KeyError(name) from None
+        t = module._parameters.get(attr)
+        if t is None:
+            t = module._buffers.get(attr)
+        if t is None:
+            raise KeyError(name)
+        return t
+
+    def __contains__(self, name: str) -> bool:
+        try:
+            self[name]
+        except KeyError:
+            return False
+        return True
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()

@@ -22,7 +22,7 @@ import csrc_triton
 
 from ..config import ModelConfig
 from .attention import AttentionMetadata, PagedAttention
-from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from .layers import GatedMLP, Linear, NamedTensors, RMSNorm, RotaryEmbedding
 from .moe import MoE
 from .prequantized import PackedParts
 from .quantization import Fp8Activations, fp8_activations_for
@@ -237,8 +237,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy Hugging Face-named tensors into the (fused) parameters, and with `packed` a
         quantized checkpoint's parts of each projection into its int4 buffers; returns the
         names of the parameters and buffers that were filled."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        params.update(self.named_buffers())
+        params = NamedTensors(self)
         loaded: set[str] = set()
         kv_scales = 0
         for name, tensor in weights:

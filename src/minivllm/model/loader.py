@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..config import ModelConfig
 from .layers import RotaryEmbedding
@@ -84,10 +86,16 @@ def _weights_for(cfg: ModelConfig, model_path: Path, load_format: str, seed: int
 def load_model(cfg: ModelConfig, model_path: Path, *, load_format: str, dtype: torch.dtype,
                device: torch.device, max_positions: int, attention_backend: str,
                fused_ops: bool = False, seed: int = 0,
-               quantization: str | None = None) -> torch.nn.Module:
+               quantization: str | None = None,
+               layer_loaded: Callable[[nn.Module], None] | None = None) -> torch.nn.Module:
     """The model with its weights, its decoder projections quantized if asked
     (model/quantization.py: loaded in `dtype`, then quantized one projection at a time) or
-    as the checkpoint has them (GPTQ, AWQ, compressed-tensors, FP8: model/prequantized.py)."""
+    as the checkpoint has them (GPTQ, AWQ, compressed-tensors, FP8: model/prequantized.py).
+
+    With `layer_loaded` (tensor parallelism cuts each layer to its shard there), each
+    decoder layer is allocated when its first weight arrives and handed to `layer_loaded`
+    once its last one is in, so the whole model never sits in memory at once: a model
+    larger than one GPU loads onto several."""
     ahead = checkpoint_quantization(cfg.raw)
     if ahead is None and quantization in CHECKPOINT_METHODS:
         raise ValueError(f"quantization={quantization!r} reads a checkpoint quantized with "
@@ -124,15 +132,21 @@ def load_model(cfg: ModelConfig, model_path: Path, *, load_format: str, dtype: t
         model = model_cls(cfg, max_positions, attention_backend, fused_ops)
         if ahead is not None and ahead.layout != "dense":
             quantized_shells(model, ahead.layout, ahead.group_size, ahead.act_order)
-    model = model.to_empty(device=device).to(dtype)
-    for layer in model.modules():
-        if isinstance(layer, QuantizedLinear):
-            layer.restore_storage_dtypes()
-    if cfg.tie_word_embeddings:  # to_empty() untied them
-        model.lm_head.weight = model.input_embeddings().weight
-    for module in model.modules():
-        if isinstance(module, RotaryEmbedding):
-            module.reset_tables(device)
+    if layer_loaded is None:
+        model = model.to_empty(device=device).to(dtype)
+        for layer in model.modules():
+            if isinstance(layer, QuantizedLinear):
+                layer.restore_storage_dtypes()
+        if cfg.tie_word_embeddings:  # to_empty() untied them
+            model.lm_head.weight = model.input_embeddings().weight
+        for module in model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.reset_tables(device)
+    else:
+        if ahead is not None:
+            raise ValueError("Loading layer by layer takes unquantized checkpoints.")
+        layers = _decoder_layers(model, cfg)
+        _materialize(model, device, dtype, skip=set(map(id, layers)))
     expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     expected |= {n for n, _ in model.named_buffers() if n.rpartition(".")[2] in
                  ("qweight", "scale", "zero", "bias", "input_perm")}
@@ -145,6 +159,9 @@ def load_model(cfg: ModelConfig, model_path: Path, *, load_format: str, dtype: t
         loaded = _fill_int4_dummy(model, cfg, seed)
     else:
         loaded = set()
+    if layer_loaded is not None:
+        weights = _layer_by_layer(weights, layers, hf_parameter_shapes(cfg), layer_loaded,
+                                  lambda layer: _materialize(layer, device, dtype))
     with torch.no_grad():
         loaded |= model.load_weights(weights, PackedParts(ahead) if ahead is not None else None)
     missing = expected - loaded
@@ -154,6 +171,78 @@ def load_model(cfg: ModelConfig, model_path: Path, *, load_format: str, dtype: t
         with torch.no_grad():
             quantize_model(model, quantization)
     return model.eval()
+
+
+_LAYER_INDEX = re.compile(r"\.(?:layers|h)\.(\d+)\.")
+
+
+def _decoder_layers(model: nn.Module, cfg: ModelConfig) -> nn.ModuleList:
+    """The model's list of decoder layers (Llama's model.layers, GPT-2's transformer.h)."""
+    found = [m for m in model.modules()
+             if isinstance(m, nn.ModuleList) and len(m) == cfg.num_layers]
+    if len(found) != 1:
+        raise ValueError(f"{type(model).__name__} has no single list of {cfg.num_layers} "
+                         "decoder layers to load one at a time.")
+    return found[0]
+
+
+def _materialize(module: nn.Module, device: torch.device, dtype: torch.dtype,
+                 skip: set[int] = frozenset()) -> None:
+    """Allocate `module`'s tensors still on the meta device (floating ones in `dtype`), but
+    for the submodules whose ids are in `skip`. A tensor shared by several modules (a tied
+    head, the layers' one rotary table) stays shared."""
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (meta, allocated)
+
+    def real(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:  # the meta tensor is kept alive with it: ids stay unique
+            new = torch.empty(t.shape, device=device,
+                              dtype=dtype if t.is_floating_point() else t.dtype)
+            made[id(t)] = t, (nn.Parameter(new, requires_grad=False)
+                              if isinstance(t, nn.Parameter) else new)
+        return made[id(t)][1]
+
+    def visit(m: nn.Module) -> None:
+        if id(m) in skip:
+            return
+        for name, p in m._parameters.items():
+            if p is not None and p.is_meta:
+                m._parameters[name] = real(p)
+        rebuilt = False
+        for name, b in m._buffers.items():
+            if b is not None and b.is_meta:
+                m._buffers[name], rebuilt = real(b), True
+        if rebuilt and isinstance(m, RotaryEmbedding):
+            m.reset_tables(device)
+        for child in m.children():
+            visit(child)
+
+    visit(module)
+
+
+def _layer_by_layer(weights, layers: nn.ModuleList, names: dict, layer_loaded, materialize):
+    """`weights`, each decoder layer allocated before its first tensor and handed to
+    `layer_loaded` once the checkpoint's tensors for it are all in (by the names of
+    hf_parameter_shapes; a layer whose names never all arrive is handed over at the end)."""
+    pending: dict[int, set[str]] = {}
+    for name in names:
+        if (m := _LAYER_INDEX.search(name)) is not None:
+            pending.setdefault(int(m.group(1)), set()).add(name)
+    opened: set[int] = set()
+    for name, tensor in weights:
+        m = _LAYER_INDEX.search(name)
+        i = int(m.group(1)) if m is not None else None
+        if i is not None and i not in opened:
+            materialize(layers[i])
+            opened.add(i)
+        yield name, tensor
+        # Resumed: the consumer has copied the tensor into the layer.
+        if i is not None and i in pending:
+            pending[i].discard(name)
+            if not pending[i]:
+                del pending[i]
+                layer_loaded(layers[i])
+    for i in sorted(opened & pending.keys()):
+        layer_loaded(layers[i])
 
 
 _PROJECTION_NAMES = (".q_proj.", ".k_proj.", ".v_proj.", ".o_proj.", ".gate_proj.", ".up_proj.",

@@ -261,14 +261,18 @@ def checkpoint_quantized(cfg) -> bool:
 
 def load_shard(model_cfg, model_path, engine_cfg, dtype, device, backend: str, group,
                fused_ops: bool = False) -> nn.Module:
-    """This rank's shard: the whole model loaded, cut down, then quantized if asked (the
-    scales are the shard's own: a row-parallel projection's come from its columns)."""
+    """This rank's shard: each decoder layer cut down as soon as its weights are in (so a
+    rank never holds more than its shard and a layer or two of the whole model), then the
+    vocabulary, then quantized if asked (the scales are the shard's own: a row-parallel
+    projection's come from its columns)."""
     from ..model.loader import load_model
     from ..model.quantization import quantize_model
+    s = Shard.of(model_cfg, group.rank, group.world)
     model = load_model(model_cfg, model_path, load_format=engine_cfg.load_format, dtype=dtype,
                        device=device, max_positions=engine_cfg.max_model_len,
-                       attention_backend=backend, fused_ops=fused_ops, seed=engine_cfg.seed)
-    shard_model(model, model_cfg, group)
+                       attention_backend=backend, fused_ops=fused_ops, seed=engine_cfg.seed,
+                       layer_loaded=lambda layer: shard_layer(layer, model_cfg, s, group))
+    _shard_vocab(model, model_cfg, group)
     if engine_cfg.quantization is not None:
         with torch.no_grad():
             quantize_model(model, engine_cfg.quantization)
@@ -370,17 +374,14 @@ def _shard_vocab(model: nn.Module, cfg, group: TPGroup) -> None:
     model.lm_head.out_features = rows
 
 
-def shard_model(model: nn.Module, cfg, group: TPGroup) -> None:
-    """Cut a loaded model down to this rank's shard, in place: the embedding and the head
-    (vocabulary slices), each attention (any module with qkv_proj, o_proj and attn) and
-    each layer's MLP (dense: down all-reduced; a mixture of experts: its whole output
-    all-reduced once)."""
+def shard_layer(layer: nn.Module, cfg, s: Shard, group: TPGroup) -> None:
+    """Cut a loaded decoder layer down to this rank's shard, in place: its attention (any
+    module with qkv_proj, o_proj and attn) and its MLP (dense: down all-reduced; a mixture
+    of experts: its whole output all-reduced once)."""
     from ..model.gpt2 import GPT2Block
     from ..model.layers import GatedMLP
     from ..model.moe import MoE
-    _shard_vocab(model, cfg, group)
-    s = Shard.of(cfg, group.rank, group.world)
-    for module in list(model.modules()):
+    for module in list(layer.modules()):
         if isinstance(module, GPT2Block):
             _shard_gpt2_block(module, cfg, s, group)
         if all(hasattr(module, a) for a in ("qkv_proj", "o_proj", "attn")):
