@@ -144,3 +144,9 @@ def test_replica_configs_give_each_engine_a_gpu_where_there_are_enough(monkeypat
         shared = replica_configs(cfg, size)
         assert [c.device for c in shared] == [cfg.device] * size
         assert all(abs(c.gpu_memory_utilization - 0.8 / size) < 1e-9 for c in shared)
+    # Under tensor parallelism each engine takes as many GPUs as it has ranks.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    own = replica_configs(EngineConfig(device="cuda", tensor_parallel_size=2), 2)
+    assert [c.device for c in own] == ["cuda:0", "cuda:2"]
+    shared = replica_configs(EngineConfig(device="cuda", tensor_parallel_size=4), 2)
+    assert [c.device for c in shared] == ["cuda", "cuda"]

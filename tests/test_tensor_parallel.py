@@ -251,3 +251,28 @@ def test_layers_load_one_at_a_time(tiny_model_dirs, monkeypatch, family, load_fo
         assert torch.equal(got[name], value), name
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     assert tied == cfg.tie_word_embeddings
+
+
+def test_workers_start_from_an_engine_process_and_from_replicas(tiny_model_dirs):
+    """Tensor-parallel workers start from the server's engine process and from each engine
+    of LLM(data_parallel_size=2) (neither can be a daemon process, which may not have
+    children): both give one process's greedy tokens."""
+    import httpx
+
+    from minivllm.server.testing import ServerThread
+    model = str(tiny_model_dirs["llama"])
+    kw = dict(skip_tokenizer_init=True, max_model_len=64)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = [o.outputs[0].token_ids
+            for o in LLM(model, **kw).generate(PROMPTS, params, use_tqdm=False)]
+    with ServerThread(dict(model=model, tensor_parallel_size=2, **kw),
+                      engine_process=True) as server:
+        for prompt, tokens in zip(PROMPTS[:2], want):
+            r = httpx.post(server.url + "/v1/completions", timeout=60, json=dict(
+                model=model, prompt=prompt, max_tokens=6, temperature=0, ignore_eos=True,
+                return_token_ids=True))
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == tokens
+    llm = LLM(model, data_parallel_size=2, tensor_parallel_size=2, **kw)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want

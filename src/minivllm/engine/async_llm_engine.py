@@ -39,6 +39,7 @@ import copy
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.util
 import pickle
 import sys
 import threading
@@ -690,15 +691,21 @@ class AsyncLLMEngine:
         ctx = multiprocessing.get_context("spawn")
         pipes = [ctx.Pipe(duplex=True) for _ in range(1 + self._extra_frontends)]
         level = logging.getLogger().getEffectiveLevel()
-        # Not a daemon when other frontends share it: it must outlive this one's stop().
+        # Not a daemon when other frontends share it (it must outlive this one's stop()) or
+        # when it starts tensor-parallel workers (a daemon may not have children).
+        workers = self._config_or_engine.tensor_parallel_size > 1
         self._process = ctx.Process(target=engine_process_main, name="minivllm-engine",
                                     args=(self._config_or_engine,
                                           [child for _, child in pipes], level),
-                                    daemon=not self._extra_frontends)
+                                    daemon=not (self._extra_frontends or workers))
         self._process.start()
         for _, child in pipes:
             child.close()
         self._conn = pipes[0][0]
+        if workers and not self._extra_frontends:
+            # At exit, before multiprocessing joins its children: the engine process
+            # stops once this end of its pipe closes.
+            multiprocessing.util.Finalize(self, self._conn.close, exitpriority=0)
         self.frontend_connections = [parent for parent, _ in pipes[1:]]
         self._start_receiver()
 

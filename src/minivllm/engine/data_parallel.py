@@ -8,7 +8,7 @@ holds them: a shared system prompt then prefills once per engine, not per reques
 engine that dies fails its own requests (its
 AsyncLLMEngine ends their streams with an error) and takes no new ones, while the others
 keep serving. On a host with at least N GPUs (and no GPU named in `device`) engine i runs
-on cuda:i; otherwise the engines share the device's memory, each with its share of
+on cuda:i (under tensor parallelism of M ranks, on cuda:i*M to cuda:i*M+M-1); otherwise the engines share the device's memory, each with its share of
 gpu_memory_utilization. The server reads this object like an AsyncLLMEngine.
 """
 
@@ -46,14 +46,17 @@ class _StatLoggers(list):
 
 
 def replica_configs(config: EngineConfig, size: int) -> list[EngineConfig]:
-    """Each engine's config: a GPU of its own where the host has one per engine and the
-    config names none ("auto", "cuda"), else the shared device and 1/size of its memory."""
+    """Each engine's config: GPUs of its own where the host has enough (one per tensor-
+    parallel rank on this node: engine i from cuda:i*ranks) and the config names none
+    ("auto", "cuda"), else the shared device(s) and 1/size of their memory."""
     import torch
 
     from ..config import resolve_device
     device = resolve_device(config.device)
-    if device.type == "cuda" and device.index is None and torch.cuda.device_count() >= size:
-        return [dataclasses.replace(config, device=f"cuda:{i}") for i in range(size)]
+    ranks = max(config.tensor_parallel_size // max(config.nnodes, 1), 1)
+    if (device.type == "cuda" and device.index is None
+            and torch.cuda.device_count() >= size * ranks):
+        return [dataclasses.replace(config, device=f"cuda:{i * ranks}") for i in range(size)]
     share = config.gpu_memory_utilization / size
     return [dataclasses.replace(config, gpu_memory_utilization=share) for _ in range(size)]
 
@@ -195,21 +198,25 @@ class OfflineReplicas:
 
     def __init__(self, configs: list[EngineConfig]) -> None:
         import multiprocessing
-        import weakref
+        import multiprocessing.util
         ctx = multiprocessing.get_context("spawn")
         self.conns, self.procs = [], []
         for i, config in enumerate(configs):
             mine, theirs = ctx.Pipe()
             replica = dataclasses.replace(config, data_parallel_size=1)
-            p = ctx.Process(target=_replica_main, args=(replica, theirs), daemon=True,
-                            name=f"minivllm-dp{i + 1}")
+            # A daemon may not have children: a replica with tensor-parallel workers is
+            # none (the finalizer below stops it at exit, before multiprocessing joins it).
+            p = ctx.Process(target=_replica_main, args=(replica, theirs),
+                            daemon=config.tensor_parallel_size == 1, name=f"minivllm-dp{i + 1}")
             p.start()
             self.conns.append(mine)
             self.procs.append(p)
         for conn in self.conns:
             if conn.recv() != "ready":
                 raise RuntimeError("A data-parallel replica failed to start.")
-        weakref.finalize(self, _stop_replicas, self.conns, self.procs)
+        # Also at exit, before multiprocessing joins the replicas that are no daemons.
+        multiprocessing.util.Finalize(self, _stop_replicas, (self.conns, self.procs),
+                                      exitpriority=0)
 
     def generate(self, local_generate, prompts: list, params: list,
                  default_max_tokens: bool = False) -> list:

@@ -30,9 +30,9 @@ import dataclasses
 import enum
 import logging
 import multiprocessing
+import multiprocessing.util
 import pickle
 import socket
-import weakref
 from datetime import timedelta
 
 import torch
@@ -557,4 +557,6 @@ class TensorParallel:
                                    cfg.master_addr, port, build_args)
         self.group = TPGroup(0, cfg.tensor_parallel_size, cfg.master_addr, port,
                              rank_device(cfg, 0))
-        weakref.finalize(self, stop_workers, self.group, self.procs)
+        # Also at exit, before multiprocessing terminates the workers (daemons).
+        multiprocessing.util.Finalize(self, stop_workers, (self.group, self.procs),
+                                      exitpriority=0)
