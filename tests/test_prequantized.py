@@ -202,14 +202,13 @@ def test_checkpoint_loads_the_weights_it_encodes(tmp_path, family, fmt, sym):
     assert q.engine.scheduler.pool.all_free()
 
 
-@pytest.mark.parametrize("fmt", ["fp8-tensor", "compressed-tensors-channel"])
-def test_fp8_checkpoint_loads_the_weights_it_encodes(tmp_path, fmt):
-    """FP8 checkpoints (e4m3 weights with per-tensor or per-channel scales, as AutoFP8 and
-    llm-compressor write them): the loaded layers hold those weights, and small steps
-    (weight-only there) give the tokens of a full-precision checkpoint of them."""
+def write_fp8_checkpoints(fmt: str, tmp_path, family: str = "qwen2"):
+    """(FP8 checkpoint folder, full-precision folder of the weights it encodes): per-tensor
+    scales as AutoFP8 writes them ("fp8-tensor"), per-channel as llm-compressor does
+    ("compressed-tensors-channel")."""
     from minivllm.model.quantization import FP8, FP8_MAX
 
-    model = make_hf_model("qwen2")
+    model = make_hf_model(family)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     quant, reference = {}, dict(state)
     per_channel = fmt.endswith("channel")
@@ -235,7 +234,17 @@ def test_fp8_checkpoint_loads_the_weights_it_encodes(tmp_path, fmt):
             "targets": ["Linear"],
             "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
             "input_activations": {"num_bits": 8, "type": "float", "dynamic": True}}}}
-    dirs = save_pair(tmp_path, model.config.to_dict(), quant, reference, qc)
+    return save_pair(tmp_path, model.config.to_dict(), quant, reference, qc)
+
+
+@pytest.mark.parametrize("fmt", ["fp8-tensor", "compressed-tensors-channel"])
+def test_fp8_checkpoint_loads_the_weights_it_encodes(tmp_path, fmt):
+    """FP8 checkpoints (e4m3 weights with per-tensor or per-channel scales, as AutoFP8 and
+    llm-compressor write them): the loaded layers hold those weights, and small steps
+    (weight-only there) give the tokens of a full-precision checkpoint of them."""
+    from minivllm.model.quantization import FP8
+
+    dirs = write_fp8_checkpoints(fmt, tmp_path)
     # Steps of one token (FP8_ACTIVATION_MIN_TOKENS): the weight-only kernel's.
     kw = dict(skip_tokenizer_init=True, max_model_len=128, max_num_batched_tokens=1,
               max_num_seqs=1)

@@ -99,6 +99,42 @@ def test_quantization_under_tp(tiny_model_dirs, method):
     assert firsts >= 3
 
 
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "compressed-tensors", "fp8-tensor",
+                                 "compressed-tensors-channel"])
+def test_checkpoints_quantized_ahead_split_exactly(tmp_path, fmt):
+    """A checkpoint quantized ahead (4-bit GPTQ, AWQ, compressed-tensors; FP8 by tensor or
+    channel) is split as it stands: each rank holds the checkpoint's own numbers for its
+    rows or its groups of inputs, so two ranks give one process's tokens and logprobs."""
+    from minivllm.model.quantization import QuantizedLinear
+    from test_prequantized import write_checkpoints, write_fp8_checkpoints
+    fp8 = fmt.endswith(("tensor", "channel"))
+    qdir = (write_fp8_checkpoints(fmt, tmp_path, family="llama") if fp8
+            else write_checkpoints("llama", fmt, tmp_path))[0]
+    # FP8 on steps of one token, which keep their activations: a longer step rounds them
+    # to FP8 with a scale per token, which each rank takes over its own part of the row.
+    kw = dict(max_num_batched_tokens=1, max_num_seqs=1) if fp8 else {}
+    want = _run(qdir, 1, **kw)
+    llm = LLM(str(qdir), skip_tokenizer_init=True, max_model_len=128, tensor_parallel_size=2,
+              **kw)
+    down = llm.engine.runner.model.inner.model.layers[0].mlp.down_proj.linear
+    assert isinstance(down, QuantizedLinear) and down.in_features == 64
+    got = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                               logprobs=3), use_tqdm=False)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+            for token, entry in lw.items():
+                assert abs(lg[token].logprob - entry.logprob) < 1e-4
+    assert llm.engine.scheduler.pool.all_free()
+
+
+def test_act_order_checkpoints_are_refused_under_tp(tmp_path):
+    from test_prequantized import write_checkpoints
+    qdir = write_checkpoints("llama", "gptq", tmp_path, act_order=True)[0]
+    with pytest.raises(ValueError, match="act-order"):
+        LLM(str(qdir), skip_tokenizer_init=True, max_model_len=128, tensor_parallel_size=2)
+
+
 def test_two_nodes(tiny_model_dirs):
     """A "two-node" launch on this machine: node 1 is `minivllm serve --node-rank 1` (its
     rank's worker only), node 0 the engine; they meet at master_port. The output is one
@@ -218,16 +254,22 @@ def test_each_rank_gets_a_gpu_of_its_node():
     assert rank_device(EngineConfig(device="cpu", tensor_parallel_size=2), 1).type == "cpu"
 
 
-@pytest.mark.parametrize("family,load_format", [("llama", "auto"), ("qwen2", "dummy")])
-def test_layers_load_one_at_a_time(tiny_model_dirs, monkeypatch, family, load_format):
+@pytest.mark.parametrize("family,load_format", [("llama", "auto"), ("qwen2", "dummy"),
+                                                ("llama", "gptq")])
+def test_layers_load_one_at_a_time(tiny_model_dirs, tmp_path, monkeypatch, family,
+                                   load_format):
     """A rank never holds the whole model: each decoder layer is allocated when its first
-    weight arrives and handed over (to be cut to the shard) before the next is allocated;
-    the loaded weights are those of the plain load."""
+    weight arrives and handed over (to be cut to the shard) before the next is allocated
+    (a checkpoint quantized ahead too: its tensors' names come from the checkpoint); the
+    loaded weights are those of the plain load."""
     import torch
     from minivllm.config import ModelConfig, load_config_json
     from minivllm.model import loader
+    from test_prequantized import write_checkpoints
 
     model_dir = tiny_model_dirs[family]
+    if load_format == "gptq":
+        model_dir, load_format = write_checkpoints(family, "gptq", tmp_path)[0], "auto"
     cfg = ModelConfig.from_dict(load_config_json(model_dir / "config.json"))
     events = []
     materialize = loader._materialize

@@ -143,10 +143,10 @@ def load_model(cfg: ModelConfig, model_path: Path, *, load_format: str, dtype: t
             if isinstance(module, RotaryEmbedding):
                 module.reset_tables(device)
     else:
-        if ahead is not None:
-            raise ValueError("Loading layer by layer takes unquantized checkpoints.")
         layers = _decoder_layers(model, cfg)
-        _materialize(model, device, dtype, skip=set(map(id, layers)))
+        # Dummy int4 weights are drawn for the whole model at once, below.
+        whole = load_format == "dummy" and ahead is not None
+        _materialize(model, device, dtype, skip=set() if whole else set(map(id, layers)))
     expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     expected |= {n for n, _ in model.named_buffers() if n.rpartition(".")[2] in
                  ("qweight", "scale", "zero", "bias", "input_perm")}
@@ -160,8 +160,9 @@ def load_model(cfg: ModelConfig, model_path: Path, *, load_format: str, dtype: t
     else:
         loaded = set()
     if layer_loaded is not None:
-        weights = _layer_by_layer(weights, layers, hf_parameter_shapes(cfg), layer_loaded,
-                                  lambda layer: _materialize(layer, device, dtype))
+        weights = _layer_by_layer(weights, layers,
+                                  _checkpoint_names(cfg, model_path, load_format),
+                                  layer_loaded, lambda layer: _materialize(layer, device, dtype))
     with torch.no_grad():
         loaded |= model.load_weights(weights, PackedParts(ahead) if ahead is not None else None)
     missing = expected - loaded
@@ -213,16 +214,36 @@ def _materialize(module: nn.Module, device: torch.device, dtype: torch.dtype,
                 m._buffers[name], rebuilt = real(b), True
         if rebuilt and isinstance(m, RotaryEmbedding):
             m.reset_tables(device)
+        if rebuilt and isinstance(m, QuantizedLinear):
+            m.restore_storage_dtypes()
         for child in m.children():
             visit(child)
 
     visit(module)
 
 
-def _layer_by_layer(weights, layers: nn.ModuleList, names: dict, layer_loaded, materialize):
+def _checkpoint_names(cfg: ModelConfig, model_path: Path, load_format: str) -> list[str]:
+    """The names of the tensors the checkpoint holds (read from its index or its files'
+    headers), or those of hf_parameter_shapes where it cannot tell (dummy, GGUF)."""
+    if load_format != "dummy" and model_path.suffix != ".gguf" and load_format != "gguf":
+        model_dir = model_path if model_path.is_dir() else model_path.parent
+        index = model_dir / "model.safetensors.index.json"
+        if index.exists():
+            return list(json.loads(index.read_text())["weight_map"])
+        from safetensors import safe_open
+        names = []
+        for path in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as f:
+                names += list(f.keys())
+        return names
+    return list(hf_parameter_shapes(cfg))
+
+
+def _layer_by_layer(weights, layers: nn.ModuleList, names: list[str], layer_loaded,
+                    materialize):
     """`weights`, each decoder layer allocated before its first tensor and handed to
-    `layer_loaded` once the checkpoint's tensors for it are all in (by the names of
-    hf_parameter_shapes; a layer whose names never all arrive is handed over at the end)."""
+    `layer_loaded` once the tensors of `names` for it are all in (a layer whose names never
+    all arrive is handed over at the end)."""
     pending: dict[int, set[str]] = {}
     for name in names:
         if (m := _LAYER_INDEX.search(name)) is not None:

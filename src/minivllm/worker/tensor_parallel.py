@@ -210,7 +210,7 @@ class Shard:
 
 
 def check_tp(cfg, engine_cfg, device: torch.device) -> None:
-    world, quantization = engine_cfg.tensor_parallel_size, engine_cfg.quantization
+    world = engine_cfg.tensor_parallel_size
     if world == 1:
         return
     if device.type == "cuda":
@@ -218,10 +218,11 @@ def check_tp(cfg, engine_cfg, device: torch.device) -> None:
         if last.index >= torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={world} puts a rank on each GPU of a node "
                              f"from {device}: this host has {torch.cuda.device_count()} GPUs.")
-    from ..model.quantization import METHODS
-    if quantization not in (None, *METHODS) or checkpoint_quantized(cfg):
-        raise ValueError("tensor_parallel_size > 1 takes quantization at load (fp8, int8, "
-                         "int4), not a checkpoint quantized ahead, so far.")
+    from ..model.prequantized import checkpoint_quantization
+    ahead = checkpoint_quantization(cfg.raw or {})
+    if ahead is not None and ahead.act_order:
+        raise ValueError("A GPTQ checkpoint with act-order (desc_act) cannot be split over "
+                         "tensor-parallel ranks: its groups gather inputs from the whole row.")
     Shard.of(cfg, 0, world)
 
 
@@ -255,50 +256,79 @@ class RowParallel(nn.Module):
         return self.group.all_reduce(self.linear(x))
 
 
-def checkpoint_quantized(cfg) -> bool:
-    return bool((cfg.raw or {}).get("quantization_config"))
-
-
 def load_shard(model_cfg, model_path, engine_cfg, dtype, device, backend: str, group,
                fused_ops: bool = False) -> nn.Module:
     """This rank's shard: each decoder layer cut down as soon as its weights are in (so a
-    rank never holds more than its shard and a layer or two of the whole model), then the
-    vocabulary, then quantized if asked (the scales are the shard's own: a row-parallel
-    projection's come from its columns)."""
+    rank never holds more than its shard and a layer or two of the whole model), quantized
+    if asked once all are in (the scales are the shard's own: a row-parallel projection's
+    come from its columns), then the vocabulary."""
     from ..model.loader import load_model
-    from ..model.quantization import quantize_model
     s = Shard.of(model_cfg, group.rank, group.world)
     model = load_model(model_cfg, model_path, load_format=engine_cfg.load_format, dtype=dtype,
                        device=device, max_positions=engine_cfg.max_model_len,
                        attention_backend=backend, fused_ops=fused_ops, seed=engine_cfg.seed,
+                       quantization=engine_cfg.quantization,
                        layer_loaded=lambda layer: shard_layer(layer, model_cfg, s, group))
     _shard_vocab(model, model_cfg, group)
-    if engine_cfg.quantization is not None:
-        with torch.no_grad():
-            quantize_model(model, engine_cfg.quantization)
     return model
 
 
 def _column_parallel(linear: nn.Module, pieces: list[tuple[int, int]]) -> None:
-    """`linear` cut to these (first, count) output rows, its bias likewise."""
-    for name in ("weight", "bias"):
-        t = getattr(linear, name)
+    """`linear` cut to these (first, count) output rows, its bias likewise (a checkpoint's
+    quantized layer: its weights, scales and zero points by output row too)."""
+    from ..model.quantization import QuantizedLinear
+    quantized = isinstance(linear, QuantizedLinear)
+    for name in ("qweight", "scale", "zero", "bias") if quantized else ("weight", "bias"):
+        t = getattr(linear, name, None)
         if t is not None:
-            setattr(linear, name, nn.Parameter(
-                torch.cat([t.data[a:a + n] for a, n in pieces]), requires_grad=False))
-    linear.out_features = linear.weight.shape[0]
+            rows = torch.cat([t.data[a:a + n] for a, n in pieces])
+            setattr(linear, name, rows if quantized else nn.Parameter(rows, requires_grad=False))
+    linear.out_features = sum(n for _, n in pieces)
 
 
 def _input_columns(linear: nn.Module, columns: tuple[int, int], s: Shard) -> nn.Module:
     """`linear` cut to its input columns (first, count) of a row-parallel product, its
     bias kept on rank 0 only (the sum over the ranks adds it once)."""
+    from ..model.quantization import QuantizedLinear
     first, count = columns
-    linear.weight = nn.Parameter(linear.weight.data[:, first:first + count].contiguous(),
-                                 requires_grad=False)
+    if isinstance(linear, QuantizedLinear):
+        _quantized_input_columns(linear, first, count)
+    else:
+        linear.weight = nn.Parameter(linear.weight.data[:, first:first + count].contiguous(),
+                                     requires_grad=False)
     linear.in_features = count
     if linear.bias is not None and s.rank:
-        linear.bias = nn.Parameter(torch.zeros_like(linear.bias), requires_grad=False)
+        bias = torch.zeros_like(linear.bias)
+        if isinstance(linear, QuantizedLinear):
+            linear.bias = bias
+        else:
+            linear.bias = nn.Parameter(bias, requires_grad=False)
     return linear
+
+
+def _quantized_input_columns(linear: nn.Module, first: int, count: int) -> None:
+    """A checkpoint's quantized layer cut to inputs [first, first + count): per-channel
+    weights by column; 4-bit ones unpacked, cut at group boundaries, packed again."""
+    from ..model.quantization import int4_half, pack_int4, unpack_int4
+    if linear.method != "int4":
+        linear.qweight = linear.qweight[:, first:first + count].contiguous()
+        return
+    if linear.input_perm is not None:
+        raise ValueError("A GPTQ checkpoint with act-order (desc_act) cannot be split over "
+                         "tensor-parallel ranks: its groups gather inputs from the whole row.")
+    k, group = linear.in_features, linear.group_size
+    codes = unpack_int4(linear.qweight, k, int4_half(group, k))[:, first:first + count]
+    if group >= k:  # one group a row: each rank's part of it keeps the row's scale
+        group = count
+    elif first % group or count % group:
+        raise ValueError(f"tensor_parallel_size splits a 4-bit layer's {k} inputs into "
+                         f"parts of {count}, not a multiple of its groups of {group}.")
+    else:
+        groups = slice(first // group, (first + count) // group)
+        linear.scale = linear.scale[:, groups].contiguous()
+        linear.zero = linear.zero[:, groups].contiguous()
+    linear.qweight = pack_int4(codes.contiguous(), int4_half(group, count))
+    linear.group_size = group
 
 
 def _shard_attention(module: nn.Module, cfg, s: Shard, group: TPGroup) -> None:
@@ -327,7 +357,7 @@ def _shard_gpt2_block(block: nn.Module, cfg, s: Shard, group: TPGroup) -> None:
 
 def _shard_gated(mlp: nn.Module, s: Shard) -> None:
     """gate/up column-parallel, down's input columns to match (its sum not reduced here)."""
-    width = mlp.gate_up_proj.weight.shape[0] // 2
+    width = mlp.gate_up_proj.out_features // 2
     i0, i = s.columns(width)
     _column_parallel(mlp.gate_up_proj, [(i0, i), (width + i0, i)])
     _input_columns(mlp.down_proj, (i0, i), s)
