@@ -58,6 +58,11 @@ def test_offline_replicas_split_the_prompts(tiny_model_dirs):
     kw = dict(skip_tokenizer_init=True, max_model_len=64)
     want = LLM(str(tiny_model_dirs["qwen2"]), **kw).generate(prompts, params, use_tqdm=False)
     llm = LLM(str(tiny_model_dirs["qwen2"]), data_parallel_size=2, **kw)
+    # Unseeded samples are independent across the engines: each has a seed of its own,
+    # else the k-th request of each (numbered alike) draws the same numbers.
+    unseeded = llm.generate([prompts[0]] * 4, SamplingParams(temperature=1.0, max_tokens=8,
+                                                             ignore_eos=True), use_tqdm=False)
+    assert len({tuple(o.outputs[0].token_ids) for o in unseeded}) == 4
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert [o.prompt_token_ids for o in got] == prompts

@@ -54,11 +54,14 @@ def replica_configs(config: EngineConfig, size: int) -> list[EngineConfig]:
     from ..config import resolve_device
     device = resolve_device(config.device)
     ranks = max(config.tensor_parallel_size // max(config.nnodes, 1), 1)
+    # Each engine its own seed: unseeded requests draw from (engine seed, request number),
+    # and the engines number their requests alike.
+    seeds = [dataclasses.replace(config, seed=(config.seed + i) % 2**63) for i in range(size)]
     if (device.type == "cuda" and device.index is None
             and torch.cuda.device_count() >= size * ranks):
-        return [dataclasses.replace(config, device=f"cuda:{i * ranks}") for i in range(size)]
+        return [dataclasses.replace(c, device=f"cuda:{i * ranks}") for i, c in enumerate(seeds)]
     share = config.gpu_memory_utilization / size
-    return [dataclasses.replace(config, gpu_memory_utilization=share) for _ in range(size)]
+    return [dataclasses.replace(c, gpu_memory_utilization=share) for c in seeds]
 
 
 class DataParallelEngine:
@@ -209,11 +212,18 @@ class OfflineReplicas:
             p = ctx.Process(target=_replica_main, args=(replica, theirs),
                             daemon=config.tensor_parallel_size == 1, name=f"minivllm-dp{i + 1}")
             p.start()
+            theirs.close()  # so that a replica's death reads as the end of its pipe
             self.conns.append(mine)
             self.procs.append(p)
-        for conn in self.conns:
-            if conn.recv() != "ready":
-                raise RuntimeError("A data-parallel replica failed to start.")
+        for i, conn in enumerate(self.conns):
+            try:
+                ready = conn.recv()
+            except EOFError:
+                ready = None
+            if ready != "ready":
+                _stop_replicas(self.conns, self.procs)
+                raise RuntimeError(f"Data-parallel replica {i + 1} exited while starting "
+                                   f"(exit code {self.procs[i].exitcode}); its log says why.")
         # Also at exit, before multiprocessing joins the replicas that are no daemons.
         multiprocessing.util.Finalize(self, _stop_replicas, (self.conns, self.procs),
                                       exitpriority=0)
