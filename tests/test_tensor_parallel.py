@@ -318,3 +318,53 @@ def test_workers_start_from_an_engine_process_and_from_replicas(tiny_model_dirs)
     llm = LLM(model, data_parallel_size=2, tensor_parallel_size=2, **kw)
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == want
+
+
+def test_a_dead_worker_ends_the_engine(tiny_model_dirs):
+    """A worker that dies fails the step that needed it, and every later one at once with
+    the reason (the ranks may be out of step: no step waits for them forever); through
+    the server the engine is reported dead (/health 503), not left serving errors."""
+    import os
+    import signal
+    from pathlib import Path
+
+    import httpx
+
+    from minivllm.server.testing import ServerThread
+    model = str(tiny_model_dirs["llama"])
+    kw = dict(skip_tokenizer_init=True, max_model_len=64)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm = LLM(model, tensor_parallel_size=2, **kw)
+    llm.engine.runner.tp.procs[0].kill()
+    llm.engine.runner.tp.procs[0].join()
+    with pytest.raises(RuntimeError):
+        llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    with pytest.raises(RuntimeError, match="out of step"):
+        llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    with ServerThread(dict(model=model, tensor_parallel_size=2, **kw),
+                      engine_process=True) as server:
+        pid = server.engine._process.pid
+        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+            os.kill(int(child), signal.SIGKILL)  # the worker
+        r = httpx.post(server.url + "/v1/completions", timeout=60, json=dict(
+            model=model, prompt=PROMPTS[0], max_tokens=4))
+        assert r.status_code >= 500
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 503
+
+
+def test_a_worker_that_dies_while_starting_is_an_error(tiny_model_dirs, tmp_path):
+    """A worker that dies before joining the group (here: its import of the script fails,
+    as a script without a main guard's would) is an error at once, not a 10-minute wait."""
+    import subprocess
+    import sys
+    script = tmp_path / "start.py"
+    script.write_text(
+        "import sys\n"
+        "if __name__ == '__mp_main__':\n"
+        "    raise SystemExit(3)  # the worker's import of this script\n"
+        "from minivllm import LLM\n"
+        "LLM(sys.argv[1], skip_tokenizer_init=True, max_model_len=64, tensor_parallel_size=2)\n")
+    done = subprocess.run([sys.executable, str(script), str(tiny_model_dirs["llama"])],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "minivllm-tp1 exited (code 3) before joining the group" in done.stderr

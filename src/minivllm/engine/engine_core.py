@@ -109,6 +109,8 @@ class EngineCore:
         try:
             outputs = eng.step_requests() if self.report_requests else eng.step()
         except Exception as e:  # noqa: BLE001 - fail the affected requests, keep serving
+            if eng.runner.tp is not None:
+                raise  # the ranks may be out of step (LLMEngine._step): the engine is dead
             logger.exception("Engine step failed")
             self._fail_step(e, events)
             return []

@@ -161,6 +161,8 @@ def run_engine_process(config, conns, log_level: int = logging.INFO) -> None:
         for conn in conns:
             _send_quietly(conn, ("dead", _picklable_error(e)))
     finally:
+        if runner is not None and runner.tp is not None:
+            runner.tp.stop()  # this process ends by os._exit, which runs no finalizers
         if trace:
             try:
                 trace.dump()

@@ -155,6 +155,7 @@ class LLMEngine:
         if self.speculative is not None:
             self.draft_policy = DraftLengthPolicy(self.speculative.num_speculative_tokens)
         self._pending: PendingDecode | None = None
+        self._ranks_out_of_step: BaseException | None = None  # see _step
         self.step_history: collections.deque = collections.deque(maxlen=STEP_HISTORY)
         # Structured outputs: requests wait here (not in the scheduler) for their grammar.
         self.grammars: GrammarCompiler | None = None
@@ -508,16 +509,27 @@ class LLMEngine:
         return list(seen.values())
 
     def _step(self, report: Callable[[list[Request]], list]) -> list:
+        if self._ranks_out_of_step is not None:
+            raise RuntimeError("A tensor-parallel step failed or was interrupted, so the "
+                               "ranks may be out of step: this engine takes no more steps. "
+                               "Start a new one.") from self._ranks_out_of_step
         start = time.perf_counter()
-        if self.speculative is None:
-            out = self._plan_and_run(report)
-        else:
-            tokens = self.stats["generation_tokens"]
-            self._looked_for_drafts = False
-            out = self._plan_and_run(report)
-            self.draft_policy.gate.record(
-                len(self.scheduler.running), self.stats["generation_tokens"] - tokens,
-                time.perf_counter() - start, self._looked_for_drafts)
+        try:
+            if self.speculative is None:
+                out = self._plan_and_run(report)
+            else:
+                tokens = self.stats["generation_tokens"]
+                self._looked_for_drafts = False
+                out = self._plan_and_run(report)
+                self.draft_policy.gate.record(
+                    len(self.scheduler.running), self.stats["generation_tokens"] - tokens,
+                    time.perf_counter() - start, self._looked_for_drafts)
+        except BaseException as e:
+            if self.runner.tp is not None:
+                # Its collectives may have stopped between two of the workers': another
+                # step would wait for them forever.
+                self._ranks_out_of_step = e
+            raise
         # The last steps, for the dashboard's timeline: when, what (the runner's path,
         # tokens, sequences), how long the host spent in it.
         self.step_history.append((time.monotonic(), *(self.runner.last_step or ("idle", 0, 0)),

@@ -33,6 +33,7 @@ import multiprocessing
 import multiprocessing.util
 import pickle
 import socket
+import threading
 from datetime import timedelta
 
 import torch
@@ -549,7 +550,12 @@ def worker_main(rank: int, world: int, host: str, port: int, engine_cfg, model_c
     decode = mixed = None
     with torch.inference_mode():
         while True:
-            step = group.receive()
+            try:
+                step = group.receive()
+            except RuntimeError as e:  # rank 0 is gone (its process ended or died)
+                logger.info("Tensor-parallel worker %d: rank 0 is gone (%s); exiting.",
+                            rank, str(e).splitlines()[0][:120])
+                return
             if step is None:
                 return
             if step[0] == "replay":
@@ -571,6 +577,34 @@ def worker_main(rank: int, world: int, host: str, port: int, engine_cfg, model_c
                                              device, group)
 
 
+def _while_workers_live(procs: list, join):
+    """join() (the group's rendezvous, which waits for every rank), failing at once if a
+    worker of this node dies first (a script without a main guard, say) instead of after
+    the rendezvous's 10-minute timeout."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["group"] = join()
+        except BaseException as e:  # noqa: BLE001 - raised below
+            result["error"] = e
+
+    waiter = threading.Thread(target=run, name="minivllm-tp-join", daemon=True)
+    waiter.start()
+    while waiter.is_alive():
+        waiter.join(0.2)
+        dead = [p for p in procs if not p.is_alive()]
+        if dead and waiter.is_alive():
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"Tensor-parallel worker {dead[0].name} exited (code "
+                               f"{dead[0].exitcode}) before joining the group; its output "
+                               "above says why.")
+    if "error" in result:
+        raise result["error"]
+    return result["group"]
+
+
 class TensorParallel:
     """Rank 0's side: the group, this node's workers, and their shutdown with the engine
     (the other nodes' workers end when they hear it)."""
@@ -585,8 +619,8 @@ class TensorParallel:
             raise ValueError("Several nodes meet at master_addr:master_port: set master_port.")
         self.procs = start_workers(range(1, ranks.stop), cfg.tensor_parallel_size,
                                    cfg.master_addr, port, build_args)
-        self.group = TPGroup(0, cfg.tensor_parallel_size, cfg.master_addr, port,
-                             rank_device(cfg, 0))
+        self.group = _while_workers_live(self.procs, lambda: TPGroup(
+            0, cfg.tensor_parallel_size, cfg.master_addr, port, rank_device(cfg, 0)))
         # Also at exit, before multiprocessing terminates the workers (daemons).
-        multiprocessing.util.Finalize(self, stop_workers, (self.group, self.procs),
-                                      exitpriority=0)
+        self.stop = multiprocessing.util.Finalize(self, stop_workers,
+                                                  (self.group, self.procs), exitpriority=0)
