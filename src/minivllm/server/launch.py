@@ -455,7 +455,9 @@ def run_server(args: argparse.Namespace) -> None:
         if isinstance(e, ImportError):
             sys.exit(f"minivllm serve needs the server dependencies (fastapi, uvicorn, "
                      f"pydantic, orjson): {e}")
-        if isinstance(e, (ValueError, FileNotFoundError, OSError)):
+        from ..engine.async_llm_engine import EngineDeadError
+        # An engine that died while starting has logged why (its own traceback).
+        if isinstance(e, (ValueError, FileNotFoundError, OSError, EngineDeadError)):
             sys.exit(f"minivllm serve: {e}")
         raise
     prepare_frontend_gc()  # the server process's own objects, then its GC thresholds
