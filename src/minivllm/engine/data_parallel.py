@@ -8,8 +8,9 @@ holds them: a shared system prompt then prefills once per engine, not per reques
 engine that dies fails its own requests (its
 AsyncLLMEngine ends their streams with an error) and takes no new ones, while the others
 keep serving. On a host with at least N GPUs (and no GPU named in `device`) engine i runs
-on cuda:i (under tensor parallelism of M ranks, on cuda:i*M to cuda:i*M+M-1); otherwise the engines share the device's memory, each with its share of
-gpu_memory_utilization. The server reads this object like an AsyncLLMEngine.
+on cuda:i (under tensor parallelism of M ranks, on cuda:i*M to cuda:i*M+M-1); otherwise
+the engines share the device's memory, each with its share of gpu_memory_utilization.
+Engine i takes the config's seed + i. The server reads this object like an AsyncLLMEngine.
 """
 
 from __future__ import annotations

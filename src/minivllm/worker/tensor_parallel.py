@@ -292,7 +292,8 @@ def _input_columns(linear: nn.Module, columns: tuple[int, int], s: Shard) -> nn.
     bias kept on rank 0 only (the sum over the ranks adds it once)."""
     from ..model.quantization import QuantizedLinear
     first, count = columns
-    if isinstance(linear, QuantizedLinear):
+    quantized = isinstance(linear, QuantizedLinear)  # its tensors are buffers
+    if quantized:
         _quantized_input_columns(linear, first, count)
     else:
         linear.weight = nn.Parameter(linear.weight.data[:, first:first + count].contiguous(),
@@ -300,23 +301,18 @@ def _input_columns(linear: nn.Module, columns: tuple[int, int], s: Shard) -> nn.
     linear.in_features = count
     if linear.bias is not None and s.rank:
         bias = torch.zeros_like(linear.bias)
-        if isinstance(linear, QuantizedLinear):
-            linear.bias = bias
-        else:
-            linear.bias = nn.Parameter(bias, requires_grad=False)
+        linear.bias = bias if quantized else nn.Parameter(bias, requires_grad=False)
     return linear
 
 
 def _quantized_input_columns(linear: nn.Module, first: int, count: int) -> None:
     """A checkpoint's quantized layer cut to inputs [first, first + count): per-channel
-    weights by column; 4-bit ones unpacked, cut at group boundaries, packed again."""
+    weights by column; 4-bit ones unpacked, cut at group boundaries, packed again (never
+    act-order ones, which check_tp refuses)."""
     from ..model.quantization import int4_half, pack_int4, unpack_int4
     if linear.method != "int4":
         linear.qweight = linear.qweight[:, first:first + count].contiguous()
         return
-    if linear.input_perm is not None:
-        raise ValueError("A GPTQ checkpoint with act-order (desc_act) cannot be split over "
-                         "tensor-parallel ranks: its groups gather inputs from the whole row.")
     k, group = linear.in_features, linear.group_size
     codes = unpack_int4(linear.qweight, k, int4_half(group, k))[:, first:first + count]
     if group >= k:  # one group a row: each rank's part of it keeps the row's scale
