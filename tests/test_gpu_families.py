@@ -30,7 +30,7 @@ def greedy(llm: LLM) -> list[list[int]]:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("kw", [dict(enforce_eager=True), dict(),
-                                dict(block_size=16, max_num_batched_tokens=32)],
+                                dict(block_size=16, max_num_batched_tokens=32, max_num_seqs=8)],
                          ids=["eager", "graphs", "chunked"])
 def test_fp32_greedy_matches_transformers_on_the_gpu(family_dirs, family, kw):  # noqa: F811
     llm = LLM(str(family_dirs[family]), **FP32, **kw)
