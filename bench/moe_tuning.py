@@ -10,7 +10,8 @@ and each token count T (T x k rows): random routing (each token k distinct exper
 as a model with dummy weights routes), then each candidate tile of each GEMM, timed by CUDA
 events (the median of 20 launches); a candidate whose output differs from the reference loop
 over experts is dropped. The BLOCK_M kept is the one whose two GEMMs' best times sum least
-(BLOCK_M is shared: it sets the rows' alignment). The table is merged into the file under this
+(BLOCK_M is shared: it sets the rows' alignment; 1 is the rows path, tried up to 64 rows,
+with its own candidates). The table is merged into the file under this
 GPU's name, so several calls (models, GPUs) fill one file; a printed line per token count.
 """
 
@@ -34,12 +35,16 @@ from minivllm.model.quantization import quantize_fp8
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 CANDIDATES = dict(BLOCK_N=[64, 128], BLOCK_K=[64, 128], num_warps=[4, 8], num_stages=[3, 4])
+# The rows path's (BLOCK_M 1, GEMV-shaped): narrow column tiles, long input blocks.
+ROWS_CANDIDATES = dict(BLOCK_N=[4, 8, 16, 32], BLOCK_K=[256, 512], num_warps=[2, 4],
+                       num_stages=[2])
+ROWS_PATH_MAX_ROWS = 64
 
 
 def block_ms(rows: int) -> list[int]:
     """The BLOCK_M worth trying at this many (token, expert) rows: a decode step's few rows
-    fill a small tile at best."""
-    return [16, 32] if rows <= 64 else [16, 32, 64, 128]
+    fill a small tile at best, or take the rows path (1)."""
+    return [1, 16, 32] if rows <= ROWS_PATH_MAX_ROWS else [16, 32, 64, 128]
 
 
 def experts_of(name: str) -> tuple[int, int, int, int]:
@@ -85,8 +90,8 @@ def reference_gate_up(x, w13, scale, ids) -> torch.Tensor:
     return out
 
 
-def tune_tokens(w: dict, top_k: int, tokens: int, device, candidates: dict, reps: int,
-                smoke: bool) -> dict:
+def tune_tokens(w: dict, top_k: int, tokens: int, device, candidates: dict,
+                rows_candidates: dict, reps: int, smoke: bool) -> dict:
     """The best tiles at this token count (moe_tiles' entry) and their time, us."""
     mod, _ = kernels_for(K.__name__, device)
     e, n13, h = w["w13"].shape
@@ -100,21 +105,35 @@ def tune_tokens(w: dict, top_k: int, tokens: int, device, candidates: dict, reps
     want13 = reference_gate_up(x, w["w13"], w["w13_scale"], ids)
     want = experts_reference(x, w["w13"], w["w2"], weights, ids, F.silu, w["w13_scale"],
                              w["w2_scale"])
+    gate, up = want13.chunk(2, dim=-1)
+    want_h = F.silu(gate) * up  # the rows path's first GEMM gates in its epilogue
     flat_w = weights.reshape(-1).contiguous()
+    flat_ids = ids.reshape(-1).contiguous()
     best = None
     for block_m in block_ms(rows):
-        sorted_rows, block_expert = K.align_by_expert(ids, e, block_m)
-        gate_up = torch.empty(rows, n13, dtype=dtype, device=device)
+        by_rows = block_m == 1
+        if not by_rows:
+            sorted_rows, block_expert = K.align_by_expert(ids, e, block_m)
+        gate_up = torch.empty(rows, n13 // 2 if by_rows else n13, dtype=dtype, device=device)
         out = torch.empty(rows, h, dtype=dtype, device=device)
         picks, total = {}, 0.0
+        space = rows_candidates if by_rows else candidates
         for gemm in ("w13", "w2"):
             fastest = None
-            for values in itertools.product(*candidates.values()):
-                tiles = dict(zip(candidates, values))
-                if gemm == "w13":
+            for values in itertools.product(*space.values()):
+                tiles = dict(zip(space, values))
+                if gemm == "w13" and by_rows:
+                    def run():
+                        K._rows_gemm(mod, x, w["w13"], w["w13_scale"], gate_up, flat_ids,
+                                     flat_w, top_k, True, False, True, tiles)
+                elif gemm == "w13":
                     def run():
                         K._gemm(mod, x, w["w13"], w["w13_scale"], None, gate_up, sorted_rows,
                                 block_expert, flat_w, rows, top_k, True, False, block_m, tiles)
+                elif by_rows:
+                    def run():
+                        K._rows_gemm(mod, hidden, w["w2"], w["w2_scale"], out, flat_ids,
+                                     flat_w, 1, False, True, False, tiles)
                 else:
                     def run():
                         K._gemm(mod, hidden, w["w2"], w["w2_scale"], None, out, sorted_rows,
@@ -127,7 +146,8 @@ def tune_tokens(w: dict, top_k: int, tokens: int, device, candidates: dict, reps
                     print(f"  skip {gemm} M{block_m} {tiles}: {type(exc).__name__}")
                     continue
                 got = gate_up if gemm == "w13" else out.view(tokens, top_k, -1).sum(dim=1)
-                if not close(got, want13 if gemm == "w13" else want):
+                expected = (want_h if by_rows else want13) if gemm == "w13" else want
+                if not close(got, expected):
                     print(f"  wrong {gemm} M{block_m} {tiles}: dropped")
                     continue
                 us = 0.0 if smoke else median_gpu_us(run, reps, warmup=1)
@@ -137,7 +157,11 @@ def tune_tokens(w: dict, top_k: int, tokens: int, device, candidates: dict, reps
                 break
             picks[gemm] = fastest[1]
             total += fastest[0]
-            if gemm == "w13":  # the second GEMM's input, from the first's best tiles
+            if gemm == "w13" and by_rows:  # the second GEMM's input, from the first's best
+                K._rows_gemm(mod, x, w["w13"], w["w13_scale"], gate_up, flat_ids, flat_w,
+                             top_k, True, False, True, picks["w13"])
+                hidden = gate_up
+            elif gemm == "w13":
                 K._gemm(mod, x, w["w13"], w["w13_scale"], None, gate_up, sorted_rows,
                         block_expert, flat_w, rows, top_k, True, False, block_m, picks["w13"])
                 gate, up = gate_up.chunk(2, dim=-1)
@@ -182,11 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         device, gpu = torch.device("cpu"), "cpu (smoke)"
         shapes = {"tiny": (4, 24, 32, 2)}
         candidates = dict(BLOCK_N=[16, 32], BLOCK_K=[16], num_warps=[4], num_stages=[1])
+        rows_candidates = dict(BLOCK_N=[8], BLOCK_K=[16], num_warps=[2], num_stages=[1])
         args.dtypes, args.tokens = ["bf16"], [1, 9]
     else:
         device, gpu = torch.device("cuda"), torch.cuda.get_device_name()
         shapes = {name: experts_of(name) for name in args.models}
-        candidates = CANDIDATES
+        candidates, rows_candidates = CANDIDATES, ROWS_CANDIDATES
     path = Path(args.table)
     table = json.loads(path.read_text()) if path.exists() else {}
     mine = table.setdefault(gpu, {})
@@ -201,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             if time.perf_counter() - start > args.budget_s:
                 print(f"[moe_tuning] budget spent: {name} {dtype} stops before T={tokens}")
                 break
-            best = tune_tokens(w, top_k, tokens, device, candidates, args.reps, args.smoke)
+            best = tune_tokens(w, top_k, tokens, device, candidates, rows_candidates,
+                               args.reps, args.smoke)
             if best is None:
                 print(f"[moe_tuning] {name} {dtype} T={tokens}: no candidate ran")
                 continue

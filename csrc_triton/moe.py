@@ -19,6 +19,14 @@ experts the batch uses). Everything is sized by T, k and E alone, with no host s
 the step stays inside a CUDA graph: tiles past the last expert's run find expert -1 and
 return at once.
 
+A decode step's few rows fill few tiles: Qwen3-30B-A3B at one token gives 8 experts x 12
+column tiles, and the grouped GEMMs took 99 us of the H200 against the 18 us their weights'
+bytes need. BLOCK_M = 1 is the rows path for such steps: no sort, a program per (row, column
+tile) reading its row's expert's weights directly (GEMV-shaped: narrow column tiles, many
+programs), the first GEMM's gate and up columns together and silu(gate) * up in its epilogue.
+A row's expert is read once per row, so two rows of one expert read it twice: it pays only
+at small row counts, which the measured table decides.
+
 Tiles (BLOCK_M shared by both GEMMs, as the rows' alignment is; BLOCK_N, BLOCK_K, warps and
 stages per GEMM) come from moe_tiles.json beside this file, measured per GPU, expert shape,
 weight type and row count by bench/moe_tuning.py; a shape or GPU it lacks gets a rule.
@@ -31,6 +39,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -175,6 +184,60 @@ def _grouped_gemm_int4_kernel(a_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, sorted
                 SCALE_BY_WEIGHT)
 
 
+@triton.jit
+def _rows_gemv_kernel(a_ptr, w_ptr, w_scale_ptr, out_ptr, ids_ptr, weight_ptr, N, K,
+                      stride_am, stride_we, stride_wn, stride_om, TOP_K: tl.constexpr,
+                      A_BY_TOKEN: tl.constexpr, SCALE_BY_WEIGHT: tl.constexpr,
+                      W_SCALED: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    """Program (row, column tile) of the rows path (BLOCK_M = 1): out[row, cols] = A[row] @
+    W[e].T for the row's expert e = ids[row], in float32. GATED: W's columns n (gate) and
+    N + n (up) together, out = silu(gate) * up. W_SCALED: e4m3 or int8 weights, the sums
+    times their output channel's scale (w_scale [E, rows of W])."""
+    row = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + row).to(tl.int64)
+    a_row = row // TOP_K if A_BY_TOKEN else row
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w_base = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        a = tl.load(a_ptr + a_row * stride_am + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        ok = n_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_base + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[None, :], 1)
+        if GATED:
+            u = tl.load(w_base + N * stride_wn + offs_k[None, :], mask=ok,
+                        other=0.0).to(tl.float32)
+            acc_up += tl.sum(u * a[None, :], 1)
+    if W_SCALED:
+        scales = w_scale_ptr + expert * (2 * N if GATED else N) + offs_n
+        acc = acc * tl.load(scales, mask=n_ok, other=0.0)
+        if GATED:
+            acc_up = acc_up * tl.load(scales + N, mask=n_ok, other=0.0)
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if SCALE_BY_WEIGHT:
+        acc = acc * tl.load(weight_ptr + row).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def _rows_gemm(mod, a, w, w_scale, out, ids, weights, top_k, by_token: bool, scale: bool,
+               gated: bool, tiles: dict) -> None:
+    """The rows path's launch: out [rows, N] (N = w's rows, or half of them when gated)."""
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    scaled = w.dtype in (torch.float8_e4m3fn, torch.int8)
+    mod._rows_gemv_kernel[(ids.numel(), triton.cdiv(n, tiles["BLOCK_N"]))](
+        a, w, w_scale if scaled else weights, out, ids, weights, n, a.shape[1], a.stride(0),
+        w.stride(0), w.stride(1), out.stride(0), TOP_K=top_k, A_BY_TOKEN=by_token,
+        SCALE_BY_WEIGHT=scale, W_SCALED=scaled, GATED=gated, BLOCK_N=tiles["BLOCK_N"],
+        BLOCK_K=tiles["BLOCK_K"], num_warps=tiles["num_warps"],
+        num_stages=tiles["num_stages"])
+
+
 def tiles_key(w13: torch.Tensor, top_k: int) -> str:
     """moe_tiles.json's name for an expert shape: experts, w13's rows (2 x the inner
     width) and inputs, top-k, the weights' type."""
@@ -254,8 +317,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     rows = tokens * top_k
     tiles = tiles or moe_tiles(w13, top_k, rows, x.device)
     block_m = tiles["BLOCK_M"]
-    sorted_rows, block_expert = align_by_expert(ids, w13.shape[0], block_m)
     weights = weights.reshape(-1).contiguous()
+    if block_m == 1 and w13_zero is not None:  # the rows path has no int4 kernel
+        tiles = pick_tiles(None, w13.shape[1], rows)
+        block_m = tiles["BLOCK_M"]
+    if block_m == 1:
+        return _rows_moe(mod, x.contiguous(), w13, w2, weights, ids, act, tiles, w13_scale,
+                         w2_scale)
+    sorted_rows, block_expert = align_by_expert(ids, w13.shape[0], block_m)
     gate_up = torch.empty(rows, w13.shape[1], dtype=x.dtype, device=x.device)
     _gemm(mod, x.contiguous(), w13, w13_scale, w13_zero, gate_up, sorted_rows, block_expert,
           weights, rows, top_k, True, False, block_m, tiles["w13"])
@@ -264,4 +333,23 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     out = torch.empty(rows, w2.shape[1], dtype=x.dtype, device=x.device)
     _gemm(mod, h, w2, w2_scale, w2_zero, out, sorted_rows, block_expert, weights, rows, 1,
           False, True, block_m, tiles["w2"])
+    return out.view(tokens, top_k, -1).sum(dim=1)
+
+
+def _rows_moe(mod, x, w13, w2, weights, ids, act, tiles, w13_scale, w2_scale):
+    """fused_moe by the rows path (BLOCK_M = 1): silu's gating in the first GEMM's
+    epilogue (another activation: applied between the GEMMs, as the grouped path does)."""
+    tokens, top_k = ids.shape
+    flat_ids = ids.reshape(-1).contiguous()
+    rows, inner = flat_ids.numel(), w13.shape[1] // 2
+    gated = act is F.silu
+    h = torch.empty(rows, inner if gated else 2 * inner, dtype=x.dtype, device=x.device)
+    _rows_gemm(mod, x, w13, w13_scale, h, flat_ids, weights, top_k, True, False, gated,
+               tiles["w13"])
+    if not gated:
+        gate, up = h.chunk(2, dim=-1)
+        h = (act(gate) * up).contiguous()
+    out = torch.empty(rows, w2.shape[1], dtype=x.dtype, device=x.device)
+    _rows_gemm(mod, h, w2, w2_scale, out, flat_ids, weights, 1, False, True, False,
+               tiles["w2"])
     return out.view(tokens, top_k, -1).sum(dim=1)

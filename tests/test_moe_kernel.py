@@ -32,9 +32,15 @@ def test_align_by_expert_groups_rows_by_expert():
     assert experts.tolist()[:4] == [0, 1, 3, 3] and set(experts.tolist()[4:]) == {-1}
 
 
+ROWS_TILES = {"BLOCK_M": 1, "w13": dict(BLOCK_N=8, BLOCK_K=16, num_warps=2, num_stages=1),
+              "w2": dict(BLOCK_N=16, BLOCK_K=8, num_warps=2, num_stages=1)}
+
+
 @pytest.mark.parametrize("tokens,experts,top_k,block_m", [(7, 5, 2, 16), (1, 8, 2, 16),
-                                                          (40, 6, 3, 16), (9, 4, 1, 32)])
+                                                          (40, 6, 3, 16), (9, 4, 1, 32),
+                                                          (1, 8, 2, 1), (7, 5, 3, 1)])
 def test_fused_moe_matches_the_reference(tokens, experts, top_k, block_m):
+    """BLOCK_M 1 is the rows path: a program per (row, column tile), no sort."""
     g = torch.Generator().manual_seed(tokens * 10 + experts)
     hidden, inter = 32, 24
     x = torch.randn(tokens, hidden, generator=g).to(DEVICE)
@@ -45,9 +51,25 @@ def test_fused_moe_matches_the_reference(tokens, experts, top_k, block_m):
     weights, ids = route(logits, top_k, True, x.dtype)
     want = experts_reference(x, w13, w2, weights, ids, F.silu)
     gemm = dict(BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2)
-    tiles = {"BLOCK_M": block_m, "w13": gemm, "w2": gemm}
+    tiles = ROWS_TILES if block_m == 1 else {"BLOCK_M": block_m, "w13": gemm, "w2": gemm}
     got = csrc_triton.fused_moe(x, w13, w2, weights, ids, F.silu, tiles=tiles)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_rows_path_takes_other_activations_between_its_gemms():
+    """silu's gating is the first GEMM's epilogue; another activation (GELU) is applied
+    between the GEMMs, on inputs and columns no multiple of the tiles."""
+    g = torch.Generator().manual_seed(5)
+    tokens, experts, top_k, hidden, inter = 3, 6, 2, 40, 20
+    x = torch.randn(tokens, hidden, generator=g).to(DEVICE)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2).to(DEVICE)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) * 0.2).to(DEVICE)
+    weights, ids = route(torch.randn(tokens, experts, generator=g).to(DEVICE), top_k, True,
+                         x.dtype)
+    for act in (F.silu, F.gelu):
+        got = csrc_triton.fused_moe(x, w13, w2, weights, ids, act, tiles=ROWS_TILES)
+        want = experts_reference(x, w13, w2, weights, ids, act)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_each_gemm_takes_its_own_tiles():
@@ -83,12 +105,15 @@ def test_measured_tiles_are_looked_up_by_shape_and_rows():
     assert rule["w13"]["BLOCK_K"] == 64 and rule["BLOCK_M"] == 16
 
 
-@pytest.mark.parametrize("method", ["fp8", "int8", "int4"])
-def test_quantized_experts_match_their_dequantized_reference(method):
+@pytest.mark.parametrize("method,rows_path", [("fp8", False), ("int8", False),
+                                              ("int4", False), ("fp8", True), ("int8", True),
+                                              ("int4", True)])
+def test_quantized_experts_match_their_dequantized_reference(method, rows_path):
     """e4m3 or int8 experts with per-channel scales (the kernel converts per tile and scales
     the sums), int4 with a scale and a zero point per group (the kernel unpacks a block of
     inputs at a time): the reference dequantizes first; the same result up to rounding.
-    int4 at 256 inputs: two groups of w13's rows, two packed blocks a row."""
+    int4 at 256 inputs: two groups of w13's rows, two packed blocks a row. The rows path
+    (BLOCK_M 1) scales its sums the same way; int4 leaves it for the grouped kernel."""
     from minivllm.model.quantization import quantize_fp8, quantize_int4, quantize_int8
     quantize = {"fp8": quantize_fp8, "int8": quantize_int8, "int4": quantize_int4}[method]
     g = torch.Generator().manual_seed(4)
@@ -108,7 +133,7 @@ def test_quantized_experts_match_their_dequantized_reference(method):
                          x.dtype)
     want = experts_reference(x, q13, q2, weights, ids, F.silu, s13, s2, **zeros)
     got = csrc_triton.fused_moe(x, q13, q2, weights, ids, F.silu, w13_scale=s13,
-                                w2_scale=s2, **zeros)
+                                w2_scale=s2, tiles=ROWS_TILES if rows_path else None, **zeros)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # And close to the full-precision experts (int8 finest, then e4m3, then 4 bits).
     full = experts_reference(x, w13.to(DEVICE), w2.to(DEVICE), weights, ids, F.silu)
