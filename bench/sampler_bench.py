@@ -20,6 +20,7 @@ import torch
 
 from bench.common import environment, median_gpu_us
 from minivllm import SamplingParams
+from csrc_triton import sampling as K
 from minivllm.worker import sampler as S
 
 SETTINGS = {
@@ -72,9 +73,21 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--profile", action="store_true",
                    help="also each kernel's device time per replay (torch.profiler)")
+    p.add_argument("--programs-per-sm", type=int, nargs="+", default=None,
+                   help="measure each of these targets of the kernels' programs per SM "
+                        "(csrc_triton.sampling.PROGRAMS_PER_SM; default: its value)")
     args = p.parse_args()
-    dev = torch.device("cuda")
     record = {"benchmark": "sampler", "environment": environment(), "rows": []}
+    for programs in args.programs_per_sm or [K.PROGRAMS_PER_SM]:
+        K.PROGRAMS_PER_SM = programs
+        K.sampling_splits.cache_clear()
+        measure(args, record, programs)
+    Path(args.out).write_text(json.dumps(record, indent=1))
+    return 0
+
+
+def measure(args, record: dict, programs: int) -> None:
+    dev = torch.device("cuda")
     for vocab in args.vocab:
         most = max(args.rows)
         logits = torch.empty(most, vocab, dtype=torch.bfloat16, device=dev)
@@ -104,17 +117,15 @@ def main() -> int:
                     replay = sampler.graphs.graphs[n, bool(lp_rows)].replay
                     us = median_gpu_us(replay)
                     row = {"vocab": vocab, "scale": scale, "rows": n, "setting": name,
-                           "us": round(us, 1)}
+                           "programs_per_sm": programs, "us": round(us, 1)}
                     if args.profile:
                         row["kernels_us"] = kernel_times(replay)
                         print("   ", row["kernels_us"], flush=True)
                     record["rows"].append(row)
-                    print(f"V={vocab} scale={scale} rows={n:4d} {name:26s} {us:8.1f} us",
-                          flush=True)
+                    print(f"V={vocab} scale={scale} rows={n:4d} P/SM={programs:2d} "
+                          f"{name:26s} {us:8.1f} us", flush=True)
                     del sampler
                     torch.cuda.empty_cache()
-    Path(args.out).write_text(json.dumps(record, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

@@ -93,6 +93,10 @@ _LEVEL_PIVOTS = 16    # a search level's (every split of the row at once)
 _LEVELS = 4
 _BLOCK = 1024
 _LP_BLOCK = 4096      # a logprobs program's share of a row (one block)
+# Programs a row's splits aim at, per SM, in all. At 4, 256 rows of 151,936 tokens gave the
+# prepare kernel about 6 programs (24 warps) an SM and 1.7 TB/s (too few loads in flight);
+# bench/sampler_bench.py --programs-per-sm measures others.
+PROGRAMS_PER_SM = 4
 _INT64_MAX = tl.constexpr(2 ** 63 - 1)
 
 # Partial results of prepare, per (row, split), in a float32 [R, splits, 8] buffer.
@@ -894,16 +898,17 @@ def _logprob_finish_kernel(row_slot_ptr, ints_ptr, lse_ptr, top_val_ptr, top_idx
 
 @functools.lru_cache(maxsize=None)  # asked on every launch, twice
 def sampling_splits(rows: int, vocab: int, device: torch.device) -> int:
-    """Programs per row in prepare and draw: enough for ~4 programs per SM in all, each
-    at least a block of the vocabulary (on a CPU: one per row, the interpreter's cost is
-    per program)."""
+    """Programs per row in prepare and draw: enough for ~PROGRAMS_PER_SM programs per SM
+    in all, each at least a block of the vocabulary (on a CPU: one per row, the
+    interpreter's cost is per program)."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     most = triton.cdiv(vocab, _BLOCK)
     # By the rows' power of two; the kernels' constants do not depend on it (sample_rows),
     # so the row buckets share one compiled variant of each kernel.
-    return max(1, min(most, triton.cdiv(4 * sms, triton.next_power_of_2(max(rows, 1)))))
+    return max(1, min(most, triton.cdiv(PROGRAMS_PER_SM * sms,
+                                        triton.next_power_of_2(max(rows, 1)))))
 
 
 def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch, out,
