@@ -155,3 +155,16 @@ def test_replica_configs_give_each_engine_a_gpu_where_there_are_enough(monkeypat
     assert [c.device for c in own] == ["cuda:0", "cuda:2"]
     shared = replica_configs(EngineConfig(device="cuda", tensor_parallel_size=4), 2)
     assert [c.device for c in shared] == ["cuda", "cuda"]
+    # Each engine knows which it is: engine K > 0 writes its trace beside engine 0's.
+    assert [c.data_parallel_rank for c in shared] == [0, 1]
+
+
+def test_each_engine_writes_a_trace_of_its_own(monkeypatch, tmp_path):
+    """Two engines given one MINIVLLM_ENGINE_TRACE path wrote the same file, and the
+    benchmark read neither."""
+    from minivllm.engine.step_trace import StepTrace
+
+    monkeypatch.setenv("MINIVLLM_ENGINE_TRACE", str(tmp_path / "trace.json"))
+    paths = [StepTrace.from_env(rank).path for rank in (0, 1, 2)]
+    assert paths == [str(tmp_path / name) for name in
+                     ("trace.json", "trace-dp1.json", "trace-dp2.json")]

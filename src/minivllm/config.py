@@ -298,6 +298,9 @@ class EngineConfig:
     # Offline LLM(...) only: engines splitting each generate() call's prompts (the server's
     # is --data-parallel-size, engine/data_parallel.py).
     data_parallel_size: int = 1
+    # Which of the server's data-parallel engines this is (replica_configs sets it; it
+    # names the engine's trace file, engine/step_trace.py).
+    data_parallel_rank: int = 0
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"

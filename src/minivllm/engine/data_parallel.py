@@ -57,7 +57,8 @@ def replica_configs(config: EngineConfig, size: int) -> list[EngineConfig]:
     ranks = max(config.tensor_parallel_size // max(config.nnodes, 1), 1)
     # Each engine its own seed: unseeded requests draw from (engine seed, request number),
     # and the engines number their requests alike.
-    seeds = [dataclasses.replace(config, seed=(config.seed + i) % 2**63) for i in range(size)]
+    seeds = [dataclasses.replace(config, seed=(config.seed + i) % 2**63, data_parallel_rank=i)
+             for i in range(size)]
     if (device.type == "cuda" and device.index is None
             and torch.cuda.device_count() >= size * ranks):
         return [dataclasses.replace(c, device=f"cuda:{i * ranks}") for i, c in enumerate(seeds)]

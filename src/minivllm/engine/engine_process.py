@@ -77,7 +77,7 @@ def run_engine_process(config, conns, log_level: int = logging.INFO) -> None:
     live = set(range(len(conns)))
     held = {k: OutputBuffer() for k in live}
     max_unanswered = max_unanswered_outputs() or float("inf")
-    trace = StepTrace.from_env()
+    trace = StepTrace.from_env(config.data_parallel_rank)
     runner = getattr(core.engine, "runner", None)
     try:
         while live:

@@ -5,7 +5,8 @@ woke, how many commands it read, how long its step took and what the step was (t
 runner's path: decode_graph, decode_pipelined, mixed_graph, mixed_pipelined, long (a step
 past the graphs, run eagerly), long_pipelined or eager; tokens; sequences),
 and for every added request how long it took from the frontend's arrival stamp to the
-engine reading it. The JSON is written to PATH when the engine process ends. Timestamps
+engine reading it. The JSON is written to PATH when the engine process ends (data-parallel
+engine K > 0 writes PATH's name with -dpK before its extension). Timestamps
 are time.monotonic(), which is system-wide on Linux, so a benchmark can cut the trace
 into its own levels (bench/engine_trace.py). Off by default: a tuple append per
 iteration when on.
@@ -31,8 +32,11 @@ class StepTrace:
         self.adds: list[tuple] = []
 
     @classmethod
-    def from_env(cls) -> "StepTrace | None":
+    def from_env(cls, data_parallel_rank: int = 0) -> "StepTrace | None":
         path = os.environ.get(ENV)
+        if path and data_parallel_rank:
+            stem, ext = os.path.splitext(path)
+            path = f"{stem}-dp{data_parallel_rank}{ext}"
         return cls(path) if path else None
 
     def add_received(self, arrival_time: float | None) -> None:
