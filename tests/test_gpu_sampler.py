@@ -212,3 +212,23 @@ def test_structured_outputs_through_the_graphs(tiny_text_model_dir):
     for out, ok in zip(outs, checks):
         for c in out.outputs:
             assert ok(c.text) and c.finish_reason == "stop", c.text
+
+
+def test_admitting_requests_does_not_wait_for_the_step_in_flight():
+    """Writing newly admitted slots' state (parameters, counts, bias) queues behind the
+    GPU's work without the host waiting for it: a copy from pageable memory synchronized
+    the stream, and the engine's next step was then prepared with the GPU idle."""
+    state = S.SamplingState(4, 1000, GPU, engine_seed=0)
+    seqs = [Seq(i, [5, 6, 7], [8], temperature=0.7, repetition_penalty=1.2,
+                logit_bias={3: 1.0}) for i in range(3)]
+    for seq in seqs:
+        state.slot_of(seq)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued ahead
+    state.flush()
+    assert not torch.cuda.current_stream().query()  # the host came back first
+    torch.cuda.synchronize()
+    slots = [state.slot_of(seq) for seq in seqs]
+    assert state.floats[slots, 0].tolist() == pytest.approx([0.7] * 3)
+    assert (state.counts[slots][:, [5, 6, 7]] & S.PROMPT_BIT).all()
+    assert state.bias[slots, 3].tolist() == [1.0] * 3

@@ -234,9 +234,9 @@ class SamplingState:
             floats[i, _F_PRES] = p.presence_penalty
             if flags & (FLAG_PENALTY | FLAG_BANS | FLAG_BIAS):
                 dense.append((slot, seq, flags))
-        index = torch.tensor([slot for slot, _ in new], dtype=torch.long).to(self.device)
-        self.ints.index_copy_(0, index, torch.from_numpy(ints).to(self.device))
-        self.floats.index_copy_(0, index, torch.from_numpy(floats).to(self.device))
+        index = to_device(np.asarray([slot for slot, _ in new], dtype=np.int64), self.device)
+        self.ints.index_copy_(0, index, to_device(ints, self.device))
+        self.floats.index_copy_(0, index, to_device(floats, self.device))
         if dense:
             self._write_dense(dense)
 
@@ -245,8 +245,8 @@ class SamplingState:
         presence, the banned tokens, the output's counts (a preempted sequence's tokens so
         far) and the bias written by scatters over all of them at once."""
         vocab = self.vocab
-        slots = torch.tensor([slot for slot, _, _ in entries], dtype=torch.long)
-        self.counts.index_fill_(0, slots.to(self.device), 0)
+        slots = np.asarray([slot for slot, _, _ in entries], dtype=np.int64)
+        self.counts.index_fill_(0, to_device(slots, self.device), 0)
         prompt, banned, output, bias_at, bias_val, allowed = [], [], [], [], [], []
         for slot, seq, flags in entries:
             base = slot * vocab
@@ -277,15 +277,15 @@ class SamplingState:
         for parts, value in ((prompt, PROMPT_BIT), (banned, BAN_BIT),
                              (output, 1 << COUNT_SHIFT)):
             if parts and sum(len(p) for p in parts):
-                at = torch.from_numpy(np.concatenate(parts)).to(self.device)
-                flat.index_put_((at,), torch.tensor(value, dtype=torch.int32,
-                                                    device=self.device), accumulate=True)
+                at = to_device(np.concatenate(parts), self.device)
+                flat.index_put_((at,), torch.full((), value, dtype=torch.int32,
+                                                  device=self.device), accumulate=True)
         if allowed:
-            at = torch.from_numpy(np.concatenate(allowed)).to(self.device)
+            at = to_device(np.concatenate(allowed), self.device)
             self.bias.view(-1).index_fill_(0, at, 0.0)
         if bias_at:
-            at = torch.from_numpy(np.concatenate(bias_at)).to(self.device)
-            val = torch.from_numpy(np.concatenate(bias_val)).to(self.device)
+            at = to_device(np.concatenate(bias_at), self.device)
+            val = to_device(np.concatenate(bias_val), self.device)
             self.bias.view(-1).index_put_((at,), val, accumulate=True)
 
     def count_tokens(self, seq, tokens: list[int]) -> None:
@@ -294,9 +294,10 @@ class SamplingState:
         slot = self._slots.get(seq.seq_id)
         if slot is None or not tokens or not self.host_flags.get(slot, 0) & FLAG_PENALTY:
             return
-        at = torch.tensor([slot * self.vocab + t for t in tokens], device=self.device)
+        at = to_device(np.asarray([slot * self.vocab + t for t in tokens], dtype=np.int64),
+                       self.device)
         self.counts.view(-1).index_put_(
-            (at,), torch.tensor(1 << COUNT_SHIFT, dtype=torch.int32, device=self.device),
+            (at,), torch.full((), 1 << COUNT_SHIFT, dtype=torch.int32, device=self.device),
             accumulate=True)
 
 
@@ -377,6 +378,18 @@ class SampledRows:
                 else:
                     logprobs[i] = (token_lp[i], rank[i], top_idx[i][:k], top_val[i][:k])
         return SamplerOutput(tokens, logprobs)
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on the device without waiting for the GPU: through pinned memory, whose
+    buffer PyTorch's host allocator keeps until the copy is done. A copy from pageable
+    memory synchronizes the stream, so each admission waited for the step in flight and
+    the host's preparation of the next no longer overlapped it (W3 at c=256 on the H200:
+    GPU 32% busy, 40.6k tok/s against 59-61k before the sampler kept state per slot)."""
+    t = torch.from_numpy(array)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def wide_logprobs(logits: torch.Tensor, rows: list[int],
