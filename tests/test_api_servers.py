@@ -87,6 +87,44 @@ def test_two_api_servers_share_one_engine(tmp_path):
             proc.wait(10)
 
 
+def test_two_api_servers_in_front_of_two_data_parallel_engines(tmp_path):
+    """--api-servers 2 --data-parallel-size 2: each API process is attached to both
+    engines and routes its own requests; both engines serve, every request completes, and
+    SIGINT stops the five processes."""
+    proc, url, model = _start_two_api_servers(tmp_path, "--data-parallel-size", "2",
+                                              stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT,
+                                              start_new_session=True)
+    try:
+        wait_until_healthy(url, proc)
+        assert len(_processes_in_session(proc.pid)) >= 4  # 2 API servers, 2 engines
+
+        async def main():
+            async def one(i):
+                async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x",
+                                              max_retries=0, timeout=60) as c:
+                    r = await c.completions.create(model=model.name, prompt=f"Count {i}",
+                                                   max_tokens=6, temperature=0.0,
+                                                   extra_body={"ignore_eos": True})
+                    return r.usage.completion_tokens
+            return await asyncio.gather(*(one(i) for i in range(24)))
+
+        assert asyncio.run(main()) == [6] * 24
+        text = httpx.get(url + "/metrics", headers={"Connection": "close"}).text
+        per_engine = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith("minivllm:engine_generation_tokens_total{")]
+        assert len(per_engine) == 2 and sum(per_engine) == 24 * 6, text
+        assert min(per_engine) > 0  # both engines served
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        assert _session_left_after(proc.pid, 30) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        _kill_session(proc.pid)
+
+
 def test_the_shared_socket_gives_connections_tcp_nodelay():
     """Without TCP_NODELAY a stream's first chunk waited for the client's delayed ACK
     (~40 ms a request through --api-servers 2)."""

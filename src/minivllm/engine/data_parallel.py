@@ -10,7 +10,8 @@ AsyncLLMEngine ends their streams with an error) and takes no new ones, while th
 keep serving. On a host with at least N GPUs (and no GPU named in `device`) engine i runs
 on cuda:i (under tensor parallelism of M ranks, on cuda:i*M to cuda:i*M+M-1); otherwise
 the engines share the device's memory, each with its share of gpu_memory_utilization.
-Engine i takes the config's seed + i. The server reads this object like an AsyncLLMEngine.
+Engine i takes the config's seed + i. The server reads this object like an AsyncLLMEngine;
+with several API server processes, each holds one, attached to every engine.
 """
 
 from __future__ import annotations
@@ -67,22 +68,53 @@ def replica_configs(config: EngineConfig, size: int) -> list[EngineConfig]:
 
 
 class DataParallelEngine:
-    def __init__(self, config: EngineConfig, size: int, *,
-                 max_waiting_requests: int | None = None, start: bool = True) -> None:
+    """extra_frontends=K: every engine serves K more frontends (`minivllm serve
+    --api-servers K+1`); `frontend_connections` holds, per extra frontend, its
+    connections to the N engines, for DataParallelEngine.attach() in another process.
+    Each frontend routes its own requests by its own counts."""
+
+    def __init__(self, config: EngineConfig | None, size: int, *,
+                 max_waiting_requests: int | None = None, start: bool = True,
+                 extra_frontends: int = 0, _attach_to: list | None = None) -> None:
         if size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {size}.")
-        self.replicas = [AsyncLLMEngine(c, max_waiting_requests=max_waiting_requests,
-                                        engine_process=True, start=False)
-                         for c in replica_configs(config, size)]
+        if _attach_to is not None:
+            self.replicas = [AsyncLLMEngine.attach(c, max_waiting_requests=max_waiting_requests)
+                             for c in _attach_to]
+        else:
+            self.replicas = [AsyncLLMEngine(c, max_waiting_requests=max_waiting_requests,
+                                            engine_process=True, start=False,
+                                            extra_frontends=extra_frontends)
+                             for c in replica_configs(config, size)]
+        self._extra_frontends = extra_frontends
         self.stat_loggers = _StatLoggers(self.replicas)
         self.engine = None  # the engines live in other processes
         self._prefix_engine: OrderedDict[tuple, int] = OrderedDict()  # prefix -> engine
         if start:
             self.start()
 
-    def start(self, timeout: float | None = None) -> "DataParallelEngine":
-        for r in self.replicas:  # the models load side by side
+    @classmethod
+    def attach(cls, connections: list, *,
+               max_waiting_requests: int | None = None) -> "DataParallelEngine":
+        """A frontend of engines started by another DataParallelEngine (one entry of its
+        `frontend_connections`: a connection per engine), started."""
+        return cls(None, len(connections), max_waiting_requests=max_waiting_requests,
+                   _attach_to=connections)
+
+    def launch(self) -> "DataParallelEngine":
+        """Start every engine's process without waiting (the models load side by side);
+        `frontend_connections` are then ready."""
+        for r in self.replicas:
             r.launch()
+        return self
+
+    @property
+    def frontend_connections(self) -> list[list]:
+        return [[r.frontend_connections[k] for r in self.replicas]
+                for k in range(self._extra_frontends)]
+
+    def start(self, timeout: float | None = None) -> "DataParallelEngine":
+        self.launch()
         for r in self.replicas:
             r.start(timeout)
         return self

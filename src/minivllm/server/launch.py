@@ -201,7 +201,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "one per GPU where the host has as many and --device names none, "
                              "else sharing the device's memory. A request goes to the engine "
                              "with the fewest in flight, or to the one that served its "
-                             "prompt's first tokens. Takes one API server process.")
+                             "prompt's first tokens (each API server process routes its "
+                             "own requests).")
     parser.add_argument("--engine-in-thread", action="store_true",
                         help="Run the engine on a thread of the server's process instead of "
                              "a process of its own (they then share the GIL: slower under "
@@ -306,7 +307,7 @@ def new_engine(args: argparse.Namespace, start: bool = True, extra_frontends: in
         from ..engine.data_parallel import DataParallelEngine
         return DataParallelEngine(engine_config_from_args(args), args.data_parallel_size,
                                   max_waiting_requests=args.max_waiting_requests or None,
-                                  start=start)
+                                  start=start, extra_frontends=extra_frontends)
     # The engine gets a process of its own: sharing the GIL with the HTTP event loop cost
     # ~3x throughput at 64 concurrent streams (docs/decisions.md).
     return AsyncLLMEngine(engine_config_from_args(args),
@@ -367,14 +368,17 @@ def _api_server_process(args: argparse.Namespace, connection, sock, ready, metri
     """Main of an extra API server process: a frontend attached to the engine process.
     Sets `ready` (an Event) once it is about to serve."""
     from ..engine.async_llm_engine import AsyncLLMEngine
+    from ..engine.data_parallel import DataParallelEngine
     from ..thread_names import set_os_thread_name
 
     set_os_thread_name(multiprocessing.current_process().name)  # minivllm-api-N
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    # One connection, or under data parallelism one per engine.
+    frontend = DataParallelEngine if isinstance(connection, list) else AsyncLLMEngine
     try:
-        engine = AsyncLLMEngine.attach(connection,
-                                       max_waiting_requests=args.max_waiting_requests or None)
+        engine = frontend.attach(connection,
+                                 max_waiting_requests=args.max_waiting_requests or None)
     except BaseException:  # noqa: BLE001 - the engine did not start: the main process says why
         return
     server, _ = build_server(args, engine, metrics_store, metrics_row)
@@ -422,11 +426,9 @@ def run_server(args: argparse.Namespace) -> None:
     if args.node_rank > 0:  # a worker node: no engine, no HTTP server
         run_worker_node_from_args(args)
         return
-    if args.data_parallel_size > 1:
-        if args.engine_in_thread or (args.api_servers or 1) > 1:
-            sys.exit("minivllm serve: --data-parallel-size takes one API server process and "
-                     "engines in processes of their own")
-        args.api_servers = 1
+    if args.data_parallel_size > 1 and args.engine_in_thread:
+        sys.exit("minivllm serve: --data-parallel-size runs its engines in processes of "
+                 "their own")
     if args.api_servers is None:
         args.api_servers = 1 if args.engine_in_thread else default_api_servers(args.device)
     if args.api_servers < 1:
@@ -497,7 +499,8 @@ def _start_api_servers(args: argparse.Namespace, engine, sock,
                                    args=(args, conn, sock, readiness[-1], metrics_store,
                                          k + 1)))
         workers[-1].start()
-        conn.close()  # the worker holds it now; the engine must see EOF if it dies
+        for c in conn if isinstance(conn, list) else [conn]:
+            c.close()  # the worker holds it now; the engine must see EOF if it dies
     return workers, readiness
 
 
