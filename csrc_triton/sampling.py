@@ -31,9 +31,18 @@ interval holds at most CAP values; those are gathered, sorted and the boundary r
 Kept tokens that fit the gathered list are drawn from it; otherwise one more pass over
 the row draws.
 
+A row with top-p or min-p but no top-k is drawn first over every token, in prepare: the
+truncated draw is the same token whenever that one is kept (the kept set's best score is the
+row's best), which for top-p happens with probability at least top_p. Kept means its value
+reaches tau: for top-p, the mass of the values strictly above it is under top_p of the row's
+(one pass, the check kernel); for min-p, exp(x - max) >= min_p. Only the rows whose first
+draw is not kept search for tau.
+
 Kernels, in launch order: prepare (rows x splits: the processed values, their maximum,
 argmax, sum of exp, and the raw logits' log-sum-exp for logprob rows; the draw of a
-random row that keeps every token, which then never stores its values), select (a program
+random row that keeps every token, which then never stores its values, or of a row drawn
+first), check (rows x splits: top-p's mass above a first draw), bound (a program a row: a
+first draw kept, or where the search starts), the search levels, gather, select (a program
 a row: tau, and the token when it can), draw and finish (the rows left to draw over the
 whole vocabulary; the counts update; the token's logprob), then for logprob rows the
 top-N and rank (rows x splits, then a program a row). Launch grids depend only on the
@@ -98,6 +107,7 @@ _LP_BLOCK = 4096      # a logprobs program's share of a row (one block)
 # bench/sampler_bench.py --programs-per-sm measures others.
 PROGRAMS_PER_SM = 4
 _INT64_MAX = tl.constexpr(2 ** 63 - 1)
+_NO_TAU = tl.constexpr(-2 ** 63)  # tau of a row drawn before any threshold was needed
 
 # Partial results of prepare, per (row, split), in a float32 [R, splits, 8] buffer.
 _P_MAX, _P_SUM, _P_MIN, _P_FINITE, _P_RAW_MAX, _P_RAW_SUM, _P_DRAW, _P_DRAW_AT = range(8)
@@ -185,6 +195,7 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
     top_p_on = (flags & 64) != 0
     truncated = (flags & 96) != 0
     drawn_here = random & ((flags & 224) == 0)   # no top-k, top-p or min-p
+    drawn_first = random & ((flags & 32) == 0) & ((flags & 192) != 0)  # checked after
     seed = tl.load(ints_ptr + slot * 8 + 2)
     # 1 + the row's grammar bitmask row, 0 for none (only a FLAG_GRAMMAR slot has one).
     mask_row = (tl.load(row_flags_ptr + row) >> 2).to(tl.int64) * ((flags & 256) != 0)
@@ -233,13 +244,13 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
         x = tl.where(ok, x, float("-inf"))
         if random:
             x = x / temperature
-            if drawn_here:  # the draw kernel's scores, without a round trip through x
+            if drawn_here | drawn_first:  # the draw kernel's scores, where x is made
                 noise = -tl.log(-tl.log(_uniform_block(seed, k, position, BLOCK)))
                 score = tl.where(x > float("-inf"), x + noise, float("-inf"))
                 take = score > draw_best
                 draw_best = tl.where(take, score, draw_best)
                 draw_at = tl.where(take, offs, draw_at)
-            else:
+            if not drawn_here:
                 tl.store(x_ptr + row * stride_x + offs, x, mask=ok)
             bm = tl.max(x, 0)
             if truncated:
@@ -263,7 +274,7 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
     tl.store(part + 4, raw_max)
     tl.store(part + 5, raw_sum)
     tl.store(part_idx_ptr + row * num_splits + split, i)
-    if drawn_here:
+    if drawn_here | drawn_first:
         v, i = tl.reduce((draw_best, draw_at), 0, _first_max)
         tl.store(part + 6, v)
         tl.store(part + 7, i.to(tl.float32))  # exact: a vocabulary is below 2 ** 24
@@ -415,9 +426,48 @@ def _combined(part_ptr, part_idx_ptr, row, num_splits, SPLITS_P2: tl.constexpr):
 
 
 @triton.jit
-def _bound_kernel(row_slot_ptr, ints_ptr, floats_ptr, part_ptr, part_idx_ptr, num_splits,
-                  block_max_ptr, num_blocks, lo_ptr, hi_ptr, count_ptr, peak_ptr, state_ptr,
-                  state_f_ptr, pivots_ptr, SPLITS_P2: tl.constexpr, BLOCKS_P2: tl.constexpr,
+def _first_draw(part_ptr, row, num_splits, V, SPLITS_P2: tl.constexpr):
+    """The token of a row drawn in prepare: the best of its splits' draws."""
+    s = tl.arange(0, SPLITS_P2)
+    part = part_ptr + (row * num_splits + s) * 8
+    scores = tl.load(part + 6, mask=s < num_splits, other=float("-inf"))
+    ids = tl.load(part + 7, mask=s < num_splits, other=V).to(tl.int32)
+    _, token = tl.reduce((scores, ids), 0, _first_max)
+    return tl.minimum(token, V - 1).to(tl.int64)
+
+
+@triton.jit
+def _check_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, part_ptr, part_idx_ptr,
+                  mass_ptr, split_len, SPLITS_P2: tl.constexpr, NP: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """Program (row, split) of a top-p row drawn first (no top-k): its split's mass of
+    values strictly above the drawn token's, at mass_ptr[(row, split) * NP]."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    slot = tl.load(row_slot_ptr + row).to(tl.int64)
+    if slot < 0:
+        return
+    flags = tl.load(ints_ptr + slot * 8)
+    if ((flags & 1) == 0) | ((flags & 32) != 0) | ((flags & 64) == 0):
+        return
+    peak, _, _, _, _ = _combined(part_ptr, part_idx_ptr, row, num_splits, SPLITS_P2)
+    drawn = tl.load(x_ptr + row * stride_x + _first_draw(part_ptr, row, num_splits, V,
+                                                         SPLITS_P2))
+    mass = 0.0
+    start = split * split_len
+    for k in range(start, tl.minimum(start + split_len, V), BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < V, other=float("-inf"))
+        mass += tl.sum(tl.where(x > drawn, tl.exp(x - peak), 0.0), 0)
+    tl.store(mass_ptr + (row * num_splits + split) * NP, mass)
+
+
+@triton.jit
+def _bound_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, floats_ptr, part_ptr,
+                  part_idx_ptr, num_splits, block_max_ptr, num_blocks, lo_ptr, hi_ptr,
+                  count_ptr, peak_ptr, state_ptr, state_f_ptr, pivots_ptr, mass_ptr,
+                  token_ptr, tau_ptr, SPLITS_P2: tl.constexpr, BLOCKS_P2: tl.constexpr,
                   NP: tl.constexpr, CAP: tl.constexpr):
     """Program row, for a truncated random row: a value every kept token reaches, from
     the blocks' maxima (each block holds a value at least its maximum): the k-th largest
@@ -425,7 +475,9 @@ def _bound_kernel(row_slot_ptr, ints_ptr, floats_ptr, part_ptr, part_idx_ptr, nu
     down to which the maxima alone hold top_p of the row's mass. Its key goes to lo (the
     gather takes keys in [lo, hi]), the gather's count to zero. A row without a bound
     starts the search levels instead (state: lo, hi, count above each, mode, active; f
-    above hi, limit; the first pivots): mode 1 top-k's count, 2 top-p's mass (top-k off)."""
+    above hi, limit; the first pivots): mode 1 top-k's count, 2 top-p's mass (top-k off).
+    First, a row drawn first (top-p or min-p, no top-k): its token when kept (then
+    nothing else runs for it; its tau is _NO_TAU), else -1."""
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(row_slot_ptr + row).to(tl.int64)
     if slot < 0:
@@ -433,6 +485,24 @@ def _bound_kernel(row_slot_ptr, ints_ptr, floats_ptr, part_ptr, part_idx_ptr, nu
     state = state_ptr + row * 6
     tl.store(state + 5, 0)  # not searching
     flags = tl.load(ints_ptr + slot * 8)
+    if ((flags & 1) != 0) & ((flags & 32) == 0) & ((flags & 192) != 0):
+        peak, _, total, _, _ = _combined(part_ptr, part_idx_ptr, row, num_splits,
+                                         SPLITS_P2)
+        token = _first_draw(part_ptr, row, num_splits, V, SPLITS_P2)
+        drawn = tl.load(x_ptr + row * stride_x + token)
+        kept = drawn > float("-inf")
+        if (flags & 64) != 0:
+            s = tl.arange(0, SPLITS_P2)
+            above = tl.sum(tl.load(mass_ptr + (row * num_splits + s) * NP,
+                                   mask=s < num_splits, other=0.0), 0)
+            kept = kept & (above < tl.load(floats_ptr + slot * 8 + 1) * total)
+        if (flags & 128) != 0:
+            kept = kept & (tl.exp(drawn - peak) >= tl.load(floats_ptr + slot * 8 + 2))
+        tl.store(token_ptr + row, tl.where(kept, token, -1))
+        if kept:
+            tl.store(lo_ptr + row, _INT64_MAX)  # the gather takes nothing
+            tl.store(tau_ptr + row, _NO_TAU)
+            return
     if ((flags & 1) == 0) | ((flags & 96) == 0):
         return
     tl.store(count_ptr + row, 0)
@@ -669,13 +739,10 @@ def _select_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floa
         tl.store(token_ptr + row, argmax.to(tl.int64))
         return
     if (flags & 224) == 0:  # prepare drew it: the best of its splits' draws
-        s = tl.arange(0, SPLITS_P2)
-        part = part_ptr + (row * num_splits + s) * 8
-        scores = tl.load(part + 6, mask=s < num_splits, other=float("-inf"))
-        ids = tl.load(part + 7, mask=s < num_splits, other=V).to(tl.int32)
-        _, token = tl.reduce((scores, ids), 0, _first_max)
-        tl.store(token_ptr + row, tl.minimum(token, V - 1).to(tl.int64))
+        tl.store(token_ptr + row, _first_draw(part_ptr, row, num_splits, V, SPLITS_P2))
         return
+    if ((flags & 32) == 0) & (tl.load(token_ptr + row) >= 0):
+        return  # drawn first, and kept (_bound_kernel)
     top_k = tl.load(ints_ptr + slot * 8 + 1)
     top_p = tl.load(floats_ptr + slot * 8 + 1)
     x_row = x_ptr + row * stride_x
@@ -947,10 +1014,15 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
         state.ints, state.floats, scratch.part, scratch.part_idx, scratch.block_max,
         num_blocks, split_len, KX=kx,
         BLOCK=block, num_warps=4)
+    mod._check_kernel[(num_rows, splits)](
+        x, x.stride(0), vocab, rows.slot, state.ints, scratch.part, scratch.part_idx,
+        scratch.level_mass, split_len, SPLITS_P2=splits_p2, NP=_LEVEL_PIVOTS, BLOCK=block,
+        num_warps=4)
     mod._bound_kernel[(num_rows,)](
-        rows.slot, state.ints, state.floats, scratch.part, scratch.part_idx, splits,
-        scratch.block_max, num_blocks, scratch.lo, scratch.hi, scratch.count, scratch.peak,
-        scratch.search, scratch.search_f, scratch.pivots, SPLITS_P2=splits_p2,
+        x, x.stride(0), vocab, rows.slot, state.ints, state.floats, scratch.part,
+        scratch.part_idx, splits, scratch.block_max, num_blocks, scratch.lo, scratch.hi,
+        scratch.count, scratch.peak, scratch.search, scratch.search_f, scratch.pivots,
+        scratch.level_mass, out.token, scratch.tau, SPLITS_P2=splits_p2,
         BLOCKS_P2=triton.next_power_of_2(num_blocks), NP=_LEVEL_PIVOTS, CAP=cap,
         num_warps=4)
     for _ in range(levels):

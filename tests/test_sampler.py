@@ -54,6 +54,9 @@ def staged(seqs, vocab: int, positions: list[int] | None = None, extras=None,
                               torch.tensor(positions, dtype=torch.int64), flags, extra, mask)
 
 
+NO_TAU = -2 ** 63  # csrc_triton.sampling's tau of a row whose first draw was kept
+
+
 def run_kernels(logits, state, rows, want_logprobs: bool, cap: int = 32, block: int = 32,
                 splits: int = 3, levels: int = K._LEVELS):
     """csrc_triton.sampling.sample_rows (interpreted), with a small gather list and blocks
@@ -128,7 +131,11 @@ def test_kernels_match_the_reference(shape, block, splits, levels):
     keep = S.kept_tokens(x, flags & ~K.FLAG_MIN_P, state.ints[slot, S._I_TOP_K],
                          state.floats[slot, S._F_TOP_P], state.floats[slot, S._F_MIN_P])
     for i, p in enumerate(MIXED):
-        if p.get("temperature") and ("top_k" in p or "top_p" in p):
+        if not (p.get("temperature") and ("top_k" in p or "top_p" in p)):
+            continue
+        if out.tau[i].item() == NO_TAU:  # drawn first over every token, and kept
+            assert "top_k" not in p and keep[i, out.token[i]], i
+        else:
             assert out.tau[i].item() == S.float_keys(x[i][keep[i]].min()).item(), i
     for i, p in enumerate(MIXED):
         if p.get("logprobs") is None:
@@ -138,6 +145,25 @@ def test_kernels_match_the_reference(shape, block, splits, levels):
         assert out.rank[i].item() == want_lp[1][i].item()
         assert out.top_idx[i, :n].tolist() == want_lp[3][i, :n].tolist()
         torch.testing.assert_close(out.top_val[i, :n], want_lp[2][i, :n])
+
+
+def test_top_p_rows_are_drawn_first_and_searched_only_when_the_draw_is_cut():
+    """A top-p (or min-p) row without top-k is drawn over every token first; when that
+    token is kept it stands (the kept set's best is the row's best), else the row searches
+    for tau and draws again. At top_p 0.5 both happen in one batch; every token is the
+    reference's."""
+    vocab, n = 400, 24
+    for scale in (0.05, 3.0):
+        g = torch.Generator().manual_seed(11)
+        logits = torch.randn(n, vocab, generator=g) * scale
+        seqs = [row(i, temperature=0.9, top_p=0.5, seed=i, **(dict(min_p=0.3) if i % 3 == 0
+                                                              else {}))
+                for i in range(n)]
+        want, _ = S.sample_reference(logits, *staged(seqs, vocab), False)
+        out = run_kernels(logits, *staged(seqs, vocab), False)
+        assert out.token.tolist() == want.tolist(), scale
+        first = out.tau == NO_TAU
+        assert 0 < int(first.sum()) < n, scale  # kept first draws, and searched rows
 
 
 def test_top_p_after_a_top_k_cut_takes_top_ks_mass():
