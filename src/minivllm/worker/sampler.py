@@ -383,9 +383,9 @@ class SampledRows:
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host array on the device without waiting for the GPU: through pinned memory, whose
     buffer PyTorch's host allocator keeps until the copy is done. A copy from pageable
-    memory synchronizes the stream, so each admission waited for the step in flight and
-    the host's preparation of the next no longer overlapped it (W3 at c=256 on the H200:
-    GPU 32% busy, 40.6k tok/s against 59-61k before the sampler kept state per slot)."""
+    memory synchronizes the stream: each admission of a sampled or penalized request
+    waited for the step in flight, and the host's preparation of the next step stopped
+    overlapping the GPU (plain greedy requests take no slot and never paid it)."""
     t = torch.from_numpy(array)
     if torch.device(device).type != "cuda":
         return t.to(device)
