@@ -64,7 +64,9 @@ class PendingDecode:
 
     def read(self) -> SamplerOutput:
         if self._read is None:
-            self._read = self.sampled.read([s.params.logprobs for s in self.seqs])
+            want = ([s.params.logprobs for s in self.seqs] if self.sampled.logprob_rows
+                    else None)
+            self._read = self.sampled.read(want)
         return self._read
 
     def tokens_by_seq(self) -> dict[int, int]:
