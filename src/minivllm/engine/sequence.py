@@ -39,7 +39,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.status is SequenceStatus.FINISHED for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # n = 1, the common case: no generator (asked per row per step)
+            return seqs[0].status is SequenceStatus.FINISHED
+        return all(s.status is SequenceStatus.FINISHED for s in seqs)
 
     @property
     def wants_prompt_logprobs(self) -> bool:
