@@ -56,16 +56,22 @@ def test_fused_moe_matches_the_reference(tokens, experts, top_k, block_m):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_the_rows_path_takes_other_activations_between_its_gemms():
-    """silu's gating is the first GEMM's epilogue; another activation (GELU) is applied
-    between the GEMMs, on inputs and columns no multiple of the tiles."""
-    g = torch.Generator().manual_seed(5)
-    tokens, experts, top_k, hidden, inter = 3, 6, 2, 40, 20
+def random_moe(seed: int, tokens: int, experts: int, top_k: int, hidden: int, inter: int):
+    """(x, w13, w2, routing weights, expert ids): random tokens, experts and routing."""
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=g).to(DEVICE)
     w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2).to(DEVICE)
     w2 = (torch.randn(experts, hidden, inter, generator=g) * 0.2).to(DEVICE)
     weights, ids = route(torch.randn(tokens, experts, generator=g).to(DEVICE), top_k, True,
                          x.dtype)
+    return x, w13, w2, weights, ids
+
+
+def test_the_rows_path_takes_other_activations_between_its_gemms():
+    """silu's gating is the first GEMM's epilogue; another activation (GELU) is applied
+    between the GEMMs, on inputs and columns no multiple of the tiles."""
+    x, w13, w2, weights, ids = random_moe(5, tokens=3, experts=6, top_k=2, hidden=40,
+                                          inter=20)
     for act in (F.silu, F.gelu):
         got = csrc_triton.fused_moe(x, w13, w2, weights, ids, act, tiles=ROWS_TILES)
         want = experts_reference(x, w13, w2, weights, ids, act)
@@ -75,13 +81,8 @@ def test_the_rows_path_takes_other_activations_between_its_gemms():
 def test_each_gemm_takes_its_own_tiles():
     """The two GEMMs share BLOCK_M (the rows' alignment) and take their own BLOCK_N and
     BLOCK_K: columns and inputs that are no multiple of either."""
-    g = torch.Generator().manual_seed(3)
-    tokens, experts, top_k, hidden, inter = 11, 5, 2, 48, 40
-    x = torch.randn(tokens, hidden, generator=g).to(DEVICE)
-    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2).to(DEVICE)
-    w2 = (torch.randn(experts, hidden, inter, generator=g) * 0.2).to(DEVICE)
-    weights, ids = route(torch.randn(tokens, experts, generator=g).to(DEVICE), top_k, True,
-                         x.dtype)
+    x, w13, w2, weights, ids = random_moe(3, tokens=11, experts=5, top_k=2, hidden=48,
+                                          inter=40)
     tiles = {"BLOCK_M": 16, "w13": dict(BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
              "w2": dict(BLOCK_N=16, BLOCK_K=32, num_warps=2, num_stages=3)}
     got = csrc_triton.fused_moe(x, w13, w2, weights, ids, F.silu, tiles=tiles)
