@@ -28,6 +28,9 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self._decode_one = lru_cache(maxsize=65536)(self._decode_single)
         self._window_decode = _fast_decode(tokenizer) or tokenizer.decode
+        # A one-token window's text by (id, skip_special_tokens): most steps' "prefix"
+        # window is the previous step's one new token, decoded once per id, not per step.
+        self._one_token: dict[tuple[int, bool], str] = {}
 
     def _decode_single(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -48,7 +51,13 @@ class Detokenizer:
         ids = seq.token_ids
         skip = seq.params.skip_special_tokens
         decode = self._window_decode
-        prefix = decode(ids[st.prefix_offset:st.read_offset], skip_special_tokens=skip)
+        if st.read_offset - st.prefix_offset == 1:
+            key = (ids[st.prefix_offset], skip)
+            prefix = self._one_token.get(key)
+            if prefix is None:
+                prefix = self._one_token[key] = decode([key[0]], skip_special_tokens=skip)
+        else:
+            prefix = decode(ids[st.prefix_offset:st.read_offset], skip_special_tokens=skip)
         full = decode(ids[st.prefix_offset:], skip_special_tokens=skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
