@@ -374,28 +374,3 @@ def test_kernels_that_fail_their_check_leave_the_reference(monkeypatch, caplog):
         assert sampler.check_kernels() is False
     assert sampler.kernels is False and "PyTorch ops instead" in caplog.text
 
-
-def test_the_state_counts_the_slots_that_want_logprobs():
-    """Staging skips looking for logprob rows while no slot asks for logprobs: the count
-    follows admissions, releases (also one before its flush) and reused slots."""
-    state = S.SamplingState(4, 50, CPU, engine_seed=0)
-    a, b, c = row(1, logprobs=2), row(2), row(3, logprobs=0)
-    assert state.slots_of([a, b, c]) == [state.slot_of(s) for s in (a, b, c)]
-    state.flush()
-    assert state.logprob_slots == 2
-    state.release(a)
-    assert state.logprob_slots == 1
-    d = row(4, logprobs=1)
-    state.slot_of(d)
-    state.release(d)  # released before its state was written
-    state.flush()
-    state.release(c)
-    e = row(5)
-    state.slot_of(e)  # may take d's or c's slot
-    state.flush()
-    assert state.logprob_slots == sum(1 for f in state.host_flags.values()
-                                      if f & K.FLAG_LOGPROBS)
-    state.release(e)
-    state.release(b)
-    assert state.logprob_slots == sum(1 for f in state.host_flags.values()
-                                      if f & K.FLAG_LOGPROBS)

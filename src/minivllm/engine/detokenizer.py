@@ -26,17 +26,16 @@ class _DetokState:
 class Detokenizer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self._decode_one = lru_cache(maxsize=65536)(self._decode_single)
         self._window_decode = _fast_decode(tokenizer) or tokenizer.decode
-        # A one-token window's text by (id, skip_special_tokens): most steps' "prefix"
-        # window is the previous step's one new token, decoded once per id, not per step.
-        self._one_token: dict[tuple[int, bool], str] = {}
+        # One token's text, by (id, skip_special_tokens): logprobs' token texts, and most
+        # steps' "prefix" window (the previous step's one new token), decoded once per id.
+        self._decode_one = lru_cache(maxsize=1 << 18)(self._decode_single)
 
-    def _decode_single(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def _decode_single(self, token_id: int, skip_special_tokens: bool = False) -> str:
+        return self._window_decode([token_id], skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
-        return self._decode_one(token_id)
+        return self._decode_one(token_id, False)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -52,10 +51,7 @@ class Detokenizer:
         skip = seq.params.skip_special_tokens
         decode = self._window_decode
         if st.read_offset - st.prefix_offset == 1:
-            key = (ids[st.prefix_offset], skip)
-            prefix = self._one_token.get(key)
-            if prefix is None:
-                prefix = self._one_token[key] = decode([key[0]], skip_special_tokens=skip)
+            prefix = self._decode_one(ids[st.prefix_offset], skip)
         else:
             prefix = decode(ids[st.prefix_offset:st.read_offset], skip_special_tokens=skip)
         full = decode(ids[st.prefix_offset:], skip_special_tokens=skip)

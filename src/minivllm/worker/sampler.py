@@ -178,7 +178,6 @@ class SamplingState:
         self._free = list(range(num_slots - 1, -1, -1))
         self._slots: dict[int, int] = {}   # seq_id -> slot
         self.host_flags: dict[int, int] = {}  # slot -> flags, for the host's decisions
-        self.logprob_slots = 0             # slots whose flags ask for logprobs
         self._new: list = []               # (slot, seq) admitted since the last flush
 
     def slots_of(self, seqs) -> list[int]:
@@ -204,11 +203,7 @@ class SamplingState:
         slot = self._slots.pop(seq.seq_id, None)
         if slot is not None:
             self._free.append(slot)
-            if self.host_flags.pop(slot, 0) & FLAG_LOGPROBS:
-                self.logprob_slots -= 1
-
-    def flags(self, slot: int) -> int:
-        return self.host_flags[slot]
+            self.host_flags.pop(slot, None)
 
     def flush(self) -> None:
         """Write the slots admitted since the last flush: a few batched copies and
@@ -228,9 +223,6 @@ class SamplingState:
             top_k = p.top_k if 0 < p.top_k < self.vocab else 0
             if not top_k:  # a top_k of the whole vocabulary keeps everything
                 flags &= ~FLAG_TOP_K
-            # logprob_slots counts host_flags' entries asking for logprobs.
-            self.logprob_slots += (bool(flags & FLAG_LOGPROBS)
-                                   - bool(self.host_flags.get(slot, 0) & FLAG_LOGPROBS))
             self.host_flags[slot] = flags
             seed = (_signed64(p.seed) if p.seed is not None
                     else unseeded_key(self.engine_seed, seq.seq_id))
@@ -519,9 +511,8 @@ class Sampler:
                 if e:
                     extra[i, :len(e)] = e[:extra.shape[1]]
         st.copy_to(self._dev, end)
-        if not state.logprob_slots:
-            return []
-        return [i for i, s in enumerate(slots) if state.flags(s) & FLAG_LOGPROBS]
+        flags = state.host_flags
+        return [i for i, s in enumerate(slots) if flags[s] & FLAG_LOGPROBS]
 
     # ---- a step ------------------------------------------------------------------------
 
