@@ -485,9 +485,11 @@ def _bound_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, floats_ptr, part_p
     state = state_ptr + row * 6
     tl.store(state + 5, 0)  # not searching
     flags = tl.load(ints_ptr + slot * 8)
-    if ((flags & 1) != 0) & ((flags & 32) == 0) & ((flags & 192) != 0):
-        peak, _, total, _, _ = _combined(part_ptr, part_idx_ptr, row, num_splits,
-                                         SPLITS_P2)
+    if ((flags & 1) == 0) | ((flags & 224) == 0):
+        return  # greedy, or random without truncation: nothing to bound
+    peak, _, total, least, finite = _combined(part_ptr, part_idx_ptr, row, num_splits,
+                                              SPLITS_P2)
+    if (flags & 32) == 0:  # top-p or min-p without top-k: drawn first
         token = _first_draw(part_ptr, row, num_splits, V, SPLITS_P2)
         drawn = tl.load(x_ptr + row * stride_x + token)
         kept = drawn > float("-inf")
@@ -503,13 +505,11 @@ def _bound_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, floats_ptr, part_p
             tl.store(lo_ptr + row, _INT64_MAX)  # the gather takes nothing
             tl.store(tau_ptr + row, _NO_TAU)
             return
-    if ((flags & 1) == 0) | ((flags & 96) == 0):
-        return
+    if (flags & 96) == 0:
+        return  # min-p alone: no threshold to search
     tl.store(count_ptr + row, 0)
     tl.store(state + 4, 0)  # mode: none
     tl.store(hi_ptr + row, _INT64_MAX)
-    peak, _, total, least, finite = _combined(part_ptr, part_idx_ptr, row, num_splits,
-                                              SPLITS_P2)
     tl.store(peak_ptr + row, peak)
     b = tl.arange(0, BLOCKS_P2)
     maxima = tl.load(block_max_ptr + row * num_blocks + b, mask=b < num_blocks,
