@@ -118,28 +118,24 @@ def tune_tokens(w: dict, top_k: int, tokens: int, device, candidates: dict,
         out = torch.empty(rows, h, dtype=dtype, device=device)
         picks, total = {}, 0.0
         space = rows_candidates if by_rows else candidates
+        hidden = None  # the second GEMM's input, from the first's best tiles
+
+        def launch(gemm: str, tiles: dict) -> None:
+            first = gemm == "w13"  # reads x by token; the second, its own rows, weighted
+            a, dst, k = (x, gate_up, top_k) if first else (hidden, out, 1)
+            if by_rows:
+                K._rows_gemm(mod, a, w[gemm], w[gemm + "_scale"], dst, flat_ids, flat_w, k,
+                             first, not first, first, tiles)
+            else:
+                K._gemm(mod, a, w[gemm], w[gemm + "_scale"], None, dst, sorted_rows,
+                        block_expert, flat_w, rows, k, first, not first, block_m, tiles)
+
         for gemm in ("w13", "w2"):
             fastest = None
             for values in itertools.product(*space.values()):
                 tiles = dict(zip(space, values))
-                if gemm == "w13" and by_rows:
-                    def run():
-                        K._rows_gemm(mod, x, w["w13"], w["w13_scale"], gate_up, flat_ids,
-                                     flat_w, top_k, True, False, True, tiles)
-                elif gemm == "w13":
-                    def run():
-                        K._gemm(mod, x, w["w13"], w["w13_scale"], None, gate_up, sorted_rows,
-                                block_expert, flat_w, rows, top_k, True, False, block_m, tiles)
-                elif by_rows:
-                    def run():
-                        K._rows_gemm(mod, hidden, w["w2"], w["w2_scale"], out, flat_ids,
-                                     flat_w, 1, False, True, False, tiles)
-                else:
-                    def run():
-                        K._gemm(mod, hidden, w["w2"], w["w2_scale"], None, out, sorted_rows,
-                                block_expert, flat_w, rows, 1, False, True, block_m, tiles)
                 try:
-                    run()
+                    launch(gemm, tiles)
                 except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip
                     if smoke:  # the interpreter takes any tile: a failure is a bug
                         raise
@@ -150,22 +146,21 @@ def tune_tokens(w: dict, top_k: int, tokens: int, device, candidates: dict,
                 if not close(got, expected):
                     print(f"  wrong {gemm} M{block_m} {tiles}: dropped")
                     continue
-                us = 0.0 if smoke else median_gpu_us(run, reps, warmup=1)
+                us = 0.0 if smoke else median_gpu_us(lambda: launch(gemm, tiles), reps,
+                                                     warmup=1)
                 if fastest is None or us < fastest[0]:
                     fastest = (us, tiles)
             if fastest is None:
                 break
             picks[gemm] = fastest[1]
             total += fastest[0]
-            if gemm == "w13" and by_rows:  # the second GEMM's input, from the first's best
-                K._rows_gemm(mod, x, w["w13"], w["w13_scale"], gate_up, flat_ids, flat_w,
-                             top_k, True, False, True, picks["w13"])
-                hidden = gate_up
-            elif gemm == "w13":
-                K._gemm(mod, x, w["w13"], w["w13_scale"], None, gate_up, sorted_rows,
-                        block_expert, flat_w, rows, top_k, True, False, block_m, picks["w13"])
-                gate, up = gate_up.chunk(2, dim=-1)
-                hidden = (F.silu(gate) * up).contiguous()
+            if gemm == "w13":
+                launch("w13", picks["w13"])
+                if by_rows:  # gated in the kernel's epilogue
+                    hidden = gate_up
+                else:
+                    gate, up = gate_up.chunk(2, dim=-1)
+                    hidden = (F.silu(gate) * up).contiguous()
         if len(picks) == 2 and (best is None or total < best["us"]):
             best = {"BLOCK_M": block_m, **picks, "us": round(total, 1)}
     return best
