@@ -45,8 +45,10 @@ first), check (rows x splits: top-p's mass above a first draw), bound (a program
 first draw kept, or where the search starts), the search levels, gather, select (a program
 a row: tau, and the token when it can), draw and finish (the rows left to draw over the
 whole vocabulary; the counts update; the token's logprob), then for logprob rows the
-top-N and rank (rows x splits, then a program a row). Launch grids depend only on the
-shapes: the launches can be captured in CUDA graphs.
+top-N and rank (rows x splits, then a program a row). The search levels, gather and draw
+work for the few rows that need them: those rows are put on work lists on the device, and
+each listed row gets an equal share of the launch's rows x splits programs. Launch grids
+depend only on the shapes: the launches can be captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -104,9 +106,11 @@ _LEVELS = 4
 _BLOCK = 1024
 _LP_BLOCK = 4096      # a logprobs program's share of a row (one block)
 # Programs a row's splits aim at, per SM, in all. At 4, 256 rows of 151,936 tokens gave the
-# prepare kernel about 6 programs (24 warps) an SM and 1.7 TB/s (too few loads in flight);
-# bench/sampler_bench.py --programs-per-sm measures others.
-PROGRAMS_PER_SM = 4
+# prepare kernel about 6 programs (24 warps) an SM and 1.7 TB/s (too few loads in flight).
+# On the H100 (bench/sampler_bench.py --programs-per-sm 4 8 16, 2026-12-05-h100-sampler-
+# work-lists) 8 took 4-20% off every 256-row setting against 4; 16 a little more at 256
+# rows but 7-14 us more at one row.
+PROGRAMS_PER_SM = 8
 _INT64_MAX = tl.constexpr(2 ** 63 - 1)
 _NO_TAU = tl.constexpr(-2 ** 63)  # tau of a row drawn before any threshold was needed
 
@@ -125,6 +129,46 @@ def _key(x):
 def _unkey(k):
     b = tl.where(k >= 0, k, k ^ 0x7FFFFFFF)
     return b.to(tl.float32, bitcast=True)
+
+
+# Work lists: the rows that search, gather, and draw over the whole vocabulary. Few rows of a
+# batch do, and a launch of rows x splits programs gave each only its own row's splits: one
+# searching row of 256 then took a level 55 us on the H100, one program's serial pass. A
+# listed row instead gets an equal share of all the launch's programs (see _share).
+_SEARCH, _GATHER, _DRAW = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
+@triton.jit
+def _append(lists_ptr, list_len_ptr, list_at_ptr, which, R, row):
+    """Put `row` on list `which` (of R rows at most), and its place on the list at
+    list_at[which, row]."""
+    j = tl.atomic_add(list_len_ptr + which, 1)
+    tl.store(lists_ptr + which * R + j, row.to(tl.int32))
+    tl.store(list_at_ptr + which * R + row, j)
+
+
+@triton.jit
+def _parts(listed, programs, V, PART_BLOCK: tl.constexpr):
+    """(parts a listed row's vocabulary is cut into, each part's length) when `programs`
+    programs share `listed` rows: the same for every row of the list, at least a block a
+    part."""
+    q = tl.minimum(programs // tl.maximum(listed, 1), tl.cdiv(V, PART_BLOCK))
+    part_len = tl.cdiv(tl.cdiv(V, q), PART_BLOCK) * PART_BLOCK
+    return q, part_len
+
+
+@triton.jit
+def _share(lists_ptr, list_len_ptr, which, R, V, PART_BLOCK: tl.constexpr):
+    """This program's share of list `which` in a launch of any grid: (the row, or -1 for
+    none; its partial's index j * parts + part; start, end of its vocabulary part)."""
+    p = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    programs = tl.num_programs(0) * tl.num_programs(1)
+    listed = tl.load(list_len_ptr + which)
+    q, part_len = _parts(listed, programs, V, PART_BLOCK)
+    j = p // q
+    row = tl.where(j < listed, tl.load(lists_ptr + which * R + tl.minimum(j, R - 1)), -1)
+    start = (p % q) * part_len
+    return row.to(tl.int64), p.to(tl.int64), start, tl.minimum(start + part_len, V)
 
 
 @triton.jit
@@ -199,7 +243,8 @@ def _uniform_block(seed, start, position, BLOCK: tl.constexpr):
 def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr, V,
                     row_slot_ptr, row_pos_ptr, row_extra_ptr, row_flags_ptr, mask_ptr,
                     mask_words, ints_ptr, floats_ptr, part_ptr, part_idx_ptr, block_max_ptr,
-                    num_blocks, split_len, KX: tl.constexpr, BLOCK: tl.constexpr):
+                    num_blocks, split_len, list_len_ptr, KX: tl.constexpr,
+                    BLOCK: tl.constexpr):
     """Program (row, split): the row's values over its split of the vocabulary, processed
     (grammar mask, bias, bans, penalties, temperature); partial maximum, first argmax,
     sum of exp (relative to that maximum), least finite value and finite count; the raw
@@ -210,6 +255,8 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
+    if (row == 0) & (split == 0):  # the work lists start empty (the later kernels fill them)
+        tl.store(list_len_ptr + tl.arange(0, 4), tl.zeros((4,), dtype=tl.int32))
     slot = tl.load(row_slot_ptr + row).to(tl.int64)
     part = part_ptr + (row * num_splits + split) * 8
     if slot < 0:
@@ -504,7 +551,8 @@ def _check_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, part_ptr, part_idx
 def _bound_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, floats_ptr, part_ptr,
                   part_idx_ptr, num_splits, block_max_ptr, num_blocks, lo_ptr, hi_ptr,
                   count_ptr, peak_ptr, state_ptr, state_f_ptr, pivots_ptr, mass_ptr,
-                  token_ptr, tau_ptr, SPLITS_P2: tl.constexpr, BLOCKS_P2: tl.constexpr,
+                  token_ptr, tau_ptr, lists_ptr, list_len_ptr, list_at_ptr, R,
+                  SPLITS_P2: tl.constexpr, BLOCKS_P2: tl.constexpr,
                   NP: tl.constexpr, CAP: tl.constexpr):
     """Program row, for a truncated random row: a value every kept token reaches, from
     the blocks' maxima (each block holds a value at least its maximum): the k-th largest
@@ -566,7 +614,10 @@ def _bound_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, floats_ptr, part_p
             bound = tl.maximum(bound, tl.sum(tl.where(b == first, maxima, 0.0), 0))
     bounded = (bound > float("-inf")) | (finite <= CAP)
     tl.store(lo_ptr + row, tl.where(bounded, _key(bound).to(tl.int64), _INT64_MAX))
-    if (bound == float("-inf")) & (finite > CAP):
+    if bounded:
+        _append(lists_ptr, list_len_ptr, list_at_ptr, _GATHER, R, row)
+    else:
+        _append(lists_ptr, list_len_ptr, list_at_ptr, _SEARCH, R, row)
         lo = _key(least).to(tl.int64) - 1
         hi = _key(peak).to(tl.int64)
         if ((flags & 32) != 0) & (top_k < finite):
@@ -587,26 +638,18 @@ def _bound_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, floats_ptr, part_p
 
 
 @triton.jit
-def _gather_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, lo_ptr, hi_ptr, count_ptr,
-                   g_val_ptr, g_idx_ptr, split_len, CAP: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (row, split) of a bounded row (or one whose search levels ended): its
-    values with a key in [lo, hi], and their token ids, appended to the row's list (slots
-    by an atomic count; the list is sorted after, so the order they land in does not
-    matter); past CAP only counted."""
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    slot = tl.load(row_slot_ptr + row).to(tl.int64)
-    if slot < 0:
-        return
-    flags = tl.load(ints_ptr + slot * 8)
-    if ((flags & 1) == 0) | ((flags & 96) == 0):
+def _gather_kernel(x_ptr, stride_x, V, lo_ptr, hi_ptr, count_ptr, g_val_ptr, g_idx_ptr,
+                   lists_ptr, list_len_ptr, R, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """A share (_share) of a row on the gather list (bounded, or its search levels ended):
+    its values with a key in [lo, hi], and their token ids, appended to the row's list
+    (slots by an atomic count; the list is sorted after, so the order they land in does
+    not matter); past CAP only counted."""
+    row, _, start, end = _share(lists_ptr, list_len_ptr, _GATHER, R, V, BLOCK)
+    if row < 0:
         return
     lo = tl.load(lo_ptr + row)
-    if lo == _INT64_MAX:
-        return
     hi = tl.load(hi_ptr + row)
-    start = split * split_len
-    for k in range(start, tl.minimum(start + split_len, V), BLOCK):
+    for k in range(start, end, BLOCK):
         offs = k + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x + offs, mask=offs < V, other=float("-inf"))
         key = _key(x).to(tl.int64)
@@ -621,15 +664,13 @@ def _gather_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, lo_ptr, hi_ptr, c
 
 
 @triton.jit
-def _level_kernel(x_ptr, stride_x, V, row_slot_ptr, state_ptr, pivots_ptr, peak_ptr,
-                  level_count_ptr, level_mass_ptr, split_len, NP: tl.constexpr,
-                  BLOCK: tl.constexpr):
-    """Program (row, split) of a searching row: its split's count (and, for top-p, mass)
-    of values above each pivot; _narrow_kernel adds the splits up."""
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    num_splits = tl.num_programs(1)
-    if tl.load(row_slot_ptr + row) < 0:
+def _level_kernel(x_ptr, stride_x, V, state_ptr, pivots_ptr, peak_ptr, level_count_ptr,
+                  level_mass_ptr, lists_ptr, list_len_ptr, R, NP: tl.constexpr,
+                  PART_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    """A share (_share) of a row on the search list, while it searches: its part's count
+    (and, for top-p, mass) of values above each pivot; _narrow_kernel adds the parts up."""
+    row, at, start, end = _share(lists_ptr, list_len_ptr, _SEARCH, R, V, PART_BLOCK)
+    if row < 0:
         return
     state = state_ptr + row * 6
     if tl.load(state + 5) == 0:
@@ -638,39 +679,41 @@ def _level_kernel(x_ptr, stride_x, V, row_slot_ptr, state_ptr, pivots_ptr, peak_
     pivots = tl.load(pivots_ptr + row * NP + j)
     peak = tl.load(peak_ptr + row)
     x_row = x_ptr + row * stride_x
-    start = split * split_len
-    end = tl.minimum(start + split_len, V)
     if tl.load(state + 4) == 2:
         count, mass = _above(x_row, start, end, pivots, peak, True, NP, BLOCK)
     else:
         count, mass = _above(x_row, start, end, pivots, peak, False, NP, BLOCK)
-    out = (row * num_splits + split) * NP + j
+    out = at * NP + j
     tl.store(level_count_ptr + out, count)
     tl.store(level_mass_ptr + out, mass)
 
 
 @triton.jit
 def _narrow_kernel(row_slot_ptr, state_ptr, state_f_ptr, pivots_ptr, level_count_ptr,
-                   level_mass_ptr, num_splits, lo_ptr, hi_ptr,
-                   NP: tl.constexpr, CAP: tl.constexpr):
-    """Program row of a searching row: the splits' counts added up, the interval
-    narrowed (_narrow); done once it holds at most CAP values (the gather then takes
-    them: all above lo if that is at most CAP, else those in (lo, hi]) or one key; else
-    the next pivots."""
+                   level_mass_ptr, programs, V, lo_ptr, hi_ptr, lists_ptr, list_len_ptr,
+                   list_at_ptr, NP: tl.constexpr, CAP: tl.constexpr,
+                   PART_BLOCK: tl.constexpr):
+    """Program row of a searching row: its parts' counts added up, the interval
+    narrowed (_narrow); done once it holds at most CAP values (onto the gather list,
+    which takes them: all above lo if that is at most CAP, else those in (lo, hi]) or one
+    key; else the next pivots. `programs`: the level kernel's."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(row_slot_ptr + row) < 0:
         return
     state = state_ptr + row * 6
     if tl.load(state + 5) == 0:
         return
+    R = tl.num_programs(0)
     j = tl.arange(0, NP)
     by_mass = tl.load(state + 4) == 2
     count = tl.zeros((NP,), dtype=tl.int32)
     f = tl.zeros((NP,), dtype=tl.float32)
-    for s0 in range(0, num_splits, 16):  # 16 splits at a time: one variant for any count
+    parts, _ = _parts(tl.load(list_len_ptr + _SEARCH), programs, V, PART_BLOCK)
+    first = tl.load(list_at_ptr + _SEARCH * R + row) * parts
+    for s0 in range(0, parts, 16):  # 16 parts at a time: one variant for any count
         s = s0 + tl.arange(0, 16)
-        at = (row * num_splits + s[:, None]) * NP + j[None, :]
-        ok = (s < num_splits)[:, None]
+        at = (first + s[:, None]) * NP + j[None, :]
+        ok = (s < parts)[:, None]
         count += tl.sum(tl.load(level_count_ptr + at, mask=ok, other=0), 0)
         if by_mass:
             f += tl.sum(tl.load(level_mass_ptr + at, mask=ok, other=0.0), 0)
@@ -692,6 +735,7 @@ def _narrow_kernel(row_slot_ptr, state_ptr, state_f_ptr, pivots_ptr, level_count
         tl.store(state + 5, 0)
         tl.store(lo_ptr + row, lo + 1)
         tl.store(hi_ptr + row, tl.where(count_lo <= CAP, _INT64_MAX, hi))
+        _append(lists_ptr, list_len_ptr, list_at_ptr, _GATHER, R, row)
     else:
         tl.store(pivots_ptr + row * NP + j, _pivots(lo, hi, NP))
 
@@ -747,13 +791,14 @@ def _listed_threshold(g_val, g_idx, n, flags, top_k, top_p, finite, total, peak,
 def _select_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floats_ptr,
                    part_ptr, part_idx_ptr, num_splits, greedy_ptr, g_val_ptr, g_idx_ptr,
                    lo_ptr, count_ptr, state_ptr, state_f_ptr, token_ptr, tau_ptr, peak_ptr,
-                   lse_ptr, SPLITS_P2: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr,
-                   CAP: tl.constexpr):
+                   lse_ptr, lists_ptr, list_len_ptr, list_at_ptr, SPLITS_P2: tl.constexpr,
+                   NP: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr):
     """Program row: combine prepare's partials; a greedy row's token; a random row's
     threshold tau: from the gathered list when its bound held at most CAP values, else by
-    the search below; and its draw when the kept tokens fit the list (else tau goes to
-    the draw kernel, token -1)."""
+    the search below; and its draw when the gathered list holds every kept token (else
+    tau goes to the draw kernel: token -1, the row on the draw list)."""
     row = tl.program_id(0).to(tl.int64)
+    R = tl.num_programs(0)
     slot = tl.load(row_slot_ptr + row).to(tl.int64)
     if slot < 0:
         return
@@ -841,9 +886,6 @@ def _select_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floa
                 x_row, V, lo0, hi0, count_lo0, count_hi0, f_hi0, limit, peak,
                 (mode == 2).to(tl.int32), listed, listed_lo, g_val, g_idx, True, NP, BLOCK,
                 CAP)
-    if (listed_lo >= tau) & (at_tau <= CAP):
-        listed = _gather(x_row, V, tau - 1, _INT64_MAX, g_val, g_idx, BLOCK)
-        listed_lo = tau - 1
     tl.store(tau_ptr + row, tau)
     if listed_lo < tau:
         keys, ids, ok = _sorted_gathered(g_val, g_idx, listed, CAP)
@@ -857,26 +899,24 @@ def _select_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floa
         best = tl.max(score, 0)
         token = tl.min(tl.where(keep & (score == best), ids, V), 0)
         tl.store(token_ptr + row, token.to(tl.int64))
-    else:
+    else:  # the draw kernel's
         tl.store(token_ptr + row, -1)
+        _append(lists_ptr, list_len_ptr, list_at_ptr, _DRAW, R, row)
 
 
 # ---- draw over the whole row, finish ----------------------------------------------------
 
 @triton.jit
 def _draw_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floats_ptr,
-                 token_ptr, tau_ptr, peak_ptr, part_ptr, part_idx_ptr, split_len,
+                 tau_ptr, peak_ptr, part_ptr, part_idx_ptr, lists_ptr, list_len_ptr, R,
                  BLOCK: tl.constexpr):
-    """Program (row, split), for rows select left undrawn: the split's best kept
-    x + gumbel noise and its first index."""
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    num_splits = tl.num_programs(1)
+    """A share (_share) of a row on the draw list (select left it undrawn): its part's
+    best kept x + gumbel noise and its first index, at part[at] (prepare's partials are
+    read by then)."""
+    row, at, start, end = _share(lists_ptr, list_len_ptr, _DRAW, R, V, BLOCK)
+    if row < 0:
+        return
     slot = tl.load(row_slot_ptr + row).to(tl.int64)
-    if slot < 0:
-        return
-    if tl.load(token_ptr + row) >= 0:
-        return
     flags = tl.load(ints_ptr + slot * 8)
     seed = tl.load(ints_ptr + slot * 8 + 2)
     min_p = tl.load(floats_ptr + slot * 8 + 2)
@@ -886,8 +926,7 @@ def _draw_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floats
     lanes = tl.arange(0, BLOCK)
     best = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
     best_at = lanes + V
-    start = split * split_len
-    for k in range(start, tl.minimum(start + split_len, V), BLOCK):
+    for k in range(start, end, BLOCK):
         offs = k + lanes
         ok = offs < V
         x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=float("-inf"))
@@ -900,16 +939,18 @@ def _draw_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floats
         best = tl.where(take, score, best)
         best_at = tl.where(take, offs, best_at)
     v, i = tl.reduce((best, best_at), 0, _first_max)
-    tl.store(part_ptr + (row * num_splits + split) * 8, v)
-    tl.store(part_idx_ptr + row * num_splits + split, i)
+    tl.store(part_ptr + at * 8, v)
+    tl.store(part_idx_ptr + at, i)
 
 
 @triton.jit
 def _finish_kernel(logits_ptr, stride_l, V, row_slot_ptr, row_flags_ptr, ints_ptr,
-                   counts_ptr, token_ptr, part_ptr, part_idx_ptr, num_splits, lse_ptr,
-                   token_lp_ptr, SPLITS_P2: tl.constexpr):
-    """Program row: the token of a row drawn over the whole vocabulary; its count in the
-    slot; its logprob under the raw logits."""
+                   counts_ptr, token_ptr, part_ptr, part_idx_ptr, programs, lse_ptr,
+                   token_lp_ptr, list_len_ptr, list_at_ptr, BLOCKS_P2: tl.constexpr,
+                   PART_BLOCK: tl.constexpr):
+    """Program row: the token of a row drawn over the whole vocabulary (the best of its
+    parts' draws; `programs`: the draw kernel's); its count in the slot; its logprob
+    under the raw logits."""
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(row_slot_ptr + row).to(tl.int64)
     if slot < 0:
@@ -919,11 +960,12 @@ def _finish_kernel(logits_ptr, stride_l, V, row_slot_ptr, row_flags_ptr, ints_pt
         return
     token = tl.load(token_ptr + row)
     if token < 0:
-        s = tl.arange(0, SPLITS_P2)
-        in_row = s < num_splits
-        scores = tl.load(part_ptr + (row * num_splits + s) * 8, mask=in_row,
-                         other=float("-inf"))
-        ids = tl.load(part_idx_ptr + row * num_splits + s, mask=in_row, other=V)
+        parts, _ = _parts(tl.load(list_len_ptr + _DRAW), programs, V, PART_BLOCK)
+        first = tl.load(list_at_ptr + _DRAW * tl.num_programs(0) + row) * parts
+        s = tl.arange(0, BLOCKS_P2)
+        in_row = s < parts
+        scores = tl.load(part_ptr + (first + s) * 8, mask=in_row, other=float("-inf"))
+        ids = tl.load(part_idx_ptr + first + s, mask=in_row, other=V)
         _, token = tl.reduce((scores, ids), 0, _first_max)
         token = tl.minimum(token, V - 1).to(tl.int64)
         tl.store(token_ptr + row, token)
@@ -1023,7 +1065,7 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
     row, -1 none), mask [M, ceil(V / 32)] int32 (grammar bitmasks, see ROW_MASK_SHIFT). `state`: ints [S, 8] int64, floats [S, 8] float32, counts [S, V] int32,
     bias [S, V] float32. `scratch`: x [>= R, V] float32, part [R * splits * 8] float32,
     part_idx [R * splits] int32, g_val [R, CAP] float32, g_idx [R, CAP] int32, tau,
-    peak, lse [R]. `out`: token [R] int64, token_lp [R] float32, top_val [R, 20]
+    peak, lse [R], lists and list_at [3 * R] int32, list_len [4] int32. `out`: token [R] int64, token_lp [R] float32, top_val [R, 20]
     float32, top_idx [R, 20] int32, rank [R] int32, lp_val / lp_idx / lp_rank (the
     logprob blocks' partials). greedy [R] int64: the step's argmax, the token of rows
     whose slot has no flags. block: the values a program reads at a time, and the blocks
@@ -1045,12 +1087,14 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
     x = scratch.x
     cap = scratch.g_val.shape[1]
     num_blocks = triton.cdiv(vocab, block)
+    blocks_p2 = triton.next_power_of_2(num_blocks)
+    programs = num_rows * splits  # of each launch over the work lists
+    lists = (scratch.lists, scratch.list_len, scratch.list_at)
     mod._prepare_kernel[(num_rows, splits)](
         logits, logits.stride(0), x, x.stride(0), state.counts, state.bias, vocab,
         rows.slot, rows.position, rows.extra, rows.flags, rows.mask, rows.mask.shape[1],
         state.ints, state.floats, scratch.part, scratch.part_idx, scratch.block_max,
-        num_blocks, split_len, KX=kx,
-        BLOCK=block, num_warps=4)
+        num_blocks, split_len, scratch.list_len, KX=kx, BLOCK=block, num_warps=4)
     mod._check_kernel[(num_rows, splits)](
         x, x.stride(0), vocab, rows.slot, state.ints, scratch.part, scratch.part_idx,
         scratch.level_mass, split_len, SPLITS_P2=splits_p2, NP=_LEVEL_PIVOTS, BLOCK=block,
@@ -1059,35 +1103,37 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
         x, x.stride(0), vocab, rows.slot, state.ints, state.floats, scratch.part,
         scratch.part_idx, splits, scratch.block_max, num_blocks, scratch.lo, scratch.hi,
         scratch.count, scratch.peak, scratch.search, scratch.search_f, scratch.pivots,
-        scratch.level_mass, out.token, scratch.tau, SPLITS_P2=splits_p2,
-        BLOCKS_P2=triton.next_power_of_2(num_blocks), NP=_LEVEL_PIVOTS, CAP=cap,
-        num_warps=4)
+        scratch.level_mass, out.token, scratch.tau, *lists, num_rows, SPLITS_P2=splits_p2,
+        BLOCKS_P2=blocks_p2, NP=_LEVEL_PIVOTS, CAP=cap, num_warps=4)
     for _ in range(levels):
         mod._level_kernel[(num_rows, splits)](
-            x, x.stride(0), vocab, rows.slot, scratch.search, scratch.pivots, scratch.peak,
-            scratch.level_count, scratch.level_mass, split_len, NP=_LEVEL_PIVOTS,
-            BLOCK=min(block, 256), num_warps=4)
+            x, x.stride(0), vocab, scratch.search, scratch.pivots, scratch.peak,
+            scratch.level_count, scratch.level_mass, scratch.lists, scratch.list_len,
+            num_rows, NP=_LEVEL_PIVOTS, PART_BLOCK=block, BLOCK=min(block, 256),
+            num_warps=4)
         mod._narrow_kernel[(num_rows,)](
             rows.slot, scratch.search, scratch.search_f, scratch.pivots, scratch.level_count,
-            scratch.level_mass, splits, scratch.lo, scratch.hi,
-            NP=_LEVEL_PIVOTS, CAP=cap, num_warps=1)
+            scratch.level_mass, programs, vocab, scratch.lo, scratch.hi, *lists,
+            NP=_LEVEL_PIVOTS, CAP=cap, PART_BLOCK=block, num_warps=1)
     mod._gather_kernel[(num_rows, splits)](
-        x, x.stride(0), vocab, rows.slot, state.ints, scratch.lo, scratch.hi, scratch.count,
-        scratch.g_val, scratch.g_idx, split_len, CAP=cap, BLOCK=block, num_warps=4)
+        x, x.stride(0), vocab, scratch.lo, scratch.hi, scratch.count, scratch.g_val,
+        scratch.g_idx, scratch.lists, scratch.list_len, num_rows, CAP=cap, BLOCK=block,
+        num_warps=4)
     mod._select_kernel[(num_rows,)](
         x, x.stride(0), vocab, rows.slot, rows.position, state.ints, state.floats,
         scratch.part, scratch.part_idx, splits, greedy, scratch.g_val, scratch.g_idx,
         scratch.lo, scratch.count, scratch.search, scratch.search_f, out.token, scratch.tau,
-        scratch.peak, scratch.lse, SPLITS_P2=splits_p2, NP=_PIVOTS, BLOCK=min(block, 512),
-        CAP=cap, num_warps=8)
+        scratch.peak, scratch.lse, *lists, SPLITS_P2=splits_p2, NP=_PIVOTS,
+        BLOCK=min(block, 512), CAP=cap, num_warps=8)
     mod._draw_kernel[(num_rows, splits)](
         x, x.stride(0), vocab, rows.slot, rows.position, state.ints, state.floats,
-        out.token, scratch.tau, scratch.peak, scratch.part, scratch.part_idx, split_len,
-        BLOCK=block, num_warps=4)
+        scratch.tau, scratch.peak, scratch.part, scratch.part_idx, scratch.lists,
+        scratch.list_len, num_rows, BLOCK=block, num_warps=4)
     mod._finish_kernel[(num_rows,)](
         logits, logits.stride(0), vocab, rows.slot, rows.flags, state.ints, state.counts,
-        out.token, scratch.part, scratch.part_idx, splits, scratch.lse, out.token_lp,
-        SPLITS_P2=splits_p2, num_warps=1)
+        out.token, scratch.part, scratch.part_idx, programs, scratch.lse, out.token_lp,
+        scratch.list_len, scratch.list_at, BLOCKS_P2=blocks_p2, PART_BLOCK=block,
+        num_warps=1)
     if not want_logprobs:
         return
     parts = triton.cdiv(vocab, _LP_BLOCK)

@@ -73,7 +73,8 @@ def run_kernels(logits, state, rows, want_logprobs: bool, cap: int = 32, block: 
         pivots=torch.zeros(n, 16, dtype=torch.int64),
         level_count=torch.empty(n * splits * 16, dtype=torch.int32),
         level_mass=torch.empty(n * splits * 16),
-        peak=torch.empty(n), lse=torch.empty(n))
+        peak=torch.empty(n), lse=torch.empty(n), lists=torch.empty(3 * n, dtype=torch.int32),
+        list_len=torch.zeros(4, dtype=torch.int32), list_at=torch.empty(3 * n, dtype=torch.int32))
     out = S._Outputs(n, vocab, CPU)
     out.token.fill_(-7)
     K.sample_rows(logits, logits.argmax(-1), rows, state, scratch, out, want_logprobs, block,

@@ -691,6 +691,10 @@ class _Scratch:
         self.pivots = torch.zeros(rows, 16, dtype=torch.int64, device=device)
         self.level_count = torch.empty(rows * splits * 16, dtype=torch.int32, device=device)
         self.level_mass = torch.empty(rows * splits * 16, dtype=torch.float32, device=device)
+        # The work lists (search, gather, draw): their rows, lengths, each row's place.
+        self.lists = torch.empty(3 * rows, dtype=torch.int32, device=device)
+        self.list_len = torch.zeros(4, dtype=torch.int32, device=device)
+        self.list_at = torch.empty(3 * rows, dtype=torch.int32, device=device)
         self.tau = torch.empty(rows, dtype=torch.int64, device=device)
         self.peak = torch.empty(rows, dtype=torch.float32, device=device)
         self.lse = torch.empty(rows, dtype=torch.float32, device=device)
