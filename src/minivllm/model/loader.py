@@ -133,7 +133,9 @@ def load_model(cfg: ModelConfig, model_path: Path, *, load_format: str, dtype: t
         if ahead is not None and ahead.layout != "dense":
             quantized_shells(model, ahead.layout, ahead.group_size, ahead.act_order)
     if layer_loaded is None:
-        model = model.to_empty(device=device).to(dtype)
+        # In `dtype` while still on meta: to_empty() first would allocate float32 (twice the
+        # bf16 bytes: Qwen3-30B-A3B's 122 GB ran out of an 80 GB GPU before its cast).
+        model = model.to(dtype).to_empty(device=device)
         for layer in model.modules():
             if isinstance(layer, QuantizedLinear):
                 layer.restore_storage_dtypes()
