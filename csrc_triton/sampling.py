@@ -1060,18 +1060,20 @@ def sampling_splits(rows: int, vocab: int, device: torch.device) -> int:
 def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch, out,
                 want_logprobs: bool, block: int = _BLOCK, splits: int | None = None,
                 levels: int = _LEVELS) -> None:
-    """See the module docstring. `rows`: slot [R] int32 (-1: padding), position [R]
-    int64, flags [R] int32 (ROW_*), extra [R, KX] int32 (earlier drafts counted at this
-    row, -1 none), mask [M, ceil(V / 32)] int32 (grammar bitmasks, see ROW_MASK_SHIFT). `state`: ints [S, 8] int64, floats [S, 8] float32, counts [S, V] int32,
-    bias [S, V] float32. `scratch`: x [>= R, V] float32, part [R * splits * 8] float32,
-    part_idx [R * splits] int32, g_val [R, CAP] float32, g_idx [R, CAP] int32, tau,
-    peak, lse [R], lists and list_at [3 * R] int32, list_len [4] int32. `out`: token [R] int64, token_lp [R] float32, top_val [R, 20]
-    float32, top_idx [R, 20] int32, rank [R] int32, lp_val / lp_idx / lp_rank (the
-    logprob blocks' partials). greedy [R] int64: the step's argmax, the token of rows
-    whose slot has no flags. block: the values a program reads at a time, and the blocks
-    whose maxima bound a truncated row; splits: programs a row (default
-    sampling_splits); tests take small blocks and several splits on tiny vocabularies, and
-    fewer search levels to leave the select kernel's own search some rows."""
+    """See the module docstring. `rows`: slot [R] int32 (-1: padding), position [R] int64,
+    flags [R] int32 (ROW_*), extra [R, KX] int32 (earlier drafts counted at this row, -1
+    none), mask [M, ceil(V / 32)] int32 (grammar bitmasks, see ROW_MASK_SHIFT). `state`:
+    ints [S, 8] int64, floats [S, 8] float32, counts [S, V] int32, bias [S, V] float32.
+    `scratch`: x [>= R, V] float32, part [R * splits * 8] float32, part_idx [R * splits]
+    int32, g_val [R, CAP] float32, g_idx [R, CAP] int32, tau, peak, lse [R], lists and
+    list_at [3 * R] int32, list_len [4] int32. `out`: token [R] int64, token_lp [R]
+    float32, top_val [R, 20] float32, top_idx [R, 20] int32, rank [R] int32, lp_val /
+    lp_idx / lp_rank (the logprob blocks' partials). greedy [R] int64: the step's
+    argmax, the token of rows whose slot has no flags. block: the values a program reads
+    at a time, and the blocks whose maxima bound a truncated row; splits: programs a row
+    (default sampling_splits); tests take small blocks and several splits on tiny
+    vocabularies, and fewer search levels to leave the select kernel's own search some
+    rows."""
     mod, _ = kernels_for(__name__, logits.device)
     num_rows, vocab = logits.shape
     if num_rows == 0:
