@@ -375,3 +375,29 @@ def test_kernels_that_fail_their_check_leave_the_reference(monkeypatch, caplog):
         assert sampler.check_kernels() is False
     assert sampler.kernels is False and "PyTorch ops instead" in caplog.text
 
+
+
+def test_staging_looks_slots_up_again_after_a_release():
+    """stage keeps the last batch's slots while the same sequences come back in order; a
+    release forgets them: a released sequence staged again is admitted again (its state
+    written to a slot the sampler holds for it), and one re-admitted after its slot went
+    to another gets a slot of its own, with its own parameters."""
+    vocab = 64
+    sampler = S.Sampler(vocab, CPU, max_rows=4, num_slots=2)
+    a, b, c = (row(i, temperature=0.5 + i, seed=i) for i in range(3))
+    sampler.stage([a, b], [4, 4])
+    sampler.stage([a, b], [5, 5])  # the same batch: the same slots
+    slot_a, slot_b = sampler.rows.slot[:2].tolist()
+    sampler.release(a)
+    sampler.stage([a, b], [6, 6])  # the same batch, but a was released
+    assert a.seq_id in sampler.state._slots
+    sampler.release(a)
+    sampler.stage([c], [4])  # c takes a's slot
+    assert sampler.rows.slot[0].item() == slot_a
+    sampler.release(b)
+    sampler.stage([a, c], [6, 5])
+    got = sampler.rows.slot[:2].tolist()
+    assert got[1] == slot_a and got[0] == slot_b  # a back, in the slot b left
+    temperature = sampler.state.floats[:, 0]
+    assert temperature[got[0]].item() == pytest.approx(0.5)
+    assert temperature[got[1]].item() == pytest.approx(2.5)
