@@ -70,6 +70,7 @@ class Results:
     offline: dict[Path, list[Result]] = field(default_factory=dict)   # one engine, A/B runs
     tuning: list[Result] = field(default_factory=list)                # attention_tuning
     profiles: list[Result] = field(default_factory=list)              # bench.step_profile
+    host_cpu: list[Result] = field(default_factory=list)              # bench.engine_host_cpu
     w7: list[Result] = field(default_factory=list)                    # bench.w7_spec
     quant: list[Result] = field(default_factory=list)                 # bench.quant_accuracy
     decode_steps: dict[Path, list[Result]] = field(default_factory=dict)  # folder -> files
@@ -99,7 +100,8 @@ class Results:
 # A result file's "benchmark" -> the Results list it joins, or the dict of lists by folder.
 LISTED = {"vs_vllm": "vs_vllm", "w4_cpu": "w4", "attention-tuning": "tuning",
           "step_profile": "profiles", "w7-spec": "w7", "quant-accuracy": "quant",
-          "kv-cache-fp8": "kv_cache_fp8", "decode_splits": "decode_splits"}
+          "kv-cache-fp8": "kv_cache_fp8", "decode_splits": "decode_splits",
+          "engine_host_cpu": "host_cpu"}
 BY_FOLDER = {"w3_serve": "w3", "vs_vllm_offline": "offline", "decode_steps": "decode_steps"}
 
 
@@ -951,7 +953,7 @@ class Report:
             self.p(f"\n{provenance(rs[0].env, None, rel(d, self.base))}")
 
     def tuning_and_profiles(self) -> None:
-        if not (self.res.tuning or self.res.profiles):
+        if not (self.res.tuning or self.res.profiles or self.res.host_cpu):
             return
         self.h(2, "Prefill attention tiles and step profiles")
         for r in self.res.tuning:
@@ -978,6 +980,16 @@ class Report:
                          [[x["kernel"][:70], f"{100 * x['share']:.1f}%", x["ms"], x["calls"],
                            x["us_per_call"]] for x in d.get("top_kernels", [])[:10]]))
             self.p(f"\n{provenance(r.env, d.get('model'), self.src(r))}")
+        for r in self.res.host_cpu:
+            d = r.data
+            self.p(f"\nThe engine loop's host time per step on the CPU, device work excluded "
+                   f"(bench.engine_host_cpu): {d.get('requests')} requests of "
+                   f"{d.get('prompt_tokens')} + {d.get('output_tokens')} tokens.\n")
+            self.p(table(["sampling", "median ms/step", "mean ms/step", "sampler us/step"],
+                         [[name, x["host_ms_per_step_median"], x["host_ms_per_step_mean"],
+                           ", ".join(f"{k} {v}" for k, v in x["sampler_us_per_step"].items())]
+                          for name, x in d.get("settings", {}).items()]))
+            self.p(f"\n{provenance(r.env, None, self.src(r))}")
 
     def decode_steps(self) -> None:
         """bench.diagnostics.decode_steps: one table per folder, a row per file."""
