@@ -134,14 +134,15 @@ def _unkey(k):
 # Work lists: the rows that search, gather, and draw over the whole vocabulary. Few rows of a
 # batch do, and a launch of rows x splits programs gave each only its own row's splits: one
 # searching row of 256 then took a level 55 us on the H100, one program's serial pass. A
-# listed row instead gets an equal share of all the launch's programs (see _share).
+# listed row instead gets an equal share of all the launch's programs (see _share). Each
+# list holds up to R rows, R = the batch's rows = every launch's first grid dimension.
 _SEARCH, _GATHER, _DRAW = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
-def _append(lists_ptr, list_len_ptr, list_at_ptr, which, R, row):
-    """Put `row` on list `which` (of R rows at most), and its place on the list at
-    list_at[which, row]."""
+def _append(lists_ptr, list_len_ptr, list_at_ptr, which, row):
+    """Put `row` on list `which`, and its place on the list at list_at[which, row]."""
+    R = tl.num_programs(0)
     j = tl.atomic_add(list_len_ptr + which, 1)
     tl.store(lists_ptr + which * R + j, row.to(tl.int32))
     tl.store(list_at_ptr + which * R + row, j)
@@ -158,11 +159,12 @@ def _parts(listed, programs, V, PART_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _share(lists_ptr, list_len_ptr, which, R, V, PART_BLOCK: tl.constexpr):
+def _share(lists_ptr, list_len_ptr, which, V, PART_BLOCK: tl.constexpr):
     """This program's share of list `which` in a launch of any grid: (the row, or -1 for
     none; its partial's index j * parts + part; start, end of its vocabulary part)."""
     p = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    programs = tl.num_programs(0) * tl.num_programs(1)
+    R = tl.num_programs(0)
+    programs = R * tl.num_programs(1)
     listed = tl.load(list_len_ptr + which)
     q, part_len = _parts(listed, programs, V, PART_BLOCK)
     j = p // q
@@ -551,7 +553,7 @@ def _check_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, part_ptr, part_idx
 def _bound_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, floats_ptr, part_ptr,
                   part_idx_ptr, num_splits, block_max_ptr, num_blocks, lo_ptr, hi_ptr,
                   count_ptr, peak_ptr, state_ptr, state_f_ptr, pivots_ptr, mass_ptr,
-                  token_ptr, tau_ptr, lists_ptr, list_len_ptr, list_at_ptr, R,
+                  token_ptr, tau_ptr, lists_ptr, list_len_ptr, list_at_ptr,
                   SPLITS_P2: tl.constexpr, BLOCKS_P2: tl.constexpr,
                   NP: tl.constexpr, CAP: tl.constexpr):
     """Program row, for a truncated random row: a value every kept token reaches, from
@@ -615,9 +617,9 @@ def _bound_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, floats_ptr, part_p
     bounded = (bound > float("-inf")) | (finite <= CAP)
     tl.store(lo_ptr + row, tl.where(bounded, _key(bound).to(tl.int64), _INT64_MAX))
     if bounded:
-        _append(lists_ptr, list_len_ptr, list_at_ptr, _GATHER, R, row)
+        _append(lists_ptr, list_len_ptr, list_at_ptr, _GATHER, row)
     else:
-        _append(lists_ptr, list_len_ptr, list_at_ptr, _SEARCH, R, row)
+        _append(lists_ptr, list_len_ptr, list_at_ptr, _SEARCH, row)
         lo = _key(least).to(tl.int64) - 1
         hi = _key(peak).to(tl.int64)
         if ((flags & 32) != 0) & (top_k < finite):
@@ -639,12 +641,12 @@ def _bound_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, floats_ptr, part_p
 
 @triton.jit
 def _gather_kernel(x_ptr, stride_x, V, lo_ptr, hi_ptr, count_ptr, g_val_ptr, g_idx_ptr,
-                   lists_ptr, list_len_ptr, R, CAP: tl.constexpr, BLOCK: tl.constexpr):
+                   lists_ptr, list_len_ptr, CAP: tl.constexpr, BLOCK: tl.constexpr):
     """A share (_share) of a row on the gather list (bounded, or its search levels ended):
     its values with a key in [lo, hi], and their token ids, appended to the row's list
     (slots by an atomic count; the list is sorted after, so the order they land in does
     not matter); past CAP only counted."""
-    row, _, start, end = _share(lists_ptr, list_len_ptr, _GATHER, R, V, BLOCK)
+    row, _, start, end = _share(lists_ptr, list_len_ptr, _GATHER, V, BLOCK)
     if row < 0:
         return
     lo = tl.load(lo_ptr + row)
@@ -665,11 +667,11 @@ def _gather_kernel(x_ptr, stride_x, V, lo_ptr, hi_ptr, count_ptr, g_val_ptr, g_i
 
 @triton.jit
 def _level_kernel(x_ptr, stride_x, V, state_ptr, pivots_ptr, peak_ptr, level_count_ptr,
-                  level_mass_ptr, lists_ptr, list_len_ptr, R, NP: tl.constexpr,
+                  level_mass_ptr, lists_ptr, list_len_ptr, NP: tl.constexpr,
                   PART_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
     """A share (_share) of a row on the search list, while it searches: its part's count
     (and, for top-p, mass) of values above each pivot; _narrow_kernel adds the parts up."""
-    row, at, start, end = _share(lists_ptr, list_len_ptr, _SEARCH, R, V, PART_BLOCK)
+    row, at, start, end = _share(lists_ptr, list_len_ptr, _SEARCH, V, PART_BLOCK)
     if row < 0:
         return
     state = state_ptr + row * 6
@@ -703,13 +705,12 @@ def _narrow_kernel(row_slot_ptr, state_ptr, state_f_ptr, pivots_ptr, level_count
     state = state_ptr + row * 6
     if tl.load(state + 5) == 0:
         return
-    R = tl.num_programs(0)
     j = tl.arange(0, NP)
     by_mass = tl.load(state + 4) == 2
     count = tl.zeros((NP,), dtype=tl.int32)
     f = tl.zeros((NP,), dtype=tl.float32)
     parts, _ = _parts(tl.load(list_len_ptr + _SEARCH), programs, V, PART_BLOCK)
-    first = tl.load(list_at_ptr + _SEARCH * R + row) * parts
+    first = tl.load(list_at_ptr + _SEARCH * tl.num_programs(0) + row) * parts
     for s0 in range(0, parts, 16):  # 16 parts at a time: one variant for any count
         s = s0 + tl.arange(0, 16)
         at = (first + s[:, None]) * NP + j[None, :]
@@ -735,7 +736,7 @@ def _narrow_kernel(row_slot_ptr, state_ptr, state_f_ptr, pivots_ptr, level_count
         tl.store(state + 5, 0)
         tl.store(lo_ptr + row, lo + 1)
         tl.store(hi_ptr + row, tl.where(count_lo <= CAP, _INT64_MAX, hi))
-        _append(lists_ptr, list_len_ptr, list_at_ptr, _GATHER, R, row)
+        _append(lists_ptr, list_len_ptr, list_at_ptr, _GATHER, row)
     else:
         tl.store(pivots_ptr + row * NP + j, _pivots(lo, hi, NP))
 
@@ -798,7 +799,6 @@ def _select_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floa
     the search below; and its draw when the gathered list holds every kept token (else
     tau goes to the draw kernel: token -1, the row on the draw list)."""
     row = tl.program_id(0).to(tl.int64)
-    R = tl.num_programs(0)
     slot = tl.load(row_slot_ptr + row).to(tl.int64)
     if slot < 0:
         return
@@ -901,19 +901,19 @@ def _select_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floa
         tl.store(token_ptr + row, token.to(tl.int64))
     else:  # the draw kernel's
         tl.store(token_ptr + row, -1)
-        _append(lists_ptr, list_len_ptr, list_at_ptr, _DRAW, R, row)
+        _append(lists_ptr, list_len_ptr, list_at_ptr, _DRAW, row)
 
 
 # ---- draw over the whole row, finish ----------------------------------------------------
 
 @triton.jit
 def _draw_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floats_ptr,
-                 tau_ptr, peak_ptr, part_ptr, part_idx_ptr, lists_ptr, list_len_ptr, R,
+                 tau_ptr, peak_ptr, part_ptr, part_idx_ptr, lists_ptr, list_len_ptr,
                  BLOCK: tl.constexpr):
     """A share (_share) of a row on the draw list (select left it undrawn): its part's
     best kept x + gumbel noise and its first index, at part[at] (prepare's partials are
     read by then)."""
-    row, at, start, end = _share(lists_ptr, list_len_ptr, _DRAW, R, V, BLOCK)
+    row, at, start, end = _share(lists_ptr, list_len_ptr, _DRAW, V, BLOCK)
     if row < 0:
         return
     slot = tl.load(row_slot_ptr + row).to(tl.int64)
@@ -1105,22 +1105,20 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
         x, x.stride(0), vocab, rows.slot, state.ints, state.floats, scratch.part,
         scratch.part_idx, splits, scratch.block_max, num_blocks, scratch.lo, scratch.hi,
         scratch.count, scratch.peak, scratch.search, scratch.search_f, scratch.pivots,
-        scratch.level_mass, out.token, scratch.tau, *lists, num_rows, SPLITS_P2=splits_p2,
+        scratch.level_mass, out.token, scratch.tau, *lists, SPLITS_P2=splits_p2,
         BLOCKS_P2=blocks_p2, NP=_LEVEL_PIVOTS, CAP=cap, num_warps=4)
     for _ in range(levels):
         mod._level_kernel[(num_rows, splits)](
             x, x.stride(0), vocab, scratch.search, scratch.pivots, scratch.peak,
             scratch.level_count, scratch.level_mass, scratch.lists, scratch.list_len,
-            num_rows, NP=_LEVEL_PIVOTS, PART_BLOCK=block, BLOCK=min(block, 256),
-            num_warps=4)
+            NP=_LEVEL_PIVOTS, PART_BLOCK=block, BLOCK=min(block, 256), num_warps=4)
         mod._narrow_kernel[(num_rows,)](
             rows.slot, scratch.search, scratch.search_f, scratch.pivots, scratch.level_count,
             scratch.level_mass, programs, vocab, scratch.lo, scratch.hi, *lists,
             NP=_LEVEL_PIVOTS, CAP=cap, PART_BLOCK=block, num_warps=1)
     mod._gather_kernel[(num_rows, splits)](
         x, x.stride(0), vocab, scratch.lo, scratch.hi, scratch.count, scratch.g_val,
-        scratch.g_idx, scratch.lists, scratch.list_len, num_rows, CAP=cap, BLOCK=block,
-        num_warps=4)
+        scratch.g_idx, scratch.lists, scratch.list_len, CAP=cap, BLOCK=block, num_warps=4)
     mod._select_kernel[(num_rows,)](
         x, x.stride(0), vocab, rows.slot, rows.position, state.ints, state.floats,
         scratch.part, scratch.part_idx, splits, greedy, scratch.g_val, scratch.g_idx,
@@ -1130,7 +1128,7 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
     mod._draw_kernel[(num_rows, splits)](
         x, x.stride(0), vocab, rows.slot, rows.position, state.ints, state.floats,
         scratch.tau, scratch.peak, scratch.part, scratch.part_idx, scratch.lists,
-        scratch.list_len, num_rows, BLOCK=block, num_warps=4)
+        scratch.list_len, BLOCK=block, num_warps=4)
     mod._finish_kernel[(num_rows,)](
         logits, logits.stride(0), vocab, rows.slot, rows.flags, state.ints, state.counts,
         out.token, scratch.part, scratch.part_idx, programs, scratch.lse, out.token_lp,
