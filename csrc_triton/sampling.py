@@ -42,7 +42,9 @@ Kernels, in launch order: prepare (rows x splits: the processed values, their ma
 argmax, sum of exp, and the raw logits' log-sum-exp for logprob rows; the draw of a
 random row that keeps every token, which then never stores its values, or of a row drawn
 first), check (rows x splits: top-p's mass above a first draw), bound (a program a row: a
-first draw kept, or where the search starts), the search levels, gather, select (a program
+first draw kept, or where the search starts), fill (the values of a row drawn first and not
+kept, which prepare stores only where they are more than logits / temperature: a plain top-p
+row's 4 bytes a token are neither written nor read back), the search levels, gather, select (a program
 a row: tau, and the token when it can), draw and finish (the rows left to draw over the
 whole vocabulary; the counts update; the token's logprob), then for logprob rows the
 top-N and rank (rows x splits, then a program a row). The search levels, gather and draw
@@ -68,7 +70,7 @@ __all__ = ["sample_rows", "sampling_splits", "SLOT_INT_FIELDS", "SLOT_FLOAT_FIEL
            "FLAG_RANDOM", "FLAG_BIAS", "FLAG_PENALTY", "FLAG_BANS", "FLAG_LOGPROBS",
            "FLAG_TOP_K", "FLAG_TOP_P", "FLAG_MIN_P", "FLAG_GRAMMAR", "ROW_UPDATE_COUNTS",
            "ROW_MASK_SHIFT", "MAX_LOGPROBS",
-           "GATHER_CAP", "COUNT_SHIFT", "PROMPT_BIT", "BAN_BIT"]
+           "GATHER_CAP", "LEVEL_SPREAD", "COUNT_SHIFT", "PROMPT_BIT", "BAN_BIT"]
 
 # A slot's int64 parameters: flags, top_k, seed, prompt length, min_tokens, logprobs N.
 SLOT_INT_FIELDS = 8
@@ -103,6 +105,12 @@ _LEVEL_PIVOTS = 16    # a search level's (every split of the row at once)
 # tokens 1,300-1,700 values wide, over GATHER_CAP, so a row's one program went on reading the
 # whole row by itself. A level with no row searching costs a launch of programs that return.
 _LEVELS = 4
+# A search level's programs per row of the launch, against prepare's splits (on a GPU), and
+# the values each program's part is a multiple of. A level's program read its part in
+# serial blocks of 256, 8 for a 2,048-value part: with ~13 of 256 rows searching (top_p
+# 0.95), a level took 11 us for 8 MB.
+LEVEL_SPREAD = 4
+_LEVEL_BLOCK = 256
 _BLOCK = 1024
 _LP_BLOCK = 4096      # a logprobs program's share of a row (one block)
 # Programs a row's splits aim at, per SM, in all. At 4, 256 rows of 151,936 tokens gave the
@@ -135,8 +143,11 @@ def _unkey(k):
 # batch do, and a launch of rows x splits programs gave each only its own row's splits: one
 # searching row of 256 then took a level 55 us on the H100, one program's serial pass. A
 # listed row instead gets an equal share of all the launch's programs (see _share). Each
-# list holds up to R rows, R = the batch's rows = every launch's first grid dimension.
+# list holds up to R rows, R = the batch's rows = every launch's first grid dimension; the
+# fill list (rows whose values are to be stored) is the fourth.
 _SEARCH, _GATHER, _DRAW = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+# The rows drawn first whose draw was not kept and whose values prepare did not store.
+_FILL = tl.constexpr(3)
 
 
 @triton.jit
@@ -245,7 +256,7 @@ def _uniform_block(seed, start, position, BLOCK: tl.constexpr):
 def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr, V,
                     row_slot_ptr, row_pos_ptr, row_extra_ptr, row_flags_ptr, mask_ptr,
                     mask_words, ints_ptr, floats_ptr, part_ptr, part_idx_ptr, block_max_ptr,
-                    num_blocks, split_len, list_len_ptr, KX: tl.constexpr,
+                    num_blocks, split_len, list_len_ptr, raw_scale_ptr, KX: tl.constexpr,
                     BLOCK: tl.constexpr):
     """Program (row, split): the row's values over its split of the vocabulary, processed
     (grammar mask, bias, bans, penalties, temperature); partial maximum, first argmax,
@@ -269,7 +280,7 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
     position = tl.load(row_pos_ptr + row)
     prompt_len = tl.load(ints_ptr + slot * 8 + 3)
     min_tokens = tl.load(ints_ptr + slot * 8 + 4)
-    temperature = tl.load(floats_ptr + slot * 8)
+    inv_t = tl.load(floats_ptr + slot * 8 + 6)  # 1 / temperature, rounded on the host
     rep = tl.load(floats_ptr + slot * 8 + 3)
     freq = tl.load(floats_ptr + slot * 8 + 4)
     pres = tl.load(floats_ptr + slot * 8 + 5)
@@ -285,14 +296,21 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
     seed = tl.load(ints_ptr + slot * 8 + 2)
     # 1 + the row's grammar bitmask row, 0 for none (only a FLAG_GRAMMAR slot has one).
     mask_row = (tl.load(row_flags_ptr + row) >> 2).to(tl.int64) * ((flags & 256) != 0)
+    # x is stored for the kernels after this one, unless they can remake it from the raw
+    # logits: a row drawn first whose values are its logits / temperature (the check
+    # kernel reads the logits then; the fill kernel stores x if the draw is not kept).
+    processed = (mask_row > 0) | has_bias | banning | penalized
+    stores_x = random & ((flags & 224) != 0) & (processed | ((flags & 32) != 0))
+    if split == 0:
+        tl.store(raw_scale_ptr + row, tl.where(stores_x, 0.0, inv_t))
 
     lanes = tl.arange(0, BLOCK)
     best = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
     best_at = lanes
     run_max = float("-inf")
     run_sum = 0.0
-    least = float("inf")
-    finite = 0
+    least = tl.full((BLOCK,), float("inf"), dtype=tl.float32)  # per lane, reduced once
+    finite = tl.zeros((BLOCK,), dtype=tl.int32)
     raw_max = float("-inf")
     raw_sum = 0.0
     draw_best = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
@@ -329,34 +347,35 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
                 x = x - freq * times.to(tl.float32) - pres * (times > 0).to(tl.float32)
         x = tl.where(ok, x, float("-inf"))
         if random:
-            x = x / temperature
+            x = x * inv_t
             if drawn_here | drawn_first:  # the draw kernel's scores, where x is made
                 noise = _noise(_uniform_block(seed, k, position, BLOCK))
                 score = tl.where(x > float("-inf"), x + noise, float("-inf"))
                 take = score > draw_best
                 draw_best = tl.where(take, score, draw_best)
                 draw_at = tl.where(take, offs, draw_at)
-            if not drawn_here:
+            if stores_x:
                 tl.store(x_ptr + row * stride_x + offs, x, mask=ok)
-            bm = tl.max(x, 0)
             if truncated:
+                bm = tl.max(x, 0)
                 tl.store(block_max_ptr + row * num_blocks + k // BLOCK, bm)
-            if top_p_on:
-                new = tl.maximum(run_max, bm)
-                if new > float("-inf"):
-                    run_sum = run_sum * tl.exp(run_max - new) + tl.sum(tl.exp(x - new), 0)
-                run_max = new
-            fin = x > float("-inf")
-            least = tl.minimum(least, tl.min(tl.where(fin, x, float("inf")), 0))
-            finite += tl.sum(fin.to(tl.int32), 0)
+                if top_p_on:
+                    new = tl.maximum(run_max, bm)
+                    if new > float("-inf"):
+                        run_sum = run_sum * tl.exp(run_max - new) + tl.sum(tl.exp(x - new), 0)
+                    run_max = new
+            if not drawn_here:
+                fin = x > float("-inf")
+                least = tl.minimum(least, tl.where(fin, x, float("inf")))
+                finite += fin.to(tl.int32)
         take = x > best
         best = tl.where(take, x, best)
         best_at = tl.where(take, offs, best_at)
     v, i = tl.reduce((best, best_at), 0, _first_max)
     tl.store(part + 0, v)
     tl.store(part + 1, run_sum)
-    tl.store(part + 2, least)
-    tl.store(part + 3, finite.to(tl.float32))
+    tl.store(part + 2, tl.min(least, 0))
+    tl.store(part + 3, tl.sum(finite, 0).to(tl.float32))
     tl.store(part + 4, raw_max)
     tl.store(part + 5, raw_sum)
     tl.store(part_idx_ptr + row * num_splits + split, i)
@@ -523,11 +542,25 @@ def _first_draw(part_ptr, row, num_splits, V, SPLITS_P2: tl.constexpr):
 
 
 @triton.jit
-def _check_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, part_ptr, part_idx_ptr,
-                  mass_ptr, split_len, SPLITS_P2: tl.constexpr, NP: tl.constexpr,
-                  BLOCK: tl.constexpr):
+def _values(x_row, logits_row, offs, V, scale):
+    """A random row's values at offs: those prepare stored in x (scale 0), else remade
+    from the raw logits with prepare's arithmetic (scale: 1 / temperature)."""
+    if scale == 0.0:
+        x = tl.load(x_row + offs, mask=offs < V, other=float("-inf"))
+    else:
+        raw = tl.load(logits_row + offs, mask=offs < V, other=float("-inf"))
+        x = raw.to(tl.float32) * scale
+    return x
+
+
+@triton.jit
+def _check_kernel(x_ptr, stride_x, logits_ptr, stride_l, V, row_slot_ptr, ints_ptr,
+                  part_ptr, part_idx_ptr, raw_scale_ptr, block_max_ptr, num_blocks, mass_ptr,
+                  split_len, SPLITS_P2: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
     """Program (row, split) of a top-p row drawn first (no top-k): its split's mass of
-    values strictly above the drawn token's, at mass_ptr[(row, split) * NP]."""
+    values strictly above the drawn token's, at mass_ptr[(row, split) * NP]. A block
+    whose maximum does not exceed the drawn value is skipped: with a real model's
+    peaked logits, most of them."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -538,20 +571,24 @@ def _check_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, part_ptr, part_idx
     if ((flags & 1) == 0) | ((flags & 32) != 0) | ((flags & 64) == 0):
         return
     peak, _, _, _, _ = _combined(part_ptr, part_idx_ptr, row, num_splits, SPLITS_P2)
-    drawn = tl.load(x_ptr + row * stride_x + _first_draw(part_ptr, row, num_splits, V,
-                                                         SPLITS_P2))
+    scale = tl.load(raw_scale_ptr + row)
+    x_row = x_ptr + row * stride_x
+    logits_row = logits_ptr + row * stride_l
+    drawn = _values(x_row, logits_row, _first_draw(part_ptr, row, num_splits, V, SPLITS_P2),
+                    V, scale)
     mass = 0.0
     start = split * split_len
     for k in range(start, tl.minimum(start + split_len, V), BLOCK):
-        offs = k + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < V, other=float("-inf"))
-        mass += tl.sum(tl.where(x > drawn, tl.exp(x - peak), 0.0), 0)
+        if tl.load(block_max_ptr + row * num_blocks + k // BLOCK) > drawn:
+            x = _values(x_row, logits_row, k + tl.arange(0, BLOCK), V, scale)
+            mass += tl.sum(tl.where(x > drawn, tl.exp(x - peak), 0.0), 0)
     tl.store(mass_ptr + (row * num_splits + split) * NP, mass)
 
 
 @triton.jit
-def _bound_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, floats_ptr, part_ptr,
-                  part_idx_ptr, num_splits, block_max_ptr, num_blocks, lo_ptr, hi_ptr,
+def _bound_kernel(x_ptr, stride_x, logits_ptr, stride_l, V, row_slot_ptr, ints_ptr,
+                  floats_ptr, part_ptr, part_idx_ptr, raw_scale_ptr, num_splits,
+                  block_max_ptr, num_blocks, lo_ptr, hi_ptr,
                   count_ptr, peak_ptr, state_ptr, state_f_ptr, pivots_ptr, mass_ptr,
                   token_ptr, tau_ptr, lists_ptr, list_len_ptr, list_at_ptr,
                   SPLITS_P2: tl.constexpr, BLOCKS_P2: tl.constexpr,
@@ -564,7 +601,8 @@ def _bound_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, floats_ptr, part_p
     starts the search levels instead (state: lo, hi, count above each, mode, active; f
     above hi, limit; the first pivots): mode 1 top-k's count, 2 top-p's mass (top-k off).
     First, a row drawn first (top-p or min-p, no top-k): its token when kept (then
-    nothing else runs for it; its tau is _NO_TAU), else -1."""
+    nothing else runs for it; its tau is _NO_TAU), else -1 (and onto the fill list if
+    prepare did not store its values)."""
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(row_slot_ptr + row).to(tl.int64)
     if slot < 0:
@@ -578,7 +616,9 @@ def _bound_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, floats_ptr, part_p
                                               SPLITS_P2)
     if (flags & 32) == 0:  # top-p or min-p without top-k: drawn first
         token = _first_draw(part_ptr, row, num_splits, V, SPLITS_P2)
-        drawn = tl.load(x_ptr + row * stride_x + token)
+        scale = tl.load(raw_scale_ptr + row)
+        drawn = _values(x_ptr + row * stride_x, logits_ptr + row * stride_l, token, V,
+                        scale)
         kept = drawn > float("-inf")
         if (flags & 64) != 0:
             s = tl.arange(0, SPLITS_P2)
@@ -588,6 +628,8 @@ def _bound_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, floats_ptr, part_p
         if (flags & 128) != 0:
             kept = kept & (tl.exp(drawn - peak) >= tl.load(floats_ptr + slot * 8 + 2))
         tl.store(token_ptr + row, tl.where(kept, token, -1))
+        if (kept == 0) & (scale != 0.0):
+            _append(lists_ptr, list_len_ptr, list_at_ptr, _FILL, row)
         if kept:
             tl.store(lo_ptr + row, _INT64_MAX)  # the gather takes nothing
             tl.store(tau_ptr + row, _NO_TAU)
@@ -637,6 +679,21 @@ def _bound_kernel(x_ptr, stride_x, V, row_slot_ptr, ints_ptr, floats_ptr, part_p
         tl.store(state_f_ptr + row * 2, 0.0)
         tl.store(state_f_ptr + row * 2 + 1, limit)
         tl.store(pivots_ptr + row * NP + tl.arange(0, NP), _pivots(lo, hi, NP))
+
+
+@triton.jit
+def _fill_kernel(logits_ptr, stride_l, x_ptr, stride_x, V, raw_scale_ptr, lists_ptr,
+                 list_len_ptr, BLOCK: tl.constexpr):
+    """A share (_share) of a row on the fill list: its values stored, as prepare would
+    have, for the search, gather and draw that follow."""
+    row, _, start, end = _share(lists_ptr, list_len_ptr, _FILL, V, BLOCK)
+    if row < 0:
+        return
+    scale = tl.load(raw_scale_ptr + row)
+    for k in range(start, end, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        x = _values(x_ptr + row * stride_x, logits_ptr + row * stride_l, offs, V, scale)
+        tl.store(x_ptr + row * stride_x + offs, x, mask=offs < V)
 
 
 @triton.jit
@@ -711,8 +768,8 @@ def _narrow_kernel(row_slot_ptr, state_ptr, state_f_ptr, pivots_ptr, level_count
     f = tl.zeros((NP,), dtype=tl.float32)
     parts, _ = _parts(tl.load(list_len_ptr + _SEARCH), programs, V, PART_BLOCK)
     first = tl.load(list_at_ptr + _SEARCH * tl.num_programs(0) + row) * parts
-    for s0 in range(0, parts, 16):  # 16 parts at a time: one variant for any count
-        s = s0 + tl.arange(0, 16)
+    for s0 in range(0, parts, 128):  # 128 parts at a time: one variant for any count
+        s = s0 + tl.arange(0, 128)
         at = (first + s[:, None]) * NP + j[None, :]
         ok = (s < parts)[:, None]
         count += tl.sum(tl.load(level_count_ptr + at, mask=ok, other=0), 0)
@@ -1066,7 +1123,7 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
     ints [S, 8] int64, floats [S, 8] float32, counts [S, V] int32, bias [S, V] float32.
     `scratch`: x [>= R, V] float32, part [R * splits * 8] float32, part_idx [R * splits]
     int32, g_val [R, CAP] float32, g_idx [R, CAP] int32, tau, peak, lse [R], lists and
-    list_at [3 * R] int32, list_len [4] int32. `out`: token [R] int64, token_lp [R]
+    list_at [4 * R] int32, list_len [4] int32, raw_scale [R] float32. `out`: token [R] int64, token_lp [R]
     float32, top_val [R, 20] float32, top_idx [R, 20] int32, rank [R] int32, lp_val /
     lp_idx / lp_rank (the logprob blocks' partials). greedy [R] int64: the step's
     argmax, the token of rows whose slot has no flags. block: the values a program reads
@@ -1090,32 +1147,39 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
     cap = scratch.g_val.shape[1]
     num_blocks = triton.cdiv(vocab, block)
     blocks_p2 = triton.next_power_of_2(num_blocks)
-    programs = num_rows * splits  # of each launch over the work lists
+    programs = num_rows * splits  # of each launch over the work lists but the levels'
+    level_splits = splits * (LEVEL_SPREAD if logits.device.type == "cuda" else 1)
+    level_block = min(block, _LEVEL_BLOCK)
     lists = (scratch.lists, scratch.list_len, scratch.list_at)
     mod._prepare_kernel[(num_rows, splits)](
         logits, logits.stride(0), x, x.stride(0), state.counts, state.bias, vocab,
         rows.slot, rows.position, rows.extra, rows.flags, rows.mask, rows.mask.shape[1],
         state.ints, state.floats, scratch.part, scratch.part_idx, scratch.block_max,
-        num_blocks, split_len, scratch.list_len, KX=kx, BLOCK=block, num_warps=4)
-    mod._check_kernel[(num_rows, splits)](
-        x, x.stride(0), vocab, rows.slot, state.ints, scratch.part, scratch.part_idx,
-        scratch.level_mass, split_len, SPLITS_P2=splits_p2, NP=_LEVEL_PIVOTS, BLOCK=block,
+        num_blocks, split_len, scratch.list_len, scratch.raw_scale, KX=kx, BLOCK=block,
         num_warps=4)
+    mod._check_kernel[(num_rows, splits)](
+        x, x.stride(0), logits, logits.stride(0), vocab, rows.slot, state.ints, scratch.part,
+        scratch.part_idx, scratch.raw_scale, scratch.block_max, num_blocks, scratch.level_mass,
+        split_len, SPLITS_P2=splits_p2, NP=_LEVEL_PIVOTS, BLOCK=block, num_warps=4)
     mod._bound_kernel[(num_rows,)](
-        x, x.stride(0), vocab, rows.slot, state.ints, state.floats, scratch.part,
-        scratch.part_idx, splits, scratch.block_max, num_blocks, scratch.lo, scratch.hi,
+        x, x.stride(0), logits, logits.stride(0), vocab, rows.slot, state.ints, state.floats,
+        scratch.part, scratch.part_idx, scratch.raw_scale, splits, scratch.block_max,
+        num_blocks, scratch.lo, scratch.hi,
         scratch.count, scratch.peak, scratch.search, scratch.search_f, scratch.pivots,
         scratch.level_mass, out.token, scratch.tau, *lists, SPLITS_P2=splits_p2,
         BLOCKS_P2=blocks_p2, NP=_LEVEL_PIVOTS, CAP=cap, num_warps=4)
+    mod._fill_kernel[(num_rows, splits)](
+        logits, logits.stride(0), x, x.stride(0), vocab, scratch.raw_scale, scratch.lists,
+        scratch.list_len, BLOCK=block, num_warps=4)
     for _ in range(levels):
-        mod._level_kernel[(num_rows, splits)](
+        mod._level_kernel[(num_rows, level_splits)](
             x, x.stride(0), vocab, scratch.search, scratch.pivots, scratch.peak,
             scratch.level_count, scratch.level_mass, scratch.lists, scratch.list_len,
-            NP=_LEVEL_PIVOTS, PART_BLOCK=block, BLOCK=min(block, 256), num_warps=4)
+            NP=_LEVEL_PIVOTS, PART_BLOCK=level_block, BLOCK=level_block, num_warps=4)
         mod._narrow_kernel[(num_rows,)](
             rows.slot, scratch.search, scratch.search_f, scratch.pivots, scratch.level_count,
-            scratch.level_mass, programs, vocab, scratch.lo, scratch.hi, *lists,
-            NP=_LEVEL_PIVOTS, CAP=cap, PART_BLOCK=block, num_warps=1)
+            scratch.level_mass, num_rows * level_splits, vocab, scratch.lo, scratch.hi,
+            *lists, NP=_LEVEL_PIVOTS, CAP=cap, PART_BLOCK=level_block, num_warps=4)
     mod._gather_kernel[(num_rows, splits)](
         x, x.stride(0), vocab, scratch.lo, scratch.hi, scratch.count, scratch.g_val,
         scratch.g_idx, scratch.lists, scratch.list_len, CAP=cap, BLOCK=block, num_warps=4)

@@ -73,13 +73,15 @@ def run_kernels(logits, state, rows, want_logprobs: bool, cap: int = 32, block: 
         pivots=torch.zeros(n, 16, dtype=torch.int64),
         level_count=torch.empty(n * splits * 16, dtype=torch.int32),
         level_mass=torch.empty(n * splits * 16),
-        peak=torch.empty(n), lse=torch.empty(n), lists=torch.empty(3 * n, dtype=torch.int32),
-        list_len=torch.zeros(4, dtype=torch.int32), list_at=torch.empty(3 * n, dtype=torch.int32))
+        peak=torch.empty(n), lse=torch.empty(n), lists=torch.empty(4 * n, dtype=torch.int32),
+        list_len=torch.zeros(4, dtype=torch.int32), list_at=torch.empty(4 * n, dtype=torch.int32),
+        raw_scale=torch.empty(n))
     out = S._Outputs(n, vocab, CPU)
     out.token.fill_(-7)
     K.sample_rows(logits, logits.argmax(-1), rows, state, scratch, out, want_logprobs, block,
                   splits, levels)
     out.tau = scratch.tau  # random rows' thresholds, as keys
+    out.filled = int(scratch.list_len[3])  # rows whose values the fill kernel stored
     return out
 
 
@@ -165,6 +167,9 @@ def test_top_p_rows_are_drawn_first_and_searched_only_when_the_draw_is_cut():
         assert out.token.tolist() == want.tolist(), scale
         first = out.tau == NO_TAU
         assert 0 < int(first.sum()) < n, scale  # kept first draws, and searched rows
+        # Their values are the logits / temperature: prepare stored none, and the fill
+        # kernel stored those of the rows whose draw was cut.
+        assert out.filled == n - int(first.sum()), scale
 
 
 def test_top_p_after_a_top_k_cut_takes_top_ks_mass():

@@ -39,7 +39,7 @@ from ..engine.bad_words import has_sequences, single_token_bans
 
 # Slot parameter columns (csrc_triton/sampling.py reads them by these positions).
 _I_FLAGS, _I_TOP_K, _I_SEED, _I_PROMPT_LEN, _I_MIN_TOKENS, _I_LOGPROBS = range(6)
-_F_TEMPERATURE, _F_TOP_P, _F_MIN_P, _F_REP, _F_FREQ, _F_PRES = range(6)
+_F_TEMPERATURE, _F_TOP_P, _F_MIN_P, _F_REP, _F_FREQ, _F_PRES, _F_INV_TEMPERATURE = range(7)
 _U32 = 0xFFFFFFFF
 
 logger = logging.getLogger(__name__)
@@ -238,6 +238,9 @@ class SamplingState:
             floats[i, _F_REP] = p.repetition_penalty
             floats[i, _F_FREQ] = p.frequency_penalty
             floats[i, _F_PRES] = p.presence_penalty
+            # The kernels scale by 1 / temperature (a multiply; their division is
+            # approximate), rounded once here so the reference scales alike.
+            floats[i, _F_INV_TEMPERATURE] = np.float32(1.0) / floats[i, _F_TEMPERATURE]
             if flags & (FLAG_PENALTY | FLAG_BANS | FLAG_BIAS):
                 dense.append((slot, seq, flags))
         index = to_device(np.asarray([slot for slot, _ in new], dtype=np.int64), self.device)
@@ -686,8 +689,9 @@ class _Scratch:
     """The kernels' work buffers (csrc_triton.sampling.sample_rows)."""
 
     def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
-        from csrc_triton.sampling import GATHER_CAP, sampling_splits
+        from csrc_triton.sampling import GATHER_CAP, LEVEL_SPREAD, sampling_splits
         splits = max(sampling_splits(r, vocab, device) for r in (1, rows))
+        level_splits = splits * (LEVEL_SPREAD if device.type == "cuda" else 1)
         self.x = torch.empty(rows, vocab, dtype=torch.float32, device=device)
         self.part = torch.empty(rows * splits * 8 + 8, dtype=torch.float32, device=device)
         self.part_idx = torch.empty(rows * splits + 1, dtype=torch.int32, device=device)
@@ -701,12 +705,17 @@ class _Scratch:
         self.search = torch.zeros(rows, 6, dtype=torch.int64, device=device)
         self.search_f = torch.zeros(rows, 2, dtype=torch.float32, device=device)
         self.pivots = torch.zeros(rows, 16, dtype=torch.int64, device=device)
-        self.level_count = torch.empty(rows * splits * 16, dtype=torch.int32, device=device)
-        self.level_mass = torch.empty(rows * splits * 16, dtype=torch.float32, device=device)
-        # The work lists (search, gather, draw): their rows, lengths, each row's place.
-        self.lists = torch.empty(3 * rows, dtype=torch.int32, device=device)
+        self.level_count = torch.empty(rows * level_splits * 16, dtype=torch.int32,
+                                       device=device)
+        self.level_mass = torch.empty(rows * level_splits * 16, dtype=torch.float32,
+                                      device=device)
+        # The work lists (search, gather, draw, fill): their rows, lengths, each row's place.
+        self.lists = torch.empty(4 * rows, dtype=torch.int32, device=device)
         self.list_len = torch.zeros(4, dtype=torch.int32, device=device)
-        self.list_at = torch.empty(3 * rows, dtype=torch.int32, device=device)
+        self.list_at = torch.empty(4 * rows, dtype=torch.int32, device=device)
+        # Per row: 0 where prepare stored its values in x, else 1 / temperature (x is
+        # remade from the logits).
+        self.raw_scale = torch.empty(rows, dtype=torch.float32, device=device)
         self.tau = torch.empty(rows, dtype=torch.int64, device=device)
         self.peak = torch.empty(rows, dtype=torch.float32, device=device)
         self.lse = torch.empty(rows, dtype=torch.float32, device=device)
@@ -781,7 +790,7 @@ def process_logits(logits: torch.Tensor, state: SamplingState,
                      - floats[:, _F_PRES, None] * (times > 0).float())
         x = torch.where(has(FLAG_PENALTY), penalized, x)
     if bool((flags & FLAG_RANDOM).any()):
-        x = torch.where(has(FLAG_RANDOM), x / floats[:, _F_TEMPERATURE, None], x)
+        x = torch.where(has(FLAG_RANDOM), x * floats[:, _F_INV_TEMPERATURE, None], x)
     return x, flags
 
 
