@@ -6,7 +6,8 @@
 #
 #   bash bench/run_sampling_gpu.sh [PART ...]   # from the repo root on the GPU machine
 # Parts: tests, micro, settings:MODEL:WORKLOADS:SETTINGS (e.g.
-# settings:qwen2.5-0.5b-instruct:w1:all, settings:llama-3.1-8b:w1,w2:greedy,sampled).
+# settings:qwen2.5-0.5b-instruct:w1:all, settings:llama-3.1-8b:w1,w2:greedy,sampled);
+# ROUNDS=N runs the settings N times over, in turn.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 START=$(date +%s)
@@ -30,7 +31,8 @@ for part in "${parts[@]}"; do
       IFS=: read -r _ model wl sampling <<< "$part"
       [ "$sampling" = all ] && sampling=$ALL
       timeout "${T_SETTINGS:-260}" python3 -m bench.vs_vllm offline --engine minivllm \
-        --model "$model" --workloads "$wl" --sampling "$sampling" --out "$OUT/$model" \
+        --model "$model" --workloads "$wl" --sampling "$sampling" --rounds "${ROUNDS:-1}" \
+        --out "$OUT/$model" \
         --work /tmp/minivllm-sampling-work > "$OUT/settings_$model.log" 2>&1
       say "settings $model: exit $?"; grep -E "rep [0-9]:" "$OUT/settings_$model.log" ;;
     *) say "unknown part $part" ;;

@@ -272,18 +272,22 @@ def run_offline(args) -> int:
                              args, save)
             continue
         w = wl[name]
-        for sampling in settings:
-            run_workload(engine, w, sampling, record, args, save)
+        for round_ in range(args.rounds):
+            for sampling in settings:
+                run_workload(engine, w, sampling, record, args, save, round_)
     log(f"wrote {path}")
     return 1 if record.get("errors") else 0
 
 
-def run_workload(engine, w, sampling: str, record: dict, args, save) -> None:
-    """One workload under one sampling setting: a warm-up, then its repetitions (rows
-    row_name(workload, sampling)), the best of them in record["best"]."""
+def run_workload(engine, w, sampling: str, record: dict, args, save, round_: int = 0) -> None:
+    """One workload under one sampling setting: a warm-up (in the first round), then its
+    repetitions (rows row_name(workload, sampling)), the best of every round's in
+    record["best"]."""
     name = row_name(w.name, sampling)
     try:
-        engine.generate(with_sampling(w.warm_up(), w, f"{w.name}-warm", sampling), sampling)
+        if round_ == 0:
+            engine.generate(with_sampling(w.warm_up(), w, f"{w.name}-warm", sampling),
+                            sampling)
         for rep in range(w.reps):
             reqs = with_sampling(w.requests(rep), w, f"{w.name}-{rep}", sampling)
             secs = _timed(engine, reqs, sampling)
@@ -294,6 +298,8 @@ def run_workload(engine, w, sampling: str, record: dict, args, save) -> None:
                    "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
                    "output_tok_per_s": round(output_tokens / secs, 1),
                    "prompt_tok_per_s": round(prompt_tokens / secs, 1)}
+            if args.rounds > 1:
+                row["round"] = round_
             record["rows"].append(row)
             log(f"{args.engine} {args.model} {name} rep {rep}: {row[w.metric]:,.0f} "
                 f"{w.metric} ({secs:.2f} s)")
@@ -466,6 +472,10 @@ def main(argv=None) -> int:
                      help="comma-separated sampling settings, each workload (but sweep) run "
                           f"once per setting, greedy first: {', '.join(SAMPLING)}; rows of "
                           "a setting other than greedy are \"W1 sampled\" and so on")
+    off.add_argument("--rounds", type=int, default=1,
+                     help="run each workload's settings this many times over, in turn "
+                          "(greedy, sampled, ..., greedy, sampled, ...): a drift in the "
+                          "GPU's speed then reaches every setting alike")
     off.add_argument("--out", required=True, help="the run's folder")
     off.add_argument("--work", default="/tmp/minivllm-vs-vllm", help="model folders")
     off.add_argument("--smoke", action="store_true", help="a tiny model on the CPU")

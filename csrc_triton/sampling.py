@@ -70,7 +70,7 @@ __all__ = ["sample_rows", "sampling_splits", "SLOT_INT_FIELDS", "SLOT_FLOAT_FIEL
            "FLAG_RANDOM", "FLAG_BIAS", "FLAG_PENALTY", "FLAG_BANS", "FLAG_LOGPROBS",
            "FLAG_TOP_K", "FLAG_TOP_P", "FLAG_MIN_P", "FLAG_GRAMMAR", "ROW_UPDATE_COUNTS",
            "ROW_MASK_SHIFT", "MAX_LOGPROBS",
-           "GATHER_CAP", "LEVEL_SPREAD", "COUNT_SHIFT", "PROMPT_BIT", "BAN_BIT"]
+           "GATHER_CAP", "COUNT_SHIFT", "PROMPT_BIT", "BAN_BIT"]
 
 # A slot's int64 parameters: flags, top_k, seed, prompt length, min_tokens, logprobs N.
 SLOT_INT_FIELDS = 8
@@ -105,12 +105,6 @@ _LEVEL_PIVOTS = 16    # a search level's (every split of the row at once)
 # tokens 1,300-1,700 values wide, over GATHER_CAP, so a row's one program went on reading the
 # whole row by itself. A level with no row searching costs a launch of programs that return.
 _LEVELS = 4
-# A search level's programs per row of the launch, against prepare's splits (on a GPU), and
-# the values each program's part is a multiple of. A level's program read its part in
-# serial blocks of 256, 8 for a 2,048-value part: with ~13 of 256 rows searching (top_p
-# 0.95), a level took 11 us for 8 MB.
-LEVEL_SPREAD = 4
-_LEVEL_BLOCK = 256
 _BLOCK = 1024
 _LP_BLOCK = 4096      # a logprobs program's share of a row (one block)
 # Programs a row's splits aim at, per SM, in all. At 4, 256 rows of 151,936 tokens gave the
@@ -768,8 +762,8 @@ def _narrow_kernel(row_slot_ptr, state_ptr, state_f_ptr, pivots_ptr, level_count
     f = tl.zeros((NP,), dtype=tl.float32)
     parts, _ = _parts(tl.load(list_len_ptr + _SEARCH), programs, V, PART_BLOCK)
     first = tl.load(list_at_ptr + _SEARCH * tl.num_programs(0) + row) * parts
-    for s0 in range(0, parts, 128):  # 128 parts at a time: one variant for any count
-        s = s0 + tl.arange(0, 128)
+    for s0 in range(0, parts, 16):  # 16 parts at a time: one variant for any count
+        s = s0 + tl.arange(0, 16)
         at = (first + s[:, None]) * NP + j[None, :]
         ok = (s < parts)[:, None]
         count += tl.sum(tl.load(level_count_ptr + at, mask=ok, other=0), 0)
@@ -1147,9 +1141,7 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
     cap = scratch.g_val.shape[1]
     num_blocks = triton.cdiv(vocab, block)
     blocks_p2 = triton.next_power_of_2(num_blocks)
-    programs = num_rows * splits  # of each launch over the work lists but the levels'
-    level_splits = splits * (LEVEL_SPREAD if logits.device.type == "cuda" else 1)
-    level_block = min(block, _LEVEL_BLOCK)
+    programs = num_rows * splits  # of each launch over the work lists
     lists = (scratch.lists, scratch.list_len, scratch.list_at)
     mod._prepare_kernel[(num_rows, splits)](
         logits, logits.stride(0), x, x.stride(0), state.counts, state.bias, vocab,
@@ -1172,14 +1164,14 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
         logits, logits.stride(0), x, x.stride(0), vocab, scratch.raw_scale, scratch.lists,
         scratch.list_len, BLOCK=block, num_warps=4)
     for _ in range(levels):
-        mod._level_kernel[(num_rows, level_splits)](
+        mod._level_kernel[(num_rows, splits)](
             x, x.stride(0), vocab, scratch.search, scratch.pivots, scratch.peak,
             scratch.level_count, scratch.level_mass, scratch.lists, scratch.list_len,
-            NP=_LEVEL_PIVOTS, PART_BLOCK=level_block, BLOCK=level_block, num_warps=4)
+            NP=_LEVEL_PIVOTS, PART_BLOCK=block, BLOCK=min(block, 256), num_warps=4)
         mod._narrow_kernel[(num_rows,)](
             rows.slot, scratch.search, scratch.search_f, scratch.pivots, scratch.level_count,
-            scratch.level_mass, num_rows * level_splits, vocab, scratch.lo, scratch.hi,
-            *lists, NP=_LEVEL_PIVOTS, CAP=cap, PART_BLOCK=level_block, num_warps=4)
+            scratch.level_mass, programs, vocab, scratch.lo, scratch.hi, *lists,
+            NP=_LEVEL_PIVOTS, CAP=cap, PART_BLOCK=block, num_warps=1)
     mod._gather_kernel[(num_rows, splits)](
         x, x.stride(0), vocab, scratch.lo, scratch.hi, scratch.count, scratch.g_val,
         scratch.g_idx, scratch.lists, scratch.list_len, CAP=cap, BLOCK=block, num_warps=4)

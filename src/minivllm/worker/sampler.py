@@ -689,9 +689,8 @@ class _Scratch:
     """The kernels' work buffers (csrc_triton.sampling.sample_rows)."""
 
     def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
-        from csrc_triton.sampling import GATHER_CAP, LEVEL_SPREAD, sampling_splits
+        from csrc_triton.sampling import GATHER_CAP, sampling_splits
         splits = max(sampling_splits(r, vocab, device) for r in (1, rows))
-        level_splits = splits * (LEVEL_SPREAD if device.type == "cuda" else 1)
         self.x = torch.empty(rows, vocab, dtype=torch.float32, device=device)
         self.part = torch.empty(rows * splits * 8 + 8, dtype=torch.float32, device=device)
         self.part_idx = torch.empty(rows * splits + 1, dtype=torch.int32, device=device)
@@ -705,10 +704,8 @@ class _Scratch:
         self.search = torch.zeros(rows, 6, dtype=torch.int64, device=device)
         self.search_f = torch.zeros(rows, 2, dtype=torch.float32, device=device)
         self.pivots = torch.zeros(rows, 16, dtype=torch.int64, device=device)
-        self.level_count = torch.empty(rows * level_splits * 16, dtype=torch.int32,
-                                       device=device)
-        self.level_mass = torch.empty(rows * level_splits * 16, dtype=torch.float32,
-                                      device=device)
+        self.level_count = torch.empty(rows * splits * 16, dtype=torch.int32, device=device)
+        self.level_mass = torch.empty(rows * splits * 16, dtype=torch.float32, device=device)
         # The work lists (search, gather, draw, fill): their rows, lengths, each row's place.
         self.lists = torch.empty(4 * rows, dtype=torch.int32, device=device)
         self.list_len = torch.zeros(4, dtype=torch.int32, device=device)
