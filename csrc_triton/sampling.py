@@ -692,28 +692,31 @@ def _fill_kernel(logits_ptr, stride_l, x_ptr, stride_x, V, raw_scale_ptr, lists_
 
 @triton.jit
 def _gather_kernel(x_ptr, stride_x, V, lo_ptr, hi_ptr, count_ptr, g_val_ptr, g_idx_ptr,
-                   lists_ptr, list_len_ptr, CAP: tl.constexpr, BLOCK: tl.constexpr):
+                   block_max_ptr, num_blocks, lists_ptr, list_len_ptr, CAP: tl.constexpr,
+                   BLOCK: tl.constexpr):
     """A share (_share) of a row on the gather list (bounded, or its search levels ended):
     its values with a key in [lo, hi], and their token ids, appended to the row's list
     (slots by an atomic count; the list is sorted after, so the order they land in does
-    not matter); past CAP only counted."""
+    not matter); past CAP only counted. Blocks whose maximum is under lo hold none and
+    are not read: a top-k row bounded by its k-th largest block maximum reads k blocks."""
     row, _, start, end = _share(lists_ptr, list_len_ptr, _GATHER, V, BLOCK)
     if row < 0:
         return
     lo = tl.load(lo_ptr + row)
     hi = tl.load(hi_ptr + row)
     for k in range(start, end, BLOCK):
-        offs = k + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < V, other=float("-inf"))
-        key = _key(x).to(tl.int64)
-        take = (key >= lo) & (key <= hi) & (offs < V)
-        n = tl.sum(take.to(tl.int32), 0)
-        if n > 0:
-            base = tl.atomic_add(count_ptr + row, n)
-            at = base + tl.cumsum(take.to(tl.int32), 0) - 1
-            keep = take & (at < CAP)
-            tl.store(g_val_ptr + row * CAP + at, x, mask=keep)
-            tl.store(g_idx_ptr + row * CAP + at, offs, mask=keep)
+        if _key(tl.load(block_max_ptr + row * num_blocks + k // BLOCK)).to(tl.int64) >= lo:
+            offs = k + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + row * stride_x + offs, mask=offs < V, other=float("-inf"))
+            key = _key(x).to(tl.int64)
+            take = (key >= lo) & (key <= hi) & (offs < V)
+            n = tl.sum(take.to(tl.int32), 0)
+            if n > 0:
+                base = tl.atomic_add(count_ptr + row, n)
+                at = base + tl.cumsum(take.to(tl.int32), 0) - 1
+                keep = take & (at < CAP)
+                tl.store(g_val_ptr + row * CAP + at, x, mask=keep)
+                tl.store(g_idx_ptr + row * CAP + at, offs, mask=keep)
 
 
 @triton.jit
@@ -959,11 +962,11 @@ def _select_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floa
 
 @triton.jit
 def _draw_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floats_ptr,
-                 tau_ptr, peak_ptr, part_ptr, part_idx_ptr, lists_ptr, list_len_ptr,
-                 BLOCK: tl.constexpr):
+                 tau_ptr, peak_ptr, part_ptr, part_idx_ptr, block_max_ptr, num_blocks,
+                 lists_ptr, list_len_ptr, BLOCK: tl.constexpr):
     """A share (_share) of a row on the draw list (select left it undrawn): its part's
     best kept x + gumbel noise and its first index, at part[at] (prepare's partials are
-    read by then)."""
+    read by then). A top-k or top-p row skips the blocks whose maximum is under tau."""
     row, at, start, end = _share(lists_ptr, list_len_ptr, _DRAW, V, BLOCK)
     if row < 0:
         return
@@ -977,18 +980,22 @@ def _draw_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floats
     lanes = tl.arange(0, BLOCK)
     best = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
     best_at = lanes + V
+    bounded = (flags & 96) != 0  # prepare stored its blocks' maxima
     for k in range(start, end, BLOCK):
-        offs = k + lanes
-        ok = offs < V
-        x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=float("-inf"))
-        keep = ok & (_key(x).to(tl.int64) >= tau)
-        if (flags & 128) != 0:
-            keep = keep & (tl.exp(x - peak) >= min_p)
-        noise = _noise(_uniform_block(seed, k, position, BLOCK))
-        score = tl.where(keep, x + noise, float("-inf"))
-        take = (score > best) & keep
-        best = tl.where(take, score, best)
-        best_at = tl.where(take, offs, best_at)
+        bm = tl.load(block_max_ptr + row * num_blocks + k // BLOCK, mask=bounded,
+                     other=float("inf"))
+        if _key(bm).to(tl.int64) >= tau:
+            offs = k + lanes
+            ok = offs < V
+            x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=float("-inf"))
+            keep = ok & (_key(x).to(tl.int64) >= tau)
+            if (flags & 128) != 0:
+                keep = keep & (tl.exp(x - peak) >= min_p)
+            noise = _noise(_uniform_block(seed, k, position, BLOCK))
+            score = tl.where(keep, x + noise, float("-inf"))
+            take = (score > best) & keep
+            best = tl.where(take, score, best)
+            best_at = tl.where(take, offs, best_at)
     v, i = tl.reduce((best, best_at), 0, _first_max)
     tl.store(part_ptr + at * 8, v)
     tl.store(part_idx_ptr + at, i)
@@ -1174,7 +1181,8 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
             NP=_LEVEL_PIVOTS, CAP=cap, PART_BLOCK=block, num_warps=1)
     mod._gather_kernel[(num_rows, splits)](
         x, x.stride(0), vocab, scratch.lo, scratch.hi, scratch.count, scratch.g_val,
-        scratch.g_idx, scratch.lists, scratch.list_len, CAP=cap, BLOCK=block, num_warps=4)
+        scratch.g_idx, scratch.block_max, num_blocks, scratch.lists, scratch.list_len,
+        CAP=cap, BLOCK=block, num_warps=4)
     mod._select_kernel[(num_rows,)](
         x, x.stride(0), vocab, rows.slot, rows.position, state.ints, state.floats,
         scratch.part, scratch.part_idx, splits, greedy, scratch.g_val, scratch.g_idx,
@@ -1183,8 +1191,8 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
         BLOCK=min(block, 512), CAP=cap, num_warps=8)
     mod._draw_kernel[(num_rows, splits)](
         x, x.stride(0), vocab, rows.slot, rows.position, state.ints, state.floats,
-        scratch.tau, scratch.peak, scratch.part, scratch.part_idx, scratch.lists,
-        scratch.list_len, BLOCK=block, num_warps=4)
+        scratch.tau, scratch.peak, scratch.part, scratch.part_idx, scratch.block_max,
+        num_blocks, scratch.lists, scratch.list_len, BLOCK=block, num_warps=4)
     mod._finish_kernel[(num_rows,)](
         logits, logits.stride(0), vocab, rows.slot, rows.flags, state.ints, state.counts,
         out.token, scratch.part, scratch.part_idx, programs, scratch.lse, out.token_lp,
