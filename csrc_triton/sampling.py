@@ -302,7 +302,7 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
     best = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
     best_at = lanes
     run_max = float("-inf")
-    run_sum = 0.0
+    run_sum = tl.zeros((BLOCK,), dtype=tl.float32)  # per lane, relative to run_max
     least = tl.full((BLOCK,), float("inf"), dtype=tl.float32)  # per lane, reduced once
     finite = tl.zeros((BLOCK,), dtype=tl.int32)
     raw_max = float("-inf")
@@ -356,7 +356,7 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
                 if top_p_on:
                     new = tl.maximum(run_max, bm)
                     if new > float("-inf"):
-                        run_sum = run_sum * tl.exp(run_max - new) + tl.sum(tl.exp(x - new), 0)
+                        run_sum = run_sum * tl.exp(run_max - new) + tl.exp(x - new)
                     run_max = new
             if not drawn_here:
                 fin = x > float("-inf")
@@ -367,7 +367,7 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
         best_at = tl.where(take, offs, best_at)
     v, i = tl.reduce((best, best_at), 0, _first_max)
     tl.store(part + 0, v)
-    tl.store(part + 1, run_sum)
+    tl.store(part + 1, tl.sum(run_sum, 0))
     tl.store(part + 2, tl.min(least, 0))
     tl.store(part + 3, tl.sum(finite, 0).to(tl.float32))
     tl.store(part + 4, raw_max)
