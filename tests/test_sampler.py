@@ -58,7 +58,7 @@ NO_TAU = -2 ** 63  # csrc_triton.sampling's tau of a row whose first draw was ke
 
 
 def run_kernels(logits, state, rows, want_logprobs: bool, cap: int = 32, block: int = 32,
-                splits: int = 3, levels: int = K._LEVELS):
+                splits: int = 3, levels: int = K._LEVELS, truncating: bool = True):
     """csrc_triton.sampling.sample_rows (interpreted), with a small gather list and blocks
     so tiny vocabularies take every path: bounded by block maxima, the search levels, the
     one-program search; several programs a row, as on a GPU."""
@@ -79,7 +79,7 @@ def run_kernels(logits, state, rows, want_logprobs: bool, cap: int = 32, block: 
     out = S._Outputs(n, vocab, CPU)
     out.token.fill_(-7)
     K.sample_rows(logits, logits.argmax(-1), rows, state, scratch, out, want_logprobs, block,
-                  splits, levels)
+                  splits, levels, truncating)
     out.tau = scratch.tau  # random rows' thresholds, as keys
     out.filled = int(scratch.list_len[3])  # rows whose values the fill kernel stored
     return out
@@ -148,6 +148,33 @@ def test_kernels_match_the_reference(shape, block, splits, levels):
         assert out.rank[i].item() == want_lp[1][i].item()
         assert out.top_idx[i, :n].tolist() == want_lp[3][i, :n].tolist()
         torch.testing.assert_close(out.top_val[i, :n], want_lp[2][i, :n])
+
+
+def test_a_batch_without_truncation_skips_the_truncation_kernels():
+    """Greedy, penalized, biased and temperature-only rows: the sampler stages them as a
+    batch without top-k, top-p or min-p, and the kernels launched without the
+    truncation ones (check, bound, fill, levels, gather, draw) give the reference's tokens,
+    counts and logprobs."""
+    vocab = 400
+    plain = [p for p in MIXED if not {"top_k", "top_p", "min_p"} & set(p)]
+    assert len(plain) >= 5
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(len(plain), vocab, generator=g) * 2
+    seqs = [row(i, **p) for i, p in enumerate(plain)]
+    want_state, rows = staged(seqs, vocab)
+    want, want_lp = S.sample_reference(logits, want_state, rows, True)
+    got_state, rows = staged(seqs, vocab)
+    out = run_kernels(logits, got_state, rows, True, truncating=False)
+    assert out.token.tolist() == want.tolist()
+    assert torch.equal(got_state.counts, want_state.counts)
+    for i, p in enumerate(plain):
+        if p.get("logprobs"):
+            assert abs(out.token_lp[i].item() - want_lp[0][i].item()) < 1e-5
+    sampler = S.Sampler(vocab, CPU, max_rows=8, num_slots=8)
+    sampler.stage(seqs, [10] * len(seqs))
+    assert not sampler.truncating
+    sampler.stage(seqs + [row(9, temperature=0.7, min_p=0.1)], [10] * (len(seqs) + 1))
+    assert sampler.truncating
 
 
 def test_top_p_rows_are_drawn_first_and_searched_only_when_the_draw_is_cut():

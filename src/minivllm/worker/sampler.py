@@ -41,6 +41,7 @@ from ..engine.bad_words import has_sequences, single_token_bans
 _I_FLAGS, _I_TOP_K, _I_SEED, _I_PROMPT_LEN, _I_MIN_TOKENS, _I_LOGPROBS = range(6)
 _F_TEMPERATURE, _F_TOP_P, _F_MIN_P, _F_REP, _F_FREQ, _F_PRES, _F_INV_TEMPERATURE = range(7)
 _U32 = 0xFFFFFFFF
+_TRUNCATION = FLAG_TOP_K | FLAG_TOP_P | FLAG_MIN_P  # set only with FLAG_RANDOM
 
 logger = logging.getLogger(__name__)
 
@@ -449,7 +450,8 @@ class Sampler:
         # decode step's batch is mostly the step before's, and looking its rows' slots up
         # again was a loop over the sequences (150 us a step at 256 rows on the CPU,
         # bench/results/2026-12-05-cpu-engine-host-sampling).
-        self._last_batch: tuple[list, np.ndarray, list[int]] | None = None
+        self._last_batch: tuple[list, np.ndarray, list[int], bool] | None = None
+        self.truncating = True  # whether the staged rows hold top-k, top-p or min-p
         self._dev = _row_arrays(max_rows, max(kx, 1), device=device)
         d = self._dev
         # Grammar bitmasks (structured outputs): filled on the host by `before_sample`
@@ -497,13 +499,14 @@ class Sampler:
         state = self.state
         last = self._last_batch
         if last is not None and last[0] == seqs:  # the same objects, in the same order
-            _, slots, lp_rows = last
+            _, slots, lp_rows, self.truncating = last
         else:
             slots = np.asarray(state.slots_of(seqs), dtype=np.int32)
             state.flush()  # the admitted slots' state, and their host_flags
-            flags = state.host_flags
-            lp_rows = [i for i, s in enumerate(slots.tolist()) if flags[s] & FLAG_LOGPROBS]
-            self._last_batch = (list(seqs), slots, lp_rows)
+            flags = [state.host_flags[s] for s in slots.tolist()]
+            lp_rows = [i for i, f in enumerate(flags) if f & FLAG_LOGPROBS]
+            self.truncating = any(f & _TRUNCATION for f in flags)
+            self._last_batch = (list(seqs), slots, lp_rows, self.truncating)
         # Two staging sets alternate: the previous step's copies may not have run yet.
         st = self._staging[self._turn]
         self._turn ^= 1
@@ -551,11 +554,11 @@ class Sampler:
                                           bool(lp_rows))
             return SampledRows(tokens, lp, lp_rows, None, wide)
         if bucket is not None:
-            graphs.replay(bucket, bool(lp_rows))
+            graphs.replay(bucket, bool(lp_rows), self.truncating)
         else:
             if greedy is None:
                 greedy = argmax_rows(logits)
-            self.launch(logits, greedy, n, bool(lp_rows))
+            self.launch(logits, greedy, n, bool(lp_rows), self.truncating)
         return self._result(n, lp_rows, wide)
 
     def check_kernels(self) -> bool:
@@ -599,10 +602,10 @@ class Sampler:
         return self.kernels
 
     def launch(self, logits: torch.Tensor, greedy: torch.Tensor, n: int,
-               want_logprobs: bool) -> None:
+               want_logprobs: bool, truncating: bool = True) -> None:
         from csrc_triton.sampling import sample_rows
         sample_rows(logits, greedy, self.rows.narrow(n), self.state, self.scratch, self.out,
-                    want_logprobs)
+                    want_logprobs, truncating=truncating)
 
     def _result(self, n: int, lp_rows: list[int], wide=None) -> SampledRows:
         o = self.out
@@ -653,7 +656,9 @@ class SamplerGraphs:
         self.greedy = greedy
         rows = min(sampler.max_rows, logits.shape[0])
         self.buckets = decode_buckets(rows)
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        # (bucket, logprobs, truncating): a batch without top-k, top-p or min-p replays a
+        # graph without their kernels.
+        self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
 
     def takes(self, logits: torch.Tensor) -> bool:
         return (logits.data_ptr() == self.logits.data_ptr()
@@ -667,22 +672,23 @@ class SamplerGraphs:
     def capture(self) -> None:
         s = self.sampler
         s.rows.slot.fill_(-1)
+        kinds = [(lp, trunc) for lp in (False, True) for trunc in (False, True)]
         for b in self.buckets:  # compile every launch's variant outside the graphs
-            for lp in (False, True):
-                s.launch(self.logits[:b], self.greedy[:b], b, lp)
+            for lp, trunc in kinds:
+                s.launch(self.logits[:b], self.greedy[:b], b, lp, trunc)
         torch.cuda.synchronize(s.device)
         pool = None
         for b in reversed(self.buckets):
-            for lp in (False, True):
+            for lp, trunc in kinds:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    s.launch(self.logits[:b], self.greedy[:b], b, lp)
+                    s.launch(self.logits[:b], self.greedy[:b], b, lp, trunc)
                 pool = pool or graph.pool()
-                self.graphs[b, lp] = graph
+                self.graphs[b, lp, trunc] = graph
         torch.cuda.synchronize(s.device)
 
-    def replay(self, bucket: int, want_logprobs: bool) -> None:
-        self.graphs[bucket, want_logprobs].replay()
+    def replay(self, bucket: int, want_logprobs: bool, truncating: bool) -> None:
+        self.graphs[bucket, want_logprobs, truncating].replay()
 
 
 class _Scratch:
