@@ -43,14 +43,16 @@ argmax, sum of exp, and the raw logits' log-sum-exp for logprob rows; the draw o
 random row that keeps every token, which then never stores its values, or of a row drawn
 first), check (rows x splits: top-p's mass above a first draw), bound (a program a row: a
 first draw kept, or where the search starts), fill (the values of a row drawn first and not
-kept, which prepare stores only where they are more than logits / temperature: a plain top-p
-row's 4 bytes a token are neither written nor read back), the search levels, gather, select (a program
-a row: tau, and the token when it can), draw and finish (the rows left to draw over the
-whole vocabulary; the counts update; the token's logprob), then for logprob rows the
-top-N and rank (rows x splits, then a program a row). The search levels, gather and draw
-work for the few rows that need them: those rows are put on work lists on the device, and
-each listed row gets an equal share of the launch's rows x splits programs. Launch grids
-depend only on the shapes: the launches can be captured in CUDA graphs.
+kept, which prepare stores only where they are more than logits / temperature: a plain
+top-p row's 4 bytes a token are neither written nor read back), the search levels, gather,
+select (a program a row: tau, and the token when it can), draw and finish (the rows left
+to draw over the whole vocabulary; the counts update; the token's logprob), then for
+logprob rows the top-N and rank (rows x splits, then a program a row). The search
+levels, gather, draw and fill work for the few rows that need them: those rows are put on
+work lists on the device, and each listed row gets an equal share of the launch's rows x
+splits programs. Launch grids depend only on the shapes: the launches can be captured in
+CUDA graphs. A batch without top-k, top-p or min-p launches only prepare, select and
+finish (and the logprob kernels).
 """
 
 from __future__ import annotations
@@ -1124,9 +1126,9 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
     ints [S, 8] int64, floats [S, 8] float32, counts [S, V] int32, bias [S, V] float32.
     `scratch`: x [>= R, V] float32, part [R * splits * 8] float32, part_idx [R * splits]
     int32, g_val [R, CAP] float32, g_idx [R, CAP] int32, tau, peak, lse [R], lists and
-    list_at [4 * R] int32, list_len [4] int32, raw_scale [R] float32. `out`: token [R] int64, token_lp [R]
-    float32, top_val [R, 20] float32, top_idx [R, 20] int32, rank [R] int32, lp_val /
-    lp_idx / lp_rank (the logprob blocks' partials). greedy [R] int64: the step's
+    list_at [4 * R] int32, list_len [4] int32, raw_scale [R] float32. `out`: token [R]
+    int64, token_lp [R] float32, top_val [R, 20] float32, top_idx [R, 20] int32, rank [R]
+    int32, lp_val / lp_idx / lp_rank (the logprob blocks' partials). greedy [R] int64: the step's
     argmax, the token of rows whose slot has no flags. block: the values a program reads
     at a time, and the blocks whose maxima bound a truncated row; splits: programs a row
     (default sampling_splits); tests take small blocks and several splits on tiny
