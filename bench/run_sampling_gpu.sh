@@ -21,7 +21,7 @@ parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests micro)
 for part in "${parts[@]}"; do
   case $part in
-    tests) timeout "${T_TESTS:-200}" python3 -m pytest -q --tb=short -p no:cacheprovider \
+    tests) timeout "${T_TESTS:-200}" python3 -m pytest -q -rs --tb=short -p no:cacheprovider \
              tests/test_gpu_sampler.py > "$OUT/gpu_sampler_tests.log" 2>&1
            say "tests: exit $?"; tail -3 "$OUT/gpu_sampler_tests.log" ;;
     micro) timeout "${T_MICRO:-120}" python3 -m bench.sampler_bench --rows ${MICRO_ROWS:-1 256} \
