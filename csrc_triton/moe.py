@@ -189,30 +189,36 @@ def _rows_gemv_kernel(a_ptr, w_ptr, w_scale_ptr, out_ptr, ids_ptr, weight_ptr, N
                       stride_am, stride_we, stride_wn, stride_om, TOP_K: tl.constexpr,
                       A_BY_TOKEN: tl.constexpr, SCALE_BY_WEIGHT: tl.constexpr,
                       W_SCALED: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+                      BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr):
     """Program (row, column tile) of the rows path (BLOCK_M = 1): out[row, cols] = A[row] @
     W[e].T for the row's expert e = ids[row], in float32. GATED: W's columns n (gate) and
     N + n (up) together, out = silu(gate) * up. W_SCALED: e4m3 or int8 weights, the sums
-    times their output channel's scale (w_scale [E, rows of W])."""
+    times their output channel's scale (w_scale [E, rows of W]). As the dense batch-1 GEMVs
+    (quant_gemm._gemv_sum): products accumulated element-wise and summed over K once at
+    the end (a sum per block cost a cross-lane reduction each step), the weight loads
+    pipelined LOOP_STAGES deep through shared memory (1: each block loaded when its step
+    starts)."""
     row = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + row).to(tl.int64)
     a_row = row // TOP_K if A_BY_TOKEN else row
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     w_base = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc2_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         a = tl.load(a_ptr + a_row * stride_am + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         ok = n_ok[:, None] & k_ok[None, :]
         w = tl.load(w_base + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)
-        acc += tl.sum(w * a[None, :], 1)
+        acc2 += w * a[None, :]
         if GATED:
             u = tl.load(w_base + N * stride_wn + offs_k[None, :], mask=ok,
                         other=0.0).to(tl.float32)
-            acc_up += tl.sum(u * a[None, :], 1)
+            acc2_up += u * a[None, :]
+    acc = tl.sum(acc2, 1)
+    acc_up = tl.sum(acc2_up, 1)
     if W_SCALED:
         scales = w_scale_ptr + expert * (2 * N if GATED else N) + offs_n
         acc = acc * tl.load(scales, mask=n_ok, other=0.0)
@@ -234,8 +240,8 @@ def _rows_gemm(mod, a, w, w_scale, out, ids, weights, top_k, by_token: bool, sca
         a, w, w_scale if scaled else weights, out, ids, weights, n, a.shape[1], a.stride(0),
         w.stride(0), w.stride(1), out.stride(0), TOP_K=top_k, A_BY_TOKEN=by_token,
         SCALE_BY_WEIGHT=scale, W_SCALED=scaled, GATED=gated, BLOCK_N=tiles["BLOCK_N"],
-        BLOCK_K=tiles["BLOCK_K"], num_warps=tiles["num_warps"],
-        num_stages=tiles["num_stages"])
+        BLOCK_K=tiles["BLOCK_K"], LOOP_STAGES=tiles["num_stages"],
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
 
 
 def tiles_key(w13: torch.Tensor, top_k: int) -> str:
