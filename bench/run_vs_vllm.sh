@@ -10,7 +10,8 @@
 # carry .vllm/a0 and .vllm/a1 in one call (56 MB, without .whl) and copy them to /tmp/vb
 # there; the next call carries .vllm/c .vllm/tok .vllm/install.sh .whl and starts with
 # `cp /tmp/vb/a0 /tmp/vb/a1 .vllm/ && source .vllm/install.sh`. /tmp/vsite then stays while
-# the machine is warm (~30 s between calls).
+# the machine is warm (~30 s between calls). A mixture of experts needs vLLM's MoE ops too:
+# bench/vllm_moe_ops.sh makes .vllm/moe; carry it in a call of its own, copied to /tmp/vb.
 #   bash bench/run_vs_vllm.sh [MODEL ...]  # from the repo root on the GPU machine, .whl carried
 #
 # Knobs: VS_PARTS (default "mini-offline vllm-offline mini-w3 vllm-w3"), VS_WORKLOADS
@@ -67,6 +68,13 @@ if ! python3 -c "import fastapi, uvicorn, pydantic, orjson" 2>/dev/null && ls .w
 fi
 [ -d /tmp/site ] && MINI_PATH="$MINI_PATH:/tmp/site"
 [ -n "${VLLM_SITE:-}" ] || say "VLLM_SITE is not set: the vLLM parts will fail (source .vllm/install.sh)"
+# vLLM's MoE ops, left out of the bundle (bench/vllm_moe_ops.sh): unpacked when carried.
+for moe in .vllm/moe /tmp/vb/moe; do
+  if [ -n "${VLLM_SITE:-}" ] && [ -f "$moe" ] \
+     && [ ! -f "$VLLM_SITE/vllm/_moe_C_stable_libtorch.abi3.so" ]; then
+    tar -xJf "$moe" -C "$VLLM_SITE" && say "vLLM's MoE ops unpacked from $moe"
+  fi
+done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
 
 wait_gpu_free() {  # until the GPU's used memory is under 2 GiB (60 s at most)
