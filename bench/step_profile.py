@@ -75,8 +75,8 @@ def profile_one(engine, w, sampling: str, args, out: Path) -> None:
               "environment": environment(), "top_kernels": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
-    print(f"{args.model} {row_name(args.workload, sampling)} x{len(reqs)}: wall {wall * 1e3:.1f} ms, kernels "
-          f"{busy:.1f} ms ({100 * busy / (wall * 1e3):.0f}% busy)")
+    print(f"{args.model} {row_name(args.workload, sampling)} x{len(reqs)}: wall "
+          f"{wall * 1e3:.1f} ms, kernels {busy:.1f} ms ({100 * busy / (wall * 1e3):.0f}% busy)")
     for r in rows[:12]:
         print(f"  {100 * r['share']:5.1f}%  {r['ms']:8.2f} ms  x{r['calls']:<5d} "
               f"{r['us_per_call']:8.1f} us  {r['kernel'][:90]}")

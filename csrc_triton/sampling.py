@@ -296,7 +296,7 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
     # logits: a row drawn first whose values are its logits / temperature (the check
     # kernel reads the logits then; the fill kernel stores x if the draw is not kept).
     processed = (mask_row > 0) | has_bias | banning | penalized
-    stores_x = random & ((flags & 224) != 0) & (processed | ((flags & 32) != 0))
+    stores_x = random & (drawn_here == 0) & (processed | (drawn_first == 0))
     if split == 0:
         tl.store(raw_scale_ptr + row, tl.where(stores_x, 0.0, inv_t))
 
