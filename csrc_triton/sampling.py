@@ -115,6 +115,8 @@ _LP_BLOCK = 4096      # a logprobs program's share of a row (one block)
 # work-lists) 8 took 4-20% off every 256-row setting against 4; 16 a little more at 256
 # rows but 7-14 us more at one row.
 PROGRAMS_PER_SM = 8
+_GATHER_SPREAD = int(os.environ.get("MINIVLLM_GATHER_SPREAD", "4"))  # probe
+_PREPARE_STAGES = int(os.environ.get("MINIVLLM_PREPARE_STAGES", "1"))  # probe
 _INT64_MAX = tl.constexpr(2 ** 63 - 1)
 _NO_TAU = tl.constexpr(-2 ** 63)  # tau of a row drawn before any threshold was needed
 
@@ -253,7 +255,7 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
                     row_slot_ptr, row_pos_ptr, row_extra_ptr, row_flags_ptr, mask_ptr,
                     mask_words, ints_ptr, floats_ptr, part_ptr, part_idx_ptr, block_max_ptr,
                     num_blocks, split_len, list_len_ptr, raw_scale_ptr, KX: tl.constexpr,
-                    BLOCK: tl.constexpr):
+                    BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """Program (row, split): the row's values over its split of the vocabulary, processed
     (grammar mask, bias, bans, penalties, temperature); partial maximum, first argmax,
     sum of exp (relative to that maximum), least finite value and finite count; the raw
@@ -312,7 +314,7 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
     draw_best = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
     draw_at = lanes + V
     start = split * split_len
-    for k in range(start, tl.minimum(start + split_len, V), BLOCK):
+    for k in tl.range(start, tl.minimum(start + split_len, V), BLOCK, num_stages=STAGES):
         offs = k + lanes
         ok = offs < V
         raw = tl.load(logits_ptr + row * stride_l + offs, mask=ok,
@@ -550,9 +552,22 @@ def _values(x_row, logits_row, offs, V, scale):
 
 
 @triton.jit
+def _share_peak(block_max_row, start, end, BLOCK: tl.constexpr, BLOCKS_P2: tl.constexpr):
+    """The largest block maximum over [start, end) (block-aligned start): one vector load,
+    so that a share with no block to read returns at once (a loop of scalar loads, each
+    waited on before its branch, took a top-p check 15-25 us at 256 rows)."""
+    b = tl.arange(0, BLOCKS_P2)
+    first = start // BLOCK
+    maxima = tl.load(block_max_row + first + b, mask=b < tl.cdiv(end - start, BLOCK),
+                     other=float("-inf"))
+    return tl.max(maxima, 0)
+
+
+@triton.jit
 def _check_kernel(x_ptr, stride_x, logits_ptr, stride_l, V, row_slot_ptr, ints_ptr,
                   part_ptr, part_idx_ptr, raw_scale_ptr, block_max_ptr, num_blocks, mass_ptr,
-                  split_len, SPLITS_P2: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
+                  split_len, SPLITS_P2: tl.constexpr, BLOCKS_P2: tl.constexpr,
+                  NP: tl.constexpr, BLOCK: tl.constexpr):
     """Program (row, split) of a top-p row drawn first (no top-k): its split's mass of
     values strictly above the drawn token's, at mass_ptr[(row, split) * NP]. A block
     whose maximum does not exceed the drawn value is skipped: with a real model's
@@ -574,10 +589,12 @@ def _check_kernel(x_ptr, stride_x, logits_ptr, stride_l, V, row_slot_ptr, ints_p
                     V, scale)
     mass = 0.0
     start = split * split_len
-    for k in range(start, tl.minimum(start + split_len, V), BLOCK):
-        if tl.load(block_max_ptr + row * num_blocks + k // BLOCK) > drawn:
-            x = _values(x_row, logits_row, k + tl.arange(0, BLOCK), V, scale)
-            mass += tl.sum(tl.where(x > drawn, tl.exp(x - peak), 0.0), 0)
+    end = tl.minimum(start + split_len, V)
+    if _share_peak(block_max_ptr + row * num_blocks, start, end, BLOCK, BLOCKS_P2) > drawn:
+        for k in range(start, end, BLOCK):
+            if tl.load(block_max_ptr + row * num_blocks + k // BLOCK) > drawn:
+                x = _values(x_row, logits_row, k + tl.arange(0, BLOCK), V, scale)
+                mass += tl.sum(tl.where(x > drawn, tl.exp(x - peak), 0.0), 0)
     tl.store(mass_ptr + (row * num_splits + split) * NP, mass)
 
 
@@ -695,7 +712,7 @@ def _fill_kernel(logits_ptr, stride_l, x_ptr, stride_x, V, raw_scale_ptr, lists_
 @triton.jit
 def _gather_kernel(x_ptr, stride_x, V, lo_ptr, hi_ptr, count_ptr, g_val_ptr, g_idx_ptr,
                    block_max_ptr, num_blocks, lists_ptr, list_len_ptr, CAP: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   BLOCKS_P2: tl.constexpr, BLOCK: tl.constexpr):
     """A share (_share) of a row on the gather list (bounded, or its search levels ended):
     its values with a key in [lo, hi], and their token ids, appended to the row's list
     (slots by an atomic count; the list is sorted after, so the order they land in does
@@ -706,6 +723,9 @@ def _gather_kernel(x_ptr, stride_x, V, lo_ptr, hi_ptr, count_ptr, g_val_ptr, g_i
         return
     lo = tl.load(lo_ptr + row)
     hi = tl.load(hi_ptr + row)
+    if _key(_share_peak(block_max_ptr + row * num_blocks, start, end, BLOCK,
+                        BLOCKS_P2)).to(tl.int64) < lo:
+        return
     for k in range(start, end, BLOCK):
         if _key(tl.load(block_max_ptr + row * num_blocks + k // BLOCK)).to(tl.int64) >= lo:
             offs = k + tl.arange(0, BLOCK)
@@ -944,9 +964,12 @@ def _select_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floa
                 CAP)
     tl.store(tau_ptr + row, tau)
     if listed_lo < tau:
-        keys, ids, ok = _sorted_gathered(g_val, g_idx, listed, CAP)
-        values = _unkey(keys)
-        keep = ok & (keys.to(tl.int64) >= tau)
+        # The draw needs no order (ties go to the least id): the list as gathered, unsorted.
+        i = tl.arange(0, CAP)
+        ok = i < listed
+        values = tl.load(g_val + i, mask=ok, other=float("-inf"))
+        ids = tl.load(g_idx + i, mask=ok, other=0)
+        keep = ok & (_key(values).to(tl.int64) >= tau)
         if (flags & 128) != 0:
             keep = keep & (tl.exp(values - peak) >= tl.load(floats_ptr + slot * 8 + 2))
         seed = tl.load(ints_ptr + slot * 8 + 2)
@@ -1159,13 +1182,13 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
         rows.slot, rows.position, rows.extra, rows.flags, rows.mask, rows.mask.shape[1],
         state.ints, state.floats, scratch.part, scratch.part_idx, scratch.block_max,
         num_blocks, split_len, scratch.list_len, scratch.raw_scale, KX=kx, BLOCK=block,
-        num_warps=4)
+        STAGES=_PREPARE_STAGES, num_warps=4)
     if truncating:
         mod._check_kernel[(num_rows, splits)](
             x, x.stride(0), logits, logits.stride(0), vocab, rows.slot, state.ints,
             scratch.part, scratch.part_idx, scratch.raw_scale, scratch.block_max, num_blocks,
-            scratch.level_mass, split_len, SPLITS_P2=splits_p2, NP=_LEVEL_PIVOTS, BLOCK=block,
-            num_warps=4)
+            scratch.level_mass, split_len, SPLITS_P2=splits_p2, BLOCKS_P2=blocks_p2,
+            NP=_LEVEL_PIVOTS, BLOCK=block, num_warps=4)
         mod._bound_kernel[(num_rows,)](
             x, x.stride(0), logits, logits.stride(0), vocab, rows.slot, state.ints,
             state.floats, scratch.part, scratch.part_idx, scratch.raw_scale, splits,
@@ -1185,10 +1208,10 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
                 rows.slot, scratch.search, scratch.search_f, scratch.pivots,
                 scratch.level_count, scratch.level_mass, programs, vocab, scratch.lo,
                 scratch.hi, *lists, NP=_LEVEL_PIVOTS, CAP=cap, PART_BLOCK=block, num_warps=1)
-        mod._gather_kernel[(num_rows, splits)](
+        mod._gather_kernel[(num_rows, splits * _GATHER_SPREAD)](
             x, x.stride(0), vocab, scratch.lo, scratch.hi, scratch.count, scratch.g_val,
             scratch.g_idx, scratch.block_max, num_blocks, scratch.lists, scratch.list_len,
-            CAP=cap, BLOCK=block, num_warps=4)
+            CAP=cap, BLOCKS_P2=blocks_p2, BLOCK=block, num_warps=4)
     mod._select_kernel[(num_rows,)](
         x, x.stride(0), vocab, rows.slot, rows.position, state.ints, state.floats,
         scratch.part, scratch.part_idx, splits, greedy, scratch.g_val, scratch.g_idx,
