@@ -115,8 +115,14 @@ _LP_BLOCK = 4096      # a logprobs program's share of a row (one block)
 # work-lists) 8 took 4-20% off every 256-row setting against 4; 16 a little more at 256
 # rows but 7-14 us more at one row.
 PROGRAMS_PER_SM = 8
-_GATHER_SPREAD = int(os.environ.get("MINIVLLM_GATHER_SPREAD", "4"))  # probe
-_PREPARE_STAGES = int(os.environ.get("MINIVLLM_PREPARE_STAGES", "1"))  # probe
+# The gather's programs per row split: a top-k row's gather reads about a third of its
+# blocks, each waited on in turn (a load, a count, an atomic slot): more programs, shorter
+# waits. At 4 (against 1) top-k 50's gather took 98 -> 84 us at 256 rows on the H200
+# (2026-12-05-h200-sampler-pipelined-loads).
+_GATHER_SPREAD = 4
+# Loads in flight in a row's loop (prepare, check): 3 stages (cp.async) took prepare 154 ->
+# 144 us (temperature) and 116 -> 95 us (top-k) at 256 rows on the H200, same file.
+_LOOP_STAGES = 3
 _INT64_MAX = tl.constexpr(2 ** 63 - 1)
 _NO_TAU = tl.constexpr(-2 ** 63)  # tau of a row drawn before any threshold was needed
 
@@ -305,8 +311,10 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
     lanes = tl.arange(0, BLOCK)
     best = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
     best_at = lanes
-    run_max = float("-inf")
-    run_sum = tl.zeros((BLOCK,), dtype=tl.float32)  # per lane, relative to run_max
+    # Top-p's sum of exp, per lane and relative to the lane's own maximum: one exp a value
+    # and nothing waits on the block's maximum (a reduction across the program's warps).
+    run_max = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    run_sum = tl.zeros((BLOCK,), dtype=tl.float32)
     least = tl.full((BLOCK,), float("inf"), dtype=tl.float32)  # per lane, reduced once
     finite = tl.zeros((BLOCK,), dtype=tl.int32)
     raw_max = float("-inf")
@@ -358,10 +366,9 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
                 bm = tl.max(x, 0)
                 tl.store(block_max_ptr + row * num_blocks + k // BLOCK, bm)
                 if top_p_on:
-                    new = tl.maximum(run_max, bm)
-                    if new > float("-inf"):
-                        run_sum = run_sum * tl.exp(run_max - new) + tl.exp(x - new)
-                    run_max = new
+                    e = tl.where(x > float("-inf"), tl.exp(-tl.abs(x - run_max)), 0.0)
+                    run_sum = tl.where(x > run_max, run_sum * e + 1.0, run_sum + e)
+                    run_max = tl.maximum(run_max, x)
             if not drawn_here:
                 fin = x > float("-inf")
                 least = tl.minimum(least, tl.where(fin, x, float("inf")))
@@ -371,7 +378,8 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
         best_at = tl.where(take, offs, best_at)
     v, i = tl.reduce((best, best_at), 0, _first_max)
     tl.store(part + 0, v)
-    tl.store(part + 1, tl.sum(run_sum, 0))
+    tl.store(part + 1, tl.sum(tl.where(run_max > float("-inf"),
+                                       run_sum * tl.exp(run_max - v), 0.0), 0))
     tl.store(part + 2, tl.min(least, 0))
     tl.store(part + 3, tl.sum(finite, 0).to(tl.float32))
     tl.store(part + 4, raw_max)
@@ -387,7 +395,7 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
 
 @triton.jit
 def _above(x_row, start, end, pivots, peak, USE_MASS: tl.constexpr, NP: tl.constexpr,
-           BLOCK: tl.constexpr):
+           BLOCK: tl.constexpr, STAGES: tl.constexpr = 1):
     """For each pivot key: how many values of x_row[start:end] have a larger key, and
     their sum of exp(x - peak) (zeros unless USE_MASS). Sums per lane, reduced once at
     the end: a reduction per block would cost one program more than its loads."""
@@ -395,7 +403,7 @@ def _above(x_row, start, end, pivots, peak, USE_MASS: tl.constexpr, NP: tl.const
     count = tl.zeros((NP, BLOCK), dtype=tl.int32)
     mass = tl.zeros((NP, BLOCK), dtype=tl.float32)
     V = end
-    for k in range(start, end, BLOCK):
+    for k in tl.range(start, end, BLOCK, num_stages=STAGES):
         offs = k + tl.arange(0, BLOCK)
         x = tl.load(x_row + offs, mask=offs < V, other=float("-inf"))
         above = _key(x)[None, :] > piv
@@ -564,10 +572,26 @@ def _share_peak(block_max_row, start, end, BLOCK: tl.constexpr, BLOCKS_P2: tl.co
 
 
 @triton.jit
+def _mass_above(row_ptr, scale, maxima, start, end, V, drawn, peak, BLOCK: tl.constexpr,
+                STAGES: tl.constexpr):
+    """Sum of exp(x - peak) over the values x = row * scale above `drawn` in [start, end).
+    Every block's load is issued, masked off where the block's maximum is not above the
+    draw (no bytes read): a loop without branches, its loads pipelined."""
+    mass = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in tl.range(start, end, BLOCK, num_stages=STAGES):
+        offs = k + tl.arange(0, BLOCK)
+        limit = tl.where(tl.load(maxima + k // BLOCK) > drawn, V, 0)
+        x = tl.load(row_ptr + offs, mask=offs < limit,
+                    other=float("-inf")).to(tl.float32) * scale
+        mass += tl.where(x > drawn, tl.exp(x - peak), 0.0)
+    return tl.sum(mass, 0)
+
+
+@triton.jit
 def _check_kernel(x_ptr, stride_x, logits_ptr, stride_l, V, row_slot_ptr, ints_ptr,
                   part_ptr, part_idx_ptr, raw_scale_ptr, block_max_ptr, num_blocks, mass_ptr,
                   split_len, SPLITS_P2: tl.constexpr, BLOCKS_P2: tl.constexpr,
-                  NP: tl.constexpr, BLOCK: tl.constexpr):
+                  NP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """Program (row, split) of a top-p row drawn first (no top-k): its split's mass of
     values strictly above the drawn token's, at mass_ptr[(row, split) * NP]. A block
     whose maximum does not exceed the drawn value is skipped: with a real model's
@@ -590,11 +614,13 @@ def _check_kernel(x_ptr, stride_x, logits_ptr, stride_l, V, row_slot_ptr, ints_p
     mass = 0.0
     start = split * split_len
     end = tl.minimum(start + split_len, V)
-    if _share_peak(block_max_ptr + row * num_blocks, start, end, BLOCK, BLOCKS_P2) > drawn:
-        for k in range(start, end, BLOCK):
-            if tl.load(block_max_ptr + row * num_blocks + k // BLOCK) > drawn:
-                x = _values(x_row, logits_row, k + tl.arange(0, BLOCK), V, scale)
-                mass += tl.sum(tl.where(x > drawn, tl.exp(x - peak), 0.0), 0)
+    maxima = block_max_ptr + row * num_blocks
+    if _share_peak(maxima, start, end, BLOCK, BLOCKS_P2) > drawn:
+        if scale == 0.0:
+            mass = _mass_above(x_row, 1.0, maxima, start, end, V, drawn, peak, BLOCK, STAGES)
+        else:
+            mass = _mass_above(logits_row, scale, maxima, start, end, V, drawn, peak, BLOCK,
+                               STAGES)
     tl.store(mass_ptr + (row * num_splits + split) * NP, mass)
 
 
@@ -744,7 +770,7 @@ def _gather_kernel(x_ptr, stride_x, V, lo_ptr, hi_ptr, count_ptr, g_val_ptr, g_i
 @triton.jit
 def _level_kernel(x_ptr, stride_x, V, state_ptr, pivots_ptr, peak_ptr, level_count_ptr,
                   level_mass_ptr, lists_ptr, list_len_ptr, NP: tl.constexpr,
-                  PART_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+                  PART_BLOCK: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """A share (_share) of a row on the search list, while it searches: its part's count
     (and, for top-p, mass) of values above each pivot; _narrow_kernel adds the parts up."""
     row, at, start, end = _share(lists_ptr, list_len_ptr, _SEARCH, V, PART_BLOCK)
@@ -758,9 +784,9 @@ def _level_kernel(x_ptr, stride_x, V, state_ptr, pivots_ptr, peak_ptr, level_cou
     peak = tl.load(peak_ptr + row)
     x_row = x_ptr + row * stride_x
     if tl.load(state + 4) == 2:
-        count, mass = _above(x_row, start, end, pivots, peak, True, NP, BLOCK)
+        count, mass = _above(x_row, start, end, pivots, peak, True, NP, BLOCK, STAGES)
     else:
-        count, mass = _above(x_row, start, end, pivots, peak, False, NP, BLOCK)
+        count, mass = _above(x_row, start, end, pivots, peak, False, NP, BLOCK, STAGES)
     out = at * NP + j
     tl.store(level_count_ptr + out, count)
     tl.store(level_mass_ptr + out, mass)
@@ -1182,13 +1208,13 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
         rows.slot, rows.position, rows.extra, rows.flags, rows.mask, rows.mask.shape[1],
         state.ints, state.floats, scratch.part, scratch.part_idx, scratch.block_max,
         num_blocks, split_len, scratch.list_len, scratch.raw_scale, KX=kx, BLOCK=block,
-        STAGES=_PREPARE_STAGES, num_warps=4)
+        STAGES=_LOOP_STAGES, num_warps=4)
     if truncating:
         mod._check_kernel[(num_rows, splits)](
             x, x.stride(0), logits, logits.stride(0), vocab, rows.slot, state.ints,
             scratch.part, scratch.part_idx, scratch.raw_scale, scratch.block_max, num_blocks,
             scratch.level_mass, split_len, SPLITS_P2=splits_p2, BLOCKS_P2=blocks_p2,
-            NP=_LEVEL_PIVOTS, BLOCK=block, num_warps=4)
+            NP=_LEVEL_PIVOTS, BLOCK=block, STAGES=_LOOP_STAGES, num_warps=4)
         mod._bound_kernel[(num_rows,)](
             x, x.stride(0), logits, logits.stride(0), vocab, rows.slot, state.ints,
             state.floats, scratch.part, scratch.part_idx, scratch.raw_scale, splits,
@@ -1203,7 +1229,8 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
             mod._level_kernel[(num_rows, splits)](
                 x, x.stride(0), vocab, scratch.search, scratch.pivots, scratch.peak,
                 scratch.level_count, scratch.level_mass, scratch.lists, scratch.list_len,
-                NP=_LEVEL_PIVOTS, PART_BLOCK=block, BLOCK=min(block, 256), num_warps=4)
+                NP=_LEVEL_PIVOTS, PART_BLOCK=block, BLOCK=min(block, 256), STAGES=_LOOP_STAGES,
+                num_warps=4)
             mod._narrow_kernel[(num_rows,)](
                 rows.slot, scratch.search, scratch.search_f, scratch.pivots,
                 scratch.level_count, scratch.level_mass, programs, vocab, scratch.lo,
