@@ -115,7 +115,8 @@ def measure(args, record: dict, programs: int) -> None:
                     sampler.graphs.capture()
                     seqs = [Seq(i, vocab, SamplingParams(seed=i, **kw)) for i in range(n)]
                     lp_rows = sampler.stage(seqs, [300] * n, padded=n)
-                    replay = sampler.graphs.graphs[n, bool(lp_rows), sampler.truncating].replay
+                    replay = sampler.graphs.graphs[n, bool(lp_rows), sampler.truncating,
+                                                    sampler.searching].replay
                     us = median_gpu_us(replay)
                     row = {"vocab": vocab, "scale": scale, "rows": n, "setting": name,
                            "programs_per_sm": programs, "us": round(us, 1)}

@@ -1168,7 +1168,7 @@ def sampling_splits(rows: int, vocab: int, device: torch.device) -> int:
 
 def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch, out,
                 want_logprobs: bool, block: int = _BLOCK, splits: int | None = None,
-                levels: int = _LEVELS, truncating: bool = True) -> None:
+                levels: int = _LEVELS, truncating: bool = True, searching: bool = True) -> None:
     """See the module docstring. `rows`: slot [R] int32 (-1: padding), position [R] int64,
     flags [R] int32 (ROW_*), extra [R, KX] int32 (earlier drafts counted at this row, -1
     none), mask [M, ceil(V / 32)] int32 (grammar bitmasks, see ROW_MASK_SHIFT). `state`:
@@ -1184,7 +1184,9 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
     vocabularies, and fewer search levels to leave the select kernel's own search some
     rows. truncating False: no row has top-k, top-p or min-p, and the kernels that only
     such rows use (check, bound, fill, the search levels, gather, draw) are not launched:
-    about 25 us a step at 256 rows on an H100, where they return at once."""
+    about 25 us a step at 256 rows on an H100, where they return at once. searching
+    False: no row has top-k or top-p (min-p at most, which needs no threshold search):
+    check, the search levels and gather are not launched."""
     mod, _ = kernels_for(__name__, logits.device)
     num_rows, vocab = logits.shape
     if num_rows == 0:
@@ -1209,12 +1211,13 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
         state.ints, state.floats, scratch.part, scratch.part_idx, scratch.block_max,
         num_blocks, split_len, scratch.list_len, scratch.raw_scale, KX=kx, BLOCK=block,
         STAGES=_LOOP_STAGES, num_warps=4)
-    if truncating:
+    if truncating and searching:
         mod._check_kernel[(num_rows, splits)](
             x, x.stride(0), logits, logits.stride(0), vocab, rows.slot, state.ints,
             scratch.part, scratch.part_idx, scratch.raw_scale, scratch.block_max, num_blocks,
             scratch.level_mass, split_len, SPLITS_P2=splits_p2, BLOCKS_P2=blocks_p2,
             NP=_LEVEL_PIVOTS, BLOCK=block, STAGES=_LOOP_STAGES, num_warps=4)
+    if truncating:
         mod._bound_kernel[(num_rows,)](
             x, x.stride(0), logits, logits.stride(0), vocab, rows.slot, state.ints,
             state.floats, scratch.part, scratch.part_idx, scratch.raw_scale, splits,
@@ -1225,6 +1228,7 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
         mod._fill_kernel[(num_rows, splits)](
             logits, logits.stride(0), x, x.stride(0), vocab, scratch.raw_scale, scratch.lists,
             scratch.list_len, BLOCK=block, num_warps=4)
+    if truncating and searching:
         for _ in range(levels):
             mod._level_kernel[(num_rows, splits)](
                 x, x.stride(0), vocab, scratch.search, scratch.pivots, scratch.peak,

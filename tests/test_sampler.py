@@ -58,7 +58,8 @@ NO_TAU = -2 ** 63  # csrc_triton.sampling's tau of a row whose first draw was ke
 
 
 def run_kernels(logits, state, rows, want_logprobs: bool, cap: int = 32, block: int = 32,
-                splits: int = 3, levels: int = K._LEVELS, truncating: bool = True):
+                splits: int = 3, levels: int = K._LEVELS, truncating: bool = True,
+                searching: bool = True):
     """csrc_triton.sampling.sample_rows (interpreted), with a small gather list and blocks
     so tiny vocabularies take every path: bounded by block maxima, the search levels, the
     one-program search; several programs a row, as on a GPU."""
@@ -79,7 +80,7 @@ def run_kernels(logits, state, rows, want_logprobs: bool, cap: int = 32, block: 
     out = S._Outputs(n, vocab, CPU)
     out.token.fill_(-7)
     K.sample_rows(logits, logits.argmax(-1), rows, state, scratch, out, want_logprobs, block,
-                  splits, levels, truncating)
+                  splits, levels, truncating, searching)
     out.tau = scratch.tau  # random rows' thresholds, as keys
     out.filled = int(scratch.list_len[3])  # rows whose values the fill kernel stored
     return out
@@ -175,6 +176,33 @@ def test_a_batch_without_truncation_skips_the_truncation_kernels():
     assert not sampler.truncating
     sampler.stage(seqs + [row(9, temperature=0.7, min_p=0.1)], [10] * (len(seqs) + 1))
     assert sampler.truncating
+
+
+def test_a_min_p_batch_skips_the_threshold_search():
+    """Min-p rows (with greedy, penalized and temperature-only ones, no top-k or top-p):
+    the sampler stages them as a batch that needs no threshold search, and the kernels
+    launched without check, the search levels and gather give the reference's tokens,
+    first draws cut by min-p included."""
+    vocab = 400
+    params = [dict(temperature=0.0), dict(temperature=0.0, repetition_penalty=1.3),
+              dict(temperature=1.0, seed=4)]
+    params += [dict(temperature=0.6 + 0.1 * (i % 5), min_p=0.3, seed=i,
+                    **(dict(frequency_penalty=0.4) if i % 4 == 0 else {})) for i in range(13)]
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(len(params), vocab, generator=g) * 3
+    seqs = [row(i, **p) for i, p in enumerate(params)]
+    want_state, rows = staged(seqs, vocab)
+    want, _ = S.sample_reference(logits, want_state, rows, False)
+    got_state, rows = staged(seqs, vocab)
+    out = run_kernels(logits, got_state, rows, False, searching=False)
+    assert out.token.tolist() == want.tolist()
+    assert out.filled > 0  # some first draws were cut, and drawn again
+    assert torch.equal(got_state.counts, want_state.counts)
+    sampler = S.Sampler(vocab, CPU, max_rows=len(seqs) + 1, num_slots=len(seqs) + 1)
+    sampler.stage(seqs, [10] * len(seqs))
+    assert sampler.truncating and not sampler.searching
+    sampler.stage(seqs + [row(99, temperature=0.7, top_p=0.9)], [10] * (len(seqs) + 1))
+    assert sampler.searching
 
 
 def test_top_p_rows_are_drawn_first_and_searched_only_when_the_draw_is_cut():

@@ -42,6 +42,7 @@ _I_FLAGS, _I_TOP_K, _I_SEED, _I_PROMPT_LEN, _I_MIN_TOKENS, _I_LOGPROBS = range(6
 _F_TEMPERATURE, _F_TOP_P, _F_MIN_P, _F_REP, _F_FREQ, _F_PRES, _F_INV_TEMPERATURE = range(7)
 _U32 = 0xFFFFFFFF
 _TRUNCATION = FLAG_TOP_K | FLAG_TOP_P | FLAG_MIN_P  # set only with FLAG_RANDOM
+_SEARCHED = FLAG_TOP_K | FLAG_TOP_P  # a threshold to search (min-p's is exp(x - max))
 
 logger = logging.getLogger(__name__)
 
@@ -452,6 +453,7 @@ class Sampler:
         # bench/results/2026-12-05-cpu-engine-host-sampling).
         self._last_batch: tuple[list, np.ndarray, list[int], bool] | None = None
         self.truncating = True  # whether the staged rows hold top-k, top-p or min-p
+        self.searching = True   # whether they hold top-k or top-p (a threshold to search)
         self._dev = _row_arrays(max_rows, max(kx, 1), device=device)
         d = self._dev
         # Grammar bitmasks (structured outputs): filled on the host by `before_sample`
@@ -499,14 +501,15 @@ class Sampler:
         state = self.state
         last = self._last_batch
         if last is not None and last[0] == seqs:  # the same objects, in the same order
-            _, slots, lp_rows, self.truncating = last
+            _, slots, lp_rows, self.truncating, self.searching = last
         else:
             slots = np.asarray(state.slots_of(seqs), dtype=np.int32)
             state.flush()  # the admitted slots' state, and their host_flags
             flags = [state.host_flags[s] for s in slots.tolist()]
             lp_rows = [i for i, f in enumerate(flags) if f & FLAG_LOGPROBS]
             self.truncating = any(f & _TRUNCATION for f in flags)
-            self._last_batch = (list(seqs), slots, lp_rows, self.truncating)
+            self.searching = any(f & _SEARCHED for f in flags)
+            self._last_batch = (list(seqs), slots, lp_rows, self.truncating, self.searching)
         # Two staging sets alternate: the previous step's copies may not have run yet.
         st = self._staging[self._turn]
         self._turn ^= 1
@@ -554,11 +557,11 @@ class Sampler:
                                           bool(lp_rows))
             return SampledRows(tokens, lp, lp_rows, None, wide)
         if bucket is not None:
-            graphs.replay(bucket, bool(lp_rows), self.truncating)
+            graphs.replay(bucket, bool(lp_rows), self.truncating, self.searching)
         else:
             if greedy is None:
                 greedy = argmax_rows(logits)
-            self.launch(logits, greedy, n, bool(lp_rows), self.truncating)
+            self.launch(logits, greedy, n, bool(lp_rows), self.truncating, self.searching)
         return self._result(n, lp_rows, wide)
 
     def check_kernels(self) -> bool:
@@ -602,10 +605,10 @@ class Sampler:
         return self.kernels
 
     def launch(self, logits: torch.Tensor, greedy: torch.Tensor, n: int,
-               want_logprobs: bool, truncating: bool = True) -> None:
+               want_logprobs: bool, truncating: bool = True, searching: bool = True) -> None:
         from csrc_triton.sampling import sample_rows
         sample_rows(logits, greedy, self.rows.narrow(n), self.state, self.scratch, self.out,
-                    want_logprobs, truncating=truncating)
+                    want_logprobs, truncating=truncating, searching=searching)
 
     def _result(self, n: int, lp_rows: list[int], wide=None) -> SampledRows:
         o = self.out
@@ -656,9 +659,10 @@ class SamplerGraphs:
         self.greedy = greedy
         rows = min(sampler.max_rows, logits.shape[0])
         self.buckets = decode_buckets(rows)
-        # (bucket, logprobs, truncating): a batch without top-k, top-p or min-p replays a
-        # graph without their kernels.
-        self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
+        # (bucket, logprobs, truncating, searching): a batch without top-k, top-p or min-p
+        # replays a graph without their kernels; one with min-p alone, without top-k and
+        # top-p's threshold search.
+        self.graphs: dict[tuple[int, bool, bool, bool], torch.cuda.CUDAGraph] = {}
 
     def takes(self, logits: torch.Tensor) -> bool:
         return (logits.data_ptr() == self.logits.data_ptr()
@@ -672,23 +676,25 @@ class SamplerGraphs:
     def capture(self) -> None:
         s = self.sampler
         s.rows.slot.fill_(-1)
-        kinds = [(lp, trunc) for lp in (False, True) for trunc in (False, True)]
+        kinds = [(lp, *cut) for lp in (False, True)
+                 for cut in ((False, False), (True, False), (True, True))]
         for b in self.buckets:  # compile every launch's variant outside the graphs
-            for lp, trunc in kinds:
-                s.launch(self.logits[:b], self.greedy[:b], b, lp, trunc)
+            for kind in kinds:
+                s.launch(self.logits[:b], self.greedy[:b], b, *kind)
         torch.cuda.synchronize(s.device)
         pool = None
         for b in reversed(self.buckets):
-            for lp, trunc in kinds:
+            for kind in kinds:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    s.launch(self.logits[:b], self.greedy[:b], b, lp, trunc)
+                    s.launch(self.logits[:b], self.greedy[:b], b, *kind)
                 pool = pool or graph.pool()
-                self.graphs[b, lp, trunc] = graph
+                self.graphs[(b, *kind)] = graph
         torch.cuda.synchronize(s.device)
 
-    def replay(self, bucket: int, want_logprobs: bool, truncating: bool) -> None:
-        self.graphs[bucket, want_logprobs, truncating].replay()
+    def replay(self, bucket: int, want_logprobs: bool, truncating: bool,
+               searching: bool) -> None:
+        self.graphs[bucket, want_logprobs, truncating, searching].replay()
 
 
 class _Scratch:
