@@ -41,7 +41,8 @@ draw is not kept search for tau.
 Kernels, in launch order: prepare (rows x splits: the processed values, their maximum,
 argmax, sum of exp, and the raw logits' log-sum-exp for logprob rows; the draw of a
 random row that keeps every token, which then never stores its values, or of a row drawn
-first), check (rows x splits: top-p's mass above a first draw), bound (a program a row: a
+first), check (rows x splits, a top-p row drawn first: its block maxima, its sum of exp
+and the mass above the first draw, in one pass over its values), bound (a program a row: a
 first draw kept, or where the search starts), fill (the values of a row drawn first and not
 kept, which prepare stores only where they are more than logits / temperature: a plain
 top-p row's 4 bytes a token are neither written nor read back), the search levels, gather,
@@ -52,7 +53,8 @@ levels, gather, draw and fill work for the few rows that need them: those rows a
 work lists on the device, and each listed row gets an equal share of the launch's rows x
 splits programs. Launch grids depend only on the shapes: the launches can be captured in
 CUDA graphs. A batch without top-k, top-p or min-p launches only prepare, select and
-finish (and the logprob kernels).
+finish (and the logprob kernels); one with min-p but no top-k or top-p, no check, search
+levels or gather.
 """
 
 from __future__ import annotations
@@ -268,7 +270,8 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
     logits' maximum and sum of exp for a logprob row. A random row that keeps every
     token (no top-k, top-p or min-p) is drawn here: the split's best x + gumbel noise and
     its first index, as the draw kernel would find them. Other random rows store x, and
-    each block's maximum for a truncated row (its bound, see _bound_kernel)."""
+    each block's maximum for a top-k or top-p row not drawn first (its bound, see
+    _bound_kernel; the check kernel makes a first-drawn top-p row's)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -294,9 +297,11 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
     banning = ((flags & 8) != 0) & (position - prompt_len < min_tokens)
     want_lp = (flags & 16) != 0
     top_p_on = (flags & 64) != 0
-    truncated = (flags & 96) != 0
     drawn_here = random & ((flags & 224) == 0)   # no top-k, top-p or min-p
     drawn_first = random & ((flags & 32) == 0) & ((flags & 192) != 0)  # checked after
+    # A top-k row's block maxima (and top-p's sum of exp) are made here; a top-p row drawn
+    # first gets them from the check kernel's pass.
+    bounded = ((flags & 96) != 0) & (drawn_first == 0)
     seed = tl.load(ints_ptr + slot * 8 + 2)
     # 1 + the row's grammar bitmask row, 0 for none (only a FLAG_GRAMMAR slot has one).
     mask_row = (tl.load(row_flags_ptr + row) >> 2).to(tl.int64) * ((flags & 256) != 0)
@@ -364,7 +369,7 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
                 draw_at = tl.where(take, offs, draw_at)
             if stores_x:
                 tl.store(x_ptr + row * stride_x + offs, x, mask=ok)
-            if truncated:
+            if bounded:
                 bm = tl.max(x, 0)
                 tl.store(block_max_ptr + row * num_blocks + k // BLOCK, bm)
                 if top_p_on:
@@ -564,8 +569,8 @@ def _values(x_row, logits_row, offs, V, scale):
 @triton.jit
 def _share_peak(block_max_row, start, end, BLOCK: tl.constexpr, BLOCKS_P2: tl.constexpr):
     """The largest block maximum over [start, end) (block-aligned start): one vector load,
-    so that a share with no block to read returns at once (a loop of scalar loads, each
-    waited on before its branch, took a top-p check 15-25 us at 256 rows)."""
+    so that a share with no block to read returns at once instead of waiting on a scalar
+    load per block."""
     b = tl.arange(0, BLOCKS_P2)
     first = start // BLOCK
     maxima = tl.load(block_max_row + first + b, mask=b < tl.cdiv(end - start, BLOCK),
@@ -574,30 +579,34 @@ def _share_peak(block_max_row, start, end, BLOCK: tl.constexpr, BLOCKS_P2: tl.co
 
 
 @triton.jit
-def _mass_above(row_ptr, scale, maxima, start, end, V, drawn, peak, BLOCK: tl.constexpr,
+def _split_sums(row_ptr, scale, maxima, start, end, V, drawn, top, BLOCK: tl.constexpr,
                 STAGES: tl.constexpr):
-    """Sum of exp(x - peak) over the values x = row * scale above `drawn` in [start, end).
-    Every block's load is issued, masked off where the block's maximum is not above the
-    draw (no bytes read): a loop without branches, its loads pipelined."""
-    mass = tl.zeros((BLOCK,), dtype=tl.float32)
+    """Over the values x = row * scale in [start, end): each block's maximum (stored at
+    maxima), the sum of exp(x - top) and that sum over the values above `drawn`."""
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    above = tl.zeros((BLOCK,), dtype=tl.float32)
     for k in tl.range(start, end, BLOCK, num_stages=STAGES):
         offs = k + tl.arange(0, BLOCK)
-        limit = tl.where(tl.load(maxima + k // BLOCK) > drawn, V, 0)
-        x = tl.load(row_ptr + offs, mask=offs < limit,
-                    other=float("-inf")).to(tl.float32) * scale
-        mass += tl.where(x > drawn, tl.exp(x - peak), 0.0)
-    return tl.sum(mass, 0)
+        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * scale
+        tl.store(maxima + k // BLOCK, tl.max(x, 0))
+        e = tl.where(x > float("-inf"), tl.exp(x - top), 0.0)
+        total += e
+        above += tl.where(x > drawn, e, 0.0)
+    return tl.sum(total, 0), tl.sum(above, 0)
 
 
 @triton.jit
 def _check_kernel(x_ptr, stride_x, logits_ptr, stride_l, V, row_slot_ptr, ints_ptr,
-                  part_ptr, part_idx_ptr, raw_scale_ptr, block_max_ptr, num_blocks, mass_ptr,
-                  split_len, SPLITS_P2: tl.constexpr, BLOCKS_P2: tl.constexpr,
-                  NP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
-    """Program (row, split) of a top-p row drawn first (no top-k): its split's mass of
-    values strictly above the drawn token's, at mass_ptr[(row, split) * NP]. A block
-    whose maximum does not exceed the drawn value is skipped: with a real model's
-    peaked logits, most of them."""
+                  part_ptr, raw_scale_ptr, block_max_ptr, num_blocks, mass_ptr, split_len,
+                  SPLITS_P2: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr,
+                  STAGES: tl.constexpr):
+    """Program (row, split) of a top-p row drawn first (no top-k): one pass over its
+    split's values (remade from the logits, or as prepare stored them) for what prepare
+    leaves to it on such a row: each block's maximum, and the split's sum of exp (its
+    partial, relative to the split's maximum); and the mass of the values strictly above
+    the drawn token's, at mass_ptr[(row, split) * NP], relative to the row's maximum.
+    prepare, which draws, is bound by arithmetic (Philox, two logarithms a value); this
+    pass by loads: the sums cost less here (see docs/decisions.md)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -607,23 +616,28 @@ def _check_kernel(x_ptr, stride_x, logits_ptr, stride_l, V, row_slot_ptr, ints_p
     flags = tl.load(ints_ptr + slot * 8)
     if ((flags & 1) == 0) | ((flags & 32) != 0) | ((flags & 64) == 0):
         return
-    peak, _, _, _, _ = _combined(part_ptr, part_idx_ptr, row, num_splits, SPLITS_P2)
+    s = tl.arange(0, SPLITS_P2)
+    peak = tl.max(tl.load(part_ptr + (row * num_splits + s) * 8, mask=s < num_splits,
+                          other=float("-inf")), 0)
     scale = tl.load(raw_scale_ptr + row)
     x_row = x_ptr + row * stride_x
     logits_row = logits_ptr + row * stride_l
     drawn = _values(x_row, logits_row, _first_draw(part_ptr, row, num_splits, V, SPLITS_P2),
                     V, scale)
-    mass = 0.0
+    part = part_ptr + (row * num_splits + split) * 8
+    top = tl.load(part + 0)  # the split's maximum (prepare's)
     start = split * split_len
     end = tl.minimum(start + split_len, V)
     maxima = block_max_ptr + row * num_blocks
-    if _share_peak(maxima, start, end, BLOCK, BLOCKS_P2) > drawn:
-        if scale == 0.0:
-            mass = _mass_above(x_row, 1.0, maxima, start, end, V, drawn, peak, BLOCK, STAGES)
-        else:
-            mass = _mass_above(logits_row, scale, maxima, start, end, V, drawn, peak, BLOCK,
-                               STAGES)
-    tl.store(mass_ptr + (row * num_splits + split) * NP, mass)
+    if scale == 0.0:
+        total, above = _split_sums(x_row, 1.0, maxima, start, end, V, drawn, top, BLOCK,
+                                   STAGES)
+    else:
+        total, above = _split_sums(logits_row, scale, maxima, start, end, V, drawn, top,
+                                   BLOCK, STAGES)
+    tl.store(part + 1, total)
+    tl.store(mass_ptr + (row * num_splits + split) * NP,
+             tl.where(top > float("-inf"), above * tl.exp(top - peak), 0.0))
 
 
 @triton.jit
@@ -1216,9 +1230,9 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
     if truncating and searching:
         mod._check_kernel[(num_rows, splits)](
             x, x.stride(0), logits, logits.stride(0), vocab, rows.slot, state.ints,
-            scratch.part, scratch.part_idx, scratch.raw_scale, scratch.block_max, num_blocks,
-            scratch.level_mass, split_len, SPLITS_P2=splits_p2, BLOCKS_P2=blocks_p2,
-            NP=_LEVEL_PIVOTS, BLOCK=block, STAGES=_LOOP_STAGES, num_warps=4)
+            scratch.part, scratch.raw_scale, scratch.block_max, num_blocks, scratch.level_mass,
+            split_len, SPLITS_P2=splits_p2, NP=_LEVEL_PIVOTS, BLOCK=block, STAGES=_LOOP_STAGES,
+            num_warps=4)
     if truncating:
         mod._bound_kernel[(num_rows,)](
             x, x.stride(0), logits, logits.stride(0), vocab, rows.slot, state.ints,
