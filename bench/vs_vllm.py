@@ -272,6 +272,12 @@ def run_offline(args) -> int:
                              args, save)
             continue
         w = wl[name]
+        if args.rounds > 1:
+            # One untimed full-size run first: the first full-size runs of a call were up to
+            # 20% slower than the later ones (the GPU warming up), which would fall on
+            # round 0's first setting alone (2026-12-05-h100-sampler-min-p-graph).
+            engine.generate(with_sampling(w.requests(0), w, f"{w.name}-warm-full", settings[0]),
+                            settings[0])
         for round_ in range(args.rounds):
             for sampling in settings:
                 run_workload(engine, w, sampling, record, args, save, round_)
@@ -475,7 +481,8 @@ def main(argv=None) -> int:
     off.add_argument("--rounds", type=int, default=1,
                      help="run each workload's settings this many times over, in turn "
                           "(greedy, sampled, ..., greedy, sampled, ...): a drift in the "
-                          "GPU's speed then reaches every setting alike")
+                          "GPU's speed then reaches every setting alike; one untimed "
+                          "full-size run of the first setting comes before the first round")
     off.add_argument("--out", required=True, help="the run's folder")
     off.add_argument("--work", default="/tmp/minivllm-vs-vllm", help="model folders")
     off.add_argument("--smoke", action="store_true", help="a tiny model on the CPU")
