@@ -151,6 +151,19 @@ def test_kernels_match_the_reference(shape, block, splits, levels):
         torch.testing.assert_close(out.top_val[i, :n], want_lp[2][i, :n])
 
 
+def kernels_match_reference(seqs, logits, want_logprobs: bool, **launch):
+    """The kernels (run_kernels with `launch`'s switches) on freshly staged rows give the
+    reference's tokens and token counts; returns their outputs and the reference's
+    logprobs."""
+    want_state, rows = staged(seqs, logits.shape[1])
+    want, want_lp = S.sample_reference(logits, want_state, rows, want_logprobs)
+    got_state, rows = staged(seqs, logits.shape[1])
+    out = run_kernels(logits, got_state, rows, want_logprobs, **launch)
+    assert out.token.tolist() == want.tolist()
+    assert torch.equal(got_state.counts, want_state.counts)
+    return out, want_lp
+
+
 def test_a_batch_without_truncation_skips_the_truncation_kernels():
     """Greedy, penalized, biased and temperature-only rows: the sampler stages them as a
     batch without top-k, top-p or min-p, and the kernels launched without the
@@ -162,12 +175,7 @@ def test_a_batch_without_truncation_skips_the_truncation_kernels():
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(len(plain), vocab, generator=g) * 2
     seqs = [row(i, **p) for i, p in enumerate(plain)]
-    want_state, rows = staged(seqs, vocab)
-    want, want_lp = S.sample_reference(logits, want_state, rows, True)
-    got_state, rows = staged(seqs, vocab)
-    out = run_kernels(logits, got_state, rows, True, truncating=False)
-    assert out.token.tolist() == want.tolist()
-    assert torch.equal(got_state.counts, want_state.counts)
+    out, want_lp = kernels_match_reference(seqs, logits, True, truncating=False)
     for i, p in enumerate(plain):
         if p.get("logprobs"):
             assert abs(out.token_lp[i].item() - want_lp[0][i].item()) < 1e-5
@@ -191,13 +199,8 @@ def test_a_min_p_batch_skips_the_threshold_search():
     g = torch.Generator().manual_seed(8)
     logits = torch.randn(len(params), vocab, generator=g) * 3
     seqs = [row(i, **p) for i, p in enumerate(params)]
-    want_state, rows = staged(seqs, vocab)
-    want, _ = S.sample_reference(logits, want_state, rows, False)
-    got_state, rows = staged(seqs, vocab)
-    out = run_kernels(logits, got_state, rows, False, searching=False)
-    assert out.token.tolist() == want.tolist()
+    out, _ = kernels_match_reference(seqs, logits, False, searching=False)
     assert out.filled > 0  # some first draws were cut, and drawn again
-    assert torch.equal(got_state.counts, want_state.counts)
     sampler = S.Sampler(vocab, CPU, max_rows=len(seqs) + 1, num_slots=len(seqs) + 1)
     sampler.stage(seqs, [10] * len(seqs))
     assert sampler.truncating and not sampler.searching
