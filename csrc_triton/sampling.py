@@ -122,8 +122,9 @@ PROGRAMS_PER_SM = 8
 # waits. At 4 (against 1) top-k 50's gather took 98 -> 84 us at 256 rows on the H200
 # (2026-12-05-h200-sampler-pipelined-loads).
 _GATHER_SPREAD = 4
-# Loads in flight in a row's loop (prepare, check): 3 stages (cp.async) took prepare 154 ->
-# 144 us (temperature) and 116 -> 95 us (top-k) at 256 rows on the H200, same file.
+# Loads in flight in the loops over a row (prepare, check, the search levels): 3 stages
+# (cp.async) took prepare 154 -> 144 us (temperature) and 116 -> 95 us (top-k) at 256 rows
+# on the H200, same file.
 _LOOP_STAGES = 3
 _INT64_MAX = tl.constexpr(2 ** 63 - 1)
 _NO_TAU = tl.constexpr(-2 ** 63)  # tau of a row drawn before any threshold was needed
@@ -301,7 +302,7 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
     drawn_first = random & ((flags & 32) == 0) & ((flags & 192) != 0)  # checked after
     # A top-k row's block maxima (and top-p's sum of exp) are made here; a top-p row drawn
     # first gets them from the check kernel's pass.
-    bounded = ((flags & 96) != 0) & (drawn_first == 0)
+    maxima_here = ((flags & 96) != 0) & (drawn_first == 0)
     seed = tl.load(ints_ptr + slot * 8 + 2)
     # 1 + the row's grammar bitmask row, 0 for none (only a FLAG_GRAMMAR slot has one).
     mask_row = (tl.load(row_flags_ptr + row) >> 2).to(tl.int64) * ((flags & 256) != 0)
@@ -369,7 +370,7 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
                 draw_at = tl.where(take, offs, draw_at)
             if stores_x:
                 tl.store(x_ptr + row * stride_x + offs, x, mask=ok)
-            if bounded:
+            if maxima_here:
                 bm = tl.max(x, 0)
                 tl.store(block_max_ptr + row * num_blocks + k // BLOCK, bm)
                 if top_p_on:
