@@ -451,7 +451,7 @@ class Sampler:
         # decode step's batch is mostly the step before's, and looking its rows' slots up
         # again was a loop over the sequences (150 us a step at 256 rows on the CPU,
         # bench/results/2026-12-05-cpu-engine-host-sampling).
-        self._last_batch: tuple[list, np.ndarray, list[int], bool] | None = None
+        self._last_batch: tuple[list, np.ndarray, list[int], bool, bool] | None = None
         self.truncating = True  # whether the staged rows hold top-k, top-p or min-p
         self.searching = True   # whether they hold top-k or top-p (a threshold to search)
         self._dev = _row_arrays(max_rows, max(kx, 1), device=device)
