@@ -602,7 +602,7 @@ _STEP_EXPORTS = ("argmax_rows", "decode_slots")
 __all__ += list(_STEP_EXPORTS)
 
 # mixtures of experts: grouped GEMMs over tokens sorted by expert (csrc_triton/moe.py)
-_MOE_EXPORTS = ("fused_moe", "align_by_expert")
+_MOE_EXPORTS = ("fused_moe", "route_experts", "align_by_expert")
 __all__ += list(_MOE_EXPORTS)
 
 

@@ -9,6 +9,8 @@ fused_moe(x, w13, w2, weights, ids, act, tiles=None, w13_scale=None, w2_scale=No
     their per-output-channel scales ([E, 2I], [E, H] fp32); int4 weights are uint8 in
     int4_layout's packing ([E, N, packed bytes]), with a scale and a zero point per group
     of 128 inputs ([E, N, groups]: fp32, uint8).
+route_experts(logits, top_k, renormalize, dtype) -> (weights, ids)
+    the router's softmax and top-k in one kernel (minivllm.model.moe.route's numbers)
 align_by_expert(ids, num_experts, block_m) -> (sorted_rows, block_expert)
 moe_tiles(w13, top_k, rows, device) -> the tiles fused_moe uses at this shape and row count
 
@@ -48,10 +50,57 @@ from csrc_triton.int4_layout import int4_half
 
 INT4_GROUP = 128  # inputs per int4 scale and zero point
 
-__all__ = ["fused_moe", "align_by_expert", "moe_tiles", "pick_tiles", "tiles_key",
-           "TILES_FILE"]
+__all__ = ["fused_moe", "route_experts", "align_by_expert", "moe_tiles", "pick_tiles",
+           "tiles_key", "TILES_FILE"]
 
 TILES_FILE = Path(__file__).with_name("moe_tiles.json")
+
+
+@triton.jit
+def _route_kernel(logits_ptr, stride_l, E, weights_ptr, ids_ptr, TOP_K: tl.constexpr,
+                  TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, E_P2: tl.constexpr):
+    """Program token: the router's softmax (fp32), its top-k (ranked by logit, which orders
+    as the probabilities do, without their rounding; ties to the least expert) and, if
+    RENORMALIZE, the k weights over their sum."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_P2)
+    logits = tl.load(logits_ptr + t * stride_l + e, mask=e < E,
+                     other=float("-inf")).to(tl.float32)
+    p = tl.exp(logits - tl.max(logits, 0))
+    probs = p / tl.sum(p, 0)
+    slot = tl.arange(0, TOP_K_P2)
+    weights = tl.zeros((TOP_K_P2,), dtype=tl.float32)
+    ids = tl.zeros((TOP_K_P2,), dtype=tl.int64)
+    rank = logits
+    for j in tl.static_range(TOP_K):
+        best = tl.min(tl.where(rank == tl.max(rank, 0), e, E_P2), 0)
+        weights = tl.where(slot == j, tl.sum(tl.where(e == best, probs, 0.0), 0), weights)
+        ids = tl.where(slot == j, best.to(tl.int64), ids)
+        rank = tl.where(e == best, float("-inf"), rank)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, 0)
+    keep = slot < TOP_K
+    tl.store(weights_ptr + t * TOP_K + slot, weights.to(weights_ptr.dtype.element_ty),
+             mask=keep)
+    tl.store(ids_ptr + t * TOP_K + slot, ids, mask=keep)
+
+
+def route_experts(logits: torch.Tensor, top_k: int, renormalize: bool,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """minivllm.model.moe.route in one kernel: (weights [T, k] in dtype, expert ids [T, k]
+    int64) of router logits [T, E]. Its five small launches a layer (softmax, top-k, sum,
+    division, cast) become one; a decode step at one token runs one per MoE layer."""
+    mod, _ = kernels_for(__name__, logits.device)
+    logits = logits.contiguous()
+    tokens, experts = logits.shape
+    weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    if tokens:
+        mod._route_kernel[(tokens,)](
+            logits, logits.stride(0), experts, weights, ids, TOP_K=top_k,
+            TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+            E_P2=triton.next_power_of_2(experts), num_warps=1)
+    return weights, ids
 
 
 def align_by_expert(ids: torch.Tensor, num_experts: int,

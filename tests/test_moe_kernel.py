@@ -32,6 +32,29 @@ def test_align_by_expert_groups_rows_by_expert():
     assert experts.tolist()[:4] == [0, 1, 3, 3] and set(experts.tolist()[4:]) == {-1}
 
 
+@pytest.mark.parametrize("experts,top_k,renormalize,dtype", [
+    (8, 2, True, torch.float32), (60, 4, False, torch.float32), (128, 8, True, torch.float32),
+    (128, 8, True, torch.bfloat16), (5, 3, False, torch.bfloat16)])
+def test_route_experts_gives_routes_numbers(experts, top_k, renormalize, dtype):
+    """The one-kernel router against route (softmax in fp32, top-k, renormalized): the same
+    experts in the same order, the same weights to rounding; bf16 logits as a bf16 model's
+    router gives them. The logits are distinct multiples of 1/16 (exact in bf16): on a tie
+    torch.topk's order is unspecified, the kernel's the least expert first."""
+    g = torch.Generator().manual_seed(experts + top_k)
+    logits = torch.stack([torch.randperm(experts, generator=g) for _ in range(19)])
+    logits = (logits.float() / 16 - experts / 32).to(dtype).to(DEVICE)
+    want_w, want_ids = route(logits, top_k, renormalize, dtype)
+    got_w, got_ids = csrc_triton.route_experts(logits, top_k, renormalize, dtype)
+    assert got_ids.dtype == torch.int64 and got_w.dtype == dtype
+    assert torch.equal(got_ids, want_ids)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got_w.float(), want_w.float(), rtol=tol, atol=tol)
+    tied = csrc_triton.route_experts(torch.zeros_like(logits[:1]), top_k, renormalize, dtype)
+    assert tied[1].tolist() == [list(range(top_k))]  # ties: the least expert first
+    empty = csrc_triton.route_experts(logits[:0], top_k, renormalize, dtype)
+    assert empty[0].shape == (0, top_k) and empty[1].shape == (0, top_k)
+
+
 ROWS_TILES = {"BLOCK_M": 1, "w13": dict(BLOCK_N=8, BLOCK_K=16, num_warps=2, num_stages=1),
               "w2": dict(BLOCK_N=16, BLOCK_K=8, num_warps=2, num_stages=1)}
 

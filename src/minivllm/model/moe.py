@@ -5,9 +5,9 @@ shared expert behind a sigmoid gate).
 The experts' weights are stacked, one tensor per projection: w13 [E, 2I, H] (gate rows,
 then up rows) and w2 [E, H, I], filled from the checkpoint's per-expert tensors at load.
 `experts_reference` is the plain computation (a loop over the experts the batch uses), the
-CPU's path; with the Triton backend, csrc_triton.fused_moe computes the same as two
-grouped GEMMs over the tokens sorted by expert, with no host sync (inside the CUDA
-graphs). The numerics follow transformers' (the router's softmax in fp32, its top-k
+CPU's path; with the Triton backend, csrc_triton.route_experts routes in one kernel and
+csrc_triton.fused_moe computes the same as two grouped GEMMs over the tokens sorted by
+expert, with no host sync (inside the CUDA graphs). The numerics follow transformers' (the router's softmax in fp32, its top-k
 weights cast back).
 """
 
@@ -95,13 +95,15 @@ class MoE(nn.Module):
                 setattr(self, name + suffix, t.view(experts, rows, *t.shape[1:]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize, x.dtype)
         if self.fused:
             import csrc_triton
+            weights, ids = csrc_triton.route_experts(self.gate(x), self.top_k,
+                                                     self.renormalize, x.dtype)
             out = csrc_triton.fused_moe(x, self.w13, self.w2, weights, ids, self.act,
                                         w13_scale=self.w13_scale, w2_scale=self.w2_scale,
                                         w13_zero=self.w13_zero, w2_zero=self.w2_zero)
         else:
+            weights, ids = route(self.gate(x), self.top_k, self.renormalize, x.dtype)
             out = experts_reference(x, self.w13, self.w2, weights, ids, self.act,
                                     self.w13_scale, self.w2_scale, self.w13_zero,
                                     self.w2_zero)
