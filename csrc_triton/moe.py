@@ -88,8 +88,8 @@ def _route_kernel(logits_ptr, stride_l, E, weights_ptr, ids_ptr, TOP_K: tl.const
 def route_experts(logits: torch.Tensor, top_k: int, renormalize: bool,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """minivllm.model.moe.route in one kernel: (weights [T, k] in dtype, expert ids [T, k]
-    int64) of router logits [T, E]. Its five small launches a layer (softmax, top-k, sum,
-    division, cast) become one; a decode step at one token runs one per MoE layer."""
+    int64) of router logits [T, E]. route's five small launches a layer (softmax, top-k,
+    sum, division, cast) become one."""
     mod, _ = kernels_for(__name__, logits.device)
     logits = logits.contiguous()
     tokens, experts = logits.shape

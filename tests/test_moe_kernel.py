@@ -35,7 +35,7 @@ def test_align_by_expert_groups_rows_by_expert():
 @pytest.mark.parametrize("experts,top_k,renormalize,dtype", [
     (8, 2, True, torch.float32), (60, 4, False, torch.float32), (128, 8, True, torch.float32),
     (128, 8, True, torch.bfloat16), (5, 3, False, torch.bfloat16)])
-def test_route_experts_gives_routes_numbers(experts, top_k, renormalize, dtype):
+def test_route_experts_matches_route(experts, top_k, renormalize, dtype):
     """The one-kernel router against route (softmax in fp32, top-k, renormalized): the same
     experts in the same order, the same weights to rounding; bf16 logits as a bf16 model's
     router gives them. The logits are distinct multiples of 1/16 (exact in bf16): on a tie

@@ -7,8 +7,8 @@ then up rows) and w2 [E, H, I], filled from the checkpoint's per-expert tensors 
 `experts_reference` is the plain computation (a loop over the experts the batch uses), the
 CPU's path; with the Triton backend, csrc_triton.route_experts routes in one kernel and
 csrc_triton.fused_moe computes the same as two grouped GEMMs over the tokens sorted by
-expert, with no host sync (inside the CUDA graphs). The numerics follow transformers' (the router's softmax in fp32, its top-k
-weights cast back).
+expert, with no host sync (inside the CUDA graphs). The numerics follow transformers'
+(the router's softmax in fp32, its top-k weights cast back).
 """
 
 from __future__ import annotations
