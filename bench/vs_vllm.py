@@ -39,7 +39,8 @@ only) runs once per setting, greedy first. Both engines get the same SamplingPar
 "seed" is the request's index in the workload's list (0, 1, 2, ...): the same seeds for both
 engines. Greedy rows keep the workload's name (W1); the others are "W1 sampled", "W1 top_p"
 and so on. A setting's run has the greedy run's prompt and output lengths with other prompt
-ids (the prefix cache holds the earlier setting's prompts).
+ids (the prefix cache holds the earlier setting's prompts); so does every run of a later
+round (--rounds), greedy's included.
 """
 
 from __future__ import annotations
@@ -211,13 +212,13 @@ def _timed(engine, reqs, sampling: str = "greedy") -> float:
     return secs
 
 
-def with_sampling(reqs, w, key: str, sampling: str):
-    """Greedy: `reqs` as they are. Another setting: the same prompt and output lengths with
-    other prompt ids, so its run's shapes are the greedy run's but no prompt is one the
-    prefix cache holds from an earlier setting."""
-    if sampling == "greedy":
+def with_sampling(reqs, w, key: str, sampling: str, round_: int = 0):
+    """Greedy in the first round: `reqs` as they are. Another setting or round: the same
+    prompt and output lengths with other prompt ids, so its run's shapes are the greedy
+    run's but no prompt is one the prefix cache holds from an earlier run."""
+    if sampling == "greedy" and round_ == 0:
         return reqs
-    rng = random.Random(f"{key}-{sampling}")
+    rng = random.Random(f"{key}-{sampling}" + (f"-round{round_}" if round_ else ""))
     return [([rng.randrange(10, w.vocab) for _ in p], o) for p, o in reqs]
 
 
@@ -273,11 +274,11 @@ def run_offline(args) -> int:
             continue
         w = wl[name]
         if args.rounds > 1:
-            # One untimed full-size run first: the first full-size runs of a call were up to
-            # 20% slower than the later ones (the GPU warming up), which would fall on
-            # round 0's first setting alone (2026-12-05-h100-sampler-min-p-graph).
-            engine.generate(with_sampling(w.requests(0), w, f"{w.name}-warm-full", settings[0]),
-                            settings[0])
+            # One untimed full-size run first (prompts no timed run has): round 0's greedy,
+            # the call's first full-size run, ran 20% under round 1's in a call where every
+            # other setting gained 10-12% (2026-12-05-h100-sampler-min-p-graph).
+            engine.generate(with_sampling(w.requests(0), w, f"{w.name}-warm-full", settings[0],
+                                          round_=-1), settings[0])
         for round_ in range(args.rounds):
             for sampling in settings:
                 run_workload(engine, w, sampling, record, args, save, round_)
@@ -295,7 +296,7 @@ def run_workload(engine, w, sampling: str, record: dict, args, save, round_: int
             engine.generate(with_sampling(w.warm_up(), w, f"{w.name}-warm", sampling),
                             sampling)
         for rep in range(w.reps):
-            reqs = with_sampling(w.requests(rep), w, f"{w.name}-{rep}", sampling)
+            reqs = with_sampling(w.requests(rep), w, f"{w.name}-{rep}", sampling, round_)
             secs = _timed(engine, reqs, sampling)
             prompt_tokens = sum(len(p) for p, _ in reqs)
             output_tokens = sum(o for _, o in reqs)
@@ -481,8 +482,9 @@ def main(argv=None) -> int:
     off.add_argument("--rounds", type=int, default=1,
                      help="run each workload's settings this many times over, in turn "
                           "(greedy, sampled, ..., greedy, sampled, ...): a drift in the "
-                          "GPU's speed then reaches every setting alike; one untimed "
-                          "full-size run of the first setting comes before the first round")
+                          "GPU's speed then reaches every setting alike; each round's "
+                          "prompts are fresh (the prefix cache serves none), and one "
+                          "untimed full-size run comes before the first round")
     off.add_argument("--out", required=True, help="the run's folder")
     off.add_argument("--work", default="/tmp/minivllm-vs-vllm", help="model folders")
     off.add_argument("--smoke", action="store_true", help="a tiny model on the CPU")

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from bench import report, vs_vllm
+from bench.workloads import workloads
 
 
 def test_offline_merge_and_report(tmp_path):
@@ -94,3 +95,20 @@ def test_offline_ab_interleaves_variants(tmp_path):
     assert graphs["settings"]["max_graph_tokens"] == 0
     with pytest.raises(SystemExit, match="label"):
         offline_ab.parse_variant(";X=1")
+
+
+def test_each_round_and_setting_gets_its_own_prompts():
+    """--rounds: a round's runs have round 0's prompt and output lengths but prompt ids no
+    earlier run had, so the prefix cache serves none of them; within a round, greedy and a
+    setting share the lengths (their times compare) but not the ids."""
+    w = workloads(True, 1000)["W1"]
+    reqs = w.requests(0)
+    greedy0 = vs_vllm.with_sampling(reqs, w, "W1-0", "greedy")
+    assert greedy0 == reqs
+    runs = [vs_vllm.with_sampling(reqs, w, "W1-0", s, r)
+            for s in ("greedy", "top_p") for r in (0, 1, -1) if (s, r) != ("greedy", 0)]
+    for run in runs:
+        assert [len(p) for p, _ in run] == [len(p) for p, _ in reqs]
+        assert [o for _, o in run] == [o for _, o in reqs]
+    ids = [tuple(map(tuple, (p for p, _ in run))) for run in [greedy0] + runs]
+    assert len(set(ids)) == len(ids)
