@@ -617,6 +617,8 @@ def _check_kernel(x_ptr, stride_x, logits_ptr, stride_l, V, row_slot_ptr, ints_p
     flags = tl.load(ints_ptr + slot * 8)
     if ((flags & 1) == 0) | ((flags & 32) != 0) | ((flags & 64) == 0):
         return
+    # The row's maximum from the splits' maxima alone (not _combined: the sums beside them
+    # are what this launch's programs write).
     s = tl.arange(0, SPLITS_P2)
     peak = tl.max(tl.load(part_ptr + (row * num_splits + s) * 8, mask=s < num_splits,
                           other=float("-inf")), 0)
@@ -1048,7 +1050,7 @@ def _draw_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floats
     lanes = tl.arange(0, BLOCK)
     best = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
     best_at = lanes + V
-    bounded = (flags & 96) != 0  # prepare stored its blocks' maxima
+    bounded = (flags & 96) != 0  # its blocks' maxima exist (prepare's, or check's)
     for k in range(start, end, BLOCK):
         bm = tl.load(block_max_ptr + row * num_blocks + k // BLOCK, mask=bounded,
                      other=float("inf"))
