@@ -120,13 +120,29 @@ class MinivllmEngine:
             self.settings["kv_cache_dtype"] = kv_cache_dtype
         self.settings.update(parallel or {})
         self.llm = LLM(str(folder), **self.settings)
+        self.kv_blocks_per_seq = 0.0  # the last generate's most KV blocks per running sequence
 
     def generate(self, requests, sampling: str = "greedy") -> list[int]:
         from minivllm import SamplingParams
 
         params = [SamplingParams(max_tokens=o, ignore_eos=True, **sampling_fields(sampling, i))
                   for i, (_, o) in enumerate(requests)]
-        outs = self.llm.generate([p for p, _ in requests], params, use_tqdm=False)
+        engine = self.llm.engine
+        step, self.kv_blocks_per_seq = engine.step, 0.0
+
+        def step_watching_kv():  # two reads a step: the blocks in use, the sequences running
+            out = step()
+            pool, running = engine.scheduler.pool, len(engine.scheduler.running)
+            if running:
+                used = (pool.num_blocks - pool.num_free) / running
+                self.kv_blocks_per_seq = max(self.kv_blocks_per_seq, used)
+            return out
+
+        engine.step = step_watching_kv
+        try:
+            outs = self.llm.generate([p for p, _ in requests], params, use_tqdm=False)
+        finally:
+            del engine.step
         return [len(o.outputs[0].token_ids) for o in outs]
 
     def version(self) -> str:
@@ -305,6 +321,8 @@ def run_workload(engine, w, sampling: str, record: dict, args, save, round_: int
                    "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
                    "output_tok_per_s": round(output_tokens / secs, 1),
                    "prompt_tok_per_s": round(prompt_tokens / secs, 1)}
+            if hasattr(engine, "kv_blocks_per_seq"):  # with a sliding window: flat past it
+                row["kv_blocks_per_seq_peak"] = round(engine.kv_blocks_per_seq, 1)
             if args.rounds > 1:
                 row["round"] = round_
             record["rows"].append(row)
