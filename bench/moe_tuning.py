@@ -7,9 +7,12 @@ row count: csrc_triton/moe_tiles.json, which csrc_triton.moe.moe_tiles reads.
 
 For each model config's experts (E experts, inner width I, hidden H, top-k) and weight type,
 and each token count T (T x k rows): random routing (each token k distinct experts, uniformly,
-as a model with dummy weights routes), then each candidate tile of each GEMM, timed by CUDA
-events (the median of 20 launches); a candidate whose output differs from the reference loop
-over experts is dropped. The BLOCK_M kept is the one whose two GEMMs' best times sum least
+as a model with dummy weights routes), then each candidate tile of each GEMM, timed as a
+decode step runs it: inside a CUDA graph (no host launch time between CUDA events: at a few
+rows that time was most of what events around one Python launch measured) over ROUTINGS
+routings in turn, so that each launch reads other experts' weights than the last one did, from
+HBM rather than the L2, as a model's next layer does; the median of 20 replays, per launch.
+A candidate whose output differs from the reference loop over experts is dropped. The BLOCK_M kept is the one whose two GEMMs' best times sum least
 (BLOCK_M is shared: it sets the rows' alignment; 1 is the rows path, tried up to 64 rows,
 with its own candidates). The table is merged into the file under this
 GPU's name, so several calls (models, GPUs) fill one file; a printed line per token count.
@@ -18,6 +21,7 @@ GPU's name, so several calls (models, GPUs) fill one file; a printed line per to
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import time
@@ -34,6 +38,9 @@ from minivllm.model.moe import _expert_weight, experts_reference, route
 from minivllm.model.quantization import quantize_fp8
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+# Routings a candidate's timing cycles through. At one Qwen3-30B-A3B token each reads 8
+# experts, 75.5 MB in bf16; 8 of them read more than the L2 holds (50 MB on the H100).
+ROUTINGS = 8
 CANDIDATES = dict(BLOCK_N=[64, 128], BLOCK_K=[64, 128], num_warps=[4, 8], num_stages=[3, 4])
 # The rows path's (BLOCK_M 1, GEMV-shaped): narrow column tiles, long input blocks, the
 # weight loads `num_stages` deep (1: not pipelined). On the H100 its best at one
@@ -93,6 +100,22 @@ def reference_gate_up(x, w13, scale, ids) -> torch.Tensor:
     return out
 
 
+def graph_us(launches: list, reps: int) -> float:
+    """Microseconds per launch of `launches` replayed back to back in one CUDA graph (the
+    median over `reps` replays)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compiled and warm before capture
+        for fn in launches:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in launches:
+            fn()
+    return median_gpu_us(graph.replay, reps, warmup=2) / len(launches)
+
+
 def tune_tokens(w: dict, top_k: int, tokens: int, device, candidates: dict,
                 rows_candidates: dict, reps: int, smoke: bool) -> dict:
     """The best tiles at this token count (moe_tiles' entry) and their time, us."""
@@ -101,35 +124,38 @@ def tune_tokens(w: dict, top_k: int, tokens: int, device, candidates: dict,
     dtype = torch.float32 if smoke else torch.bfloat16
     g = torch.Generator(device=device).manual_seed(tokens)
     x = torch.randn(tokens, h, device=device, generator=g).to(dtype)
-    # Each token k distinct experts, uniformly: random router logits.
-    weights, ids = route(torch.randn(tokens, e, device=device, generator=g), top_k, True,
-                         dtype)
+    # Each token k distinct experts, uniformly: random router logits. The first routing is
+    # checked against the reference; all are timed (graph_us).
+    routings = [route(torch.randn(tokens, e, device=device, generator=g), top_k, True, dtype)
+                for _ in range(1 if smoke else ROUTINGS)]
+    weights, ids = routings[0]
     rows = tokens * top_k
     want13 = reference_gate_up(x, w["w13"], w["w13_scale"], ids)
     want = experts_reference(x, w["w13"], w["w2"], weights, ids, F.silu, w["w13_scale"],
                              w["w2_scale"])
     gate, up = want13.chunk(2, dim=-1)
     want_h = F.silu(gate) * up  # the rows path's first GEMM gates in its epilogue
-    flat_w = weights.reshape(-1).contiguous()
-    flat_ids = ids.reshape(-1).contiguous()
+    flat = [(wt.reshape(-1).contiguous(), i.reshape(-1).contiguous()) for wt, i in routings]
     best = None
     for block_m in block_ms(rows):
         by_rows = block_m == 1
         if not by_rows:
-            sorted_rows, block_expert = K.align_by_expert(ids, e, block_m)
+            aligned = [K.align_by_expert(i, e, block_m) for _, i in routings]
         gate_up = torch.empty(rows, n13 // 2 if by_rows else n13, dtype=dtype, device=device)
         out = torch.empty(rows, h, dtype=dtype, device=device)
         picks, total = {}, 0.0
         space = rows_candidates if by_rows else candidates
         hidden = None  # the second GEMM's input, from the first's best tiles
 
-        def launch(gemm: str, tiles: dict) -> None:
+        def launch(gemm: str, tiles: dict, r: int = 0) -> None:
             first = gemm == "w13"  # reads x by token; the second, its own rows, weighted
             a, dst, k = (x, gate_up, top_k) if first else (hidden, out, 1)
+            flat_w, flat_ids = flat[r]
             if by_rows:
                 K._rows_gemm(mod, a, w[gemm], w[gemm + "_scale"], dst, flat_ids, flat_w, k,
                              first, not first, first, tiles)
             else:
+                sorted_rows, block_expert = aligned[r]
                 K._gemm(mod, a, w[gemm], w[gemm + "_scale"], None, dst, sorted_rows,
                         block_expert, flat_w, rows, k, first, not first, block_m, tiles)
 
@@ -149,8 +175,9 @@ def tune_tokens(w: dict, top_k: int, tokens: int, device, candidates: dict,
                 if not close(got, expected):
                     print(f"  wrong {gemm} M{block_m} {tiles}: dropped")
                     continue
-                us = 0.0 if smoke else median_gpu_us(lambda: launch(gemm, tiles), reps,
-                                                     warmup=1)
+                us = 0.0 if smoke else graph_us(
+                    [functools.partial(launch, gemm, tiles, r) for r in range(len(flat))],
+                    reps)
                 if fastest is None or us < fastest[0]:
                     fastest = (us, tiles)
             if fastest is None:
