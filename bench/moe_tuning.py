@@ -43,9 +43,7 @@ TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 ROUTINGS = 8
 CANDIDATES = dict(BLOCK_N=[64, 128], BLOCK_K=[64, 128], num_warps=[4, 8], num_stages=[3, 4])
 # The rows path's (BLOCK_M 1, GEMV-shaped): narrow column tiles, long input blocks, the
-# weight loads `num_stages` deep (1: not pipelined). On the H100 its best at one
-# Qwen3-30B-A3B token, before its loads were pipelined, read 75.5 MB in 80 us, 0.94 TB/s
-# (2026-12-05-h100-moe-qwen3-30b-a3b); deeper pipelines of shorter blocks are tried now.
+# weight loads `num_stages` deep (1: not pipelined).
 ROWS_CANDIDATES = dict(BLOCK_N=[4, 8, 16, 32], BLOCK_K=[256, 512], num_warps=[2, 4],
                        num_stages=[1, 2, 3])
 ROWS_PATH_MAX_ROWS = 64
