@@ -12,10 +12,12 @@ decode step runs it: inside a CUDA graph (no host launch time between CUDA event
 rows that time was most of what events around one Python launch measured) over ROUTINGS
 routings in turn, so that each launch reads other experts' weights than the last one did, from
 HBM rather than the L2, as a model's next layer does; the median of 20 replays, per launch.
-A candidate whose output differs from the reference loop over experts is dropped. The BLOCK_M kept is the one whose two GEMMs' best times sum least
-(BLOCK_M is shared: it sets the rows' alignment; 1 is the rows path, tried up to 64 rows,
-with its own candidates). The table is merged into the file under this
-GPU's name, so several calls (models, GPUs) fill one file; a printed line per token count.
+A candidate whose output differs from the reference loop over experts is dropped. The BLOCK_M
+kept is the one whose two GEMMs' best times sum least (BLOCK_M is shared: it sets the rows'
+alignment; 1 is the rows path, tried up to 64 rows, with its own candidates); a grouped
+BLOCK_M's sum includes its sort (align_by_expert), which the rows path does without. The table
+is merged into the file under this GPU's name, so several calls (models, GPUs) fill one file; a
+printed line per token count.
 """
 
 from __future__ import annotations
@@ -141,7 +143,12 @@ def tune_tokens(w: dict, top_k: int, tokens: int, device, candidates: dict,
             aligned = [K.align_by_expert(i, e, block_m) for _, i in routings]
         gate_up = torch.empty(rows, n13 // 2 if by_rows else n13, dtype=dtype, device=device)
         out = torch.empty(rows, h, dtype=dtype, device=device)
+        # The grouped path sorts its rows first, once a layer: that time counts against
+        # it (the rows path has no sort).
         picks, total = {}, 0.0
+        if not by_rows and not smoke:
+            total = graph_us([functools.partial(K.align_by_expert, i, e, block_m)
+                              for _, i in routings], reps)
         space = rows_candidates if by_rows else candidates
         hidden = None  # the second GEMM's input, from the first's best tiles
 
