@@ -14,6 +14,8 @@
 #   hf      HF peers: generate eager, generate_batch, static cache + compile
 #   profile top kernels of eager decode steps (torch.profiler), batch 1 and 64
 #   kernels bench/kernel_check.py: the attention kernels vs the reference, bandwidth
+#   moe     a mixture of experts (MOE_MODEL, default qwen3-30b-a3b): the MoE tiles at MOE_TOKENS
+#           (default 1 2 4 8) for MOE_DTYPES, then a W2 step profile in MOE_QUANT (fp8; "" for bf16)
 #   replay-state  bench/diagnostics/replay_state.py, each sequence of actions in
 #           REPLAY_STATE_SEQS (space-separated) in its own process
 #   s:A,B   the named bench.gpu_check sections (no torch.compile), e.g. s:w2
@@ -88,6 +90,20 @@ print(' '.join(f'{k}={v}' for k, v in FEATURES['$f'][1].items()))")
         echo "[replay-state $seq] exit $?" | tee -a "$RES/gpu_check.log"
       done
       grep "after" "$RES/replay_state.log" ;;
+    moe)
+      # A mixture of experts at decode sizes: its kernels' tiles (bench/moe_tuning.py, timed
+      # inside CUDA graphs; the merged table lands in the results), then where a W2 token's
+      # time goes in the whole model (bench/step_profile.py, with those tiles).
+      limit=$(budget "${T_MOE_TUNING:-200}") quant=${MOE_QUANT-fp8}  # MOE_QUANT="": bf16
+      timeout "$limit" python3 -m bench.moe_tuning --models ${MOE_MODEL:-qwen3-30b-a3b} \
+        --dtypes ${MOE_DTYPES:-fp8 bf16} --tokens ${MOE_TOKENS:-1 2 4 8} --redo \
+        --budget-s $(( limit - 30 )) >"$RES/moe_tuning.log" 2>&1
+      echo "[moe tuning] exit $?" | tee -a "$RES/gpu_check.log"; grep "moe_tuning\]" "$RES/moe_tuning.log"
+      cp csrc_triton/moe_tiles.json "$RES/"
+      timeout "$(budget "${T_MOE_PROFILE:-180}")" python3 -m bench.step_profile \
+        --model ${MOE_MODEL:-qwen3-30b-a3b} --workload W2 --requests 1 \
+        ${quant:+--quantization "$quant"} --out "$RES/moe_w2_profile.json" >"$RES/moe_w2_profile.log" 2>&1
+      echo "[moe profile] exit $?" | tee -a "$RES/gpu_check.log"; tail -14 "$RES/moe_w2_profile.log" ;;
     s:*) run "${T_SECTIONS:-120}" "${g#s:}" MINIVLLM_COMPILE=0 GPU_CHECK_SKIP_COMPILE=1 ;;
     *) echo "unknown group $g" ;;
   esac
