@@ -17,7 +17,9 @@ so prefix caching never serves a repeat):
       1,024-token prompts, ms per decode step, from a 1-token and a 257-token run (rows D1,
       D8, ...; lower is better)
 Each workload runs once small first (kernels compile, graphs warm), then its repetitions;
-the best repetition is the workload's number. Both engines get dummy bf16 weights from the
+the best repetition is the workload's number. minivllm's rows also give
+kv_blocks_per_seq_peak: over the run's steps, the most KV blocks in use per running sequence
+(with a sliding window on every layer it stays near window / block size past the window). Both engines get dummy bf16 weights from the
 same config.json (bench/model_configs/), max_model_len 8704 (W6's 8192 + 256, rounded up to
 whole 16-token blocks; the models' own 32k-128k would only grow both engines' KV budgets)
 and otherwise their defaults. vLLM runs with skip_tokenizer_init (token-id prompts, no
