@@ -19,9 +19,10 @@ so prefix caching never serves a repeat):
 Each workload runs once small first (kernels compile, graphs warm), then its repetitions;
 the best repetition is the workload's number. minivllm's rows also give
 kv_blocks_per_seq_peak: over the run's steps, the most KV blocks in use per running sequence
-(with a sliding window on every layer it stays near window / block size past the window). Both engines get dummy bf16 weights from the
-same config.json (bench/model_configs/), max_model_len 8704 (W6's 8192 + 256, rounded up to
-whole 16-token blocks; the models' own 32k-128k would only grow both engines' KV budgets)
+(with a sliding window on every layer it stays near window / block size past the window).
+Both engines get dummy bf16 weights from the same config.json (bench/model_configs/),
+max_model_len 8704 (W6's 8192 + 256, rounded up to whole 16-token blocks; the models' own
+32k-128k would only grow both engines' KV budgets)
 and otherwise their defaults. vLLM runs with skip_tokenizer_init (token-id prompts, no
 detokenization: neither engine gets a tokenizer) and generation_config="vllm".
 W3 (the HTTP servers) is bench/w3_gpu.py's, run beside this by bench/run_vs_vllm.sh.
