@@ -112,3 +112,26 @@ def test_each_round_and_setting_gets_its_own_prompts():
         assert [o for _, o in run] == [o for _, o in reqs]
     ids = [tuple(map(tuple, (p for p, _ in run))) for run in [greedy0] + runs]
     assert len(set(ids)) == len(ids)
+
+
+@pytest.mark.parametrize("window", [None, 32])
+def test_kv_blocks_per_sequence_stay_flat_past_a_sliding_window(tmp_path, window):
+    """kv_blocks_per_seq_peak as W6 reports it: a Mistral whose every layer has a window
+    holds about window / block size blocks a sequence however long it runs; without one,
+    its whole context."""
+    from bench.gpu_check import SMOKE_CONFIG
+
+    folder = tmp_path / "mistral"
+    folder.mkdir()
+    cfg = {**SMOKE_CONFIG, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+           "sliding_window": window, "rope_theta": 1e4}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    engine = vs_vllm.MinivllmEngine(folder, smoke=True)
+    prompt, out = 120, 40
+    requests = [(list(range(first, first + prompt)), out) for first in (3, 200)]
+    assert engine.generate(requests) == [out, out]
+    context_blocks = -(-(prompt + out) // 16)
+    if window is None:
+        assert engine.kv_blocks_per_seq == context_blocks
+    else:
+        assert engine.kv_blocks_per_seq <= window // 16 + 2 < context_blocks
