@@ -127,6 +127,7 @@ def test_kv_blocks_per_sequence_stay_flat_past_a_sliding_window(tmp_path, window
            "sliding_window": window, "rope_theta": 1e4}
     (folder / "config.json").write_text(json.dumps(cfg))
     engine = vs_vllm.MinivllmEngine(folder, smoke=True)
+    engine.watch_kv = True
     prompt, out = 120, 40
     requests = [(list(range(first, first + prompt)), out) for first in (3, 200)]
     assert engine.generate(requests) == [out, out]
