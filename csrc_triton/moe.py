@@ -326,12 +326,23 @@ def _measured_tiles(gpu: str, key: str, n: int, rows: int) -> dict:
 
 def pick_tiles(entries: dict | None, n: int, rows: int) -> dict:
     """Of one shape's measured entries {rows: tiles}, those of the least row count at or
-    above `rows` (else the largest); without entries, small tiles for a decode step's few
-    rows (the weights' bytes are the cost) and larger ones past 64 rows (n: w13's rows)."""
+    above `rows` (else the largest); without entries, a rule (_rule_tiles)."""
     if entries:
         counts = sorted(int(r) for r in entries)
         at = next((r for r in counts if r >= rows), counts[-1])
         return entries[str(at)]
+    return _rule_tiles(n, rows, rows_path=True)
+
+
+def _rule_tiles(n: int, rows: int, rows_path: bool) -> dict:
+    """Tiles for a GPU or shape the table lacks (n: w13's rows). Up to 64 rows the rows
+    path, with no sort (where the H100's bf16 search, 2026-12-05-h100-moe-qwen3-30b-a3b,
+    chose it at every such count); else, or when the rows path is not wanted (int4), small
+    grouped tiles for a decode step's few rows and larger ones past 64 rows."""
+    if rows_path and rows <= 64:
+        return {"BLOCK_M": 1,
+                "w13": dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=2),
+                "w2": dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=2)}
     gemm = dict(BLOCK_N=64 if n >= 64 else 32, BLOCK_K=64, num_warps=4, num_stages=3)
     return {"BLOCK_M": 16 if rows <= 64 else 64, "w13": gemm, "w2": dict(gemm)}
 
@@ -374,7 +385,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     block_m = tiles["BLOCK_M"]
     weights = weights.reshape(-1).contiguous()
     if block_m == 1 and w13_zero is not None:  # the rows path has no int4 kernel
-        tiles = pick_tiles(None, w13.shape[1], rows)
+        tiles = _rule_tiles(w13.shape[1], rows, rows_path=False)
         block_m = tiles["BLOCK_M"]
     if block_m == 1:
         return _rows_moe(mod, x.contiguous(), w13, w2, weights, ids, act, tiles, w13_scale,

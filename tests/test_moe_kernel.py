@@ -125,8 +125,9 @@ def test_measured_tiles_are_looked_up_by_shape_and_rows():
     entries = table.get(tiles_key(w13, 2))
     pick = [pick_tiles(entries, 64, rows)["BLOCK_M"] for rows in (1, 2, 3, 64, 65, 9000)]
     assert pick == [16, 16, 32, 32, 128, 128]
-    rule = pick_tiles(table.get(tiles_key(w13.to(torch.float8_e4m3fn), 2)), 64, 4)
-    assert rule["w13"]["BLOCK_K"] == 64 and rule["BLOCK_M"] == 16
+    rule = [pick_tiles(table.get(tiles_key(w13.to(torch.float8_e4m3fn), 2)), 64, rows)
+            for rows in (4, 64, 65)]
+    assert [r["BLOCK_M"] for r in rule] == [1, 1, 64]  # the rows path up to 64 rows
 
 
 @pytest.mark.parametrize("method,rows_path", [("fp8", False), ("int8", False),
