@@ -61,7 +61,9 @@ def _route_kernel(logits_ptr, stride_l, E, weights_ptr, ids_ptr, TOP_K: tl.const
                   TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, E_P2: tl.constexpr):
     """Program token: the router's softmax (fp32), its top-k (ranked by logit, which orders
     as the probabilities do, without their rounding; ties to the least expert) and, if
-    RENORMALIZE, the k weights over their sum."""
+    RENORMALIZE, the k weights over their sum. Whatever the logits (NaN or infinite in rows
+    a step does not use), the k ids are distinct experts: NaN ranks first, as in torch.topk,
+    and each pick is among the experts not yet taken."""
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_P2)
     logits = tl.load(logits_ptr + t * stride_l + e, mask=e < E,
@@ -71,12 +73,14 @@ def _route_kernel(logits_ptr, stride_l, E, weights_ptr, ids_ptr, TOP_K: tl.const
     slot = tl.arange(0, TOP_K_P2)
     weights = tl.zeros((TOP_K_P2,), dtype=tl.float32)
     ids = tl.zeros((TOP_K_P2,), dtype=tl.int64)
-    rank = logits
+    rank = tl.where(logits != logits, float("inf"), logits)
+    open_ = e < E  # the experts not yet taken
     for j in tl.static_range(TOP_K):
-        best = tl.min(tl.where(rank == tl.max(rank, 0), e, E_P2), 0)
+        top = tl.max(tl.where(open_, rank, float("-inf")), 0)
+        best = tl.min(tl.where(open_ & (rank == top), e, E_P2), 0)
         weights = tl.where(slot == j, tl.sum(tl.where(e == best, probs, 0.0), 0), weights)
         ids = tl.where(slot == j, best.to(tl.int64), ids)
-        rank = tl.where(e == best, float("-inf"), rank)
+        open_ = open_ & (e != best)
     if RENORMALIZE:
         weights = weights / tl.sum(weights, 0)
     keep = slot < TOP_K

@@ -55,6 +55,20 @@ def test_route_experts_matches_route(experts, top_k, renormalize, dtype):
     assert empty[0].shape == (0, top_k) and empty[1].shape == (0, top_k)
 
 
+def test_route_experts_keeps_ids_in_range_on_nan_and_inf_logits():
+    """Rows a step does not use (a graph's padding, a capture's warm-up over an unwritten KV
+    cache) can hold NaN or infinite logits: every id must still name an expert, k distinct
+    ones, or the experts' kernels read out of bounds (the sort's scatter asserted on the
+    H200). NaN ranks first, as torch.topk ranks it; a finite row is untouched."""
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[nan] * 6, [-inf] * 6, [inf] * 6, [0.0, nan, 1.0, -inf, inf, 2.0],
+                           [0.5, 0.1, 0.3, 0.2, 0.9, 0.4]], device=DEVICE)
+    _, ids = csrc_triton.route_experts(logits, 3, True, torch.float32)
+    for row in ids.tolist():
+        assert all(0 <= e < 6 for e in row) and len(set(row)) == 3, row
+    assert ids[3].tolist() == [1, 4, 5] and ids[4].tolist() == [4, 0, 5]
+
+
 ROWS_TILES = {"BLOCK_M": 1, "w13": dict(BLOCK_N=8, BLOCK_K=16, num_warps=2, num_stages=1),
               "w2": dict(BLOCK_N=16, BLOCK_K=8, num_warps=2, num_stages=1)}
 
