@@ -13,6 +13,7 @@ its penalties.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 from pathlib import Path
 
@@ -126,7 +127,10 @@ def measure(args, record: dict, programs: int) -> None:
                     record["rows"].append(row)
                     print(f"V={vocab} scale={scale} rows={n:4d} P/SM={programs:2d} "
                           f"{name:26s} {us:8.1f} us", flush=True)
-                    del sampler
+                    # Its graphs die here, not in a garbage collection that a later
+                    # capture's allocations set off (a graph freed mid-capture breaks it).
+                    del sampler, replay
+                    gc.collect()
                     torch.cuda.empty_cache()
 
 
