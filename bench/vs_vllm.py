@@ -22,7 +22,9 @@ kv_blocks_per_seq_peak: over the run's steps, the most KV blocks in use per runn
 (with a sliding window on every layer it stays near window / block size past the window).
 Both engines get dummy bf16 weights from the same config.json (bench/model_configs/),
 max_model_len 8704 (W6's 8192 + 256, rounded up to whole 16-token blocks; the models' own
-32k-128k would only grow both engines' KV budgets)
+32k-128k would only grow both engines' KV budgets; a model whose own context is shorter
+keeps it, and a workload that would not fit is shortened for both engines: the JSON's
+`shapes` say what ran, e.g. Gemma 2's W6 is 7,936-token prompts)
 and otherwise their defaults. vLLM runs with skip_tokenizer_init (token-id prompts, no
 detokenization: neither engine gets a tokenizer) and generation_config="vllm".
 W3 (the HTTP servers) is bench/w3_gpu.py's, run beside this by bench/run_vs_vllm.sh.
@@ -274,11 +276,15 @@ def run_offline(args) -> int:
     suffix = f"_{label}" if label else ""
     path = out_dir / f"offline_{args.engine}{suffix}.json"
     folder, cfg = model_folder(args.model, args.smoke, Path(args.work))
-    wl = workloads(args.smoke, cfg["vocab_size"])
+    # A model with a shorter context than a workload needs gets that workload shortened,
+    # the same for both engines (bench.workloads.fit_context; the record's "shapes").
+    wl = workloads(args.smoke, cfg["vocab_size"], None if args.smoke else max_model_len(folder))
     chosen = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
     settings = sampling_settings(args.sampling)
     record = {"benchmark": "vs_vllm_offline", "engine": args.engine, "model": args.model,
               "environment": environment(), "sampling": {s: SAMPLING[s] for s in settings},
+              "shapes": {n: {"requests": w.n, "prompt": list(w.prompt),
+                             "output": list(w.output)} for n, w in wl.items()},
               "rows": [], "best": {}}
 
     def save() -> None:

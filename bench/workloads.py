@@ -33,16 +33,39 @@ class Workload:
         return [(p, min(o, 8)) for p, o in self.requests(-1, min(self.n, 4))]
 
 
-def workloads(smoke: bool, vocab: int) -> dict[str, Workload]:
+def workloads(smoke: bool, vocab: int, context: int | None = None) -> dict[str, Workload]:
+    """The workloads; `context`: the model's max_model_len, where a workload's longest
+    request would not fit in it (fit_context)."""
     if smoke:
-        return {"W1": Workload("W1", "output_tok_per_s", 6, (8, 32), (4, 16), 2, vocab),
-                "W2": Workload("W2", "output_tok_per_s", 1, (16, 16), (8, 8), 2, vocab),
-                "W5": Workload("W5", "prompt_tok_per_s", 2, (128, 128), (1, 1), 2, vocab),
-                "W6": Workload("W6", "output_tok_per_s", 2, (256, 256), (4, 4), 1, vocab)}
-    return {"W1": Workload("W1", "output_tok_per_s", 256, (100, 1024), (100, 1024), 2, vocab),
+        found = {"W1": Workload("W1", "output_tok_per_s", 6, (8, 32), (4, 16), 2, vocab),
+                 "W2": Workload("W2", "output_tok_per_s", 1, (16, 16), (8, 8), 2, vocab),
+                 "W5": Workload("W5", "prompt_tok_per_s", 2, (128, 128), (1, 1), 2, vocab),
+                 "W6": Workload("W6", "output_tok_per_s", 2, (256, 256), (4, 4), 1, vocab)}
+    else:
+        found = {
+            "W1": Workload("W1", "output_tok_per_s", 256, (100, 1024), (100, 1024), 2, vocab),
             "W2": Workload("W2", "output_tok_per_s", 1, (128, 128), (256, 256), 3, vocab),
             "W5": Workload("W5", "prompt_tok_per_s", 32, (4096, 4096), (1, 1), 5, vocab),
             "W6": Workload("W6", "output_tok_per_s", 64, (8192, 8192), (256, 256), 1, vocab)}
+    for w in found.values():
+        fit_context(w, context)
+    return found
+
+
+def fit_context(w: Workload, context: int | None) -> None:
+    """Shorten a workload whose longest prompt + output passes `context` (Gemma 2's 8,192
+    positions against W6's 8,448 tokens, GPT-2's 1,024 against W1's 2,048): the output
+    lengths keep their range where they can (W6 still decodes 256 tokens, now past a
+    shorter prompt), else both ranges scale down together. Every engine gets the same
+    shortened requests; the JSON records the shapes that ran (`shapes`)."""
+    if context is None or w.prompt[1] + w.output[1] <= context:
+        return
+    if w.output[1] < context // 2:  # the prompt gives way
+        w.prompt = (min(w.prompt[0], context - w.output[1]), context - w.output[1])
+        return
+    scale = context / (w.prompt[1] + w.output[1])
+    w.prompt = tuple(max(1, int(n * scale)) for n in w.prompt)
+    w.output = tuple(max(1, int(n * scale)) for n in w.output)
 
 
 class DecodeSweep:

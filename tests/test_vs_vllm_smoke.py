@@ -114,6 +114,27 @@ def test_each_round_and_setting_gets_its_own_prompts():
     assert len(set(ids)) == len(ids)
 
 
+def test_workloads_are_shortened_to_fit_a_models_context(tiny_model_dirs):
+    """A model's own context shorter than a workload's longest request (Gemma 2's 8,192
+    against W6's 8,448; GPT-2's 1,024 against W1's 2,048): every request of it fits, W6
+    keeps its 256-token decode past a shorter prompt, and a context that fits changes
+    nothing. The engine takes a request that fills its context exactly."""
+    full = {n: (w.prompt, w.output) for n, w in workloads(False, 1000).items()}
+    assert {n: (w.prompt, w.output) for n, w in workloads(False, 1000, 8704).items()} == full
+    for context in (8192, 1024):
+        for name, w in workloads(False, 1000, context).items():
+            assert w.prompt[1] + w.output[1] <= context, (name, context)
+            assert all(len(p) + o <= context for p, o in w.requests(0, 4))
+    assert workloads(False, 1000, 8192)["W6"].prompt == (7936, 7936)
+    assert workloads(False, 1000, 8192)["W6"].output == (256, 256)
+    assert workloads(False, 1000, 1024)["W1"].output[1] <= 512
+    from minivllm import LLM, SamplingParams
+    llm = LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, max_model_len=64)
+    out = llm.generate([list(range(10, 58))], SamplingParams(temperature=0, max_tokens=16,
+                                                              ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 16
+
+
 @pytest.mark.parametrize("window", [None, 32])
 def test_kv_blocks_per_sequence_stay_flat_past_a_sliding_window(tmp_path, window):
     """kv_blocks_per_seq_peak as W6 reports it: a Mistral whose every layer has a window
