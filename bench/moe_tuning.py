@@ -15,7 +15,9 @@ HBM rather than the L2, as a model's next layer does; the median of 20 replays, 
 A candidate whose output differs from the reference loop over experts is dropped. The BLOCK_M
 kept is the one whose two GEMMs' best times sum least (BLOCK_M is shared: it sets the rows'
 alignment; 1 is the rows path, tried up to 64 rows, with its own candidates); a grouped
-BLOCK_M's sum includes its sort (align_by_expert), which the rows path does without. The table
+BLOCK_M's sum includes its sort (align_by_expert), which the rows path does without, and the
+second GEMM's time the sum over each token's k rows after it. The rows path's second GEMM is
+also tried adding those rows itself (SUM_ROWS: a program per token, no sum after it). The table
 is merged into the file under this GPU's name, so several calls (models, GPUs) fill one file; a
 printed line per token count.
 """
@@ -143,6 +145,7 @@ def tune_tokens(w: dict, top_k: int, tokens: int, device, candidates: dict,
             aligned = [K.align_by_expert(i, e, block_m) for _, i in routings]
         gate_up = torch.empty(rows, n13 // 2 if by_rows else n13, dtype=dtype, device=device)
         out = torch.empty(rows, h, dtype=dtype, device=device)
+        summed = torch.empty(tokens, h, dtype=dtype, device=device)
         # The grouped path sorts its rows first, once a layer: that time counts against
         # it (the rows path has no sort).
         picks, total = {}, 0.0
@@ -152,10 +155,16 @@ def tune_tokens(w: dict, top_k: int, tokens: int, device, candidates: dict,
         space = rows_candidates if by_rows else candidates
         hidden = None  # the second GEMM's input, from the first's best tiles
 
-        def launch(gemm: str, tiles: dict, r: int = 0) -> None:
+        def launch(gemm: str, tiles: dict, r: int = 0) -> torch.Tensor:
+            """The GEMM's launch; the second's result is summed over each token's k rows
+            (by the kernel with SUM_ROWS, else after it: that sum is timed too)."""
             first = gemm == "w13"  # reads x by token; the second, its own rows, weighted
             a, dst, k = (x, gate_up, top_k) if first else (hidden, out, 1)
             flat_w, flat_ids = flat[r]
+            if tiles.get("SUM_ROWS"):
+                K._rows_gemm(mod, a, w[gemm], w[gemm + "_scale"], summed, flat_ids, flat_w,
+                             k, False, True, False, tiles, sum_rows=top_k)
+                return summed
             if by_rows:
                 K._rows_gemm(mod, a, w[gemm], w[gemm + "_scale"], dst, flat_ids, flat_w, k,
                              first, not first, first, tiles)
@@ -163,19 +172,27 @@ def tune_tokens(w: dict, top_k: int, tokens: int, device, candidates: dict,
                 sorted_rows, block_expert = aligned[r]
                 K._gemm(mod, a, w[gemm], w[gemm + "_scale"], None, dst, sorted_rows,
                         block_expert, flat_w, rows, k, first, not first, block_m, tiles)
+            return dst if first else out.view(tokens, top_k, -1).sum(dim=1)
+
+        def tries(gemm: str):
+            """The candidates, then for the rows path's second GEMM the summing variant of
+            the best one at each BLOCK_N (it has top_k times fewer programs)."""
+            for values in itertools.product(*space.values()):
+                yield dict(zip(space, values))
+            if by_rows and gemm == "w2" and fastest is not None:
+                yield from ({**fastest[1], "BLOCK_N": n, "SUM_ROWS": True}
+                            for n in space["BLOCK_N"])
 
         for gemm in ("w13", "w2"):
             fastest = None
-            for values in itertools.product(*space.values()):
-                tiles = dict(zip(space, values))
+            for tiles in tries(gemm):
                 try:
-                    launch(gemm, tiles)
+                    got = launch(gemm, tiles)
                 except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip
                     if smoke:  # the interpreter takes any tile: a failure is a bug
                         raise
                     print(f"  skip {gemm} M{block_m} {tiles}: {type(exc).__name__}")
                     continue
-                got = gate_up if gemm == "w13" else out.view(tokens, top_k, -1).sum(dim=1)
                 expected = (want_h if by_rows else want13) if gemm == "w13" else want
                 if not close(got, expected):
                     print(f"  wrong {gemm} M{block_m} {tiles}: dropped")

@@ -27,7 +27,9 @@ bytes need. BLOCK_M = 1 is the rows path for such steps: no sort, a program per 
 tile) reading its row's expert's weights directly (GEMV-shaped: narrow column tiles, many
 programs), the first GEMM's gate and up columns together and silu(gate) * up in its epilogue.
 A row's expert is read once per row, so two rows of one expert read it twice: it pays only
-at small row counts, which the measured table decides.
+at small row counts, which the measured table decides. Its second GEMM can also add each
+token's k rows itself (the w2 tiles' SUM_ROWS), with no sum launched after it, where the
+table measured that faster.
 
 Tiles (BLOCK_M shared by both GEMMs, as the rows' alignment is; BLOCK_N, BLOCK_K, warps and
 stages per GEMM) come from moe_tiles.json beside this file, measured per GPU, expert shape,
@@ -241,59 +243,68 @@ def _grouped_gemm_int4_kernel(a_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, sorted
 def _rows_gemv_kernel(a_ptr, w_ptr, w_scale_ptr, out_ptr, ids_ptr, weight_ptr, N, K,
                       stride_am, stride_we, stride_wn, stride_om, TOP_K: tl.constexpr,
                       A_BY_TOKEN: tl.constexpr, SCALE_BY_WEIGHT: tl.constexpr,
-                      W_SCALED: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr):
+                      W_SCALED: tl.constexpr, GATED: tl.constexpr, SUM_ROWS: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      LOOP_STAGES: tl.constexpr):
     """Program (row, column tile) of the rows path (BLOCK_M = 1): out[row, cols] = A[row] @
     W[e].T for the row's expert e = ids[row], in float32. GATED: W's columns n (gate) and
     N + n (up) together, out = silu(gate) * up. W_SCALED: e4m3 or int8 weights, the sums
-    times their output channel's scale (w_scale [E, rows of W]). As the dense batch-1 GEMVs
+    times their output channel's scale (w_scale [E, rows of W]). SUM_ROWS > 1 (the second
+    GEMM, weighted): a program per (token, column tile) adds its token's SUM_ROWS rows, so
+    out is [tokens, N] with no sum after it. As the dense batch-1 GEMVs
     (quant_gemm._gemv_sum): products accumulated element-wise and summed over K once at
     the end (a sum per block cost a cross-lane reduction each step), the weight loads
     pipelined LOOP_STAGES deep through shared memory (1: each block loaded when its step
     starts)."""
-    row = tl.program_id(0).to(tl.int64)
-    expert = tl.load(ids_ptr + row).to(tl.int64)
-    a_row = row // TOP_K if A_BY_TOKEN else row
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    w_base = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn
-    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc2_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        a = tl.load(a_ptr + a_row * stride_am + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        ok = n_ok[:, None] & k_ok[None, :]
-        w = tl.load(w_base + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)
-        acc2 += w * a[None, :]
-        if GATED:
-            u = tl.load(w_base + N * stride_wn + offs_k[None, :], mask=ok,
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(SUM_ROWS):
+        row = tl.program_id(0).to(tl.int64) * SUM_ROWS + j
+        expert = tl.load(ids_ptr + row).to(tl.int64)
+        a_row = row // TOP_K if A_BY_TOKEN else row
+        w_base = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc2_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            a = tl.load(a_ptr + a_row * stride_am + offs_k, mask=k_ok,
                         other=0.0).to(tl.float32)
-            acc2_up += u * a[None, :]
-    acc = tl.sum(acc2, 1)
-    acc_up = tl.sum(acc2_up, 1)
-    if W_SCALED:
-        scales = w_scale_ptr + expert * (2 * N if GATED else N) + offs_n
-        acc = acc * tl.load(scales, mask=n_ok, other=0.0)
+            ok = n_ok[:, None] & k_ok[None, :]
+            w = tl.load(w_base + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)
+            acc2 += w * a[None, :]
+            if GATED:
+                u = tl.load(w_base + N * stride_wn + offs_k[None, :], mask=ok,
+                            other=0.0).to(tl.float32)
+                acc2_up += u * a[None, :]
+        acc = tl.sum(acc2, 1)
+        acc_up = tl.sum(acc2_up, 1)
+        if W_SCALED:
+            scales = w_scale_ptr + expert * (2 * N if GATED else N) + offs_n
+            acc = acc * tl.load(scales, mask=n_ok, other=0.0)
+            if GATED:
+                acc_up = acc_up * tl.load(scales + N, mask=n_ok, other=0.0)
         if GATED:
-            acc_up = acc_up * tl.load(scales + N, mask=n_ok, other=0.0)
-    if GATED:
-        acc = acc * tl.sigmoid(acc) * acc_up
-    if SCALE_BY_WEIGHT:
-        acc = acc * tl.load(weight_ptr + row).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+            acc = acc * tl.sigmoid(acc) * acc_up
+        if SCALE_BY_WEIGHT:
+            acc = acc * tl.load(weight_ptr + row).to(tl.float32)
+        total += acc
+    tl.store(out_ptr + tl.program_id(0).to(tl.int64) * stride_om + offs_n,
+             total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def _rows_gemm(mod, a, w, w_scale, out, ids, weights, top_k, by_token: bool, scale: bool,
-               gated: bool, tiles: dict) -> None:
-    """The rows path's launch: out [rows, N] (N = w's rows, or half of them when gated)."""
+               gated: bool, tiles: dict, sum_rows: int = 1) -> None:
+    """The rows path's launch: out [rows, N] (N = w's rows, or half of them when gated);
+    with sum_rows (the second GEMM's top-k), out [tokens, N], each token's rows added."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     scaled = w.dtype in (torch.float8_e4m3fn, torch.int8)
-    mod._rows_gemv_kernel[(ids.numel(), triton.cdiv(n, tiles["BLOCK_N"]))](
+    mod._rows_gemv_kernel[(ids.numel() // sum_rows, triton.cdiv(n, tiles["BLOCK_N"]))](
         a, w, w_scale if scaled else weights, out, ids, weights, n, a.shape[1], a.stride(0),
         w.stride(0), w.stride(1), out.stride(0), TOP_K=top_k, A_BY_TOKEN=by_token,
-        SCALE_BY_WEIGHT=scale, W_SCALED=scaled, GATED=gated, BLOCK_N=tiles["BLOCK_N"],
-        BLOCK_K=tiles["BLOCK_K"], LOOP_STAGES=tiles["num_stages"],
+        SCALE_BY_WEIGHT=scale, W_SCALED=scaled, GATED=gated, SUM_ROWS=sum_rows,
+        BLOCK_N=tiles["BLOCK_N"], BLOCK_K=tiles["BLOCK_K"], LOOP_STAGES=tiles["num_stages"],
         num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
 
 
@@ -408,7 +419,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
 
 def _rows_moe(mod, x, w13, w2, weights, ids, act, tiles, w13_scale, w2_scale):
     """fused_moe by the rows path (BLOCK_M = 1): silu's gating in the first GEMM's
-    epilogue (another activation: applied between the GEMMs, as the grouped path does)."""
+    epilogue (another activation: applied between the GEMMs, as the grouped path does);
+    with the w2 tiles' SUM_ROWS, each token's k rows added in the second GEMM (a program
+    per token and column tile: k times fewer programs, no sum launched after it)."""
     tokens, top_k = ids.shape
     flat_ids = ids.reshape(-1).contiguous()
     rows, inner = flat_ids.numel(), w13.shape[1] // 2
@@ -419,6 +432,11 @@ def _rows_moe(mod, x, w13, w2, weights, ids, act, tiles, w13_scale, w2_scale):
     if not gated:
         gate, up = h.chunk(2, dim=-1)
         h = (act(gate) * up).contiguous()
+    if tiles["w2"].get("SUM_ROWS"):  # each token's k rows added in the kernel
+        out = torch.empty(tokens, w2.shape[1], dtype=x.dtype, device=x.device)
+        _rows_gemm(mod, h, w2, w2_scale, out, flat_ids, weights, 1, False, True, False,
+                   tiles["w2"], sum_rows=top_k)
+        return out
     out = torch.empty(rows, w2.shape[1], dtype=x.dtype, device=x.device)
     _rows_gemm(mod, h, w2, w2_scale, out, flat_ids, weights, 1, False, True, False,
                tiles["w2"])

@@ -73,11 +73,17 @@ ROWS_TILES = {"BLOCK_M": 1, "w13": dict(BLOCK_N=8, BLOCK_K=16, num_warps=2, num_
               "w2": dict(BLOCK_N=16, BLOCK_K=8, num_warps=2, num_stages=1)}
 
 
+ROWS_SUMMED = {**ROWS_TILES, "w2": {**ROWS_TILES["w2"], "SUM_ROWS": True}}
+
+
 @pytest.mark.parametrize("tokens,experts,top_k,block_m", [(7, 5, 2, 16), (1, 8, 2, 16),
                                                           (40, 6, 3, 16), (9, 4, 1, 32),
-                                                          (1, 8, 2, 1), (7, 5, 3, 1)])
+                                                          (1, 8, 2, 1), (7, 5, 3, 1),
+                                                          (1, 8, 2, "summed"),
+                                                          (7, 5, 3, "summed")])
 def test_fused_moe_matches_the_reference(tokens, experts, top_k, block_m):
-    """BLOCK_M 1 is the rows path: a program per (row, column tile), no sort."""
+    """BLOCK_M 1 is the rows path: a program per (row, column tile), no sort; "summed":
+    its second GEMM adds each token's k rows itself (a program per token)."""
     g = torch.Generator().manual_seed(tokens * 10 + experts)
     hidden, inter = 32, 24
     x = torch.randn(tokens, hidden, generator=g).to(DEVICE)
@@ -88,7 +94,8 @@ def test_fused_moe_matches_the_reference(tokens, experts, top_k, block_m):
     weights, ids = route(logits, top_k, True, x.dtype)
     want = experts_reference(x, w13, w2, weights, ids, F.silu)
     gemm = dict(BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2)
-    tiles = ROWS_TILES if block_m == 1 else {"BLOCK_M": block_m, "w13": gemm, "w2": gemm}
+    tiles = {1: ROWS_TILES, "summed": ROWS_SUMMED}.get(
+        block_m, {"BLOCK_M": block_m, "w13": gemm, "w2": gemm})
     got = csrc_triton.fused_moe(x, w13, w2, weights, ids, F.silu, tiles=tiles)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -146,7 +153,7 @@ def test_measured_tiles_are_looked_up_by_shape_and_rows():
 
 @pytest.mark.parametrize("method,rows_path", [("fp8", False), ("int8", False),
                                               ("int4", False), ("fp8", True), ("int8", True),
-                                              ("int4", True)])
+                                              ("int4", True), ("fp8", "summed")])
 def test_quantized_experts_match_their_dequantized_reference(method, rows_path):
     """e4m3 or int8 experts with per-channel scales (the kernel converts per tile and scales
     the sums), int4 with a scale and a zero point per group (the kernel unpacks a block of
@@ -172,7 +179,8 @@ def test_quantized_experts_match_their_dequantized_reference(method, rows_path):
                          x.dtype)
     want = experts_reference(x, q13, q2, weights, ids, F.silu, s13, s2, **zeros)
     got = csrc_triton.fused_moe(x, q13, q2, weights, ids, F.silu, w13_scale=s13,
-                                w2_scale=s2, tiles=ROWS_TILES if rows_path else None, **zeros)
+                                w2_scale=s2, tiles={True: ROWS_TILES, "summed": ROWS_SUMMED}.get(rows_path),
+                                **zeros)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # And close to the full-precision experts (int8 finest, then e4m3, then 4 bits).
     full = experts_reference(x, w13.to(DEVICE), w2.to(DEVICE), weights, ids, F.silu)
