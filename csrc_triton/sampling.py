@@ -628,6 +628,13 @@ def _check_kernel(x_ptr, stride_x, logits_ptr, stride_l, V, row_slot_ptr, ints_p
     drawn = _values(x_row, logits_row, _first_draw(part_ptr, row, num_splits, V, SPLITS_P2),
                     V, scale)
     part = part_ptr + (row * num_splits + split) * 8
+    if drawn >= peak:
+        # The row's best value was drawn: no mass lies above it, so the draw is kept and
+        # no later kernel reads this row's maxima or sums (a peaked row of a trained model
+        # draws its top token often; the bound kernel needs only a positive total).
+        tl.store(part + 1, 1.0)
+        tl.store(mass_ptr + (row * num_splits + split) * NP, 0.0)
+        return
     top = tl.load(part + 0)  # the split's maximum (prepare's)
     start = split * split_len
     end = tl.minimum(start + split_len, V)
