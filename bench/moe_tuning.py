@@ -163,7 +163,7 @@ def tune_tokens(w: dict, top_k: int, tokens: int, device, candidates: dict,
             flat_w, flat_ids = flat[r]
             if tiles.get("SUM_ROWS"):
                 K._rows_gemm(mod, a, w[gemm], w[gemm + "_scale"], summed, flat_ids, flat_w,
-                             k, False, True, False, tiles, sum_rows=top_k)
+                             k, first, not first, first, tiles, sum_rows=top_k)
                 return summed
             if by_rows:
                 K._rows_gemm(mod, a, w[gemm], w[gemm + "_scale"], dst, flat_ids, flat_w, k,

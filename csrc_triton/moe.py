@@ -432,12 +432,8 @@ def _rows_moe(mod, x, w13, w2, weights, ids, act, tiles, w13_scale, w2_scale):
     if not gated:
         gate, up = h.chunk(2, dim=-1)
         h = (act(gate) * up).contiguous()
-    if tiles["w2"].get("SUM_ROWS"):  # each token's k rows added in the kernel
-        out = torch.empty(tokens, w2.shape[1], dtype=x.dtype, device=x.device)
-        _rows_gemm(mod, h, w2, w2_scale, out, flat_ids, weights, 1, False, True, False,
-                   tiles["w2"], sum_rows=top_k)
-        return out
-    out = torch.empty(rows, w2.shape[1], dtype=x.dtype, device=x.device)
+    sum_rows = top_k if tiles["w2"].get("SUM_ROWS") else 1  # k rows added in the kernel
+    out = torch.empty(rows // sum_rows, w2.shape[1], dtype=x.dtype, device=x.device)
     _rows_gemm(mod, h, w2, w2_scale, out, flat_ids, weights, 1, False, True, False,
-               tiles["w2"])
-    return out.view(tokens, top_k, -1).sum(dim=1)
+               tiles["w2"], sum_rows=sum_rows)
+    return out if sum_rows > 1 else out.view(tokens, top_k, -1).sum(dim=1)
