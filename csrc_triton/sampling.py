@@ -18,9 +18,17 @@ top-p and min-p, and a Gumbel-max draw:
     token = argmax over the kept tokens i of  x_i + g_i,   g_i = -log(-log(u_i))
 
 which draws token i with probability proportional to exp(x_i). u_i is Philox's (4x32-10,
-Triton's `tl.philox`) output for key = the row's seed and counter = (i // 4, position, 0,
-0), output i % 4: the same numbers whatever the batch, eager or graphed, on any device,
-and worker/sampler.py's PyTorch mirror computes them bit for bit.
+Triton's `tl.philox`) output for key = the row's seed and counter = (i // 4, position,
+stream, 0), output i % 4: the same numbers whatever the batch, eager or graphed, on any
+device, and worker/sampler.py's PyTorch mirror computes them bit for bit.
+
+A row without top-k (temperature alone, or with top-p or min-p) is first drawn over every
+token in two stages that need noise for one block of tokens, not for each of the
+vocabulary's (the pick kernel): a block b of BLOCK tokens by Gumbel-max over the blocks'
+log-sum-exp L_b (stream 2, counter b), then a token of b by Gumbel-max over its values
+(stream 1). P(token i) = exp(L_b) / sum exp(L) * exp(x_i) / exp(L_b) = exp(x_i) / sum
+exp(x): the same distribution as one Gumbel-max over the row. The blocks are fixed in the
+vocabulary (not in a program's split), so the draw does not depend on the batch.
 
 The kept tokens are those whose value is at least a threshold tau (top-k and top-p keep
 the largest values; ties at the boundary are all kept) and, with min_p, whose
@@ -31,17 +39,19 @@ interval holds at most CAP values; those are gathered, sorted and the boundary r
 Kept tokens that fit the gathered list are drawn from it; otherwise one more pass over
 the row draws.
 
-A row with top-p or min-p but no top-k is drawn first over every token, in prepare: the
-truncated draw is the same token whenever that one is kept (the kept set's best score is the
-row's best), which for top-p happens with probability at least top_p. Kept means its value
-reaches tau: for top-p, the mass of the values strictly above it is under top_p of the row's
-(one pass, the check kernel); for min-p, exp(x - max) >= min_p. Only the rows whose first
-draw is not kept search for tau.
+A row with top-p or min-p but no top-k keeps that first draw when its token is kept,
+and otherwise draws again from the kept set with independent numbers (stream 0):
+rejection sampling, exactly the truncated distribution (P(i) = p_i + (1 - P(kept)) p_i /
+P(kept) = p_i / P(kept) for a kept i). For top-p the first draw is kept with probability
+at least top_p. Kept means its value reaches tau: for top-p, the mass of the values
+strictly above it is under top_p of the row's (one pass, the check kernel); for min-p,
+exp(x - max) >= min_p. Only the rows whose first draw is not kept search for tau.
 
 Kernels, in launch order: prepare (rows x splits: the processed values, their maximum,
-argmax, sum of exp, and the raw logits' log-sum-exp for logprob rows; the draw of a
-random row that keeps every token, which then never stores its values, or of a row drawn
-first), check (rows x splits, a top-p row drawn first: its block maxima, its sum of exp
+argmax, sum of exp, and the raw logits' log-sum-exp for logprob rows; each block's
+log-sum-exp for a row without top-k, which then stores its values only where it is
+truncated and they are more than logits / temperature), pick (a program a row: the
+first draw of a row without top-k), check (rows x splits, a top-p row drawn first: its block maxima, its sum of exp
 and the mass above the first draw, in one pass over its values), bound (a program a row: a
 first draw kept, or where the search starts), fill (the values of a row drawn first and not
 kept, which prepare stores only where they are more than logits / temperature: a plain
@@ -52,8 +62,8 @@ logprob rows the top-N and rank (rows x splits, then a program a row). The searc
 levels, gather, draw and fill work for the few rows that need them: those rows are put on
 work lists on the device, and each listed row gets an equal share of the launch's rows x
 splits programs. Launch grids depend only on the shapes: the launches can be captured in
-CUDA graphs. A batch without top-k, top-p or min-p launches only prepare, select and
-finish (and the logprob kernels); one with min-p but no top-k or top-p, no check, search
+CUDA graphs. A batch without top-k, top-p or min-p launches only prepare, pick, select
+and finish (and the logprob kernels); one with min-p but no top-k or top-p, no check, search
 levels or gather.
 """
 
@@ -73,7 +83,7 @@ _first_max = jit_helpers("step_ops")._first_max  # (value, index) pairs: larger,
 __all__ = ["sample_rows", "sampling_splits", "SLOT_INT_FIELDS", "SLOT_FLOAT_FIELDS",
            "FLAG_RANDOM", "FLAG_BIAS", "FLAG_PENALTY", "FLAG_BANS", "FLAG_LOGPROBS",
            "FLAG_TOP_K", "FLAG_TOP_P", "FLAG_MIN_P", "FLAG_GRAMMAR", "ROW_UPDATE_COUNTS",
-           "ROW_MASK_SHIFT", "MAX_LOGPROBS",
+           "ROW_MASK_SHIFT", "MAX_LOGPROBS", "DRAW_BLOCK",
            "GATHER_CAP", "COUNT_SHIFT", "PROMPT_BIT", "BAN_BIT"]
 
 # A slot's int64 parameters: flags, top_k, seed, prompt length, min_tokens, logprobs N.
@@ -110,6 +120,7 @@ _LEVEL_PIVOTS = 16    # a search level's (every split of the row at once)
 # whole row by itself. A level with no row searching costs a launch of programs that return.
 _LEVELS = 4
 _BLOCK = 1024
+DRAW_BLOCK = _BLOCK   # the first draw's blocks (see the module docstring)
 _LP_BLOCK = 4096      # a logprobs program's share of a row (one block)
 # Programs a row's splits aim at, per SM, in all. At 4, 256 rows of 151,936 tokens gave the
 # prepare kernel about 6 programs (24 warps) an SM and 1.7 TB/s (too few loads in flight).
@@ -128,9 +139,15 @@ _GATHER_SPREAD = 4
 _LOOP_STAGES = 3
 _INT64_MAX = tl.constexpr(2 ** 63 - 1)
 _NO_TAU = tl.constexpr(-2 ** 63)  # tau of a row drawn before any threshold was needed
+# Philox streams (its third counter word): draws over a kept set (the gathered list, the
+# whole row after a cut), and the two stages of the pick kernel's first draw. A cut first
+# draw and the draw that replaces it use independent numbers.
+_TOKEN_STREAM = tl.constexpr(1)
+_BLOCK_STREAM = tl.constexpr(2)
 
 # Partial results of prepare, per (row, split), in a float32 [R, splits, 8] buffer.
-_P_MAX, _P_SUM, _P_MIN, _P_FINITE, _P_RAW_MAX, _P_RAW_SUM, _P_DRAW, _P_DRAW_AT = range(8)
+# (The draw kernel's shares use the same buffer, a slot of 8 each.)
+_P_MAX, _P_SUM, _P_MIN, _P_FINITE, _P_RAW_MAX, _P_RAW_SUM = range(6)
 
 
 @triton.jit
@@ -192,13 +209,14 @@ def _share(lists_ptr, list_len_ptr, which, V, PART_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _uniform(seed, token, position):
-    """U(0, 1) for each token id at this position: Philox output token % 4 of counter
-    (token // 4, position, 0, 0), its top 23 bits, centred: never 0 or 1."""
+def _uniform(seed, token, position, stream=0):
+    """U(0, 1) for each index (a token id, or a block's for _BLOCK_STREAM) at this
+    position: Philox output index % 4 of counter (index // 4, position, stream, 0), its top
+    23 bits, centred: never 0 or 1."""
     c0 = (token // 4).to(tl.uint32)
     c1 = (token * 0 + position).to(tl.uint32)
     zero = c0 * 0
-    r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero, zero)
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero + stream, zero)
     lane = token % 4
     r = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
     return ((r >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
@@ -241,18 +259,18 @@ def _noise(u):
 
 
 @triton.jit
-def _gumbel(seed, token, position):
-    return _noise(_uniform(seed, token, position))
+def _gumbel(seed, token, position, stream=0):
+    return _noise(_uniform(seed, token, position, stream))
 
 
 @triton.jit
-def _uniform_block(seed, start, position, BLOCK: tl.constexpr):
+def _uniform_block(seed, start, position, BLOCK: tl.constexpr, stream=0):
     """_uniform for the tokens start .. start + BLOCK (start a multiple of 4): one Philox
     call per 4 tokens, its outputs interleaved in token order."""
     c0 = (start // 4 + tl.arange(0, BLOCK // 4)).to(tl.uint32)
     c1 = (c0 * 0 + position).to(tl.uint32)
     zero = c0 * 0
-    r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero, zero)
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero + stream, zero)
     r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK,))
     return ((r >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
 
@@ -260,19 +278,64 @@ def _uniform_block(seed, start, position, BLOCK: tl.constexpr):
 # ---- prepare ---------------------------------------------------------------------------
 
 @triton.jit
+def _row_setup(ints_ptr, floats_ptr, row_pos_ptr, row_flags_ptr, row, slot):
+    """A row's processing inputs: flags, position, 1 / temperature, the three penalties,
+    whether min_tokens still bans, its grammar bitmask row (1 + row, 0 for none) and seed."""
+    flags = tl.load(ints_ptr + slot * 8)
+    position = tl.load(row_pos_ptr + row)
+    prompt_len = tl.load(ints_ptr + slot * 8 + 3)
+    min_tokens = tl.load(ints_ptr + slot * 8 + 4)
+    inv_t = tl.load(floats_ptr + slot * 8 + 6)  # 1 / temperature, rounded on the host
+    rep = tl.load(floats_ptr + slot * 8 + 3)
+    freq = tl.load(floats_ptr + slot * 8 + 4)
+    pres = tl.load(floats_ptr + slot * 8 + 5)
+    banning = ((flags & 8) != 0) & (position - prompt_len < min_tokens)
+    # Only a FLAG_GRAMMAR slot has a bitmask row.
+    mask_row = (tl.load(row_flags_ptr + row) >> 2).to(tl.int64) * ((flags & 256) != 0)
+    seed = tl.load(ints_ptr + slot * 8 + 2)
+    return flags, position, inv_t, rep, freq, pres, banning, mask_row, seed
+
+
+@triton.jit
+def _process(raw, offs, ok, row, slot, V, flags, rep, freq, pres, banning, mask_row,
+             mask_ptr, mask_words, bias_ptr, counts_ptr, row_extra_ptr, KX: tl.constexpr):
+    """A row's values at offs before temperature: the raw logits after the grammar mask,
+    logit_bias, min_tokens' bans and the penalties (-inf past the vocabulary)."""
+    x = raw
+    if mask_row > 0:
+        word = tl.load(mask_ptr + (mask_row - 1) * mask_words + offs // 32, mask=ok, other=0)
+        x = tl.where(((word >> (offs % 32)) & 1) != 0, x, float("-inf"))
+    if (flags & 2) != 0:
+        x = x + tl.load(bias_ptr + slot * V + offs, mask=ok, other=0.0)
+    penalized = (flags & 4) != 0
+    if banning | penalized:
+        c = tl.load(counts_ptr + slot * V + offs, mask=ok, other=0)
+        if banning:
+            x = tl.where((c & 2) != 0, float("-inf"), x)
+        if penalized:
+            times = c >> 2
+            for j in tl.static_range(KX):
+                extra = tl.load(row_extra_ptr + row * KX + j)
+                times += tl.where(offs == extra, 1, 0)
+            seen = ((c & 1) != 0) | (times > 0)
+            x = tl.where(seen, tl.where(x > 0, x / rep, x * rep), x)
+            x = x - freq * times.to(tl.float32) - pres * (times > 0).to(tl.float32)
+    return tl.where(ok, x, float("-inf"))
+
+
+@triton.jit
 def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr, V,
                     row_slot_ptr, row_pos_ptr, row_extra_ptr, row_flags_ptr, mask_ptr,
                     mask_words, ints_ptr, floats_ptr, part_ptr, part_idx_ptr, block_max_ptr,
-                    num_blocks, split_len, list_len_ptr, raw_scale_ptr, KX: tl.constexpr,
-                    BLOCK: tl.constexpr, STAGES: tl.constexpr):
+                    block_lse_ptr, num_blocks, split_len, list_len_ptr, raw_scale_ptr,
+                    KX: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """Program (row, split): the row's values over its split of the vocabulary, processed
     (grammar mask, bias, bans, penalties, temperature); partial maximum, first argmax,
     sum of exp (relative to that maximum), least finite value and finite count; the raw
-    logits' maximum and sum of exp for a logprob row. A random row that keeps every
-    token (no top-k, top-p or min-p) is drawn here: the split's best x + gumbel noise and
-    its first index, as the draw kernel would find them. Other random rows store x, and
-    each block's maximum for a top-k or top-p row not drawn first (its bound, see
-    _bound_kernel; the check kernel makes a first-drawn top-p row's)."""
+    logits' maximum and sum of exp for a logprob row. A random row drawn first (no top-k)
+    gets each block's log-sum-exp, from which the pick kernel draws. Other random rows
+    store x, and each block's maximum for a top-k or top-p row not drawn first (its bound,
+    see _bound_kernel; the check kernel makes a first-drawn top-p row's)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -282,20 +345,11 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
     part = part_ptr + (row * num_splits + split) * 8
     if slot < 0:
         return
-    flags = tl.load(ints_ptr + slot * 8)
+    flags, position, inv_t, rep, freq, pres, banning, mask_row, seed = _row_setup(
+        ints_ptr, floats_ptr, row_pos_ptr, row_flags_ptr, row, slot)
     if flags == 0:
         return  # plain greedy: the step's own argmax stands
-    position = tl.load(row_pos_ptr + row)
-    prompt_len = tl.load(ints_ptr + slot * 8 + 3)
-    min_tokens = tl.load(ints_ptr + slot * 8 + 4)
-    inv_t = tl.load(floats_ptr + slot * 8 + 6)  # 1 / temperature, rounded on the host
-    rep = tl.load(floats_ptr + slot * 8 + 3)
-    freq = tl.load(floats_ptr + slot * 8 + 4)
-    pres = tl.load(floats_ptr + slot * 8 + 5)
     random = (flags & 1) != 0
-    has_bias = (flags & 2) != 0
-    penalized = (flags & 4) != 0
-    banning = ((flags & 8) != 0) & (position - prompt_len < min_tokens)
     want_lp = (flags & 16) != 0
     top_p_on = (flags & 64) != 0
     drawn_here = random & ((flags & 224) == 0)   # no top-k, top-p or min-p
@@ -303,13 +357,10 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
     # A top-k row's block maxima (and top-p's sum of exp) are made here; a top-p row drawn
     # first gets them from the check kernel's pass.
     maxima_here = ((flags & 96) != 0) & (drawn_first == 0)
-    seed = tl.load(ints_ptr + slot * 8 + 2)
-    # 1 + the row's grammar bitmask row, 0 for none (only a FLAG_GRAMMAR slot has one).
-    mask_row = (tl.load(row_flags_ptr + row) >> 2).to(tl.int64) * ((flags & 256) != 0)
     # x is stored for the kernels after this one, unless they can remake it from the raw
     # logits: a row drawn first whose values are its logits / temperature (the check
     # kernel reads the logits then; the fill kernel stores x if the draw is not kept).
-    processed = (mask_row > 0) | has_bias | banning | penalized
+    processed = (mask_row > 0) | ((flags & 6) != 0) | banning
     stores_x = random & (drawn_here == 0) & (processed | (drawn_first == 0))
     if split == 0:
         tl.store(raw_scale_ptr + row, tl.where(stores_x, 0.0, inv_t))
@@ -327,8 +378,6 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
     finite = tl.zeros((BLOCK,), dtype=tl.int32)
     raw_max = float("-inf")
     raw_sum = 0.0
-    draw_best = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
-    draw_at = lanes + V
     start = split * split_len
     for k in tl.range(start, tl.minimum(start + split_len, V), BLOCK, num_stages=STAGES):
         offs = k + lanes
@@ -340,34 +389,19 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
             new = tl.maximum(raw_max, bm)
             raw_sum = raw_sum * tl.exp(raw_max - new) + tl.sum(tl.exp(raw - new), 0)
             raw_max = new
-        x = raw
-        if mask_row > 0:
-            word = tl.load(mask_ptr + (mask_row - 1) * mask_words + offs // 32, mask=ok,
-                           other=0)
-            x = tl.where(((word >> (offs % 32)) & 1) != 0, x, float("-inf"))
-        if has_bias:
-            x = x + tl.load(bias_ptr + slot * V + offs, mask=ok, other=0.0)
-        if banning | penalized:
-            c = tl.load(counts_ptr + slot * V + offs, mask=ok, other=0)
-            if banning:
-                x = tl.where((c & 2) != 0, float("-inf"), x)
-            if penalized:
-                times = c >> 2
-                for j in tl.static_range(KX):
-                    extra = tl.load(row_extra_ptr + row * KX + j)
-                    times += tl.where(offs == extra, 1, 0)
-                seen = ((c & 1) != 0) | (times > 0)
-                x = tl.where(seen, tl.where(x > 0, x / rep, x * rep), x)
-                x = x - freq * times.to(tl.float32) - pres * (times > 0).to(tl.float32)
-        x = tl.where(ok, x, float("-inf"))
+        x = _process(raw, offs, ok, row, slot, V, flags, rep, freq, pres, banning, mask_row,
+                     mask_ptr, mask_words, bias_ptr, counts_ptr, row_extra_ptr, KX)
         if random:
             x = x * inv_t
-            if drawn_here | drawn_first:  # the draw kernel's scores, where x is made
-                noise = _noise(_uniform_block(seed, k, position, BLOCK))
-                score = tl.where(x > float("-inf"), x + noise, float("-inf"))
-                take = score > draw_best
-                draw_best = tl.where(take, score, draw_best)
-                draw_at = tl.where(take, offs, draw_at)
+            if drawn_here | drawn_first:
+                # The block's log-sum-exp, relative to its own maximum: the same value
+                # whatever the split, so the draw is the same in any batch.
+                bm = tl.max(x, 0)
+                some = bm > float("-inf")
+                mass = tl.sum(tl.exp(x - tl.where(some, bm, 0.0)), 0)  # exp(-inf) = 0
+                tl.store(block_lse_ptr + row * num_blocks + k // BLOCK,
+                         tl.where(some, bm + tl.log(tl.where(some, mass, 1.0)),
+                                  float("-inf")))
             if stores_x:
                 tl.store(x_ptr + row * stride_x + offs, x, mask=ok)
             if maxima_here:
@@ -393,10 +427,48 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
     tl.store(part + 4, raw_max)
     tl.store(part + 5, raw_sum)
     tl.store(part_idx_ptr + row * num_splits + split, i)
-    if drawn_here | drawn_first:
-        v, i = tl.reduce((draw_best, draw_at), 0, _first_max)
-        tl.store(part + 6, v)
-        tl.store(part + 7, i.to(tl.float32))  # exact: a vocabulary is below 2 ** 24
+
+
+# ---- pick: the first draw of a row without top-k ---------------------------------------
+
+@triton.jit
+def _pick_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr, V,
+                 row_slot_ptr, row_pos_ptr, row_extra_ptr, row_flags_ptr, mask_ptr,
+                 mask_words, ints_ptr, floats_ptr, block_lse_ptr, num_blocks, raw_scale_ptr,
+                 token_ptr, KX: tl.constexpr, BLOCK: tl.constexpr, BLOCKS_P2: tl.constexpr):
+    """Program row, for a random row without top-k: a token drawn over every token in
+    two stages, a block with probability its share of the row's mass (Gumbel-max over
+    the blocks' log-sum-exp, prepare's), then a token of that block by its share of the
+    block's (Gumbel-max over the block's values, remade here): exp(x_i) / sum exp(x)
+    for token i, as one Gumbel-max over the whole row would draw, with noise for one
+    block of tokens instead of every token (prepare's pass is then bound by its loads,
+    not by Philox). The token goes to token_ptr: the row's draw, or for top-p and min-p
+    the first draw that the check and bound kernels keep or cut."""
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(row_slot_ptr + row).to(tl.int64)
+    if slot < 0:
+        return
+    flags, position, inv_t, rep, freq, pres, banning, mask_row, seed = _row_setup(
+        ints_ptr, floats_ptr, row_pos_ptr, row_flags_ptr, row, slot)
+    if ((flags & 1) == 0) | ((flags & 32) != 0):
+        return  # greedy, or top-k: drawn after its threshold
+    b = tl.arange(0, BLOCKS_P2)
+    lse = tl.load(block_lse_ptr + row * num_blocks + b, mask=b < num_blocks,
+                  other=float("-inf"))
+    score = tl.where(lse > float("-inf"), lse + _gumbel(seed, b, position, _BLOCK_STREAM),
+                     float("-inf"))
+    _, chosen = tl.reduce((score, b), 0, _first_max)
+    start = chosen * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    ok = offs < V
+    raw = tl.load(logits_ptr + row * stride_l + offs, mask=ok,
+                  other=float("-inf")).to(tl.float32)
+    x = _process(raw, offs, ok, row, slot, V, flags, rep, freq, pres, banning, mask_row,
+                 mask_ptr, mask_words, bias_ptr, counts_ptr, row_extra_ptr, KX) * inv_t
+    noise = _noise(_uniform_block(seed, start, position, BLOCK, _TOKEN_STREAM))
+    score = tl.where(x > float("-inf"), x + noise, float("-inf"))
+    _, token = tl.reduce((score, offs), 0, _first_max)
+    tl.store(token_ptr + row, tl.minimum(token, V - 1).to(tl.int64))
 
 
 # ---- select: the threshold search ------------------------------------------------------
@@ -545,17 +617,6 @@ def _combined(part_ptr, part_idx_ptr, row, num_splits, SPLITS_P2: tl.constexpr):
 
 
 @triton.jit
-def _first_draw(part_ptr, row, num_splits, V, SPLITS_P2: tl.constexpr):
-    """The token of a row drawn in prepare: the best of its splits' draws."""
-    s = tl.arange(0, SPLITS_P2)
-    part = part_ptr + (row * num_splits + s) * 8
-    scores = tl.load(part + 6, mask=s < num_splits, other=float("-inf"))
-    ids = tl.load(part + 7, mask=s < num_splits, other=V).to(tl.int32)
-    _, token = tl.reduce((scores, ids), 0, _first_max)
-    return tl.minimum(token, V - 1).to(tl.int64)
-
-
-@triton.jit
 def _values(x_row, logits_row, offs, V, scale):
     """A random row's values at offs: those prepare stored in x (scale 0), else remade
     from the raw logits with prepare's arithmetic (scale: 1 / temperature)."""
@@ -599,15 +660,15 @@ def _split_sums(row_ptr, scale, maxima, start, end, V, drawn, top, BLOCK: tl.con
 @triton.jit
 def _check_kernel(x_ptr, stride_x, logits_ptr, stride_l, V, row_slot_ptr, ints_ptr,
                   part_ptr, raw_scale_ptr, block_max_ptr, num_blocks, mass_ptr, split_len,
+                  token_ptr,
                   SPLITS_P2: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr,
                   STAGES: tl.constexpr):
     """Program (row, split) of a top-p row drawn first (no top-k): one pass over its
     split's values (remade from the logits, or as prepare stored them) for what prepare
     leaves to it on such a row: each block's maximum, and the split's sum of exp (its
     partial, relative to the split's maximum); and the mass of the values strictly above
-    the drawn token's, at mass_ptr[(row, split) * NP], relative to the row's maximum.
-    prepare, which draws, is bound by arithmetic (Philox, two logarithms a value); this
-    pass by loads: the sums cost less here (see docs/decisions.md)."""
+    the drawn token's, at mass_ptr[(row, split) * NP], relative to the row's maximum (a
+    pass that must follow the pick kernel's draw; the sums beside it cost no more loads)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -625,8 +686,7 @@ def _check_kernel(x_ptr, stride_x, logits_ptr, stride_l, V, row_slot_ptr, ints_p
     scale = tl.load(raw_scale_ptr + row)
     x_row = x_ptr + row * stride_x
     logits_row = logits_ptr + row * stride_l
-    drawn = _values(x_row, logits_row, _first_draw(part_ptr, row, num_splits, V, SPLITS_P2),
-                    V, scale)
+    drawn = _values(x_row, logits_row, tl.load(token_ptr + row), V, scale)
     part = part_ptr + (row * num_splits + split) * 8
     if drawn >= peak:
         # The row's best value was drawn: no mass lies above it, so the draw is kept and
@@ -680,7 +740,7 @@ def _bound_kernel(x_ptr, stride_x, logits_ptr, stride_l, V, row_slot_ptr, ints_p
     peak, _, total, least, finite = _combined(part_ptr, part_idx_ptr, row, num_splits,
                                               SPLITS_P2)
     if (flags & 32) == 0:  # top-p or min-p without top-k: drawn first
-        token = _first_draw(part_ptr, row, num_splits, V, SPLITS_P2)
+        token = tl.load(token_ptr + row)  # the pick kernel's
         scale = tl.load(raw_scale_ptr + row)
         drawn = _values(x_ptr + row * stride_x, logits_ptr + row * stride_l, token, V,
                         scale)
@@ -948,9 +1008,8 @@ def _select_kernel(x_ptr, stride_x, V, row_slot_ptr, row_pos_ptr, ints_ptr, floa
     if (flags & 1) == 0:
         tl.store(token_ptr + row, argmax.to(tl.int64))
         return
-    if (flags & 224) == 0:  # prepare drew it: the best of its splits' draws
-        tl.store(token_ptr + row, _first_draw(part_ptr, row, num_splits, V, SPLITS_P2))
-        return
+    if (flags & 224) == 0:
+        return  # no truncation: the pick kernel drew it
     if ((flags & 32) == 0) & (tl.load(token_ptr + row) >= 0):
         return  # drawn first, and kept (_bound_kernel)
     top_k = tl.load(ints_ptr + slot * 8 + 1)
@@ -1235,13 +1294,18 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
         logits, logits.stride(0), x, x.stride(0), state.counts, state.bias, vocab,
         rows.slot, rows.position, rows.extra, rows.flags, rows.mask, rows.mask.shape[1],
         state.ints, state.floats, scratch.part, scratch.part_idx, scratch.block_max,
-        num_blocks, split_len, scratch.list_len, scratch.raw_scale, KX=kx, BLOCK=block,
-        STAGES=_LOOP_STAGES, num_warps=4)
+        scratch.block_lse, num_blocks, split_len, scratch.list_len, scratch.raw_scale, KX=kx,
+        BLOCK=block, STAGES=_LOOP_STAGES, num_warps=4)
+    mod._pick_kernel[(num_rows,)](
+        logits, logits.stride(0), x, x.stride(0), state.counts, state.bias, vocab,
+        rows.slot, rows.position, rows.extra, rows.flags, rows.mask, rows.mask.shape[1],
+        state.ints, state.floats, scratch.block_lse, num_blocks, scratch.raw_scale, out.token,
+        KX=kx, BLOCK=block, BLOCKS_P2=blocks_p2, num_warps=4)
     if truncating and searching:
         mod._check_kernel[(num_rows, splits)](
             x, x.stride(0), logits, logits.stride(0), vocab, rows.slot, state.ints,
             scratch.part, scratch.raw_scale, scratch.block_max, num_blocks, scratch.level_mass,
-            split_len, SPLITS_P2=splits_p2, NP=_LEVEL_PIVOTS, BLOCK=block, STAGES=_LOOP_STAGES,
+            split_len, out.token, SPLITS_P2=splits_p2, NP=_LEVEL_PIVOTS, BLOCK=block, STAGES=_LOOP_STAGES,
             num_warps=4)
     if truncating:
         mod._bound_kernel[(num_rows,)](

@@ -55,9 +55,15 @@ def staged(seqs, vocab: int, positions: list[int] | None = None, extras=None,
 
 
 NO_TAU = -2 ** 63  # csrc_triton.sampling's tau of a row whose first draw was kept
+BLOCK = 32  # run_kernels' blocks: tiny vocabularies span several
 
 
-def run_kernels(logits, state, rows, want_logprobs: bool, cap: int = 32, block: int = 32,
+def reference(logits, state, rows, want_logprobs: bool, block: int = BLOCK):
+    """sample_reference with the first draw's blocks as run_kernels' kernels take them."""
+    return S.sample_reference(logits, state, rows, want_logprobs, block)
+
+
+def run_kernels(logits, state, rows, want_logprobs: bool, cap: int = 32, block: int = BLOCK,
                 splits: int = 3, levels: int = K._LEVELS, truncating: bool = True,
                 searching: bool = True):
     """csrc_triton.sampling.sample_rows (interpreted), with a small gather list and blocks
@@ -68,7 +74,8 @@ def run_kernels(logits, state, rows, want_logprobs: bool, cap: int = 32, block: 
         x=torch.empty(n, vocab), part=torch.empty(n * splits * 8 + 8), part_idx=torch.empty(
             n * splits + 1, dtype=torch.int32), g_val=torch.empty(n, cap),
         g_idx=torch.empty(n, cap, dtype=torch.int32), tau=torch.empty(n, dtype=torch.int64),
-        block_max=torch.empty(n * -(-vocab // block)), lo=torch.empty(n, dtype=torch.int64),
+        block_max=torch.empty(n * -(-vocab // block)),
+        block_lse=torch.empty(n * -(-vocab // block)), lo=torch.empty(n, dtype=torch.int64),
         hi=torch.empty(n, dtype=torch.int64), count=torch.empty(n, dtype=torch.int32),
         search=torch.zeros(n, 6, dtype=torch.int64), search_f=torch.zeros(n, 2),
         pivots=torch.zeros(n, 16, dtype=torch.int64),
@@ -121,7 +128,7 @@ def test_kernels_match_the_reference(shape, block, splits, levels):
     counted = [True] * len(seqs)
     counted[2] = counted[6] = False
     want_state, rows = staged(seqs, vocab, extras=extras, counted=counted)
-    want_tokens, want_lp = S.sample_reference(logits, want_state, rows, True)
+    want_tokens, want_lp = reference(logits, want_state, rows, True, block)
     got_state, rows = staged(seqs, vocab, extras=extras, counted=counted)
     out = run_kernels(logits, got_state, rows, True, block=block, splits=splits,
                       levels=levels)
@@ -156,7 +163,8 @@ def kernels_match_reference(seqs, logits, want_logprobs: bool, **launch):
     reference's tokens and token counts; returns their outputs and the reference's
     logprobs."""
     want_state, rows = staged(seqs, logits.shape[1])
-    want, want_lp = S.sample_reference(logits, want_state, rows, want_logprobs)
+    want, want_lp = reference(logits, want_state, rows, want_logprobs,
+                              launch.get("block", BLOCK))
     got_state, rows = staged(seqs, logits.shape[1])
     out = run_kernels(logits, got_state, rows, want_logprobs, **launch)
     assert out.token.tolist() == want.tolist()
@@ -220,7 +228,7 @@ def test_top_p_rows_are_drawn_first_and_searched_only_when_the_draw_is_cut():
         seqs = [row(i, temperature=0.9, top_p=0.5, seed=i, **(dict(min_p=0.3) if i % 3 == 0
                                                               else {}))
                 for i in range(n)]
-        want, _ = S.sample_reference(logits, *staged(seqs, vocab), False)
+        want, _ = reference(logits, *staged(seqs, vocab), False)
         out = run_kernels(logits, *staged(seqs, vocab), False)
         assert out.token.tolist() == want.tolist(), scale
         first = out.tau == NO_TAU
@@ -244,7 +252,7 @@ def test_top_p_after_a_top_k_cut_takes_top_ks_mass():
         g = torch.Generator().manual_seed(seed)
         logits = torch.randn(n, vocab, generator=g) * (2.5 + 0.5 * (seed % 2))
         seqs = [row(i, temperature=0.7, top_k=10, top_p=0.8, seed=i) for i in range(n)]
-        want, _ = S.sample_reference(logits, *staged(seqs, vocab), False)
+        want, _ = reference(logits, *staged(seqs, vocab), False)
         out = run_kernels(logits, *staged(seqs, vocab), False)
         assert out.token.tolist() == want.tolist(), seed
 
@@ -265,7 +273,7 @@ def test_grammar_masks_in_kernels_and_reference():
     masks = {0: [5, 17, 399], 1: list(range(0, 400, 7)), 2: [33, 64, 65, 200],
              3: [7, 8, 9]}
     want_state, rows = staged(seqs, vocab, masks=masks)
-    want, _ = S.sample_reference(logits, want_state, rows, False)
+    want, _ = reference(logits, want_state, rows, False)
     got_state, rows = staged(seqs, vocab, masks=masks)
     got = run_kernels(logits, got_state, rows, False).token
     assert got.tolist() == want.tolist()
@@ -275,7 +283,7 @@ def test_grammar_masks_in_kernels_and_reference():
         if settings[r]["temperature"] == 0.0 and "repetition_penalty" not in settings[r]:
             assert want[r].item() == best
     free_state, free_rows = staged(seqs, vocab)
-    free, _ = S.sample_reference(logits, free_state, free_rows, False)
+    free, _ = reference(logits, free_state, free_rows, False)
     assert want[4:].tolist() == free[4:].tolist()
 
 
@@ -294,10 +302,10 @@ def test_allowed_tokens_and_word_bans_in_kernels_and_reference():
                 dict(temperature=0.0, repetition_penalty=1.3, allowed_token_ids=[7, 8, 9]),
                 dict(temperature=0.0)]
     seqs = [row(i, **p) for i, p in enumerate(settings)]
-    free, _ = S.sample_reference(logits, *staged(seqs, vocab), False)
+    free, _ = reference(logits, *staged(seqs, vocab), False)
     seqs[4].params._bad_words_token_ids = [[free[4].item()], [3, 4]]  # the one-token word
     want_state, rows = staged(seqs, vocab)
-    want, _ = S.sample_reference(logits, want_state, rows, False)
+    want, _ = reference(logits, want_state, rows, False)
     got_state, rows = staged(seqs, vocab)
     assert torch.isinf(got_state.bias[0]).sum().item() == vocab - len(allowed)
     got = run_kernels(logits, got_state, rows, False).token
@@ -311,27 +319,33 @@ def test_allowed_tokens_and_word_bans_in_kernels_and_reference():
 
 
 @triton.jit
-def _uniforms_kernel(seed_ptr, pos_ptr, out_ptr, block_out_ptr, V: tl.constexpr):
+def _uniforms_kernel(seed_ptr, pos_ptr, out_ptr, block_out_ptr, V: tl.constexpr,
+                     STREAM: tl.constexpr):
     r = tl.program_id(0)
     tokens = tl.arange(0, V)
     seed, position = tl.load(seed_ptr + r), tl.load(pos_ptr + r)
-    tl.store(out_ptr + r * V + tokens, K._uniform(seed, tokens, position))
-    tl.store(block_out_ptr + r * V + tokens, K._uniform_block(seed, 0, position, V))
+    tl.store(out_ptr + r * V + tokens, K._uniform(seed, tokens, position, STREAM))
+    tl.store(block_out_ptr + r * V + tokens, K._uniform_block(seed, 0, position, V, STREAM))
 
 
 def test_philox_mirror_is_bit_exact():
     """worker/sampler.py's Philox in PyTorch gives the kernels' uniforms bit for bit, for
-    any seed (negative and above 32 bits too), token and position."""
+    any seed (negative and above 32 bits too), token, position and stream; the streams'
+    numbers differ."""
     seeds = torch.tensor([0, 1, -1, 12345, 2**40 + 17, -(2**62)], dtype=torch.int64)
     positions = torch.tensor([0, 5, 70000, 3, 2**31 - 1, 9], dtype=torch.int64)
-    got, block = torch.empty(6, 64), torch.empty(6, 64)
-    _uniforms_kernel[(6,)](seeds, positions, got, block, V=64)
-    assert torch.equal(block, got)  # the draw kernel's four tokens a Philox call
-    want = S.philox_uniform(seeds[:, None], torch.arange(64).expand(6, 64),
-                            positions[:, None])
-    assert torch.equal(got, want)
-    assert 0.0 < want.min() and want.max() < 1.0
-    assert len(set(want[0].tolist())) == 64
+    streams = {}
+    for stream in (0, 2):
+        got, block = torch.empty(6, 64), torch.empty(6, 64)
+        _uniforms_kernel[(6,)](seeds, positions, got, block, V=64, STREAM=stream)
+        assert torch.equal(block, got)  # the draw kernel's four tokens a Philox call
+        want = S.philox_uniform(seeds[:, None], torch.arange(64).expand(6, 64),
+                                positions[:, None], stream)
+        assert torch.equal(got, want)
+        assert 0.0 < want.min() and want.max() < 1.0
+        assert len(set(want[0].tolist())) == 64
+        streams[stream] = want
+    assert not torch.isin(streams[0], streams[2]).any()
 
 
 def sort_based_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -359,7 +373,7 @@ def sort_based_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p
 
 # chi2 quantiles at p = 0.9999 by degrees of freedom (a false failure 1 run in 10,000)
 CHI2_9999 = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74, 6: 27.86, 7: 29.88,
-             8: 31.83, 9: 33.72, 10: 35.56, 11: 37.37}
+             8: 31.83, 9: 33.72, 10: 35.56, 11: 37.37, 12: 39.13, 13: 40.87}
 
 
 def chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
@@ -386,6 +400,30 @@ def test_draws_follow_the_sort_based_distribution(cfg):
     seqs = [row(i, seed=i, **cfg) for i in range(n)]
     out = sampler.sample_now(logits.expand(n, vocab).clone(), None, seqs, [4] * n)
     stat, dof = chi_square(torch.tensor(out.token_ids), want)
+    assert dof >= 1 and stat < CHI2_9999[dof], (stat, dof, want)
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(temperature=1.0), dict(temperature=0.7, top_p=0.6), dict(temperature=1.0, min_p=0.2),
+    dict(temperature=1.2, top_p=0.8, min_p=0.05)])
+def test_first_draws_in_blocks_follow_the_sort_based_distribution(cfg):
+    """The first draw's two stages (a block by its mass, then a token of it) over 5
+    blocks of 4 tokens, one of them all banned and one cut short by the vocabulary's end,
+    kept or drawn again when cut: 30,000 seeded rows follow the sort-based truncated
+    softmax (chi-square at p = 0.9999)."""
+    vocab, n = 18, 30_000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(2)) * 1.5
+    ban = list(range(8, 12))  # the third block
+    allowed = [t for t in range(vocab) if t not in ban]
+    seqs = [row(i, seed=i, allowed_token_ids=allowed, **cfg) for i in range(n)]
+    state, rows = staged(seqs, vocab, positions=[4] * n)
+    tokens, _ = S.sample_reference(logits.expand(n, vocab).clone(), state, rows, False,
+                                   block=4)
+    masked = logits.clone()
+    masked[ban] = -float("inf")
+    want = sort_based_probs(masked, cfg["temperature"], 0, cfg.get("top_p", 1.0),
+                            cfg.get("min_p", 0.0))
+    stat, dof = chi_square(tokens, want)
     assert dof >= 1 and stat < CHI2_9999[dof], (stat, dof, want)
 
 
@@ -423,7 +461,7 @@ def test_counts_hold_prompt_output_and_bans():
     logits = torch.zeros(1, 16)
     logits[0, 2] = logits[0, 6] = 50.0  # banned: not drawn before min_tokens
     logits[0, 11] = 1.0
-    tokens, _ = S.sample_reference(logits, state, rows, False)
+    tokens, _ = reference(logits, state, rows, False)
     assert tokens.tolist() == [11] and c[11].item() == 4
 
 

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from csrc_triton.sampling import (BAN_BIT, COUNT_SHIFT, FLAG_BANS, FLAG_BIAS, FLAG_GRAMMAR,
+from csrc_triton.sampling import (BAN_BIT, COUNT_SHIFT, DRAW_BLOCK, FLAG_BANS, FLAG_BIAS,
+                                  FLAG_GRAMMAR,
                                   FLAG_LOGPROBS, FLAG_MIN_P, FLAG_PENALTY, FLAG_RANDOM,
                                   FLAG_TOP_K, FLAG_TOP_P, MAX_LOGPROBS, PROMPT_BIT,
                                   ROW_MASK_SHIFT, ROW_UPDATE_COUNTS)
@@ -42,6 +43,7 @@ _I_FLAGS, _I_TOP_K, _I_SEED, _I_PROMPT_LEN, _I_MIN_TOKENS, _I_LOGPROBS = range(6
 _F_TEMPERATURE, _F_TOP_P, _F_MIN_P, _F_REP, _F_FREQ, _F_PRES, _F_INV_TEMPERATURE = range(7)
 _U32 = 0xFFFFFFFF
 _TRUNCATION = FLAG_TOP_K | FLAG_TOP_P | FLAG_MIN_P  # set only with FLAG_RANDOM
+_TOKEN_STREAM, _BLOCK_STREAM = 1, 2  # Philox streams of the first draw's two stages
 _SEARCHED = FLAG_TOP_K | FLAG_TOP_P  # a threshold to search (min-p's is exp(x - max))
 
 logger = logging.getLogger(__name__)
@@ -96,17 +98,17 @@ def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def philox_uniform(seed: torch.Tensor, tokens: torch.Tensor,
-                   position: torch.Tensor) -> torch.Tensor:
+                   position: torch.Tensor, stream: int = 0) -> torch.Tensor:
     """U(0, 1) float32 for each token id (int64 [..., n]) of rows keyed by seed and
     position (int64 [..., 1]): Triton's tl.philox (4x32, 10 rounds) at counter
-    (token // 4, position, 0, 0), output token % 4, its top 23 bits, centred. Bit for
+    (token // 4, position, stream, 0), output token % 4, its top 23 bits, centred. Bit for
     bit what csrc_triton.sampling._uniform computes."""
     seed = seed.to(torch.int64)
     k0 = (seed & _U32).expand_as(tokens).clone()
     k1 = ((seed >> 32) & _U32).expand_as(tokens).clone()
     c0 = (tokens // 4) & _U32
     c1 = (position & _U32).expand_as(tokens).clone()
-    c2 = torch.zeros_like(tokens)
+    c2 = torch.full_like(tokens, stream)
     c3 = torch.zeros_like(tokens)
     for _ in range(10):
         hi_b, lo_b = _mul_hi_lo(0xCD9E8D57, c2)
@@ -119,8 +121,32 @@ def philox_uniform(seed: torch.Tensor, tokens: torch.Tensor,
 
 
 def gumbel_noise(seed: torch.Tensor, tokens: torch.Tensor,
-                 position: torch.Tensor) -> torch.Tensor:
-    return -torch.log(-torch.log(philox_uniform(seed, tokens, position)))
+                 position: torch.Tensor, stream: int = 0) -> torch.Tensor:
+    return -torch.log(-torch.log(philox_uniform(seed, tokens, position, stream)))
+
+
+def first_draw(x: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
+               block: int = DRAW_BLOCK) -> torch.Tensor:
+    """The pick kernel's draw over every token of rows x [R, V] (seed, position [R]): a
+    block of `block` tokens by Gumbel-max over the blocks' log-sum-exp (each relative to
+    its own maximum), then a token of it by Gumbel-max over its values."""
+    rows, vocab = x.shape
+    blocks = -(-vocab // block)
+    grid = torch.nn.functional.pad(x, (0, blocks * block - vocab), value=float("-inf"))
+    grid = grid.view(rows, blocks, block)
+    top = grid.amax(-1)
+    finite = grid > float("-inf")
+    mass = torch.where(finite, torch.exp(grid - top[..., None]), 0.0).sum(-1)
+    lse = torch.where(top > float("-inf"), top + torch.log(mass), float("-inf"))
+    ids = torch.arange(blocks, device=x.device).expand(rows, blocks)
+    noise = gumbel_noise(seed[:, None], ids, position[:, None], _BLOCK_STREAM)
+    chosen = torch.where(lse > float("-inf"), lse + noise, float("-inf")).argmax(-1)
+    tokens = chosen[:, None] * block + torch.arange(block, device=x.device)
+    values = grid[torch.arange(rows, device=x.device)[:, None], chosen[:, None],
+                  torch.arange(block, device=x.device)]
+    noise = gumbel_noise(seed[:, None], tokens, position[:, None], _TOKEN_STREAM)
+    score = torch.where(values > float("-inf"), values + noise, float("-inf"))
+    return tokens.gather(1, score.argmax(-1)[:, None])[:, 0].clamp(max=vocab - 1)
 
 
 def float_keys(x: torch.Tensor) -> torch.Tensor:
@@ -708,8 +734,9 @@ class _Scratch:
         self.part_idx = torch.empty(rows * splits + 1, dtype=torch.int32, device=device)
         self.g_val = torch.empty(rows, GATHER_CAP, dtype=torch.float32, device=device)
         self.g_idx = torch.empty(rows, GATHER_CAP, dtype=torch.int32, device=device)
-        self.block_max = torch.empty(rows * -(-vocab // 1024), dtype=torch.float32,
+        self.block_max = torch.empty(rows * -(-vocab // DRAW_BLOCK), dtype=torch.float32,
                                      device=device)
+        self.block_lse = torch.empty_like(self.block_max)
         self.lo = torch.empty(rows, dtype=torch.int64, device=device)
         self.hi = torch.empty(rows, dtype=torch.int64, device=device)
         self.count = torch.empty(rows, dtype=torch.int32, device=device)
@@ -832,10 +859,14 @@ def kept_tokens(x: torch.Tensor, flags: torch.Tensor, top_k: torch.Tensor,
 
 
 def sample_reference(logits: torch.Tensor, state: SamplingState, rows: RowInputs,
-                     want_logprobs: bool) -> tuple[torch.Tensor, tuple | None]:
+                     want_logprobs: bool, block: int = DRAW_BLOCK
+                     ) -> tuple[torch.Tensor, tuple | None]:
     """The kernels' result in PyTorch: tokens [R] int64 and, if asked, (token logprob,
     rank, top-20 logprobs, top-20 ids) per row; the slots' counts updated as the kernels
-    do. Rows with no flags take the raw argmax."""
+    do. Rows with no flags take the raw argmax. A random row without top-k draws first
+    over every token (first_draw, in blocks of `block`: the kernels' block) and keeps that
+    token if it is kept; other random rows, and those whose first draw was cut, draw by
+    Gumbel-max over the kept set."""
     n, vocab = logits.shape
     x, flags = process_logits(logits, state, rows)
     slot = rows.slot.long()
@@ -850,7 +881,14 @@ def sample_reference(logits: torch.Tensor, state: SamplingState, rows: RowInputs
         score = torch.full_like(keep, float("-inf"), dtype=torch.float32)
         noise = gumbel_noise(ints[r[at_row], _I_SEED], at_token, rows.position[r[at_row]])
         score[at_row, at_token] = x[r[at_row], at_token] + noise
-        tokens[r] = score.argmax(dim=-1)
+        drawn = score.argmax(dim=-1)
+        first = (flags[r] & FLAG_TOP_K) == 0
+        if bool(first.any()):
+            d = r[first]
+            pick = first_draw(x[d], ints[d, _I_SEED], rows.position[d], block)
+            kept = keep[first].gather(1, pick[:, None])[:, 0]
+            drawn[first] = torch.where(kept, pick, drawn[first])
+        tokens[r] = drawn
     count = (flags & FLAG_PENALTY) != 0
     count &= (rows.flags & ROW_UPDATE_COUNTS) != 0
     if bool(count.any()):
