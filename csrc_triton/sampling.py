@@ -51,8 +51,9 @@ Kernels, in launch order: prepare (rows x splits: the processed values, their ma
 argmax, sum of exp, and the raw logits' log-sum-exp for logprob rows; each block's
 log-sum-exp for a row without top-k, which then stores its values only where it is
 truncated and they are more than logits / temperature), pick (a program a row: the
-first draw of a row without top-k), check (rows x splits, a top-p row drawn first: its block maxima, its sum of exp
-and the mass above the first draw, in one pass over its values), bound (a program a row: a
+first draw of a row without top-k), check (rows x splits, a top-p row drawn first: kept from its blocks' maxima and
+masses alone where it can be, else its sum of exp and the mass above the first draw, in
+one pass over its values), bound (a program a row: a
 first draw kept, or where the search starts), fill (the values of a row drawn first and not
 kept, which prepare stores only where they are more than logits / temperature: a plain
 top-p row's 4 bytes a token are neither written nor read back), the search levels, gather,
@@ -354,8 +355,9 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
     top_p_on = (flags & 64) != 0
     drawn_here = random & ((flags & 224) == 0)   # no top-k, top-p or min-p
     drawn_first = random & ((flags & 32) == 0) & ((flags & 192) != 0)  # checked after
-    # A top-k row's block maxima (and top-p's sum of exp) are made here; a top-p row drawn
-    # first gets them from the check kernel's pass.
+    # A top-k row's block maxima (and top-p's sum of exp) are made here; a row drawn first
+    # stores its block maxima beside its blocks' log-sum-exp, and a top-p one gets its sum
+    # of exp from the check kernel's pass.
     maxima_here = ((flags & 96) != 0) & (drawn_first == 0)
     # x is stored for the kernels after this one, unless they can remake it from the raw
     # logits: a row drawn first whose values are its logits / temperature (the check
@@ -402,6 +404,8 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
                 tl.store(block_lse_ptr + row * num_blocks + k // BLOCK,
                          tl.where(some, bm + tl.log(tl.where(some, mass, 1.0)),
                                   float("-inf")))
+                if drawn_first:  # its bound, and the check kernel's shortcut
+                    tl.store(block_max_ptr + row * num_blocks + k // BLOCK, bm)
             if stores_x:
                 tl.store(x_ptr + row * stride_x + offs, x, mask=ok)
             if maxima_here:
@@ -641,16 +645,15 @@ def _share_peak(block_max_row, start, end, BLOCK: tl.constexpr, BLOCKS_P2: tl.co
 
 
 @triton.jit
-def _split_sums(row_ptr, scale, maxima, start, end, V, drawn, top, BLOCK: tl.constexpr,
+def _split_sums(row_ptr, scale, start, end, V, drawn, top, BLOCK: tl.constexpr,
                 STAGES: tl.constexpr):
-    """Over the values x = row * scale in [start, end): each block's maximum (stored at
-    maxima), the sum of exp(x - top) and that sum over the values above `drawn`."""
+    """Over the values x = row * scale in [start, end): the sum of exp(x - top) and that
+    sum over the values above `drawn`."""
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     above = tl.zeros((BLOCK,), dtype=tl.float32)
     for k in tl.range(start, end, BLOCK, num_stages=STAGES):
         offs = k + tl.arange(0, BLOCK)
         x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * scale
-        tl.store(maxima + k // BLOCK, tl.max(x, 0))
         e = tl.where(x > float("-inf"), tl.exp(x - top), 0.0)
         total += e
         above += tl.where(x > drawn, e, 0.0)
@@ -659,16 +662,19 @@ def _split_sums(row_ptr, scale, maxima, start, end, V, drawn, top, BLOCK: tl.con
 
 @triton.jit
 def _check_kernel(x_ptr, stride_x, logits_ptr, stride_l, V, row_slot_ptr, ints_ptr,
-                  part_ptr, raw_scale_ptr, block_max_ptr, num_blocks, mass_ptr, split_len,
-                  token_ptr,
-                  SPLITS_P2: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr,
+                  floats_ptr, part_ptr, raw_scale_ptr, block_max_ptr, block_lse_ptr,
+                  num_blocks, mass_ptr, split_len, token_ptr, SPLITS_P2: tl.constexpr,
+                  BLOCKS_P2: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr,
                   STAGES: tl.constexpr):
-    """Program (row, split) of a top-p row drawn first (no top-k): one pass over its
-    split's values (remade from the logits, or as prepare stored them) for what prepare
-    leaves to it on such a row: each block's maximum, and the split's sum of exp (its
-    partial, relative to the split's maximum); and the mass of the values strictly above
-    the drawn token's, at mass_ptr[(row, split) * NP], relative to the row's maximum (a
-    pass that must follow the pick kernel's draw; the sums beside it cost no more loads)."""
+    """Program (row, split) of a top-p row drawn first (no top-k): is the pick kernel's
+    token kept? First from prepare's blocks: the mass above the drawn value is at most
+    that of the blocks whose maximum is above it; where that is under top_p of the row's,
+    the draw is kept (a peaked row of a trained model: most of its mass in the drawn
+    token's few blocks, or nothing above its top token). Else one pass over the split's
+    values (remade from the logits, or as prepare stored them): the split's sum of exp
+    (its partial, relative to the split's maximum) and the mass of the values strictly
+    above the drawn token's, at mass_ptr[(row, split) * NP], relative to the row's
+    maximum."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -688,23 +694,25 @@ def _check_kernel(x_ptr, stride_x, logits_ptr, stride_l, V, row_slot_ptr, ints_p
     logits_row = logits_ptr + row * stride_l
     drawn = _values(x_row, logits_row, tl.load(token_ptr + row), V, scale)
     part = part_ptr + (row * num_splits + split) * 8
-    if drawn >= peak:
-        # The row's best value was drawn: no mass lies above it, so the draw is kept and
-        # no later kernel reads this row's maxima or sums (a peaked row of a trained model
-        # draws its top token often; the bound kernel needs only a positive total).
-        tl.store(part + 1, 1.0)
+    b = tl.arange(0, BLOCKS_P2)
+    in_row = b < num_blocks
+    lse = tl.load(block_lse_ptr + row * num_blocks + b, mask=in_row, other=float("-inf"))
+    maxima = tl.load(block_max_ptr + row * num_blocks + b, mask=in_row, other=float("-inf"))
+    w = tl.where(lse > float("-inf"), tl.exp(lse - peak), 0.0)
+    most = tl.sum(tl.where(maxima > drawn, w, 0.0), 0)
+    # A margin for the rounding of two ways to sum the row's mass.
+    if most < tl.load(floats_ptr + slot * 8 + 1) * tl.sum(w, 0) * (1.0 - 1e-5):
+        tl.store(part + 1, 1.0)  # the bound kernel needs only a positive total
         tl.store(mass_ptr + (row * num_splits + split) * NP, 0.0)
         return
     top = tl.load(part + 0)  # the split's maximum (prepare's)
     start = split * split_len
     end = tl.minimum(start + split_len, V)
-    maxima = block_max_ptr + row * num_blocks
     if scale == 0.0:
-        total, above = _split_sums(x_row, 1.0, maxima, start, end, V, drawn, top, BLOCK,
-                                   STAGES)
+        total, above = _split_sums(x_row, 1.0, start, end, V, drawn, top, BLOCK, STAGES)
     else:
-        total, above = _split_sums(logits_row, scale, maxima, start, end, V, drawn, top,
-                                   BLOCK, STAGES)
+        total, above = _split_sums(logits_row, scale, start, end, V, drawn, top, BLOCK,
+                                   STAGES)
     tl.store(part + 1, total)
     tl.store(mass_ptr + (row * num_splits + split) * NP,
              tl.where(top > float("-inf"), above * tl.exp(top - peak), 0.0))
@@ -1304,9 +1312,10 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
     if truncating and searching:
         mod._check_kernel[(num_rows, splits)](
             x, x.stride(0), logits, logits.stride(0), vocab, rows.slot, state.ints,
-            scratch.part, scratch.raw_scale, scratch.block_max, num_blocks, scratch.level_mass,
-            split_len, out.token, SPLITS_P2=splits_p2, NP=_LEVEL_PIVOTS, BLOCK=block, STAGES=_LOOP_STAGES,
-            num_warps=4)
+            state.floats, scratch.part, scratch.raw_scale, scratch.block_max,
+            scratch.block_lse, num_blocks, scratch.level_mass, split_len, out.token,
+            SPLITS_P2=splits_p2, BLOCKS_P2=blocks_p2, NP=_LEVEL_PIVOTS, BLOCK=block,
+            STAGES=_LOOP_STAGES, num_warps=4)
     if truncating:
         mod._bound_kernel[(num_rows,)](
             x, x.stride(0), logits, logits.stride(0), vocab, rows.slot, state.ints,
