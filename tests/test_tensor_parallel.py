@@ -298,7 +298,12 @@ def test_layers_load_one_at_a_time(tiny_model_dirs, tmp_path, monkeypatch, famil
 def test_workers_start_from_an_engine_process_and_from_replicas(tiny_model_dirs):
     """Tensor-parallel workers start from the server's engine process and from each engine
     of LLM(data_parallel_size=2) (neither can be a daemon process, which may not have
-    children): both give one process's greedy tokens."""
+    children): both give one process's greedy tokens. Then the server's worker is killed:
+    the engine is reported dead (/health 503), not left serving errors."""
+    import os
+    import signal
+    from pathlib import Path
+
     import httpx
 
     from minivllm.server.testing import ServerThread
@@ -315,6 +320,13 @@ def test_workers_start_from_an_engine_process_and_from_replicas(tiny_model_dirs)
                 return_token_ids=True))
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["token_ids"] == tokens
+        pid = server.engine._process.pid
+        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+            os.kill(int(child), signal.SIGKILL)  # the worker
+        r = httpx.post(server.url + "/v1/completions", timeout=60, json=dict(
+            model=model, prompt=PROMPTS[0], max_tokens=4))
+        assert r.status_code >= 500
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 503
     llm = LLM(model, data_parallel_size=2, tensor_parallel_size=2, **kw)
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == want
@@ -323,14 +335,7 @@ def test_workers_start_from_an_engine_process_and_from_replicas(tiny_model_dirs)
 def test_a_dead_worker_ends_the_engine(tiny_model_dirs):
     """A worker that dies fails the step that needed it, and every later one at once with
     the reason (the ranks may be out of step: no step waits for them forever); through
-    the server the engine is reported dead (/health 503), not left serving errors."""
-    import os
-    import signal
-    from pathlib import Path
-
-    import httpx
-
-    from minivllm.server.testing import ServerThread
+    the server: test_workers_start_from_an_engine_process_and_from_replicas."""
     model = str(tiny_model_dirs["llama"])
     kw = dict(skip_tokenizer_init=True, max_model_len=64)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -341,15 +346,6 @@ def test_a_dead_worker_ends_the_engine(tiny_model_dirs):
         llm.generate(PROMPTS[:2], params, use_tqdm=False)
     with pytest.raises(RuntimeError, match="out of step"):
         llm.generate(PROMPTS[:2], params, use_tqdm=False)
-    with ServerThread(dict(model=model, tensor_parallel_size=2, **kw),
-                      engine_process=True) as server:
-        pid = server.engine._process.pid
-        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-            os.kill(int(child), signal.SIGKILL)  # the worker
-        r = httpx.post(server.url + "/v1/completions", timeout=60, json=dict(
-            model=model, prompt=PROMPTS[0], max_tokens=4))
-        assert r.status_code >= 500
-        assert httpx.get(server.url + "/health", timeout=10).status_code == 503
 
 
 def test_a_worker_that_dies_while_starting_is_an_error(tiny_model_dirs, tmp_path):
