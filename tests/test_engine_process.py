@@ -73,15 +73,22 @@ def _same(a, b) -> bool:
 
 
 # The second run chunks every prefill (16-token budget): prompt logprobs then arrive over
-# several steps and cross the pipe as several deltas.
+# several steps and cross the pipe as several deltas. The first run's engine process also
+# writes its step trace (MINIVLLM_ENGINE_TRACE), checked in _check_step_trace.
 @pytest.mark.parametrize("budget", [None, 16])
-def test_process_outputs_equal_thread_outputs(chat_dir, budget):
+def test_process_outputs_equal_thread_outputs(chat_dir, budget, tmp_path, monkeypatch):
     finals = {}
     kw = {"max_num_batched_tokens": budget} if budget else {}
+    trace = tmp_path / "trace.json"
     for process in (False, True):
+        if process and budget is None:
+            monkeypatch.setenv("MINIVLLM_ENGINE_TRACE", str(trace))
         engine = AsyncLLMEngine(_config(chat_dir, **kw), engine_process=process)
+        monkeypatch.delenv("MINIVLLM_ENGINE_TRACE", raising=False)
         try:
+            t0 = time.monotonic()
             streams = asyncio.run(_collect(engine))
+            t1 = time.monotonic()
             assert engine.submit(engine_idle).result(10)
             if process:
                 assert engine.engine is None and engine._process.is_alive()
@@ -105,6 +112,8 @@ def test_process_outputs_equal_thread_outputs(chat_dir, budget):
     assert finals[True][0][4] is not None and len(finals[True][1][6]) == 3
     # prompt_logprobs: one entry per prompt token (None for the first), all of them.
     assert len(finals[True][0][4]) == len(finals[True][0][2]) > 16
+    if budget is None:
+        _check_step_trace(trace, t0, t1)
 
 
 def test_engine_process_start_error_is_raised(tmp_path):
@@ -139,20 +148,12 @@ def test_killed_engine_process_fails_requests_and_health(chat_dir):
             s.engine.submit(engine_idle)
 
 
-def test_engine_process_step_trace(chat_dir, tmp_path, monkeypatch):
-    """MINIVLLM_ENGINE_TRACE: the engine process writes its loop's trace when it ends; the
-    benchmark's summary counts every added request and names each step's path."""
+def _check_step_trace(path, t0: float, t1: float) -> None:
+    """MINIVLLM_ENGINE_TRACE: the engine process (it served REQUESTS between t0 and t1)
+    wrote its loop's trace when it ended; the benchmark's summary counts every added
+    request and names each step's path."""
     from bench import engine_trace
 
-    path = tmp_path / "trace.json"
-    monkeypatch.setenv("MINIVLLM_ENGINE_TRACE", str(path))
-    engine = AsyncLLMEngine(_config(chat_dir), engine_process=True)
-    try:
-        t0 = time.monotonic()
-        asyncio.run(_collect(engine))
-        t1 = time.monotonic()
-    finally:
-        engine.stop()
     trace = engine_trace.load(path)
     whole = engine_trace.summarize(trace)
     assert whole["adds"] == len(REQUESTS)  # one add per request
@@ -266,10 +267,12 @@ def test_max_unanswered_must_be_a_whole_number(monkeypatch):
         max_unanswered_outputs()
 
 
-def test_a_request_id_in_use_through_another_frontend_is_refused(chat_dir):
-    """Two frontends of one engine process (`--api-servers 2`): a request id already
-    running through one is refused to the other, and the running request still gets
-    every output; the other frontend gets the engine's current snapshot by asking."""
+def test_two_frontends_of_one_engine_process(chat_dir):
+    """Two frontends of one engine process (`--api-servers 2`), one engine process for
+    both checks: a request id already running through one is refused to the other, and the
+    running request still gets every output; the other frontend gets the engine's current
+    snapshot by asking. Then shutting one frontend down waits for its own requests, not for
+    the other's (whose progress it no longer hears of), and leaves those running."""
     engine = AsyncLLMEngine(_config(chat_dir), engine_process=True, extra_frontends=1)
     other = AsyncLLMEngine.attach(engine.frontend_connections[0])
     try:
@@ -292,17 +295,8 @@ def test_a_request_id_in_use_through_another_frontend_is_refused(chat_dir):
         last, stale, fresh = asyncio.run(asyncio.wait_for(main(), 60))
         assert last.finished and len(last.outputs[0].token_ids) == 40
         assert stale == 1 and fresh["num_unfinished"] == 0
-    finally:
-        other.stop()
-        engine.stop()
 
-
-def test_a_frontend_sharing_the_engine_drains_only_its_own_requests(chat_dir):
-    """Shutting one frontend down waits for its own requests, not for another frontend's
-    (whose progress it no longer hears of), and leaves those running."""
-    engine = AsyncLLMEngine(_config(chat_dir), engine_process=True, extra_frontends=1)
-    other = AsyncLLMEngine.attach(engine.frontend_connections[0])
-    try:
+        # Draining one frontend.
         async def run(frontend, rid, n):
             params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
             async for out in frontend.generate(None, params, rid,
@@ -310,7 +304,7 @@ def test_a_frontend_sharing_the_engine_drains_only_its_own_requests(chat_dir):
                 last = out
             return last
 
-        async def main():
+        async def drain():
             long = asyncio.ensure_future(run(other, "long", 400))
             assert (await run(engine, "short", 4)).finished
             start = time.monotonic()
@@ -319,7 +313,7 @@ def test_a_frontend_sharing_the_engine_drains_only_its_own_requests(chat_dir):
             assert not long.done()
             return drained_in, await long
 
-        drained_in, last = asyncio.run(asyncio.wait_for(main(), 120))
+        drained_in, last = asyncio.run(asyncio.wait_for(drain(), 120))
         assert drained_in < 10  # not the drain timeout's 60 s
         assert last.finished and len(last.outputs[0].token_ids) == 400
     finally:
