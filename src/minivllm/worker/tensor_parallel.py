@@ -108,8 +108,10 @@ class TPGroup:
             self.broadcast_tensor(t)
 
     def _header(self, values: tuple[int, ...] = ()) -> list[int]:
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[:len(values)] = torch.tensor(values, dtype=torch.int64)
+        # On the CPU whatever the default device: a dropped LLM's workers are stopped
+        # from its finalizer, which may run under a model build's meta device.
+        header = torch.zeros(_HEADER, dtype=torch.int64, device="cpu")
+        header[:len(values)] = torch.tensor(values, dtype=torch.int64, device="cpu")
         self.pg.broadcast([header], dist.BroadcastOptions()).wait()
         return header.tolist()
 
