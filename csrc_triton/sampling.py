@@ -39,11 +39,12 @@ interval holds at most CAP values; those are gathered, sorted and the boundary r
 Kept tokens that fit the gathered list are drawn from it; otherwise one more pass over
 the row draws.
 
-A row with top-p or min-p but no top-k keeps that first draw when its token is kept,
-and otherwise draws again from the kept set with independent numbers (stream 0):
-rejection sampling, exactly the truncated distribution (P(i) = p_i + (1 - P(kept)) p_i /
-P(kept) = p_i / P(kept) for a kept i). For top-p the first draw is kept with probability
-at least top_p. Kept means its value reaches tau: for top-p, the mass of the values
+A row with top-p or min-p but no top-k draws FIRST_DRAWS times so, independently
+(streams 1 + 2j and 2 + 2j for draw j), and takes the first draw whose token is kept; if
+none is, it draws from the kept set with independent numbers (stream 0): rejection
+sampling, exactly the truncated distribution (each stage gives a kept i with probability
+p_i, and P(i) = p_i (1 + c + c^2 + ...) = p_i / P(kept) with c = 1 - P(kept)). For top-p a
+draw is kept with probability at least top_p, so at 0.95 one row in 160,000 searches. Kept means its value reaches tau: for top-p, the mass of the values
 strictly above it is under top_p of the row's (one pass, the check kernel); for min-p,
 exp(x - max) >= min_p. Only the rows whose first draw is not kept search for tau.
 
@@ -84,7 +85,7 @@ _first_max = jit_helpers("step_ops")._first_max  # (value, index) pairs: larger,
 __all__ = ["sample_rows", "sampling_splits", "SLOT_INT_FIELDS", "SLOT_FLOAT_FIELDS",
            "FLAG_RANDOM", "FLAG_BIAS", "FLAG_PENALTY", "FLAG_BANS", "FLAG_LOGPROBS",
            "FLAG_TOP_K", "FLAG_TOP_P", "FLAG_MIN_P", "FLAG_GRAMMAR", "ROW_UPDATE_COUNTS",
-           "ROW_MASK_SHIFT", "MAX_LOGPROBS", "DRAW_BLOCK",
+           "ROW_MASK_SHIFT", "MAX_LOGPROBS", "DRAW_BLOCK", "FIRST_DRAWS",
            "GATHER_CAP", "COUNT_SHIFT", "PROMPT_BIT", "BAN_BIT"]
 
 # A slot's int64 parameters: flags, top_k, seed, prompt length, min_tokens, logprobs N.
@@ -141,10 +142,10 @@ _LOOP_STAGES = 3
 _INT64_MAX = tl.constexpr(2 ** 63 - 1)
 _NO_TAU = tl.constexpr(-2 ** 63)  # tau of a row drawn before any threshold was needed
 # Philox streams (its third counter word): draws over a kept set (the gathered list, the
-# whole row after a cut), and the two stages of the pick kernel's first draw. A cut first
-# draw and the draw that replaces it use independent numbers.
-_TOKEN_STREAM = tl.constexpr(1)
-_BLOCK_STREAM = tl.constexpr(2)
+# whole row after a cut) take 0; the pick kernel's first draws take streams of their own, so
+# a cut first draw and the draw that replaces it use independent numbers.
+# First draw j (of FIRST_DRAWS) takes streams 1 + 2j (its token) and 2 + 2j (its block).
+FIRST_DRAWS = 4
 
 # Partial results of prepare, per (row, split), in a float32 [R, splits, 8] buffer.
 # (The draw kernel's shares use the same buffer, a slot of 8 each.)
@@ -211,7 +212,7 @@ def _share(lists_ptr, list_len_ptr, which, V, PART_BLOCK: tl.constexpr):
 
 @triton.jit
 def _uniform(seed, token, position, stream=0):
-    """U(0, 1) for each index (a token id, or a block's for _BLOCK_STREAM) at this
+    """U(0, 1) for each index (a token id, or a block's in a first draw) at this
     position: Philox output index % 4 of counter (index // 4, position, stream, 0), its top
     23 bits, centred: never 0 or 1."""
     c0 = (token // 4).to(tl.uint32)
@@ -439,15 +440,17 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
 def _pick_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr, V,
                  row_slot_ptr, row_pos_ptr, row_extra_ptr, row_flags_ptr, mask_ptr,
                  mask_words, ints_ptr, floats_ptr, block_lse_ptr, num_blocks, raw_scale_ptr,
-                 token_ptr, KX: tl.constexpr, BLOCK: tl.constexpr, BLOCKS_P2: tl.constexpr):
-    """Program row, for a random row without top-k: a token drawn over every token in
-    two stages, a block with probability its share of the row's mass (Gumbel-max over
-    the blocks' log-sum-exp, prepare's), then a token of that block by its share of the
+                 token_ptr, first_ptr, KX: tl.constexpr, BLOCK: tl.constexpr,
+                 BLOCKS_P2: tl.constexpr, DRAWS: tl.constexpr):
+    """Program row, for a random row without top-k: tokens drawn over every token in two
+    stages, a block with probability its share of the row's mass (Gumbel-max over the
+    blocks' log-sum-exp, prepare's), then a token of that block by its share of the
     block's (Gumbel-max over the block's values, remade here): exp(x_i) / sum exp(x)
     for token i, as one Gumbel-max over the whole row would draw, with noise for one
     block of tokens instead of every token (prepare's pass is then bound by its loads,
-    not by Philox). The token goes to token_ptr: the row's draw, or for top-p and min-p
-    the first draw that the check and bound kernels keep or cut."""
+    not by Philox). A row without truncation draws once (its token, at token_ptr); a
+    top-p or min-p row draws DRAWS times, independently (first_ptr[row, j]), and the
+    bound kernel keeps the first of them that its truncation keeps."""
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(row_slot_ptr + row).to(tl.int64)
     if slot < 0:
@@ -456,23 +459,30 @@ def _pick_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr, V,
         ints_ptr, floats_ptr, row_pos_ptr, row_flags_ptr, row, slot)
     if ((flags & 1) == 0) | ((flags & 32) != 0):
         return  # greedy, or top-k: drawn after its threshold
+    draws = tl.where((flags & 192) != 0, DRAWS, 1)
     b = tl.arange(0, BLOCKS_P2)
     lse = tl.load(block_lse_ptr + row * num_blocks + b, mask=b < num_blocks,
                   other=float("-inf"))
-    score = tl.where(lse > float("-inf"), lse + _gumbel(seed, b, position, _BLOCK_STREAM),
-                     float("-inf"))
-    _, chosen = tl.reduce((score, b), 0, _first_max)
-    start = chosen * BLOCK
-    offs = start + tl.arange(0, BLOCK)
-    ok = offs < V
-    raw = tl.load(logits_ptr + row * stride_l + offs, mask=ok,
-                  other=float("-inf")).to(tl.float32)
-    x = _process(raw, offs, ok, row, slot, V, flags, rep, freq, pres, banning, mask_row,
-                 mask_ptr, mask_words, bias_ptr, counts_ptr, row_extra_ptr, KX) * inv_t
-    noise = _noise(_uniform_block(seed, start, position, BLOCK, _TOKEN_STREAM))
-    score = tl.where(x > float("-inf"), x + noise, float("-inf"))
-    _, token = tl.reduce((score, offs), 0, _first_max)
-    tl.store(token_ptr + row, tl.minimum(token, V - 1).to(tl.int64))
+    for j in tl.static_range(DRAWS):
+        if j < draws:
+            score = tl.where(lse > float("-inf"), lse + _gumbel(seed, b, position, 2 + 2 * j),
+                             float("-inf"))
+            _, chosen = tl.reduce((score, b), 0, _first_max)
+            start = chosen * BLOCK
+            offs = start + tl.arange(0, BLOCK)
+            ok = offs < V
+            raw = tl.load(logits_ptr + row * stride_l + offs, mask=ok,
+                          other=float("-inf")).to(tl.float32)
+            x = _process(raw, offs, ok, row, slot, V, flags, rep, freq, pres, banning,
+                         mask_row, mask_ptr, mask_words, bias_ptr, counts_ptr, row_extra_ptr,
+                         KX) * inv_t
+            noise = _noise(_uniform_block(seed, start, position, BLOCK, 1 + 2 * j))
+            score = tl.where(x > float("-inf"), x + noise, float("-inf"))
+            _, token = tl.reduce((score, offs), 0, _first_max)
+            token = tl.minimum(token, V - 1).to(tl.int64)
+            tl.store(first_ptr + row * DRAWS + j, token)
+            if j == 0:
+                tl.store(token_ptr + row, token)
 
 
 # ---- select: the threshold search ------------------------------------------------------
@@ -647,34 +657,34 @@ def _share_peak(block_max_row, start, end, BLOCK: tl.constexpr, BLOCKS_P2: tl.co
 @triton.jit
 def _split_sums(row_ptr, scale, start, end, V, drawn, top, BLOCK: tl.constexpr,
                 STAGES: tl.constexpr):
-    """Over the values x = row * scale in [start, end): the sum of exp(x - top) and that
-    sum over the values above `drawn`."""
+    """Over the values x = row * scale in [start, end): the sum of exp(x - top), and that
+    sum over the values above each of `drawn` (a vector)."""
     total = tl.zeros((BLOCK,), dtype=tl.float32)
-    above = tl.zeros((BLOCK,), dtype=tl.float32)
+    above = tl.zeros((drawn.shape[0], BLOCK), dtype=tl.float32)
     for k in tl.range(start, end, BLOCK, num_stages=STAGES):
         offs = k + tl.arange(0, BLOCK)
         x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * scale
         e = tl.where(x > float("-inf"), tl.exp(x - top), 0.0)
         total += e
-        above += tl.where(x > drawn, e, 0.0)
-    return tl.sum(total, 0), tl.sum(above, 0)
+        above += tl.where(x[None, :] > drawn[:, None], e[None, :], 0.0)
+    return tl.sum(total, 0), tl.sum(above, 1)
 
 
 @triton.jit
 def _check_kernel(x_ptr, stride_x, logits_ptr, stride_l, V, row_slot_ptr, ints_ptr,
                   floats_ptr, part_ptr, raw_scale_ptr, block_max_ptr, block_lse_ptr,
-                  num_blocks, mass_ptr, split_len, token_ptr, SPLITS_P2: tl.constexpr,
+                  num_blocks, mass_ptr, split_len, first_ptr, SPLITS_P2: tl.constexpr,
                   BLOCKS_P2: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr,
-                  STAGES: tl.constexpr):
-    """Program (row, split) of a top-p row drawn first (no top-k): is the pick kernel's
-    token kept? First from prepare's blocks: the mass above the drawn value is at most
-    that of the blocks whose maximum is above it; where that is under top_p of the row's,
-    the draw is kept (a peaked row of a trained model: most of its mass in the drawn
-    token's few blocks, or nothing above its top token). Else one pass over the split's
-    values (remade from the logits, or as prepare stored them): the split's sum of exp
-    (its partial, relative to the split's maximum) and the mass of the values strictly
-    above the drawn token's, at mass_ptr[(row, split) * NP], relative to the row's
-    maximum."""
+                  STAGES: tl.constexpr, DRAWS: tl.constexpr):
+    """Program (row, split) of a top-p row drawn first (no top-k): which of the pick
+    kernel's draws does top-p keep? First from prepare's blocks: the mass above the first
+    draw's value is at most that of the blocks whose maximum is above it; where that is
+    under top_p of the row's, the first draw is kept (a peaked row of a trained model:
+    most of its mass in the drawn token's few blocks, or nothing above its top token).
+    Else one pass over the split's values (remade from the logits, or as prepare stored
+    them): the split's sum of exp (its partial, relative to the split's maximum) and the
+    mass of the values strictly above each draw's, at mass_ptr[(row, split) * NP + j],
+    relative to the row's maximum."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -692,18 +702,22 @@ def _check_kernel(x_ptr, stride_x, logits_ptr, stride_l, V, row_slot_ptr, ints_p
     scale = tl.load(raw_scale_ptr + row)
     x_row = x_ptr + row * stride_x
     logits_row = logits_ptr + row * stride_l
-    drawn = _values(x_row, logits_row, tl.load(token_ptr + row), V, scale)
+    j = tl.arange(0, DRAWS)
+    drawn = _values(x_row, logits_row, tl.load(first_ptr + row * DRAWS + j), V, scale)
+    first = tl.max(tl.where(j == 0, drawn, float("-inf")), 0)
     part = part_ptr + (row * num_splits + split) * 8
+    mass = mass_ptr + (row * num_splits + split) * NP + j
     b = tl.arange(0, BLOCKS_P2)
     in_row = b < num_blocks
     lse = tl.load(block_lse_ptr + row * num_blocks + b, mask=in_row, other=float("-inf"))
     maxima = tl.load(block_max_ptr + row * num_blocks + b, mask=in_row, other=float("-inf"))
     w = tl.where(lse > float("-inf"), tl.exp(lse - peak), 0.0)
-    most = tl.sum(tl.where(maxima > drawn, w, 0.0), 0)
+    most = tl.sum(tl.where(maxima > first, w, 0.0), 0)
     # A margin for the rounding of two ways to sum the row's mass.
     if most < tl.load(floats_ptr + slot * 8 + 1) * tl.sum(w, 0) * (1.0 - 1e-5):
         tl.store(part + 1, 1.0)  # the bound kernel needs only a positive total
-        tl.store(mass_ptr + (row * num_splits + split) * NP, 0.0)
+        # The first draw kept by top-p; the others unread unless min-p cuts it: then cut.
+        tl.store(mass, tl.where(j == 0, 0.0, float("inf")))
         return
     top = tl.load(part + 0)  # the split's maximum (prepare's)
     start = split * split_len
@@ -714,8 +728,7 @@ def _check_kernel(x_ptr, stride_x, logits_ptr, stride_l, V, row_slot_ptr, ints_p
         total, above = _split_sums(logits_row, scale, start, end, V, drawn, top, BLOCK,
                                    STAGES)
     tl.store(part + 1, total)
-    tl.store(mass_ptr + (row * num_splits + split) * NP,
-             tl.where(top > float("-inf"), above * tl.exp(top - peak), 0.0))
+    tl.store(mass, tl.where(top > float("-inf"), above * tl.exp(top - peak), 0.0))
 
 
 @triton.jit
@@ -723,9 +736,9 @@ def _bound_kernel(x_ptr, stride_x, logits_ptr, stride_l, V, row_slot_ptr, ints_p
                   floats_ptr, part_ptr, part_idx_ptr, raw_scale_ptr, num_splits,
                   block_max_ptr, num_blocks, lo_ptr, hi_ptr,
                   count_ptr, peak_ptr, state_ptr, state_f_ptr, pivots_ptr, mass_ptr,
-                  token_ptr, tau_ptr, lists_ptr, list_len_ptr, list_at_ptr,
+                  token_ptr, tau_ptr, lists_ptr, list_len_ptr, list_at_ptr, first_ptr,
                   SPLITS_P2: tl.constexpr, BLOCKS_P2: tl.constexpr,
-                  NP: tl.constexpr, CAP: tl.constexpr):
+                  NP: tl.constexpr, CAP: tl.constexpr, DRAWS: tl.constexpr):
     """Program row, for a truncated random row: a value every kept token reaches, from
     the blocks' maxima (each block holds a value at least its maximum): the k-th largest
     block maximum for top-k; for top-p without a top-k cut, the largest block maximum
@@ -747,19 +760,25 @@ def _bound_kernel(x_ptr, stride_x, logits_ptr, stride_l, V, row_slot_ptr, ints_p
         return  # greedy, or random without truncation: nothing to bound
     peak, _, total, least, finite = _combined(part_ptr, part_idx_ptr, row, num_splits,
                                               SPLITS_P2)
-    if (flags & 32) == 0:  # top-p or min-p without top-k: drawn first
-        token = tl.load(token_ptr + row)  # the pick kernel's
+    if (flags & 32) == 0:  # top-p or min-p without top-k: drawn first, DRAWS times
+        j = tl.arange(0, DRAWS)
+        tokens = tl.load(first_ptr + row * DRAWS + j)  # the pick kernel's
         scale = tl.load(raw_scale_ptr + row)
-        drawn = _values(x_ptr + row * stride_x, logits_ptr + row * stride_l, token, V,
+        drawn = _values(x_ptr + row * stride_x, logits_ptr + row * stride_l, tokens, V,
                         scale)
         kept = drawn > float("-inf")
         if (flags & 64) != 0:
             s = tl.arange(0, SPLITS_P2)
-            above = tl.sum(tl.load(mass_ptr + (row * num_splits + s) * NP,
-                                   mask=s < num_splits, other=0.0), 0)
+            at = (row * num_splits + s)[:, None] * NP + j[None, :]
+            above = tl.sum(tl.load(mass_ptr + at, mask=(s < num_splits)[:, None],
+                                   other=0.0), 0)
             kept = kept & (above < tl.load(floats_ptr + slot * 8 + 1) * total)
         if (flags & 128) != 0:
             kept = kept & (tl.exp(drawn - peak) >= tl.load(floats_ptr + slot * 8 + 2))
+        # The first kept draw: a draw of the kept set, by rejection.
+        pick = tl.min(tl.where(kept, j, DRAWS), 0)
+        kept = pick < DRAWS
+        token = tl.sum(tl.where(j == pick, tokens, 0), 0)
         tl.store(token_ptr + row, tl.where(kept, token, -1))
         if (kept == 0) & (scale != 0.0):
             _append(lists_ptr, list_len_ptr, list_at_ptr, _FILL, row)
@@ -1308,22 +1327,23 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
         logits, logits.stride(0), x, x.stride(0), state.counts, state.bias, vocab,
         rows.slot, rows.position, rows.extra, rows.flags, rows.mask, rows.mask.shape[1],
         state.ints, state.floats, scratch.block_lse, num_blocks, scratch.raw_scale, out.token,
-        KX=kx, BLOCK=block, BLOCKS_P2=blocks_p2, num_warps=4)
+        scratch.first, KX=kx, BLOCK=block, BLOCKS_P2=blocks_p2, DRAWS=FIRST_DRAWS,
+        num_warps=4)
     if truncating and searching:
         mod._check_kernel[(num_rows, splits)](
             x, x.stride(0), logits, logits.stride(0), vocab, rows.slot, state.ints,
             state.floats, scratch.part, scratch.raw_scale, scratch.block_max,
-            scratch.block_lse, num_blocks, scratch.level_mass, split_len, out.token,
+            scratch.block_lse, num_blocks, scratch.level_mass, split_len, scratch.first,
             SPLITS_P2=splits_p2, BLOCKS_P2=blocks_p2, NP=_LEVEL_PIVOTS, BLOCK=block,
-            STAGES=_LOOP_STAGES, num_warps=4)
+            STAGES=_LOOP_STAGES, DRAWS=FIRST_DRAWS, num_warps=4)
     if truncating:
         mod._bound_kernel[(num_rows,)](
             x, x.stride(0), logits, logits.stride(0), vocab, rows.slot, state.ints,
             state.floats, scratch.part, scratch.part_idx, scratch.raw_scale, splits,
             scratch.block_max, num_blocks, scratch.lo, scratch.hi, scratch.count, scratch.peak,
             scratch.search, scratch.search_f, scratch.pivots, scratch.level_mass, out.token,
-            scratch.tau, *lists, SPLITS_P2=splits_p2, BLOCKS_P2=blocks_p2, NP=_LEVEL_PIVOTS,
-            CAP=cap, num_warps=4)
+            scratch.tau, *lists, scratch.first, SPLITS_P2=splits_p2, BLOCKS_P2=blocks_p2,
+            NP=_LEVEL_PIVOTS, CAP=cap, DRAWS=FIRST_DRAWS, num_warps=4)
         mod._fill_kernel[(num_rows, splits)](
             logits, logits.stride(0), x, x.stride(0), vocab, scratch.raw_scale, scratch.lists,
             scratch.list_len, BLOCK=block, num_warps=4)

@@ -75,7 +75,8 @@ def run_kernels(logits, state, rows, want_logprobs: bool, cap: int = 32, block: 
             n * splits + 1, dtype=torch.int32), g_val=torch.empty(n, cap),
         g_idx=torch.empty(n, cap, dtype=torch.int32), tau=torch.empty(n, dtype=torch.int64),
         block_max=torch.empty(n * -(-vocab // block)),
-        block_lse=torch.empty(n * -(-vocab // block)), lo=torch.empty(n, dtype=torch.int64),
+        block_lse=torch.empty(n * -(-vocab // block)),
+        first=torch.empty(n, K.FIRST_DRAWS, dtype=torch.int64), lo=torch.empty(n, dtype=torch.int64),
         hi=torch.empty(n, dtype=torch.int64), count=torch.empty(n, dtype=torch.int32),
         search=torch.zeros(n, 6, dtype=torch.int64), search_f=torch.zeros(n, 2),
         pivots=torch.zeros(n, 16, dtype=torch.int64),
@@ -217,10 +218,10 @@ def test_a_min_p_batch_skips_the_threshold_search():
 
 
 def test_top_p_rows_are_drawn_first_and_searched_only_when_the_draw_is_cut():
-    """A top-p (or min-p) row without top-k is drawn over every token first; when that
-    token is kept it stands (the kept set's best is the row's best), else the row searches
-    for tau and draws again. At top_p 0.5 both happen in one batch; every token is the
-    reference's."""
+    """A top-p (or min-p) row without top-k is drawn over every token first, up to
+    FIRST_DRAWS times; the first kept token stands, and a row with none kept searches for
+    tau and draws from the kept set. At top_p 0.5 both happen in one batch; every token is
+    the reference's."""
     vocab, n = 400, 24
     for scale in (0.05, 3.0):
         g = torch.Generator().manual_seed(11)

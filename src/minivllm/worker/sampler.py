@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from csrc_triton.sampling import (BAN_BIT, COUNT_SHIFT, DRAW_BLOCK, FLAG_BANS, FLAG_BIAS,
-                                  FLAG_GRAMMAR,
+from csrc_triton.sampling import (BAN_BIT, COUNT_SHIFT, DRAW_BLOCK, FIRST_DRAWS, FLAG_BANS,
+                                  FLAG_BIAS, FLAG_GRAMMAR,
                                   FLAG_LOGPROBS, FLAG_MIN_P, FLAG_PENALTY, FLAG_RANDOM,
                                   FLAG_TOP_K, FLAG_TOP_P, MAX_LOGPROBS, PROMPT_BIT,
                                   ROW_MASK_SHIFT, ROW_UPDATE_COUNTS)
@@ -43,7 +43,6 @@ _I_FLAGS, _I_TOP_K, _I_SEED, _I_PROMPT_LEN, _I_MIN_TOKENS, _I_LOGPROBS = range(6
 _F_TEMPERATURE, _F_TOP_P, _F_MIN_P, _F_REP, _F_FREQ, _F_PRES, _F_INV_TEMPERATURE = range(7)
 _U32 = 0xFFFFFFFF
 _TRUNCATION = FLAG_TOP_K | FLAG_TOP_P | FLAG_MIN_P  # set only with FLAG_RANDOM
-_TOKEN_STREAM, _BLOCK_STREAM = 1, 2  # Philox streams of the first draw's two stages
 _SEARCHED = FLAG_TOP_K | FLAG_TOP_P  # a threshold to search (min-p's is exp(x - max))
 
 logger = logging.getLogger(__name__)
@@ -126,11 +125,13 @@ def gumbel_noise(seed: torch.Tensor, tokens: torch.Tensor,
 
 
 def first_draw(x: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
-               block: int = DRAW_BLOCK) -> torch.Tensor:
-    """The pick kernel's draw over every token of rows x [R, V] (seed, position [R]): a
-    block of `block` tokens by Gumbel-max over the blocks' log-sum-exp (each relative to
-    its own maximum), then a token of it by Gumbel-max over its values."""
+               block: int = DRAW_BLOCK, draw: int = 0) -> torch.Tensor:
+    """The pick kernel's draw number `draw` over every token of rows x [R, V] (seed,
+    position [R]): a block of `block` tokens by Gumbel-max over the blocks' log-sum-exp
+    (each relative to its own maximum), then a token of it by Gumbel-max over its values;
+    Philox streams 2 + 2 draw and 1 + 2 draw."""
     rows, vocab = x.shape
+    block = min(block, vocab)  # past the vocabulary a block holds only -inf
     blocks = -(-vocab // block)
     grid = torch.nn.functional.pad(x, (0, blocks * block - vocab), value=float("-inf"))
     grid = grid.view(rows, blocks, block)
@@ -139,12 +140,12 @@ def first_draw(x: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
     mass = torch.where(finite, torch.exp(grid - top[..., None]), 0.0).sum(-1)
     lse = torch.where(top > float("-inf"), top + torch.log(mass), float("-inf"))
     ids = torch.arange(blocks, device=x.device).expand(rows, blocks)
-    noise = gumbel_noise(seed[:, None], ids, position[:, None], _BLOCK_STREAM)
+    noise = gumbel_noise(seed[:, None], ids, position[:, None], 2 + 2 * draw)
     chosen = torch.where(lse > float("-inf"), lse + noise, float("-inf")).argmax(-1)
     tokens = chosen[:, None] * block + torch.arange(block, device=x.device)
     values = grid[torch.arange(rows, device=x.device)[:, None], chosen[:, None],
                   torch.arange(block, device=x.device)]
-    noise = gumbel_noise(seed[:, None], tokens, position[:, None], _TOKEN_STREAM)
+    noise = gumbel_noise(seed[:, None], tokens, position[:, None], 1 + 2 * draw)
     score = torch.where(values > float("-inf"), values + noise, float("-inf"))
     return tokens.gather(1, score.argmax(-1)[:, None])[:, 0].clamp(max=vocab - 1)
 
@@ -737,6 +738,7 @@ class _Scratch:
         self.block_max = torch.empty(rows * -(-vocab // DRAW_BLOCK), dtype=torch.float32,
                                      device=device)
         self.block_lse = torch.empty_like(self.block_max)
+        self.first = torch.empty(rows, FIRST_DRAWS, dtype=torch.int64, device=device)
         self.lo = torch.empty(rows, dtype=torch.int64, device=device)
         self.hi = torch.empty(rows, dtype=torch.int64, device=device)
         self.count = torch.empty(rows, dtype=torch.int32, device=device)
@@ -864,9 +866,9 @@ def sample_reference(logits: torch.Tensor, state: SamplingState, rows: RowInputs
     """The kernels' result in PyTorch: tokens [R] int64 and, if asked, (token logprob,
     rank, top-20 logprobs, top-20 ids) per row; the slots' counts updated as the kernels
     do. Rows with no flags take the raw argmax. A random row without top-k draws first
-    over every token (first_draw, in blocks of `block`: the kernels' block) and keeps that
-    token if it is kept; other random rows, and those whose first draw was cut, draw by
-    Gumbel-max over the kept set."""
+    over every token (first_draw, in blocks of `block`: the kernels' block), a top-p or
+    min-p row up to FIRST_DRAWS times, and keeps the first token that is kept; other random
+    rows, and those whose first draws were all cut, draw by Gumbel-max over the kept set."""
     n, vocab = logits.shape
     x, flags = process_logits(logits, state, rows)
     slot = rows.slot.long()
@@ -885,9 +887,17 @@ def sample_reference(logits: torch.Tensor, state: SamplingState, rows: RowInputs
         first = (flags[r] & FLAG_TOP_K) == 0
         if bool(first.any()):
             d = r[first]
-            pick = first_draw(x[d], ints[d, _I_SEED], rows.position[d], block)
-            kept = keep[first].gather(1, pick[:, None])[:, 0]
-            drawn[first] = torch.where(kept, pick, drawn[first])
+            truncated = (flags[d] & _TRUNCATION) != 0
+            kept_set, chosen = keep[first], drawn[first]
+            done = torch.zeros_like(truncated)
+            for j in range(FIRST_DRAWS):  # until one is kept; untruncated rows draw once
+                pick = first_draw(x[d], ints[d, _I_SEED], rows.position[d], block, j)
+                kept = kept_set.gather(1, pick[:, None])[:, 0] & ~done
+                if j > 0:
+                    kept &= truncated
+                chosen = torch.where(kept, pick, chosen)
+                done |= kept
+            drawn[first] = chosen
         tokens[r] = drawn
     count = (flags & FLAG_PENALTY) != 0
     count &= (rows.flags & ROW_UPDATE_COUNTS) != 0
