@@ -335,9 +335,9 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
     (grammar mask, bias, bans, penalties, temperature); partial maximum, first argmax,
     sum of exp (relative to that maximum), least finite value and finite count; the raw
     logits' maximum and sum of exp for a logprob row. A random row drawn first (no top-k)
-    gets each block's log-sum-exp, from which the pick kernel draws. Other random rows
-    store x, and each block's maximum for a top-k or top-p row not drawn first (its bound,
-    see _bound_kernel; the check kernel makes a first-drawn top-p row's)."""
+    gets each block's log-sum-exp, from which the pick kernel draws. Truncated random
+    rows store x (unless the later kernels can remake it from the logits) and each
+    block's maximum (their bound, see _bound_kernel)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -437,10 +437,10 @@ def _prepare_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr,
 # ---- pick: the first draw of a row without top-k ---------------------------------------
 
 @triton.jit
-def _pick_kernel(logits_ptr, stride_l, x_ptr, stride_x, counts_ptr, bias_ptr, V,
-                 row_slot_ptr, row_pos_ptr, row_extra_ptr, row_flags_ptr, mask_ptr,
-                 mask_words, ints_ptr, floats_ptr, block_lse_ptr, num_blocks, raw_scale_ptr,
-                 token_ptr, first_ptr, KX: tl.constexpr, BLOCK: tl.constexpr,
+def _pick_kernel(logits_ptr, stride_l, counts_ptr, bias_ptr, V, row_slot_ptr, row_pos_ptr,
+                 row_extra_ptr, row_flags_ptr, mask_ptr, mask_words, ints_ptr, floats_ptr,
+                 block_lse_ptr, num_blocks, token_ptr, first_ptr, KX: tl.constexpr,
+                 BLOCK: tl.constexpr,
                  BLOCKS_P2: tl.constexpr, DRAWS: tl.constexpr):
     """Program row, for a random row without top-k: tokens drawn over every token in two
     stages, a block with probability its share of the row's mass (Gumbel-max over the
@@ -1287,11 +1287,13 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
     ints [S, 8] int64, floats [S, 8] float32, counts [S, V] int32, bias [S, V] float32.
     `scratch`: x [>= R, V] float32, part [R * splits * 8] float32, part_idx [R * splits]
     int32, g_val [R, CAP] float32, g_idx [R, CAP] int32, tau, peak, lse [R], lists and
-    list_at [4 * R] int32, list_len [4] int32, raw_scale [R] float32. `out`: token [R]
+    list_at [4 * R] int32, list_len [4] int32, raw_scale [R] float32, block_max and
+    block_lse [R * ceil(V / block)] float32, first [R, FIRST_DRAWS] int64. `out`: token [R]
     int64, token_lp [R] float32, top_val [R, 20] float32, top_idx [R, 20] int32, rank [R]
     int32, lp_val / lp_idx / lp_rank (the logprob blocks' partials). greedy [R] int64: the step's
     argmax, the token of rows whose slot has no flags. block: the values a program reads
-    at a time, and the blocks whose maxima bound a truncated row; splits: programs a row
+    at a time, and the blocks whose maxima bound a truncated row and from which the first
+    draws pick (the reference's `block` must be the same); splits: programs a row
     (default sampling_splits); tests take small blocks and several splits on tiny
     vocabularies, and fewer search levels to leave the select kernel's own search some
     rows. truncating False: no row has top-k, top-p or min-p, and the kernels that only
@@ -1324,11 +1326,10 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, rows, state, scratch
         scratch.block_lse, num_blocks, split_len, scratch.list_len, scratch.raw_scale, KX=kx,
         BLOCK=block, STAGES=_LOOP_STAGES, num_warps=4)
     mod._pick_kernel[(num_rows,)](
-        logits, logits.stride(0), x, x.stride(0), state.counts, state.bias, vocab,
-        rows.slot, rows.position, rows.extra, rows.flags, rows.mask, rows.mask.shape[1],
-        state.ints, state.floats, scratch.block_lse, num_blocks, scratch.raw_scale, out.token,
-        scratch.first, KX=kx, BLOCK=block, BLOCKS_P2=blocks_p2, DRAWS=FIRST_DRAWS,
-        num_warps=4)
+        logits, logits.stride(0), state.counts, state.bias, vocab, rows.slot, rows.position,
+        rows.extra, rows.flags, rows.mask, rows.mask.shape[1], state.ints, state.floats,
+        scratch.block_lse, num_blocks, out.token, scratch.first, KX=kx, BLOCK=block,
+        BLOCKS_P2=blocks_p2, DRAWS=FIRST_DRAWS, num_warps=4)
     if truncating and searching:
         mod._check_kernel[(num_rows, splits)](
             x, x.stride(0), logits, logits.stride(0), vocab, rows.slot, state.ints,
