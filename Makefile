@@ -24,8 +24,8 @@ model: setup
 serve: model
 	$(BIN)/minivllm serve $(ARGS)
 
-# One pytest worker per core (pytest-xdist), each single-threaded: 590-600 s for the whole
-# suite (979 tests) on the 2-core development machine (docs/decisions.md, "Tests run on every core").
+# One pytest worker per core (pytest-xdist), each single-threaded: about 510 s for the whole
+# suite (981 tests) on the 2-core development machine (docs/decisions.md, "Tests run on every core").
 # TEST_WORKERS=0 runs in-process.
 TEST_WORKERS ?= auto
 
