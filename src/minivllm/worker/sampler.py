@@ -12,7 +12,9 @@ nothing per step depends on the host knowing earlier tokens: sampled rows, penal
 rows and rows with logprobs are all pipelined like greedy ones.
 
 The draw is the Gumbel-max one: argmax over the kept tokens of x_i - log(-log(u_i)),
-u_i from Philox keyed on the row's seed and counter (token, position): a seeded request
+u_i from Philox keyed on the row's seed and counter (token, position); a row without
+top-k first draws in two stages, a block of tokens and then a token of it (first_draw),
+up to FIRST_DRAWS times for top-p or min-p, and keeps the first kept token: a seeded request
 draws the same tokens alone or in any batch, eagerly or in a graph, before or after a
 preemption, with or without speculative decoding (a draft is kept iff the target's draw
 at its position equals it). Unseeded rows key on the engine seed and the sequence.
