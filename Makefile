@@ -24,7 +24,7 @@ model: setup
 serve: model
 	$(BIN)/minivllm serve $(ARGS)
 
-# One pytest worker per core (pytest-xdist), each single-threaded: about 510 s for the whole
+# One pytest worker per core (pytest-xdist), each single-threaded: 510-550 s for the whole
 # suite (981 tests) on the 2-core development machine (docs/decisions.md, "Tests run on every core").
 # TEST_WORKERS=0 runs in-process.
 TEST_WORKERS ?= auto
