@@ -13,7 +13,7 @@ rows and rows with logprobs are all pipelined like greedy ones.
 
 The draw is the Gumbel-max one: argmax over the kept tokens of x_i - log(-log(u_i)),
 u_i from Philox keyed on the row's seed and counter (token, position); a row without
-top-k first draws in two stages, a block of tokens and then a token of it (first_draw),
+top-k first draws in two stages, a block of tokens and then a token of it (first_draws),
 up to FIRST_DRAWS times for top-p or min-p, and keeps the first kept token: a seeded request
 draws the same tokens alone or in any batch, eagerly or in a graph, before or after a
 preemption, with or without speculative decoding (a draft is kept iff the target's draw
@@ -126,12 +126,12 @@ def gumbel_noise(seed: torch.Tensor, tokens: torch.Tensor,
     return -torch.log(-torch.log(philox_uniform(seed, tokens, position, stream)))
 
 
-def first_draw(x: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
-               block: int = DRAW_BLOCK, draw: int = 0) -> torch.Tensor:
-    """The pick kernel's draw number `draw` over every token of rows x [R, V] (seed,
-    position [R]): a block of `block` tokens by Gumbel-max over the blocks' log-sum-exp
-    (each relative to its own maximum), then a token of it by Gumbel-max over its values;
-    Philox streams 2 + 2 draw and 1 + 2 draw."""
+def first_draws(x: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
+                block: int = DRAW_BLOCK, draws: int = 1) -> torch.Tensor:
+    """The pick kernel's first draws over every token of rows x [R, V] (seed, position
+    [R]), int64 [R, draws]: draw j takes a block of `block` tokens by Gumbel-max over the
+    blocks' log-sum-exp (each relative to its own maximum; made once for every draw), then
+    a token of it by Gumbel-max over its values, with Philox streams 2 + 2j and 1 + 2j."""
     rows, vocab = x.shape
     block = min(block, vocab)  # past the vocabulary a block holds only -inf
     blocks = -(-vocab // block)
@@ -142,14 +142,17 @@ def first_draw(x: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
     mass = torch.where(finite, torch.exp(grid - top[..., None]), 0.0).sum(-1)
     lse = torch.where(top > float("-inf"), top + torch.log(mass), float("-inf"))
     ids = torch.arange(blocks, device=x.device).expand(rows, blocks)
-    noise = gumbel_noise(seed[:, None], ids, position[:, None], 2 + 2 * draw)
-    chosen = torch.where(lse > float("-inf"), lse + noise, float("-inf")).argmax(-1)
-    tokens = chosen[:, None] * block + torch.arange(block, device=x.device)
-    values = grid[torch.arange(rows, device=x.device)[:, None], chosen[:, None],
-                  torch.arange(block, device=x.device)]
-    noise = gumbel_noise(seed[:, None], tokens, position[:, None], 1 + 2 * draw)
-    score = torch.where(values > float("-inf"), values + noise, float("-inf"))
-    return tokens.gather(1, score.argmax(-1)[:, None])[:, 0].clamp(max=vocab - 1)
+    lanes = torch.arange(block, device=x.device)
+    out = []
+    for j in range(draws):
+        noise = gumbel_noise(seed[:, None], ids, position[:, None], 2 + 2 * j)
+        chosen = torch.where(lse > float("-inf"), lse + noise, float("-inf")).argmax(-1)
+        tokens = chosen[:, None] * block + lanes
+        values = grid[torch.arange(rows, device=x.device)[:, None], chosen[:, None], lanes]
+        noise = gumbel_noise(seed[:, None], tokens, position[:, None], 1 + 2 * j)
+        score = torch.where(values > float("-inf"), values + noise, float("-inf"))
+        out.append(tokens.gather(1, score.argmax(-1)[:, None])[:, 0].clamp(max=vocab - 1))
+    return torch.stack(out, dim=1)
 
 
 def float_keys(x: torch.Tensor) -> torch.Tensor:
@@ -868,7 +871,7 @@ def sample_reference(logits: torch.Tensor, state: SamplingState, rows: RowInputs
     """The kernels' result in PyTorch: tokens [R] int64 and, if asked, (token logprob,
     rank, top-20 logprobs, top-20 ids) per row; the slots' counts updated as the kernels
     do. Rows with no flags take the raw argmax. A random row without top-k draws first
-    over every token (first_draw, in blocks of `block`: the kernels' block), a top-p or
+    over every token (first_draws, in blocks of `block`: the kernels' block), a top-p or
     min-p row up to FIRST_DRAWS times, and keeps the first token that is kept; other random
     rows, and those whose first draws were all cut, draw by Gumbel-max over the kept set."""
     n, vocab = logits.shape
@@ -890,16 +893,15 @@ def sample_reference(logits: torch.Tensor, state: SamplingState, rows: RowInputs
         if bool(first.any()):
             d = r[first]
             truncated = (flags[d] & _TRUNCATION) != 0
-            kept_set, chosen = keep[first], drawn[first]
-            done = torch.zeros_like(truncated)
-            for j in range(FIRST_DRAWS):  # until one is kept; untruncated rows draw once
-                pick = first_draw(x[d], ints[d, _I_SEED], rows.position[d], block, j)
-                kept = kept_set.gather(1, pick[:, None])[:, 0] & ~done
-                if j > 0:
-                    kept &= truncated
-                chosen = torch.where(kept, pick, chosen)
-                done |= kept
-            drawn[first] = chosen
+            picks = first_draws(x[d], ints[d, _I_SEED], rows.position[d], block,
+                                FIRST_DRAWS if bool(truncated.any()) else 1)
+            kept = keep[first].gather(1, picks)
+            kept[:, 1:] &= truncated[:, None]  # untruncated rows draw once
+            # The first kept draw, else the draw over the kept set (a row with none kept).
+            at = torch.where(kept, torch.arange(picks.shape[1], device=kept.device),
+                             picks.shape[1]).amin(1)
+            chosen = picks.gather(1, at.clamp(max=picks.shape[1] - 1)[:, None])[:, 0]
+            drawn[first] = torch.where(at < picks.shape[1], chosen, drawn[first])
         tokens[r] = drawn
     count = (flags & FLAG_PENALTY) != 0
     count &= (rows.flags & ROW_UPDATE_COUNTS) != 0
