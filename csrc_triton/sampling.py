@@ -147,9 +147,10 @@ _NO_TAU = tl.constexpr(-2 ** 63)  # tau of a row drawn before any threshold was 
 # First draw j (of FIRST_DRAWS) takes streams 1 + 2j (its token) and 2 + 2j (its block).
 FIRST_DRAWS = 4
 
-# Partial results of prepare, per (row, split), in a float32 [R, splits, 8] buffer.
-# (The draw kernel's shares use the same buffer, a slot of 8 each.)
-_P_MAX, _P_SUM, _P_MIN, _P_FINITE, _P_RAW_MAX, _P_RAW_SUM = range(6)
+# Partial results of prepare, per (row, split), in a float32 [R, splits, 8] buffer: at
+# part + 0 the maximum, + 1 the sum of exp (top-p's, or check's), + 2 the least finite
+# value, + 3 the finite count, + 4 and + 5 the raw logits' maximum and sum of exp. The
+# draw kernel's shares use the same buffer, a slot of 8 each.
 
 
 @triton.jit
